@@ -1,0 +1,240 @@
+"""A GPT-2 in plain PyTorch, with no distributed code in it.
+
+Architecturally GPT-2 (Radford et al. 2019): learned token + position
+embeddings, pre-LayerNorm blocks of causal self-attention and a tanh-GELU MLP,
+biases on every Linear, a final LayerNorm and an LM head tied to the token
+embedding. Parameter names follow Hugging Face's GPT2LMHeadModel (minus the
+``transformer.`` prefix) so weights move to and from that ecosystem.
+
+Tensor parallelism is applied from outside (``raytp.parallel.plan.apply_tp``),
+which swaps the Linear/Embedding/loss modules of a built model for parallel
+ones. The code below is written so that the swap needs nothing else: head
+counts are read off tensor shapes, the loss is a module, and the position
+embedding is looked up through a module call.
+
+Dropout is *keyed*: with a key set (``set_dropout_key``), each dropout site
+draws its mask from a generator seeded by (key, site, head), never from the
+global RNG. Then a sharded model draws, for the heads and positions it owns,
+exactly the mask the one-device model draws, so dropout > 0 trains identically
+at every TP degree and a replayed step reproduces bit for bit.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 128
+    vocab_size: int = 256
+    dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def _mix(*parts: int) -> int:
+    """A 63-bit seed from integers (splitmix-style), stable across processes."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h ^= (p + 0x9E3779B97F4A7C15 + ((h << 6) & 0xFFFFFFFFFFFFFFFF) + (h >> 2)) & 0xFFFFFFFFFFFFFFFF
+        h = (h * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+class KeyedDropout(nn.Module):
+    """Dropout whose mask is a pure function of (key, site) when a key is set.
+
+    ``shard`` (set by the TP plan) says which slice of the full activation this
+    rank holds, as (dim, index, count): the full mask is drawn and the local
+    slice kept, so a sharded activation gets exactly the one-device mask and
+    TP ranks holding different slices get different streams. Without a key it
+    is ordinary dropout.
+    """
+
+    def __init__(self, p: float, site: int):
+        super().__init__()
+        self.p, self.site = p, site
+        self.key: int | None = None
+        self.shard: tuple[int, int, int] | None = None
+
+    def mask(self, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        full = list(shape)
+        if self.shard is not None:
+            dim, _, count = self.shard
+            full[dim] *= count
+        g = torch.Generator(device=device).manual_seed(_mix(self.key, self.site))
+        keep = torch.rand(full, generator=g, device=device) >= self.p
+        if self.shard is not None:
+            dim, index, _ = self.shard
+            keep = keep.narrow(dim, index * shape[dim], shape[dim])
+        return keep.to(dtype) / (1.0 - self.p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.key is None:
+            return F.dropout(x, self.p, True)
+        return x * self.mask(x.shape, x.device, x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer: int):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v stacked
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.p = cfg.dropout
+        self.site = 1000 * (layer + 1)
+        self.key: int | None = None
+        self.head_offset = 0  # global index of this shard's first head (set by the TP plan)
+        self.resid_dropout = KeyedDropout(cfg.dropout, self.site + 1)
+
+    def attention_dropout(self, att: torch.Tensor) -> torch.Tensor:
+        if self.key is None:
+            return F.dropout(att, self.p, True)
+        B, nh, T, _ = att.shape
+        keep = torch.empty_like(att, dtype=torch.bool)
+        for h in range(nh):  # one stream per global head: the same at every TP degree
+            g = torch.Generator(device=att.device).manual_seed(_mix(self.key, self.site, self.head_offset + h))
+            keep[:, h] = torch.rand((B, T, T), generator=g, device=att.device) >= self.p
+        return att * keep.to(att.dtype) / (1.0 - self.p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.c_attn(x)  # (B, T, 3*nh*hs); nh = local heads, T = full length even if x is a slice of it
+        B, T, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=-1)
+        q = q.reshape(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.reshape(B, T, -1, self.head_dim).transpose(1, 2)
+        v = v.reshape(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.training and self.p > 0.0:
+            # Explicit attention so the dropout mask is ours (keyed), not SDPA's.
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, T, T)
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            y = self.attention_dropout(att) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, nh*hs)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer: int):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.act = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.dropout = KeyedDropout(cfg.dropout, 1000 * (layer + 1) + 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=1e-5)
+        self.attn = CausalSelfAttention(cfg, layer)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=1e-5)
+        self.mlp = MLP(cfg, layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class PositionEmbedding(nn.Embedding):
+    """Looks up positions 0..T-1; the TP plan swaps it for a sequence-sharded one."""
+
+    def forward(self, T: int) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(torch.arange(T, device=self.weight.device))  # (T, C)
+
+
+class LMLoss(nn.Module):
+    """Mean cross entropy over all tokens; targets of -1 are ignored."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = PositionEmbedding(cfg.block_size, cfg.n_embd)
+        self.drop = KeyedDropout(cfg.dropout, 1)
+        self.h = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=1e-5)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
+        self.criterion = LMLoss()
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the projections that write into the residual stream.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx (B, T) token ids -> logits (B, T, V), or the mean loss when targets are given."""
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size={self.cfg.block_size}")
+        x = self.drop(self.wte(idx) + self.wpe(T))  # (B, T, C)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        if targets is None:
+            return logits
+        return self.criterion(logits, targets)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Append `tokens` sampled tokens to idx (B, T); temperature 0 is greedy."""
+        for _ in range(tokens):
+            logits = self(idx[:, -self.cfg.block_size:])[:, -1, :]  # (B, V)
+            if temperature == 0.0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+
+def set_dropout_key(model: nn.Module, key: int | None) -> None:
+    """Key every dropout site of `model` (None = ordinary, unkeyed dropout).
+
+    Call once per micro-batch with a key derived from (seed, step, micro-batch)
+    so masks depend on the step, not on the history of a global RNG.
+    """
+    for m in model.modules():
+        if isinstance(m, (KeyedDropout, CausalSelfAttention)):
+            m.key = key

@@ -1,0 +1,167 @@
+"""Collectives as autograd functions (Megatron-LM's mappings).
+
+Each function is a forward/backward pair over one process group, passed in as
+an argument and kept on ``ctx``; a one-rank group (or None) returns its input
+untouched. Names follow Megatron (Shoeybi et al. 2019, section 3):
+
+- ``copy_to_tp``     Megatron's *f*: forward identity, backward all-reduce.
+- ``reduce_from_tp`` Megatron's *g*: forward all-reduce, backward identity.
+- ``gather_last`` / ``scatter_last``: all-gather / split along the last dim.
+- ``gather_seq`` / ``reduce_scatter_seq``: sequence parallelism's pair
+  (Korthikanti et al. 2022, section 4.2.2) along the sequence dim (dim 1 of
+  (B, T, C)): all-gather forward / reduce-scatter backward, and the reverse.
+
+Collectives are called as ``dist.<name>`` at call time, so a test can count
+every collective the model issues by wrapping ``torch.distributed``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+SEQ_DIM = 1  # activations are (B, T, C)
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# torch >= 2.13 names the single-tensor collectives *_single; older releases
+# only have the *_tensor spelling. Looked up at call time (see module doc).
+def _gather_into(out, x, group):
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _reduce_scatter_into(out, x, group):
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = group_size(group)
+    x = x.contiguous()
+    out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _gather_into(out, x, group)  # rank r's part at rows r*B..
+    return out if dim == 0 else torch.cat(out.chunk(n, dim=0), dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = group_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {n} ranks")
+    stacked = torch.cat(x.chunk(n, dim=dim), dim=0).contiguous()  # rank r's part at rows r*B..
+    out = torch.empty((x.shape[0],) + stacked.shape[1:], dtype=x.dtype, device=x.device)
+    _reduce_scatter_into(out, stacked, group)
+    return out
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = group_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} over {n} ranks")
+    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: forward identity, backward all-reduce (input of a column-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: forward all-reduce, backward identity (output of a row-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherLast(torch.autograd.Function):
+    """Forward all-gather along the last dim, backward split."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, x.dim() - 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, grad.dim() - 1, ctx.group), None
+
+
+class _ScatterLast(torch.autograd.Function):
+    """Forward split along the last dim (keep this rank's part), backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, x.dim() - 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, grad.dim() - 1, ctx.group), None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """SP entry to a TP region: forward all-gather along T, backward reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, SEQ_DIM, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """SP exit of a TP region: forward reduce-scatter along T, backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, SEQ_DIM, ctx.group), None
+
+
+def _one_rank_identity(fn):
+    def apply(x: torch.Tensor, group) -> torch.Tensor:
+        if group_size(group) == 1:
+            return x
+        return fn.apply(x, group)
+
+    apply.__doc__ = fn.__doc__
+    apply.__name__ = fn.__name__.lstrip("_").lower()
+    return apply
+
+
+copy_to_tp = _one_rank_identity(_CopyToTP)
+reduce_from_tp = _one_rank_identity(_ReduceFromTP)
+gather_last = _one_rank_identity(_GatherLast)
+scatter_last = _one_rank_identity(_ScatterLast)
+gather_seq = _one_rank_identity(_GatherSeq)
+reduce_scatter_seq = _one_rank_identity(_ReduceScatterSeq)

@@ -1,0 +1,61 @@
+"""torch.distributed process groups for a Layout, held as values (not globals).
+
+Every rank creates every TP and DP group in the same order (torch requires
+it) and keeps the two it belongs to. A one-rank group is None: the parallel
+layers treat None as "nothing to communicate". Elastic resizing destroys and
+rebuilds them, which is why nothing else caches a group.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from raytp.parallel.layout import Layout
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+@dataclass
+class ProcessGroups:
+    layout: Layout
+    rank: int
+    tp: object | None  # this rank's TP group, None when tp == 1
+    dp: object | None  # this rank's DP group, None when dp == 1
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.coords(self.rank)[1]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.coords(self.rank)[0]
+
+
+def init_process_groups(layout: Layout, rank: int, init_method: str, device: str = "cpu",
+                        timeout_s: float = 120.0) -> ProcessGroups:
+    """Join the world (rendezvous at `init_method`, e.g. tcp://host:port) and build the TP and DP groups."""
+    backend = BACKENDS[device]
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=layout.world_size,
+                            timeout=timeout)
+    return build_groups(layout, rank, timeout_s)
+
+
+def build_groups(layout: Layout, rank: int, timeout_s: float = 120.0) -> ProcessGroups:
+    """The TP and DP groups of `layout` inside an initialised world of layout.world_size ranks."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    mine = {}
+    for kind, groups in (("tp", layout.tp_groups()), ("dp", layout.dp_groups())):
+        for members in groups:
+            # new_group is collective over the world: every rank calls it for every group.
+            g = dist.new_group(members, timeout=timeout) if len(members) > 1 else None
+            if rank in members:
+                mine[kind] = g
+    return ProcessGroups(layout, rank, mine["tp"], mine["dp"])
+
+
+def destroy_process_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,163 @@
+"""Tensor-parallel layers (Megatron-LM, Shoeybi et al. 2019, section 3).
+
+A Linear Y = X A + b splits two ways over p ranks:
+
+- ``ColumnParallelLinear``: A = [A_1, ..., A_p] by output columns. Rank i
+  computes Y_i = X A_i + b_i from the whole X (Megatron's f before it, or an
+  all-gather along the sequence with sequence parallelism) and keeps its slice.
+- ``RowParallelLinear``: A = [A_1; ...; A_p] by input rows. Rank i holds X_i
+  (the output of a column-parallel layer) and computes the partial sum X_i A_i;
+  Megatron's g (all-reduce) joins them, or a reduce-scatter along the sequence
+  with sequence parallelism; the bias is added once, after.
+
+An MLP (column, GELU, row) and attention (heads, output projection) therefore
+need one all-reduce forward and one backward each.
+
+The vocabulary is split too: ``VocabParallelEmbedding`` holds rows
+[start, end) of the (padded) table; ``vocab_parallel_cross_entropy`` takes
+each rank's logits slice and never forms the full (N, V) logits anywhere.
+Every layer keeps its weight under the name nn.Linear/nn.Embedding use, so a
+sharded model's state_dict has the one-device model's keys.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from raytp.parallel import comm
+
+
+def _mark_sequence_parallel(p: nn.Parameter | None) -> None:
+    """Tag a replicated parameter whose gradient is partial under SP (summed over TP by the step)."""
+    if p is not None:
+        p.sequence_parallel = True
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_i = X A_i + b_i; input replicated (or sequence-sharded under SP), output sharded by columns."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, sequence_parallel: bool = False):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = comm.gather_seq(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
+        return F.linear(x, self.weight, self.bias)  # (B, T, out/p)
+
+    def extra_repr(self) -> str:
+        return f"in={self.weight.shape[1]}, out_local={self.weight.shape[0]}, sp={self.sequence_parallel}"
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_i X_i A_i + b; input sharded by columns, output replicated (or sequence-sharded under SP)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, sequence_parallel: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        if sequence_parallel:
+            _mark_sequence_parallel(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # partial sum (B, T, out)
+        y = comm.reduce_scatter_seq(y, self.group) if self.sequence_parallel else comm.reduce_from_tp(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_local={self.weight.shape[1]}, out={self.weight.shape[0]}, sp={self.sequence_parallel}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, end) of a (padded) embedding table; other ranks' tokens look up zeros, g sums."""
+
+    def __init__(self, weight: torch.Tensor, start: int, group, sequence_parallel: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(weight)  # (V_pad/p, C)
+        self.start, self.end = start, start + weight.shape[0]
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        outside = (idx < self.start) | (idx >= self.end)
+        local = (idx - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (B, T, C) partial
+        return comm.reduce_scatter_seq(out, self.group) if self.sequence_parallel else comm.reduce_from_tp(out, self.group)
+
+    def extra_repr(self) -> str:
+        return f"rows=[{self.start}, {self.end}), dim={self.weight.shape[1]}, sp={self.sequence_parallel}"
+
+
+class SequenceShardedPositionEmbedding(nn.Embedding):
+    """Under SP, returns only this rank's slice of positions 0..T-1 (the residual stream is sharded by T)."""
+
+    def __init__(self, weight: torch.Tensor, group):
+        super().__init__(weight.shape[0], weight.shape[1], _weight=weight.clone())
+        self.group = group
+        _mark_sequence_parallel(self.weight)
+
+    def forward(self, T: int) -> torch.Tensor:  # type: ignore[override]
+        n, r = comm.group_size(self.group), comm.group_rank(self.group)
+        pos = torch.arange(r * T // n, (r + 1) * T // n, device=self.weight.device)
+        return F.embedding(pos, self.weight)  # (T/p, C)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross entropy over logits split by vocab (Megatron's cross_entropy.py).
+
+    loss_n = log sum_v exp(z_nv - m_n) - (z_n,t_n - m_n), with m_n the global
+    max; each rank contributes its slice's sum of exps and, where it owns the
+    target, the target logit: one MAX and one SUM all-reduce in all.
+    Columns at or past ``vocab_size`` are padding and get no probability.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, vocab_size, group):
+        N, Vl = logits.shape
+        logits = logits.float()
+        if start + Vl > vocab_size:  # padded columns: never any mass
+            logits = logits.clone()
+            logits[:, max(vocab_size - start, 0):] = float("-inf")
+        m = logits.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - m.unsqueeze(1)
+        valid = targets >= 0
+        mine = valid & (targets >= start) & (targets < start + Vl)
+        local_t = (targets - start).masked_fill(~mine, 0)
+        target_logit = shifted.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
+        exp = shifted.exp()
+        sums = torch.stack([exp.sum(dim=-1), target_logit])  # (2, N): one all-reduce for both
+        dist.all_reduce(sums, group=group)
+        loss = (sums[0].log() - sums[1]).masked_fill(~valid, 0.0)
+        count = valid.sum().clamp(min=1)
+        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(1)), local_t, mine, valid, count)
+        return loss.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_t, mine, valid, count = ctx.saved_tensors
+        g = softmax  # d loss_n / d z = softmax - onehot(target)
+        g[torch.arange(g.shape[0], device=g.device)[mine], local_t[mine]] -= 1.0
+        g *= (valid.unsqueeze(1).to(g.dtype) * grad / count)
+        return g, None, None, None, None
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """Drop-in for the model's LMLoss when the logits are split by vocab."""
+
+    def __init__(self, start: int, vocab_size: int, group):
+        super().__init__()
+        self.start, self.vocab_size, self.group = start, vocab_size, group
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.start, self.vocab_size, self.group)
+
+
+def vocab_parallel_cross_entropy(logits, targets, start: int, vocab_size: int, group) -> torch.Tensor:
+    """Mean cross entropy of (..., V/p) vocab-sharded logits against (...) targets; -1 is ignored."""
+    loss = _VocabParallelCrossEntropy.apply(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), start, vocab_size, group)
+    return loss.to(logits.dtype)

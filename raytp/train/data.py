@@ -1,0 +1,101 @@
+"""Corpora and deterministic batches.
+
+The batch of step s for DP rank d is a pure function of (seed, s, d): the
+global batch's sequence offsets are drawn from a generator seeded by
+(seed, split, s), and DP rank d takes its contiguous rows. The global batch
+does not depend on the DP degree, so every layout sees the same data, and
+any step can be replayed exactly (recovery, resizing).
+
+Sources:
+- ``builtin``: the Python standard library's own source text on this machine
+  (no download), byte-level tokens, vocabulary 256.
+- a directory: every ``*.txt``/``*.py``/``*.md`` file under it, byte level.
+- a ``.bin`` file of uint16 token ids (nanoGPT's format); a ``val.bin``
+  beside a ``train.bin`` is used for validation.
+"""
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from raytp.model import _mix
+
+BUILTIN_MAX_BYTES = 8 << 20  # enough text for small models; reads in well under a second
+TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
+
+
+@dataclass
+class Corpus:
+    train: np.ndarray  # 1-D token ids
+    val: np.ndarray
+    vocab_size: int
+    description: str
+
+
+def _read_text_files(files: list[Path], max_bytes: int | None) -> np.ndarray:
+    chunks, total = [], 0
+    for f in files:
+        data = f.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    return np.frombuffer(b"\n".join(chunks)[:max_bytes], dtype=np.uint8)
+
+
+def _split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    n_val = max(int(len(tokens) * val_fraction), 1)
+    return tokens[:-n_val], tokens[-n_val:]
+
+
+def load_corpus(source: str, val_fraction: float = 0.1) -> Corpus:
+    """Load a corpus named by a job's `data.source`; raises ValueError naming the problem."""
+    if source == "builtin":
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(p for p in stdlib.glob("*.py"))  # top level: stable across installs of one version
+        files += sorted(p for p in stdlib.glob("*/*.py") if not p.parts[-2].startswith(("test", "site-packages", "idlelib")))
+        tokens = _read_text_files(files, BUILTIN_MAX_BYTES)
+        train, val = _split(tokens, val_fraction)
+        return Corpus(train, val, 256, f"builtin: Python stdlib source at {stdlib} ({len(tokens):,} bytes)")
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ValueError(f"data.source: {source} does not exist (use 'builtin', a directory of text, or a .bin file)")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+        if not files:
+            raise ValueError(f"data.source: no {'/'.join(TEXT_SUFFIXES)} files under {path}")
+        tokens = _read_text_files(files, None)
+        train, val = _split(tokens, val_fraction)
+        return Corpus(train, val, 256, f"{len(files)} text files under {path} ({len(tokens):,} bytes)")
+    if path.suffix == ".bin":
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        val_path = path.with_name("val.bin")
+        if path.name == "train.bin" and val_path.exists():
+            train, val = tokens, np.memmap(val_path, dtype=np.uint16, mode="r")
+        else:
+            train, val = _split(tokens, val_fraction)
+        vocab = int(max(train.max(initial=0), val.max(initial=0))) + 1 if len(tokens) < (64 << 20) else 65536
+        return Corpus(train, val, vocab, f"uint16 tokens in {path} ({len(tokens):,} tokens)")
+    raise ValueError(f"data.source: {source} is neither a directory nor a .bin file of uint16 token ids")
+
+
+SPLITS = {"train": 0, "val": 1}
+
+
+def batch(corpus: Corpus, split: str, seed: int, step: int, dp_rank: int, dp: int,
+          batch_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) of shape (batch_size/dp, block_size): DP rank `dp_rank`'s rows of the global batch."""
+    tokens = corpus.train if split == "train" else corpus.val
+    if len(tokens) <= block_size + 1:
+        raise ValueError(f"the {split} split has {len(tokens)} tokens, fewer than block_size+1={block_size + 1}")
+    g = torch.Generator().manual_seed(_mix(seed, SPLITS[split], step))
+    offsets = torch.randint(len(tokens) - block_size - 1, (batch_size,), generator=g)
+    per = batch_size // dp
+    rows = np.stack([np.asarray(tokens[o:o + block_size + 1], dtype=np.int64)
+                     for o in offsets[dp_rank * per:(dp_rank + 1) * per].tolist()])
+    rows = torch.from_numpy(rows)
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

@@ -1,0 +1,183 @@
+"""The whole GPT at TP=1, 2, 4 (with and without sequence parallelism) and at
+TP=2 x DP=2 trains like the same model on one device: 20 AdamW steps, per-step
+loss within 1e-5 relative, final gathered weights within 1e-5."""
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from raytp.model import GPT, GPTConfig
+from raytp.parallel.groups import ProcessGroups, build_groups
+from raytp.parallel.layout import Layout
+from raytp.parallel.plan import build_shard, check_tp, gather_full_state, padded_vocab, valid_tp_degrees
+from raytp.parallel.spawn import run_ranks
+from raytp.train.data import Corpus, batch
+from raytp.train.step import Hyper, make_optimizer, train_step
+
+STEPS, BATCH, SEED = 20, 8, 1234
+HYPER = Hyper(lr=1e-2, min_lr=3e-4, warmup_steps=5, steps=STEPS, grad_clip=1.0, seed=SEED)
+
+
+def gpt_config(vocab=256, dropout=0.0, n_layer=2):
+    return GPTConfig(n_layer=n_layer, n_head=4, n_embd=32, block_size=16, vocab_size=vocab, dropout=dropout)
+
+
+def corpus(vocab):
+    rng = np.random.default_rng(0)
+    text = np.tile(np.arange(vocab), 40)  # a counting sequence (every id, the last included): learnable
+    noise = rng.random(len(text)) < 0.1
+    text[noise] = rng.integers(0, vocab, int(noise.sum()))
+    return Corpus(text, text[:500], vocab, "synthetic")
+
+
+def train(cfg, groups, sp, steps=STEPS):
+    """Train a shard for `steps`; returns (losses, full state dict gathered over TP)."""
+    model = build_shard(cfg, SEED, groups.tp, sp)
+    opt = make_optimizer(model, HYPER)
+    data = corpus(cfg.vocab_size)
+    losses = []
+    for step in range(steps):
+        x, y = batch(data, "train", SEED, step, groups.dp_rank, groups.layout.dp, BATCH, cfg.block_size)
+        losses.append(train_step(model, opt, [(x, y)], groups, step, HYPER).loss)
+    return losses, gather_full_state(model, groups.tp)
+
+
+def train_runs(rank, world, init, runs):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    out = []
+    for tp, dp, sp, dropout, vocab in runs:
+        groups = build_groups(Layout(tp, dp), rank)
+        losses, state = train(gpt_config(vocab, dropout), groups, sp)
+        out.append((losses, state if rank == 0 else None))
+    return out
+
+
+def one_device(dropout=0.0, vocab=256):
+    return train(gpt_config(vocab, dropout), ProcessGroups(Layout(1, 1), 0, None, None), sp=False)
+
+
+# (tp, dp, sequence_parallel, dropout, vocab) per world size: one spawn each.
+RUNS = {
+    1: [(1, 1, False, 0.0, 256), (1, 1, False, 0.1, 256)],
+    2: [(2, 1, False, 0.0, 256), (2, 1, True, 0.0, 256), (2, 1, False, 0.1, 256), (2, 1, True, 0.1, 256)],
+    4: [(4, 1, False, 0.0, 256), (4, 1, True, 0.0, 256), (2, 2, False, 0.0, 256), (2, 2, True, 0.0, 256),
+        (4, 1, False, 0.1, 256), (4, 1, True, 0.1, 256), (4, 1, False, 0.0, 257), (4, 1, True, 0.0, 257)],
+}
+
+
+def one_device_runs(rank, world, init, keys):
+    return {(d, v): one_device(d, v) for d, v in keys}
+
+
+@pytest.fixture(scope="module")
+def references():
+    """One-device runs, in a process of their own with one thread, like each rank."""
+    return run_ranks(1, one_device_runs, sorted({(r[3], r[4]) for runs in RUNS.values() for r in runs}))[0]
+
+
+def without_key_bias(state):
+    """The state minus the key bias of attention. Adding a constant vector to
+    every key shifts each row of q.k^T by a constant, which softmax ignores: its
+    gradient is exactly zero, and in floating point it is rounding noise that
+    AdamW normalises into lr-sized steps of random sign. It has no effect on the
+    model's function, so comparing it across layouts would compare noise."""
+    out = dict(state)
+    for k, v in state.items():
+        if k.endswith("attn.c_attn.bias"):
+            C = v.shape[0] // 3
+            out[k] = torch.cat([v[:C], v[2 * C:]])
+    return out
+
+
+@pytest.mark.parametrize("world", sorted(RUNS))
+def test_gpt_trains_like_one_device(world, references):
+    results = run_ranks(world, train_runs, RUNS[world])[0]
+    for (tp, dp, sp, dropout, vocab), (losses, state) in zip(RUNS[world], results):
+        name = f"TP={tp} x DP={dp} sp={sp} dropout={dropout} vocab={vocab}"
+        ref_losses, ref_state = references[(dropout, vocab)]
+        assert ref_losses[-1] < ref_losses[0] - 0.5, "the reference itself did not learn"
+        rel = np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses)
+        assert rel.max() < 1e-5, f"{name}: loss differs from one device by {rel.max():.2e} relative"
+        assert state.keys() == ref_state.keys()
+        state, ref_state = without_key_bias(state), without_key_bias(ref_state)
+        for k in ref_state:
+            assert state[k].shape == ref_state[k].shape, f"{name}: {k}"
+            diff = float((state[k] - ref_state[k]).abs().max())
+            assert diff < 1e-5, f"{name}: final {k} differs by {diff:.2e}"
+
+
+def test_dropout_changes_training():
+    """Guards the test above: keyed dropout is really applied (losses differ from dropout 0)."""
+    assert one_device(0.1, 256)[0][1:] != one_device(0.0, 256)[0][1:]
+
+
+COLLECTIVES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+               "reduce_scatter_tensor", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
+               "all_to_all_single", "send", "recv", "isend", "irecv", "gather", "scatter", "reduce")
+
+
+def count_collectives(rank, world, init, sp):
+    """Collectives issued by forward and by backward, for 1- and 2-layer models."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    groups = build_groups(Layout(world, 1), rank)
+    counts = Counter()
+    phase = [None]
+    originals = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
+
+    def counting(name, fn):
+        def wrapper(*a, **k):
+            counts[(phase[0], name)] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    for n, fn in originals.items():
+        setattr(dist, n, counting(n, fn))
+    try:
+        out = {}
+        for n_layer in (1, 2):
+            counts.clear()
+            model = build_shard(gpt_config(n_layer=n_layer), SEED, groups.tp, sp)
+            x = torch.randint(256, (2, 16))
+            phase[0] = "forward"
+            loss = model(x, x)
+            phase[0] = "backward"
+            loss.backward()
+            out[n_layer] = dict(counts)
+        return out
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+
+
+def _per_layer(counts):
+    keys = set(counts[1]) | set(counts[2])
+    diff = {k: counts[2].get(k, 0) - counts[1].get(k, 0) for k in keys}
+    return {f"{phase}.{name.split('_single')[0].split('_into')[0].replace('_tensor', '')}": v
+            for (phase, name), v in diff.items() if v}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_collectives_per_layer(tp):
+    plain = _per_layer(run_ranks(tp, count_collectives, False)[0])
+    assert plain == {"forward.all_reduce": 2, "backward.all_reduce": 2}
+    sp = _per_layer(run_ranks(tp, count_collectives, True)[0])
+    assert sp == {"forward.all_gather": 2, "forward.reduce_scatter": 2,
+                  "backward.all_gather": 2, "backward.reduce_scatter": 2}
+
+
+def test_indivisible_sizes_are_rejected_with_valid_degrees():
+    cfg = GPTConfig(n_head=6, n_embd=48)
+    with pytest.raises(ValueError, match=r"tp=4 does not divide n_head=6; valid tp degrees: 1, 2, 3, 6"):
+        check_tp(cfg, 4)
+    assert valid_tp_degrees(GPTConfig(n_head=4, n_embd=128)) == [1, 2, 4]
+    assert padded_vocab(257, 4) == 260 and padded_vocab(256, 4) == 256
+
+
+def test_one_device_model_is_gpt2_shaped():
+    m = GPT(gpt_config())
+    assert m.lm_head.weight is m.wte.weight
+    assert all(mod.bias is not None for mod in m.modules() if isinstance(mod, torch.nn.Linear) and mod is not m.lm_head)
+    assert {n for n, _ in m.named_parameters()} >= {"wte.weight", "wpe.weight", "h.0.attn.c_attn.weight",
+                                                    "h.0.mlp.c_fc.bias", "ln_f.weight"}
