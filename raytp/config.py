@@ -131,6 +131,9 @@ class CheckpointConfig:
 class RuntimeConfig:
     device: str = _f("cpu", "'cpu' (gloo) or 'cuda' (nccl)", ("cpu", "cuda"))
     cpus_per_worker: float = _f(1.0, "Ray CPUs reserved per worker", POSITIVE)
+    gpus_per_worker: Optional[float] = _f(
+        None, "Ray GPUs reserved per worker; null = 1 for cuda, 0 for cpu "
+              "(1 with cpu places workers on GPU nodes while computing on CPU)", NONNEG)
     threads_per_worker: int = _f(1, "torch threads per worker; 0 = torch default",
                                  NONNEG)
     placement_timeout_s: float = _f(60.0, "seconds to wait for workers to be placed",

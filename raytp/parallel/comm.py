@@ -16,10 +16,44 @@ every collective the model issues by wrapping ``torch.distributed``.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
 SEQ_DIM = 1  # activations are (B, T, C)
+
+
+class CommStats:
+    """Wall time spent inside collectives by this process (the workers report it per step).
+
+    On CUDA, NCCL calls return once queued, so this counts launch time, not transfer time.
+    """
+
+    def __init__(self):
+        self.seconds, self.calls = 0.0, 0
+
+    def timed(self, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+
+    def take(self) -> tuple[float, int]:
+        """(seconds, calls) since the last take."""
+        out = (self.seconds, self.calls)
+        self.seconds, self.calls = 0.0, 0
+        return out
+
+
+STATS = CommStats()
+
+
+def all_reduce(x: torch.Tensor, group, op=None) -> None:
+    """In-place all-reduce (sum unless `op`), timed."""
+    STATS.timed(dist.all_reduce, x, op=dist.ReduceOp.SUM if op is None else op, group=group)
 
 
 def group_size(group) -> int:
@@ -33,16 +67,16 @@ def group_rank(group) -> int:
 # torch >= 2.13 names the single-tensor collectives *_single; older releases
 # only have the *_tensor spelling. Looked up at call time (see module doc).
 def _gather_into(out, x, group):
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+    STATS.timed(getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor, out, x, group=group)
 
 
 def _reduce_scatter_into(out, x, group):
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+    STATS.timed(getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor, out, x, group=group)
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    all_reduce(x, group)
     return x
 
 

@@ -8,6 +8,7 @@ rebuilds them, which is why nothing else caches a group.
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -37,6 +38,9 @@ def init_process_groups(layout: Layout, rank: int, init_method: str, device: str
                         timeout_s: float = 120.0) -> ProcessGroups:
     """Join the world (rendezvous at `init_method`, e.g. tcp://host:port) and build the TP and DP groups."""
     backend = BACKENDS[device]
+    if backend == "gloo" and "127.0.0.1" in init_method:
+        # Keep gloo's data connections on loopback too (it otherwise resolves the hostname).
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=layout.world_size,
                             timeout=timeout)

@@ -122,7 +122,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits = logits.clone()
             logits[:, max(vocab_size - start, 0):] = float("-inf")
         m = logits.max(dim=-1).values
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        comm.all_reduce(m, group, op=dist.ReduceOp.MAX)
         shifted = logits - m.unsqueeze(1)
         valid = targets >= 0
         mine = valid & (targets >= start) & (targets < start + Vl)
@@ -130,7 +130,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = shifted.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
         exp = shifted.exp()
         sums = torch.stack([exp.sum(dim=-1), target_logit])  # (2, N): one all-reduce for both
-        dist.all_reduce(sums, group=group)
+        comm.all_reduce(sums, group)
         loss = (sums[0].log() - sums[1]).masked_fill(~valid, 0.0)
         count = valid.sum().clamp(min=1)
         ctx.save_for_backward(exp.div_(sums[0].unsqueeze(1)), local_t, mine, valid, count)

@@ -9,6 +9,7 @@ re-raised here with that rank's traceback.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
 import socket
 import traceback
@@ -21,6 +22,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _entry(fn, rank, world_size, init_method, args, threads, queue):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     import torch
     if threads:
         torch.set_num_threads(threads)

@@ -15,9 +15,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from raytp.model import _mix, set_dropout_key
+from raytp.parallel import comm
 from raytp.parallel.groups import ProcessGroups
 from raytp.parallel.plan import sharding_of
 
@@ -63,7 +63,7 @@ def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float = 1.0) -> 
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
+    comm.all_reduce(flat, group)
     if scale != 1.0:
         flat *= scale
     for t, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
@@ -78,7 +78,7 @@ def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups) -> torch.Ten
     zero = torch.zeros((), device=next(model.parameters()).device)
     sq_sharded = torch.stack(sharded).sum() if sharded else zero
     if groups.tp is not None:
-        dist.all_reduce(sq_sharded, group=groups.tp)
+        comm.all_reduce(sq_sharded, groups.tp)
     sq_replicated = torch.stack(replicated).sum() if replicated else zero
     return (sq_sharded + sq_replicated).sqrt()
 
@@ -130,7 +130,7 @@ def eval_loss(model: torch.nn.Module, micro_batches, groups: ProcessGroups) -> f
     model.eval()
     total = torch.stack([model(x, y).float() for x, y in micro_batches]).mean().reshape(1)
     if groups.dp is not None:
-        dist.all_reduce(total, group=groups.dp)
+        comm.all_reduce(total, groups.dp)
         total /= groups.layout.dp
     model.train()
     return float(total)

@@ -1,0 +1,147 @@
+"""The Driver: places the workers, wires them, drives training, releases everything.
+
+It runs in the Ray driver process (``raytp train``) and is a small state
+machine: SCHEDULING (reserve the placement group, start the actors, meet in
+torch.distributed) -> RUNNING (calls of ``steps_per_call`` steps, evaluation,
+records) -> FINISHED, or FAILED / STOPPED. Whatever happens, ``release``
+kills the actors and removes the placement group, and the run directory
+keeps every line written so far.
+"""
+from __future__ import annotations
+
+import enum
+import sys
+import time
+from pathlib import Path
+
+import ray
+
+from raytp.config import JobConfig
+from raytp.parallel.layout import Layout
+from raytp.runtime import placement
+from raytp.runtime.metrics import RunLog
+from raytp.runtime.progress import Progress
+from raytp.runtime.worker import Worker
+
+
+class State(enum.Enum):
+    SCHEDULING = "scheduling"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class Driver:
+    worker_cls = Worker  # tests may swap in another class with the same methods
+
+    def __init__(self, cfg: JobConfig, run_dir: Path, run: str, out=sys.stderr, ray_metrics: bool = True):
+        self.cfg, self.run_dir, self.run = cfg, Path(run_dir), run
+        self.layout = Layout(cfg.parallel.tp, cfg.parallel.dp)
+        self.log = RunLog(self.run_dir, run, ray_metrics)
+        self.out = out
+        self.state = State.SCHEDULING
+        self.pg = None
+        self.workers: list = []
+        self.placement: list[dict] = []
+        self.step = 0
+        self.last: dict = {}
+
+    # -- lifecycle -----------------------------------------------------------------
+    def run_to_end(self, t_start: float | None = None) -> dict:
+        """Train to cfg.train.steps; returns the summary. Releases all resources on any exit.
+
+        `t_start` (perf_counter) is when the user asked, for the time-to-first-step figure.
+        """
+        t_start = time.perf_counter() if t_start is None else t_start
+        try:
+            self.start()
+            self.train_loop(t_start)
+            self.state = State.FINISHED
+            summary = {"steps": self.step, "loss": self.last.get("loss"), "val_loss": self.last.get("val_loss"),
+                       "seconds": time.perf_counter() - t_start}
+            self.log.event("finished", **summary)
+            return summary
+        except KeyboardInterrupt:
+            self.state = State.STOPPED
+            self.log.event("stopped", step=self.step, reason="interrupted")
+            raise
+        except BaseException as e:
+            self.state = State.FAILED
+            self.log.event("failed", step=self.step, error=f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            self.release()
+            self.log.close()
+
+    def start(self) -> None:
+        cfg, lay = self.cfg, self.layout
+        self.log.event("started", run=self.run, tp=lay.tp, dp=lay.dp, world_size=lay.world_size,
+                       device=cfg.runtime.device, steps=cfg.train.steps)
+        self._say(f"placing {lay.world_size} workers ({lay}) ...")
+        self.pg = placement.reserve(cfg, self.run, lay.tp, lay.dp, cfg.runtime.placement_timeout_s)
+        remote = ray.remote(self.worker_cls)
+        job = cfg.to_dict()
+        self.workers = [remote.options(**placement.worker_options(cfg, self.pg, self.run, r, lay.tp)).remote(job, r)
+                        for r in range(lay.world_size)]
+        timeout = cfg.runtime.placement_timeout_s + cfg.runtime.collective_timeout_s
+        init_method = ray.get(self.workers[0].rendezvous_address.remote(), timeout=timeout)
+        ray.get([w.setup.remote(lay.tp, lay.dp, init_method) for w in self.workers], timeout=timeout)
+        self.placement = ray.get([w.where.remote() for w in self.workers], timeout=timeout)
+        self.log.event("placed", ranks=self.placement)
+        self.state = State.RUNNING
+
+    def train_loop(self, t_start: float) -> None:
+        cfg = self.cfg
+        steps, every = cfg.train.steps, cfg.train.eval_interval
+        progress = Progress(steps, self.out)
+        try:
+            while self.step < steps:
+                # The first call runs one step, so the first completed step shows at once.
+                n = min(cfg.train.steps_per_call if self.step else 1, steps - self.step)
+                if every:  # end the call at the next evaluation boundary
+                    n = min(n, every - self.step % every)
+                results = ray.get([w.train.remote(self.step, n) for w in self.workers],
+                                  timeout=cfg.runtime.step_timeout_s)
+                for i, rec in enumerate(results[0]):
+                    self.step = rec["step"] + 1
+                    self.last = self._record(rec, [r[i] for r in results])
+                    if self.step == steps or (every and self.step % every == 0):
+                        self.last["val_loss"] = self.evaluate()
+                    self.log.metric(self.last)
+                if self.step == n:
+                    self.log.event("first_step", seconds=time.perf_counter() - t_start)
+                progress.update(self.last, time.perf_counter() - t_start)
+        finally:
+            progress.close()
+
+    def _record(self, rec: dict, all_ranks: list[dict]) -> dict:
+        """metrics.jsonl's line for one step: rank 0's figures, the slowest rank's time."""
+        step_time = max(r["step_time_s"] for r in all_ranks)
+        tokens_per_step = self.cfg.train.batch_size * self.cfg.model.block_size
+        return {"step": rec["step"], "loss": rec["loss"], "lr": rec["lr"], "grad_norm": rec["grad_norm"],
+                "tokens": tokens_per_step * (rec["step"] + 1), "step_time_s": step_time,
+                "tokens_per_s": tokens_per_step / step_time, "comm_s": rec["comm_s"],
+                "tp": self.layout.tp, "dp": self.layout.dp, "time": time.time()}
+
+    def evaluate(self) -> float:
+        return ray.get([w.evaluate.remote(self.step) for w in self.workers],
+                       timeout=self.cfg.runtime.step_timeout_s)[0]
+
+    def release(self) -> None:
+        """Kill the actors and remove the placement group (idempotent)."""
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone is fine
+                pass
+        self.workers = []
+        if self.pg is not None:
+            try:
+                ray.util.remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001
+                pass
+            self.pg = None
+
+    def _say(self, msg: str) -> None:
+        print(f"[raytp] {msg}", file=self.out, flush=True)

@@ -1,0 +1,73 @@
+"""The run's record: metrics.jsonl, events.jsonl, and Ray metrics for the dashboard.
+
+Every line is flushed as written, so `tail -f` and a crashed run both see
+everything up to the last step. Ray metrics carry the prefix ``raytp_`` and a
+``run`` tag (../shared/INTERFACES.md).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+class RayMetrics:
+    """Gauges and counters exported through Ray's metrics agent (dashboard, Prometheus)."""
+
+    def __init__(self, run: str):
+        from ray.util.metrics import Counter, Gauge
+        tags = ("run",)
+        self.tags = {"run": run}
+        self.gauges = {k: Gauge(f"raytp_{k}", description=d, tag_keys=tags) for k, d in (
+            ("loss", "training loss of the last step"),
+            ("val_loss", "validation loss of the last evaluation"),
+            ("tokens_per_second", "tokens per second of the last step"),
+            ("step_seconds", "wall time of the last optimizer step"),
+            ("comm_seconds", "time inside collectives in the last step (rank 0)"),
+            ("step", "last completed optimizer step"),
+            ("world_size", "ranks in the current layout"),
+        )}
+        self.counters = {k: Counter(f"raytp_{k}_total", description=d, tag_keys=tags) for k, d in (
+            ("steps", "optimizer steps completed"),
+            ("failures", "worker failures seen"),
+            ("recoveries", "recoveries completed"),
+            ("resizes", "resizes completed"),
+        )}
+
+    def set(self, name: str, value: float) -> None:
+        self.gauges[name].set(float(value), tags=self.tags)
+
+    def inc(self, name: str, value: float = 1.0) -> None:
+        self.counters[name].inc(value, tags=self.tags)
+
+
+class RunLog:
+    """Appends to <run_dir>/metrics.jsonl and events.jsonl; mirrors figures to Ray metrics."""
+
+    def __init__(self, run_dir: Path, run: str, ray_metrics: bool = True):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        self._events = open(self.dir / "events.jsonl", "a", buffering=1)
+        self.ray = RayMetrics(run) if ray_metrics else None
+
+    def metric(self, rec: dict) -> None:
+        self._metrics.write(json.dumps(rec) + "\n")
+        if self.ray:
+            for key, gauge in (("loss", "loss"), ("tokens_per_s", "tokens_per_second"),
+                               ("step_time_s", "step_seconds"), ("comm_s", "comm_seconds"), ("step", "step"),
+                               ("val_loss", "val_loss")):
+                if rec.get(key) is not None:
+                    self.ray.set(gauge, rec[key])
+            self.ray.inc("steps")
+
+    def event(self, kind: str, **fields) -> dict:
+        rec = {"time": time.time(), "kind": kind, **fields}
+        self._events.write(json.dumps(rec) + "\n")
+        if self.ray and kind in ("failure", "recovered", "resized"):
+            self.ray.inc({"failure": "failures", "recovered": "recoveries", "resized": "resizes"}[kind])
+        return rec
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._events.close()
