@@ -108,7 +108,6 @@ class TrainConfig:
     eval_steps: int = _f(4, "batches per validation run", POSITIVE)
     steps_per_call: int = _f(10, "optimizer steps each worker runs per driver call",
                              POSITIVE)
-    log_interval: int = _f(1, "steps between log lines", POSITIVE)
 
 
 @dataclass(frozen=True)

@@ -183,7 +183,6 @@ def test_wrong_types(d, overrides, key, expected):
     ("train.lr", 0), ("train.min_lr", -1e-5), ("train.warmup_steps", -1),
     ("train.beta2", 1.0), ("train.grad_clip", -1), ("train.weight_decay", -0.1),
     ("train.eval_interval", -1), ("train.eval_steps", 0), ("train.steps_per_call", 0),
-    ("train.log_interval", 0),
     ("checkpoint.every", -1), ("checkpoint.keep", 0),
     ("data.val_fraction", 0), ("data.val_fraction", 1),
     ("runtime.cpus_per_worker", 0), ("runtime.threads_per_worker", -1),

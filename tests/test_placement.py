@@ -1,0 +1,55 @@
+"""Placement on a simulated multi-node cluster with fake GPUs (computing on CPU with gloo)."""
+import io
+import json
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group_table
+
+from conftest import ray_actors
+from raytp.runtime.driver import Driver
+from raytp.runtime.placement import PlacementError
+from test_runtime import job
+
+
+@pytest.fixture(scope="module")
+def two_gpu_nodes():
+    """Head (no GPUs) + two nodes of 2 CPUs and 2 fake GPUs each, on loopback."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    nodes = [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
+    ray.init(address=cluster.address, namespace="raytp", log_to_driver=False)
+    cluster.wait_for_nodes()
+    yield cluster, nodes
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_tp_groups_share_a_node_and_replicas_spread(two_gpu_nodes, tmp_path):
+    cluster, nodes = two_gpu_nodes
+    d = Driver(job(2, 2, steps=2, gpus_per_worker=1.0), tmp_path, "place", out=io.StringIO())
+    try:
+        d.start()
+        actors = ray_actors("raytp.place.")  # where Ray says each rank runs
+        node = {int(name.rsplit("rank", 1)[1]): a["node_id"] for name, a in actors.items()}
+        gpu_nodes = {n.node_id for n in nodes}
+        assert set(node.values()) <= gpu_nodes, "workers must sit on the GPU nodes"
+        assert node[0] == node[1] and node[2] == node[3], f"a TP group spans nodes: {node}"
+        assert node[0] != node[2], f"both DP replicas on one node: {node}"
+        d.train_loop(0.0)
+        assert d.step == 2
+    finally:
+        d.release()
+        d.log.close()
+
+
+def test_layout_that_cannot_fit_fails_clearly_and_leaves_nothing(two_gpu_nodes, tmp_path):
+    d = Driver(job(8, 1, model={"n_head": 8}, gpus_per_worker=1.0, placement_timeout_s=3.0), tmp_path, "toobig", out=io.StringIO())
+    with pytest.raises(PlacementError) as err:
+        d.run_to_end()
+    msg = str(err.value)
+    assert "TP=8 x DP=1 needs 1 node slot(s) of {CPU: 8, GPU: 8}" in msg and "GPU: 2" in msg
+    assert not ray_actors("raytp.toobig.")
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values() if pg["name"] == "raytp.toobig")
+    events = [json.loads(line)["kind"] for line in open(tmp_path / "events.jsonl")]
+    assert events == ["started", "failed"]
