@@ -59,3 +59,10 @@ def test_help_documents_every_job_key():
     assert p.returncode == 0
     for key, *_ in describe():
         assert key in p.stdout, key
+
+
+def test_readme_documents_every_job_key():
+    from raytp.config import describe
+    readme = (ROOT / "README.md").read_text()
+    missing = [key for key, *_ in describe() if f"`{key}`" not in readme]
+    assert not missing, f"README lacks job keys: {missing}"
