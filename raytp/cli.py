@@ -76,6 +76,37 @@ def main():
     """raytp: tensor-parallel GPT training on Ray that survives failures and rescales."""
 
 
+def _starting_state(cfg, resume: str | None, path: Path):
+    """(cfg, init_state) for --resume or model.init_from, checked before Ray starts."""
+    import dataclasses
+    from raytp.runtime.worker import gpt_config
+    from raytp.train import checkpoint
+    if resume is not None:
+        where = path if resume == "latest" else Path(resume)
+        ckpt, manifest, full = checkpoint.load_latest(
+            where, gpt_config(cfg), warn=lambda m: click.echo(f"[raytp] warning: {m}", err=True))
+        lay = manifest["layout"]
+        click.echo(f"[raytp] resuming from {ckpt} (step {manifest['step']}, saved at TP={lay['tp']} x "
+                   f"DP={lay['dp']})", err=True)
+        return cfg, (manifest["step"], full, str(ckpt))
+    if cfg.model.init_from:
+        from raytp.train import hf
+        shape, state = hf.load_hf(Path(cfg.model.init_from))
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd,
+            block_size=shape.block_size, vocab_size=shape.vocab_size))
+        config_mod.validate(cfg, f"{cfg.model.init_from}/config.json")
+        click.echo(f"[raytp] starting from the GPT-2 in {cfg.model.init_from} ({shape})", err=True)
+        return cfg, (0, {"model": state}, str(cfg.model.init_from))
+    return cfg, None
+
+
+def _fail(msg: str, code: int = EXIT_BAD_CONFIG):
+    for line in str(msg).splitlines():
+        click.echo(f"error: {line}", err=True)
+    sys.exit(code)
+
+
 @main.command(epilog=_keys_help())
 @click.argument("job", type=click.Path(dir_okay=False))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
@@ -83,15 +114,24 @@ def main():
 @click.option("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray).")
 @click.option("--run-dir", default=None, help="Run directory (default: runs/<name>).")
 @click.option("--name", default=None, help="Run name (default: the run directory's last component).")
-def train(job, sets, address, run_dir, name):
+@click.option("--resume", is_flag=False, flag_value="latest", default=None, metavar="[PATH]",
+              help="Resume from a checkpoint dir, or the newest whole checkpoint of a run dir; "
+                   "alone, from this run's own. Any valid layout: weights and optimizer state are resharded.")
+def train(job, sets, address, run_dir, name, resume):
     """Train the model of JOB (a YAML job file) on a Ray cluster."""
     t0 = time.perf_counter()
     cfg = _load_job(job, sets)
     _check_data(cfg)
     run, path = run_name_and_dir(job, cfg, run_dir, name)
-    if (path / "metrics.jsonl").exists():
-        click.echo(f"error: run directory {path} already holds a run; pass another --run-dir or --name", err=True)
-        sys.exit(EXIT_BAD_CONFIG)
+    from raytp.train.checkpoint import CheckpointError
+    try:
+        cfg, init_state = _starting_state(cfg, resume, path)
+    except (CheckpointError, ValueError) as e:
+        _fail(e)
+    except config_mod.ConfigError as e:
+        _fail("\n".join(e.problems))
+    if (path / "metrics.jsonl").exists() and resume != "latest":
+        _fail(f"run directory {path} already holds a run; pass --resume to continue it, or another --run-dir/--name")
     path.mkdir(parents=True, exist_ok=True)
     import yaml
     (path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -103,19 +143,66 @@ def train(job, sets, address, run_dir, name):
     from raytp.runtime.driver import Driver
     from raytp.runtime.placement import PlacementError
     try:
-        summary = Driver(cfg, path, run).run_to_end(t_start=t0)
+        summary = Driver(cfg, path, run, init_state=init_state).run_to_end(t_start=t0)
     except PlacementError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(1)
+        _fail(e, 1)
     except KeyboardInterrupt:
         click.echo(f"[raytp] interrupted; workers released, run dir {path} kept", err=True)
         sys.exit(130)
     finally:
         if embedded:
             ray.shutdown()
-    val = summary.get("val_loss")
-    click.echo(f"[raytp] finished {summary['steps']} steps in {summary['seconds']:.1f}s: loss {summary['loss']:.4f}"
+    val, loss = summary.get("val_loss"), summary.get("loss")
+    click.echo(f"[raytp] finished {summary['steps']} steps in {summary['seconds']:.1f}s"
+               + (f": loss {loss:.4f}" if loss is not None else "")
                + (f", val_loss {val:.4f}" if val is not None else "") + f"; run dir {path}", err=True)
+
+
+@main.command()
+@click.argument("source", type=click.Path(exists=True))
+@click.option("--out", required=True, type=click.Path(), help="Output file (raytp) or directory (hf).")
+@click.option("--format", "fmt", type=click.Choice(["raytp", "hf"]), default="raytp", show_default=True,
+              help="raytp: one file raytp.model.GPT.load reads; hf: a GPT-2 directory for transformers.")
+def export(source, out, fmt):
+    """Write one unsharded model from SOURCE (a run dir or a checkpoint dir)."""
+    from raytp.model import GPT, GPTConfig
+    from raytp.train import checkpoint
+    try:
+        ckpt, manifest, full = checkpoint.load_latest(
+            Path(source), warn=lambda m: click.echo(f"[raytp] warning: {m}", err=True))
+    except checkpoint.CheckpointError as e:
+        _fail(e, 1)
+    cfg = GPTConfig(**manifest["model"])
+    if fmt == "hf":
+        from raytp.train import hf
+        hf.save_hf(full["model"], cfg, Path(out))
+    else:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        GPT.from_state_dict(cfg, full["model"], where=str(ckpt)).save(out)
+    click.echo(f"[raytp] exported step {manifest['step']} of {ckpt} ({fmt}) to {out}", err=True)
+
+
+@main.command()
+@click.argument("model_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--prompt", default="\n", show_default=True, help="Text to continue (byte-level models).")
+@click.option("--tokens", default=200, show_default=True, help="Tokens to generate.")
+@click.option("--temperature", default=0.8, show_default=True, help="0 = greedy.")
+@click.option("--top-k", default=None, type=int, help="Sample among the k likeliest tokens only.")
+@click.option("--seed", default=0, show_default=True)
+def sample(model_file, prompt, tokens, temperature, top_k, seed):
+    """Generate text from MODEL_FILE (written by `raytp export`)."""
+    import torch
+    from raytp.model import GPT
+    try:
+        model = GPT.load(model_file)
+    except ValueError as e:
+        _fail(e, 1)
+    if model.cfg.vocab_size > 256:
+        _fail(f"{model_file}: vocabulary of {model.cfg.vocab_size} is not byte level; sample decodes bytes only", 1)
+    idx = torch.tensor([list(prompt.encode())], dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    out = model.generate(idx, tokens, temperature=temperature, top_k=top_k, generator=g)
+    click.echo(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
 
 
 if __name__ == "__main__":

@@ -21,11 +21,14 @@ at every TP degree and a replayed step reproduces bit for bit.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+MODEL_FORMAT = "raytp-model/1"
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,32 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return self.criterion(logits, targets)
+
+    @classmethod
+    def load(cls, path, map_location="cpu") -> "GPT":
+        """A GPT from a file written by `raytp export` (one device, no Ray, no process group)."""
+        blob = torch.load(path, map_location=map_location, weights_only=True)
+        if not isinstance(blob, dict) or blob.get("format") != MODEL_FORMAT:
+            raise ValueError(f"{path}: not a raytp model file (format {MODEL_FORMAT!r})")
+        return cls.from_state_dict(GPTConfig(**blob["config"]), blob["model"], where=str(path)).eval()
+
+    @classmethod
+    def from_state_dict(cls, cfg: GPTConfig, state: dict, where: str = "state") -> "GPT":
+        """A GPT holding `state` (lm_head.weight may be absent: it is wte.weight), built without an init."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device="cpu")
+        model.lm_head.weight = model.wte.weight  # to_empty made two tensors of the tied one
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k != "lm_head.weight"]
+        if missing or unexpected:
+            raise ValueError(f"{where}: weights do not fit the model: missing {missing}, unexpected {unexpected}")
+        return model
+
+    def save(self, path) -> None:
+        """Write this (one-device) model as a file `GPT.load` reads."""
+        state = {k: v for k, v in self.state_dict().items() if k != "lm_head.weight"}
+        torch.save({"format": MODEL_FORMAT, "config": asdict(self.cfg), "model": state}, path)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -21,7 +21,8 @@ from raytp.parallel.layout import Layout
 from raytp.runtime import placement
 from raytp.runtime.metrics import RunLog
 from raytp.runtime.progress import Progress
-from raytp.runtime.worker import Worker
+from raytp.runtime.worker import Worker, gpt_config
+from raytp.train import checkpoint
 
 
 class State(enum.Enum):
@@ -35,8 +36,13 @@ class State(enum.Enum):
 class Driver:
     worker_cls = Worker  # tests may swap in another class with the same methods
 
-    def __init__(self, cfg: JobConfig, run_dir: Path, run: str, out=sys.stderr, ray_metrics: bool = True):
+    def __init__(self, cfg: JobConfig, run_dir: Path, run: str, out=sys.stderr, ray_metrics: bool = True,
+                 init_state: tuple[int, dict, str] | None = None):
+        """`init_state`: (step, full one-device state, where from) to start from (a checkpoint or a
+        Hugging Face model) instead of the seeded initialisation."""
         self.cfg, self.run_dir, self.run = cfg, Path(run_dir), run
+        self.init_state = init_state
+        self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.layout = Layout(cfg.parallel.tp, cfg.parallel.dp)
         self.log = RunLog(self.run_dir, run, ray_metrics)
         self.out = out
@@ -46,6 +52,7 @@ class Driver:
         self.placement: list[dict] = []
         self.step = 0
         self.last: dict = {}
+        self.first_step: float | None = None  # seconds from the command to the first completed step
 
     # -- lifecycle -----------------------------------------------------------------
     def run_to_end(self, t_start: float | None = None) -> dict:
@@ -89,18 +96,45 @@ class Driver:
         ray.get([w.setup.remote(lay.tp, lay.dp, init_method) for w in self.workers], timeout=timeout)
         self.placement = ray.get([w.where.remote() for w in self.workers], timeout=timeout)
         self.log.event("placed", ranks=self.placement)
+        if self.init_state is not None:
+            step, full, source = self.init_state
+            self.set_state(full)
+            self.step = step
+            self.log.event("resumed", step=step, source=source)
+            self._say(f"starting at step {step} from {source}")
+            self.init_state = None  # free the driver's copy
         self.state = State.RUNNING
+
+    def set_state(self, full: dict) -> None:
+        """Give every worker its slices of a full state, through the object store (one copy)."""
+        ref = ray.put(full)
+        ray.get([w.set_state.remote(ref) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)
+
+    def shard_states(self) -> list[dict]:
+        """The TP shards of replica 0 (DP replicas hold the same), rank order."""
+        return ray.get([w.get_state.remote() for w in self.workers[:self.layout.tp]],
+                       timeout=self.cfg.runtime.step_timeout_s)
+
+    def save_checkpoint(self) -> Path:
+        t0 = time.perf_counter()
+        path = checkpoint.save(self.ckpt_root, self.step, self.shard_states(), gpt_config(self.cfg),
+                               self.layout.tp, self.layout.dp, self.cfg.checkpoint.keep)
+        size = sum(f.stat().st_size for f in path.iterdir())
+        self.log.event("checkpoint", step=self.step, path=str(path), bytes=size,
+                       seconds=time.perf_counter() - t0)
+        return path
 
     def train_loop(self, t_start: float) -> None:
         cfg = self.cfg
-        steps, every = cfg.train.steps, cfg.train.eval_interval
+        steps, every, save_every = cfg.train.steps, cfg.train.eval_interval, cfg.checkpoint.every
         progress = Progress(steps, self.out)
         try:
             while self.step < steps:
                 # The first call runs one step, so the first completed step shows at once.
                 n = min(cfg.train.steps_per_call if self.step else 1, steps - self.step)
-                if every:  # end the call at the next evaluation boundary
-                    n = min(n, every - self.step % every)
+                for interval in (every, save_every):  # end the call at the next evaluation/save boundary
+                    if interval:
+                        n = min(n, interval - self.step % interval)
                 results = ray.get([w.train.remote(self.step, n) for w in self.workers],
                                   timeout=cfg.runtime.step_timeout_s)
                 for i, rec in enumerate(results[0]):
@@ -109,8 +143,11 @@ class Driver:
                     if self.step == steps or (every and self.step % every == 0):
                         self.last["val_loss"] = self.evaluate()
                     self.log.metric(self.last)
-                if self.step == n:
-                    self.log.event("first_step", seconds=time.perf_counter() - t_start)
+                if save_every and (self.step % save_every == 0 or self.step == steps):
+                    self.save_checkpoint()
+                if self.first_step is None:
+                    self.first_step = time.perf_counter() - t_start
+                    self.log.event("first_step", seconds=self.first_step)
                 progress.update(self.last, time.perf_counter() - t_start)
         finally:
             progress.close()

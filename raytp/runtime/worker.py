@@ -22,6 +22,7 @@ from raytp.parallel import comm
 from raytp.parallel.groups import destroy_process_groups, init_process_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.spawn import free_port
+from raytp.train import checkpoint
 from raytp.train.data import batch, load_corpus
 from raytp.train.step import Hyper, eval_loss, make_optimizer, train_step
 from raytp.parallel.plan import build_shard
@@ -116,6 +117,25 @@ class Worker:
         for i in range(cfg.train.eval_steps):
             batches += self._micro_batches("val", step * cfg.train.eval_steps + i)
         return eval_loss(self.model, batches, self.groups)
+
+    # -- state ---------------------------------------------------------------------
+    def get_state(self) -> dict:
+        """This rank's weights and AdamW state (CPU tensors), for checkpoints and snapshots."""
+        return checkpoint.shard_state(self.model, self.optimizer)
+
+    def set_state(self, full: dict) -> None:
+        """Take this rank's slices of a full one-device state (weights, and AdamW state if present)."""
+        g = self.groups
+        checkpoint.load_shard_state(self.model, self.optimizer,
+                                    checkpoint.slice_state(full, g.tp_rank, g.layout.tp))
+
+    @torch.no_grad()
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (B, T, V) of a batch, gathered over TP (every TP rank must be called)."""
+        self.model.eval()
+        local = self.model(idx.to(self.device))  # (B, T, V_pad/tp)
+        self.model.train()
+        return comm.gather_last(local, self.groups.tp)[..., :self.cfg.model.vocab_size].cpu()
 
     def ping(self) -> int:
         return self.rank
