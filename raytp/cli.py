@@ -76,31 +76,6 @@ def main():
     """raytp: tensor-parallel GPT training on Ray that survives failures and rescales."""
 
 
-def _starting_state(cfg, resume: str | None, path: Path):
-    """(cfg, init_state) for --resume or model.init_from, checked before Ray starts."""
-    import dataclasses
-    from raytp.runtime.worker import gpt_config
-    from raytp.train import checkpoint
-    if resume is not None:
-        where = path if resume == "latest" else Path(resume)
-        ckpt, manifest, full = checkpoint.load_latest(
-            where, gpt_config(cfg), warn=lambda m: click.echo(f"[raytp] warning: {m}", err=True))
-        lay = manifest["layout"]
-        click.echo(f"[raytp] resuming from {ckpt} (step {manifest['step']}, saved at TP={lay['tp']} x "
-                   f"DP={lay['dp']})", err=True)
-        return cfg, (manifest["step"], full, str(ckpt))
-    if cfg.model.init_from:
-        from raytp.train import hf
-        shape, state = hf.load_hf(Path(cfg.model.init_from))
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-            cfg.model, n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd,
-            block_size=shape.block_size, vocab_size=shape.vocab_size))
-        config_mod.validate(cfg, f"{cfg.model.init_from}/config.json")
-        click.echo(f"[raytp] starting from the GPT-2 in {cfg.model.init_from} ({shape})", err=True)
-        return cfg, (0, {"model": state}, str(cfg.model.init_from))
-    return cfg, None
-
-
 def _fail(msg: str, code: int = EXIT_BAD_CONFIG):
     for line in str(msg).splitlines():
         click.echo(f"error: {line}", err=True)
@@ -123,9 +98,10 @@ def train(job, sets, address, run_dir, name, resume):
     cfg = _load_job(job, sets)
     _check_data(cfg)
     run, path = run_name_and_dir(job, cfg, run_dir, name)
+    from raytp.runtime.origin import starting_state
     from raytp.train.checkpoint import CheckpointError
     try:
-        cfg, init_state = _starting_state(cfg, resume, path)
+        cfg, init_state = starting_state(cfg, resume, path, say=lambda m: click.echo(f"[raytp] {m}", err=True))
     except (CheckpointError, ValueError) as e:
         _fail(e)
     except config_mod.ConfigError as e:

@@ -15,12 +15,13 @@ SMALL = {
 }
 
 
-def job(tp=1, dp=1, model=None, steps=None, **runtime):
+def job(tp=1, dp=1, model=None, steps=None, checkpoint=None, **runtime):
     d = json.loads(json.dumps(SMALL))
     d["parallel"] = {"tp": tp, "dp": dp}
     d["model"].update(model or {})
     d["train"]["steps"] = steps or d["train"]["steps"]
     d["runtime"] = {"placement_timeout_s": 20.0, **runtime}
+    d["checkpoint"] = checkpoint or {}
     return from_dict(d)
 
 

@@ -124,14 +124,17 @@ class Driver:
                        seconds=time.perf_counter() - t0)
         return path
 
-    def train_loop(self, t_start: float) -> None:
+    def train_loop(self, t_start: float | None = None, until: int | None = None) -> None:
+        """Train from self.step to `until` (default: the job's last step)."""
         cfg = self.cfg
+        t_start = time.perf_counter() if t_start is None else t_start
         steps, every, save_every = cfg.train.steps, cfg.train.eval_interval, cfg.checkpoint.every
+        end = steps if until is None else min(until, steps)
         progress = Progress(steps, self.out)
         try:
-            while self.step < steps:
+            while self.step < end:
                 # The first call runs one step, so the first completed step shows at once.
-                n = min(cfg.train.steps_per_call if self.step else 1, steps - self.step)
+                n = min(cfg.train.steps_per_call if self.first_step is not None else 1, end - self.step)
                 for interval in (every, save_every):  # end the call at the next evaluation/save boundary
                     if interval:
                         n = min(n, interval - self.step % interval)
@@ -160,6 +163,11 @@ class Driver:
                 "tokens": tokens_per_step * (rec["step"] + 1), "step_time_s": step_time,
                 "tokens_per_s": tokens_per_step / step_time, "comm_s": rec["comm_s"],
                 "tp": self.layout.tp, "dp": self.layout.dp, "time": time.time()}
+
+    def logits(self, idx) -> "torch.Tensor":
+        """Full-vocabulary logits of a batch from replica 0 (for checks and tests)."""
+        return ray.get([w.logits.remote(idx) for w in self.workers[:self.layout.tp]],
+                       timeout=self.cfg.runtime.step_timeout_s)[0]
 
     def evaluate(self) -> float:
         return ray.get([w.evaluate.remote(self.step) for w in self.workers],

@@ -131,7 +131,7 @@ def save(root: Path, step: int, shards: list[dict], cfg: GPTConfig, tp: int, dp:
         for i, sh in enumerate(shards):
             name = f"shard-tp{i}.pt"
             files[name] = _write(tmp / name, lambda f, sh=sh: torch.save(sh, f))
-            _crash_hook(i)
+            _crash_hook(step)
         manifest = {
             "format": FORMAT, "step": step, "time": time.time(), "model": asdict(cfg),
             "layout": {"tp": tp, "dp": dp}, "files": files,
@@ -159,9 +159,9 @@ def _full_shape(name: str, shard: torch.Tensor, tp: int, cfg: GPTConfig) -> list
     return shape
 
 
-def _crash_hook(files_written: int) -> None:
-    """Test hook: RAYTP_TEST_CRASH_IN_SAVE=1 kills the process after the first shard file is written."""
-    if os.environ.get("RAYTP_TEST_CRASH_IN_SAVE") == "1" and files_written == 0:
+def _crash_hook(step: int) -> None:
+    """Test hook: RAYTP_TEST_CRASH_IN_SAVE=<step> kills the process mid-save of that step, after one shard file."""
+    if os.environ.get("RAYTP_TEST_CRASH_IN_SAVE") == str(step):
         os._exit(17)
 
 

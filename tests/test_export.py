@@ -1,0 +1,85 @@
+"""Export to one file and to a GPT-2 directory; start from a GPT-2 directory; sample."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from raytp.model import GPT
+from raytp.runtime.origin import starting_state
+from raytp.train import checkpoint
+from test_checkpoint import FIXED, close, drive
+from test_runtime import job
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def trained_tp2(ray_local, tmp_path_factory):
+    """A TP=2 run with a checkpoint, and the sharded model's logits on FIXED."""
+    run_dir = tmp_path_factory.mktemp("tp2")
+    d, _, logits = drive(job(2, 1, steps=10, checkpoint={"every": 10}), run_dir, "tp2")
+    close(d)
+    return run_dir, logits
+
+
+def raytp_cli(*args):
+    p = subprocess.run([sys.executable, "-m", "raytp.cli", *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return p
+
+
+def test_exported_file_loads_on_one_device_with_the_same_logits(trained_tp2, tmp_path):
+    run_dir, sharded_logits = trained_tp2
+    raytp_cli("export", str(run_dir), "--out", str(tmp_path / "model.pt"))
+    model = GPT.load(tmp_path / "model.pt")
+    assert model.lm_head.weight is model.wte.weight
+    with torch.no_grad():
+        logits = model(FIXED)
+    assert float((logits - sharded_logits).abs().max()) < 1e-5
+
+
+def test_hf_export_loads_in_transformers_with_same_logits_and_greedy_text(trained_tp2, tmp_path):
+    run_dir, sharded_logits = trained_tp2
+    raytp_cli("export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf"))
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert float((hf(FIXED).logits - sharded_logits).abs().max()) < 1e-5
+        ours = GPT.from_state_dict(hf_cfg(tmp_path / "hf"), checkpoint.load_latest(run_dir)[2]["model"]).eval()
+        prompt = FIXED[:1, :8]
+        theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(prompt, 12, temperature=0.0), theirs)
+
+
+def hf_cfg(path):
+    import json
+    from raytp.train.hf import config_from_hf
+    return config_from_hf(json.loads((path / "config.json").read_text()))
+
+
+def test_gpt2_directory_imported_at_tp2_gives_transformers_logits(ray_local, tmp_path):
+    hf_config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=32, vocab_size=256,
+                                        bos_token_id=255, eos_token_id=255,
+                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(3)
+    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+    hf.save_pretrained(tmp_path / "gpt2")
+    # The job's own shape keys are wrong on purpose: the directory's config.json wins.
+    cfg = job(2, 1, steps=4, model={"init_from": str(tmp_path / "gpt2"), "n_layer": 1, "n_embd": 32})
+    cfg, init_state = starting_state(cfg, None, tmp_path / "run", say=lambda m: None)
+    assert (cfg.model.n_layer, cfg.model.n_embd) == (2, 64)
+    d, logits, _ = drive(cfg, tmp_path / "run", "hf-import", until=0, init_state=init_state)
+    close(d)
+    with torch.no_grad():
+        assert float((hf(FIXED).logits - logits).abs().max()) < 1e-5
+
+
+def test_sample_greedy_is_deterministic_and_decodes_bytes(trained_tp2, tmp_path):
+    run_dir, _ = trained_tp2
+    raytp_cli("export", str(run_dir), "--out", str(tmp_path / "m.pt"))
+    a = raytp_cli("sample", str(tmp_path / "m.pt"), "--prompt", "def ", "--tokens", "20", "--temperature", "0").stdout
+    b = raytp_cli("sample", str(tmp_path / "m.pt"), "--prompt", "def ", "--tokens", "20", "--temperature", "0").stdout
+    assert a == b and a.startswith("def ")
+    model = GPT.load(tmp_path / "m.pt")
+    expect = model.generate(torch.tensor([list(b"def ")]), 20, temperature=0.0)[0].tolist()
+    assert a.rstrip("\n") == bytes(expect).decode("utf-8", errors="replace")
