@@ -1,0 +1,59 @@
+"""The benchmark entry points run at a tiny size (`python -m bench --quick`) and
+write their figures, merged, to the results file. No timing is asserted."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_bench(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_quick_run_writes_figures_and_keeps_other_entries(tmp_path):
+    out = tmp_path / "results.json"
+    out.write_text(json.dumps({"someone_elses": {"peer": "x", "figure": 1}}))
+    proc = run_bench("tp_vs_dtensor", "tp_memory", "--quick", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["someone_elses"] == {"peer": "x", "figure": 1}  # merged, not replaced
+    assert not out.with_name(out.name + ".tmp").exists()
+
+    tp = results["tp_vs_dtensor"]
+    assert tp["peer"] and tp["quick"] is True
+    fig = tp["tp2"]
+    for key in ("raytp_median_step_s", "dtensor_median_step_s", "raytp_compute_only_median_step_s",
+                "ratio_raytp_over_dtensor", "paired_ratio_median"):
+        assert fig[key] > 0, key
+    assert fig["timed_steps_each"] >= 2
+    # the same model in both: the first losses agree
+    first = fig["first_losses"]
+    assert len(first["raytp"]) == len(first["dtensor"]) >= 2
+    assert all(abs(a - b) < 1e-4 for a, b in zip(first["raytp"], first["dtensor"]))
+    counts = fig["collectives_per_step"]
+    assert counts["raytp"].get("all_reduce", 0) > 0 and counts["dtensor"].get("all_reduce", 0) > 0
+    assert counts["raytp"] == fig["dist_api_calls_per_step"]["raytp"]  # the two counters agree for raytp
+
+    mem = results["tp_memory"]
+    assert mem["peer"]
+    m2 = mem["tp2"]
+    assert m2["raytp_bytes"] > 0 and m2["ideal_bytes"] > 0 and m2["dtensor_bytes"] > 0
+    assert m2["ratio_raytp_over_ideal"] == round(m2["raytp_bytes"] / m2["ideal_bytes"], 4)
+    assert m2["ideal_bytes"] < m2["full_model_bytes"]
+
+    assert "tp_vs_dtensor" in proc.stdout and "tp_memory" in proc.stdout  # the table
+
+
+def test_unknown_benchmark_is_rejected(tmp_path):
+    proc = run_bench("no_such_bench", "--out", str(tmp_path / "r.json"), timeout=60)
+    assert proc.returncode != 0 and "no_such_bench" in proc.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_registry_lists_both():
+    proc = run_bench("--list", timeout=60)
+    assert proc.returncode == 0
+    assert {"tp_vs_dtensor", "tp_memory"} <= set(proc.stdout.split())
