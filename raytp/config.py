@@ -137,9 +137,19 @@ class RuntimeConfig:
                                  NONNEG)
     placement_timeout_s: float = _f(60.0, "seconds to wait for workers to be placed",
                                     POSITIVE)
-    step_timeout_s: float = _f(300.0, "seconds one driver call may take", POSITIVE)
+    step_timeout_s: float = _f(300.0, "seconds one optimizer step may take before its workers are "
+                                      "checked for a hang", POSITIVE)
     collective_timeout_s: float = _f(120.0, "seconds before a collective gives up",
                                      POSITIVE)
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    max_failures: int = _f(3, "worker losses to recover from before the job fails; 0 = fail at the first",
+                           NONNEG)
+    snapshot_every: int = _f(1, "steps between in-memory snapshots of every shard; 0 = off", NONNEG)
+    replace_timeout_s: float = _f(120.0, "seconds to wait for a replacement worker to be placed", POSITIVE)
+    ping_timeout_s: float = _f(5.0, "seconds a worker may take to answer a liveness check", POSITIVE)
 
 
 @dataclass(frozen=True)
@@ -151,6 +161,7 @@ class JobConfig:
     data: DataConfig = _f(None, "training data", factory=DataConfig)
     checkpoint: CheckpointConfig = _f(None, "checkpointing", factory=CheckpointConfig)
     runtime: RuntimeConfig = _f(None, "Ray and torch runtime", factory=RuntimeConfig)
+    recovery: RecoveryConfig = _f(None, "fault recovery", factory=RecoveryConfig)
 
     @property
     def world_size(self) -> int:

@@ -15,13 +15,14 @@ SMALL = {
 }
 
 
-def job(tp=1, dp=1, model=None, steps=None, checkpoint=None, **runtime):
+def job(tp=1, dp=1, model=None, steps=None, checkpoint=None, recovery=None, **runtime):
     d = json.loads(json.dumps(SMALL))
     d["parallel"] = {"tp": tp, "dp": dp}
     d["model"].update(model or {})
     d["train"]["steps"] = steps or d["train"]["steps"]
     d["runtime"] = {"placement_timeout_s": 20.0, **runtime}
     d["checkpoint"] = checkpoint or {}
+    d["recovery"] = recovery or {}
     return from_dict(d)
 
 

@@ -148,6 +148,13 @@ def apply_tp(model: GPT, group, sequence_parallel: bool = False) -> GPT:
     return model
 
 
+def rebind_groups(model: nn.Module, group) -> None:
+    """Point every parallel layer at a new TP group (after the groups were rebuilt)."""
+    for m in model.modules():
+        if hasattr(m, "group"):
+            m.group = group
+
+
 def build_shard(cfg: GPTConfig, seed: int, group, sequence_parallel: bool = False) -> GPT:
     """The local shard of a GPT initialised from `seed`: same numbers at every layout."""
     torch.manual_seed(seed)

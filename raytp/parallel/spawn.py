@@ -11,6 +11,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import queue as queue_mod
+import time
 import socket
 import traceback
 
@@ -48,14 +50,24 @@ def run_ranks(world_size: int, fn, *args, threads: int = 1, timeout_s: float = 3
     for p in procs:
         p.start()
     results, errors = {}, []
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
-            rank, ok, value = queue.get(timeout=timeout_s)
+        while len(results) < world_size and not errors:
+            try:
+                rank, ok, value = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+                if dead and queue.empty():
+                    errors.append(f"rank(s) {dead} exited without a result (exit codes "
+                                  f"{[procs[r].exitcode for r in dead]})")
+                elif time.monotonic() > deadline:
+                    errors.append(f"no result from ranks {sorted(set(range(world_size)) - set(results))} "
+                                  f"within {timeout_s:g}s")
+                continue
             if ok:
                 results[rank] = pickle.loads(value)
             else:
-                errors.append(f"rank {rank} failed:\n{value}")
-                break  # the others are likely blocked in a collective with it
+                errors.append(f"rank {rank} failed:\n{value}")  # the others may be blocked on it
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.1)

@@ -1,11 +1,12 @@
-"""The Driver: places the workers, wires them, drives training, releases everything.
+"""The Driver: places the workers, wires them, drives training, heals, releases.
 
 It runs in the Ray driver process (``raytp train``) and is a small state
 machine: SCHEDULING (reserve the placement group, start the actors, meet in
-torch.distributed) -> RUNNING (calls of ``steps_per_call`` steps, evaluation,
-records) -> FINISHED, or FAILED / STOPPED. Whatever happens, ``release``
-kills the actors and removes the placement group, and the run directory
-keeps every line written so far.
+torch.distributed) -> RUNNING (streamed calls of ``steps_per_call`` steps,
+evaluation, checkpoints) <-> RECOVERING (a worker died or hung: see
+raytp.runtime.recovery) -> FINISHED, or FAILED / STOPPED. Whatever happens,
+``release`` kills the actors and removes the placement group, and the run
+directory keeps every line written so far.
 """
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import time
 from pathlib import Path
 
 import ray
+from ray.exceptions import ActorAlreadyExistsError
 
 from raytp.config import JobConfig
 from raytp.parallel.layout import Layout
-from raytp.runtime import placement
+from raytp.runtime import placement, recovery
 from raytp.runtime.metrics import RunLog
 from raytp.runtime.progress import Progress
+from raytp.runtime.snapshots import Snapshots
 from raytp.runtime.worker import Worker, gpt_config
 from raytp.train import checkpoint
 
@@ -28,6 +31,7 @@ from raytp.train import checkpoint
 class State(enum.Enum):
     SCHEDULING = "scheduling"
     RUNNING = "running"
+    RECOVERING = "recovering"
     FINISHED = "finished"
     FAILED = "failed"
     STOPPED = "stopped"
@@ -53,6 +57,12 @@ class Driver:
         self.step = 0
         self.last: dict = {}
         self.first_step: float | None = None  # seconds from the command to the first completed step
+        self.snapshots = Snapshots(self.layout.tp)
+        self.failures = 0
+        self.healing: dict | None = None  # set by a recovery until the next completed step
+        self.saved_step: int | None = None
+        self.logged = 0  # steps below this have their metrics.jsonl line
+        self.partial: dict | None = None
 
     # -- lifecycle -----------------------------------------------------------------
     def run_to_end(self, t_start: float | None = None) -> dict:
@@ -66,7 +76,7 @@ class Driver:
             self.train_loop(t_start)
             self.state = State.FINISHED
             summary = {"steps": self.step, "loss": self.last.get("loss"), "val_loss": self.last.get("val_loss"),
-                       "seconds": time.perf_counter() - t_start}
+                       "seconds": time.perf_counter() - t_start, "failures": self.failures}
             self.log.event("finished", **summary)
             return summary
         except KeyboardInterrupt:
@@ -87,23 +97,41 @@ class Driver:
                        device=cfg.runtime.device, steps=cfg.train.steps)
         self._say(f"placing {lay.world_size} workers ({lay}) ...")
         self.pg = placement.reserve(cfg, self.run, lay.tp, lay.dp, cfg.runtime.placement_timeout_s)
-        remote = ray.remote(self.worker_cls)
-        job = cfg.to_dict()
-        self.workers = [remote.options(**placement.worker_options(cfg, self.pg, self.run, r, lay.tp)).remote(job, r)
-                        for r in range(lay.world_size)]
-        timeout = cfg.runtime.placement_timeout_s + cfg.runtime.collective_timeout_s
-        init_method = ray.get(self.workers[0].rendezvous_address.remote(), timeout=timeout)
-        ray.get([w.setup.remote(lay.tp, lay.dp, init_method) for w in self.workers], timeout=timeout)
-        self.placement = ray.get([w.where.remote() for w in self.workers], timeout=timeout)
-        self.log.event("placed", ranks=self.placement)
+        self.workers = [self.new_worker(r) for r in range(lay.world_size)]
+        self.wire(fresh=set(range(lay.world_size)))
         if self.init_state is not None:
             step, full, source = self.init_state
             self.set_state(full)
-            self.step = step
+            self.step = self.logged = step
             self.log.event("resumed", step=step, source=source)
             self._say(f"starting at step {step} from {source}")
             self.init_state = None  # free the driver's copy
         self.state = State.RUNNING
+
+    def new_worker(self, rank: int, timeout_s: float = 30.0):
+        """Start the actor of `rank` (threaded, so it answers pings while a step runs). A replacement
+        may have to wait a moment for Ray to release the dead actor's name."""
+        remote = ray.remote(self.worker_cls)
+        opts = placement.worker_options(self.cfg, self.pg, self.run, rank, self.layout.tp)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return remote.options(**opts, max_concurrency=4).remote(self.cfg.to_dict(), rank)
+            except ActorAlreadyExistsError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def wire(self, fresh: set[int]) -> None:
+        """Rendezvous at rank 0's node and build the process groups: new workers (`fresh`) also build
+        their shard (`setup`); the others keep their state and only `rejoin`."""
+        workers, lay = self.workers, self.layout
+        timeout = self.cfg.runtime.placement_timeout_s + self.cfg.runtime.collective_timeout_s
+        init_method = ray.get(workers[0].rendezvous_address.remote(), timeout=timeout)
+        ray.get([(w.setup if r in fresh else w.rejoin).remote(lay.tp, lay.dp, init_method)
+                 for r, w in enumerate(workers)], timeout=timeout)
+        self.placement = ray.get([w.where.remote() for w in workers], timeout=timeout)
+        self.log.event("placed", ranks=self.placement)
 
     def set_state(self, full: dict) -> None:
         """Give every worker its slices of a full state, through the object store (one copy)."""
@@ -115,45 +143,84 @@ class Driver:
         return ray.get([w.get_state.remote() for w in self.workers[:self.layout.tp]],
                        timeout=self.cfg.runtime.step_timeout_s)
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, shards: list[dict] | None = None) -> Path:
         t0 = time.perf_counter()
-        path = checkpoint.save(self.ckpt_root, self.step, self.shard_states(), gpt_config(self.cfg),
+        path = checkpoint.save(self.ckpt_root, self.step, shards or self.shard_states(), gpt_config(self.cfg),
                                self.layout.tp, self.layout.dp, self.cfg.checkpoint.keep)
         size = sum(f.stat().st_size for f in path.iterdir())
+        self.saved_step = self.step
         self.log.event("checkpoint", step=self.step, path=str(path), bytes=size,
                        seconds=time.perf_counter() - t0)
         return path
 
+    # -- training ------------------------------------------------------------------
     def train_loop(self, t_start: float | None = None, until: int | None = None) -> None:
-        """Train from self.step to `until` (default: the job's last step)."""
+        """Train from self.step to `until` (default: the job's last step), healing failures on the way."""
         cfg = self.cfg
         t_start = time.perf_counter() if t_start is None else t_start
-        steps, every, save_every = cfg.train.steps, cfg.train.eval_interval, cfg.checkpoint.every
-        end = steps if until is None else min(until, steps)
-        progress = Progress(steps, self.out)
+        end = cfg.train.steps if until is None else min(until, cfg.train.steps)
+        progress = Progress(cfg.train.steps, self.out)
         try:
             while self.step < end:
-                # The first call runs one step, so the first completed step shows at once.
-                n = min(cfg.train.steps_per_call if self.first_step is not None else 1, end - self.step)
-                for interval in (every, save_every):  # end the call at the next evaluation/save boundary
-                    if interval:
-                        n = min(n, interval - self.step % interval)
-                results = ray.get([w.train.remote(self.step, n) for w in self.workers],
-                                  timeout=cfg.runtime.step_timeout_s)
-                for i, rec in enumerate(results[0]):
-                    self.step = rec["step"] + 1
-                    self.last = self._record(rec, [r[i] for r in results])
-                    if self.step == steps or (every and self.step % every == 0):
-                        self.last["val_loss"] = self.evaluate()
-                    self.log.metric(self.last)
-                if save_every and (self.step % save_every == 0 or self.step == steps):
-                    self.save_checkpoint()
-                if self.first_step is None:
-                    self.first_step = time.perf_counter() - t_start
-                    self.log.event("first_step", seconds=self.first_step)
-                progress.update(self.last, time.perf_counter() - t_start)
+                try:
+                    self._call(end, t_start, progress)
+                except recovery.FAILURES as e:
+                    self.state = State.RECOVERING
+                    recovery.recover(self, e)
+                    self.state = State.RUNNING
         finally:
             progress.close()
+
+    def _call(self, end: int, t_start: float, progress: Progress) -> None:
+        """One streamed call of up to steps_per_call steps, then evaluation and checkpoint if due."""
+        cfg = self.cfg
+        steps, every, save_every = cfg.train.steps, cfg.train.eval_interval, cfg.checkpoint.every
+        snap = cfg.recovery.snapshot_every
+        # The first call runs one step, so the first completed step shows at once.
+        n = min(cfg.train.steps_per_call if self.first_step is not None else 1, end - self.step)
+        for interval in (every, save_every):  # end the call at the next evaluation/save boundary
+            if interval:
+                n = min(n, interval - self.step % interval)
+        start = self.step
+        if save_every and self.saved_step != start and start % save_every == 0 and start > 0:
+            self.save_checkpoint()  # a save interrupted by a failure, redone after recovery
+        streams = [w.run_steps.options(num_returns="streaming").remote(start, n, snap) for w in self.workers]
+        deadline = cfg.runtime.step_timeout_s
+        for step in range(start, start + n):
+            recs = []
+            for rank, stream in enumerate(streams):
+                recs.append(ray.get(self._next(stream, deadline)))
+                self.partial = recs[0]  # rank 0's figures of a step cut short, for recovery
+                dp_rank, tp_rank = self.layout.coords(rank)
+                if snap and dp_rank == 0 and (step + 1) % snap == 0:
+                    self.snapshots.add(step + 1, tp_rank, self._next(stream, deadline))
+            self.step = step + 1
+            self.last = self._record(recs[0], recs)
+            if self.step == steps or (every and self.step % every == 0):
+                self.last["val_loss"] = self.evaluate()
+            self.log_step(self.last)
+            if self.healing is not None:
+                recovery.healed(self)
+        if save_every and (self.step % save_every == 0 or self.step == steps):
+            self.save_checkpoint()
+        if self.first_step is None:
+            self.first_step = time.perf_counter() - t_start
+            self.log.event("first_step", seconds=self.first_step)
+        progress.update(self.last, time.perf_counter() - t_start)
+
+    @staticmethod
+    def _next(stream, timeout: float):
+        """The next object of a streaming call, or StepDeadline if none comes within `timeout`."""
+        ready, _ = ray.wait([stream], timeout=timeout)
+        if not ready:
+            raise recovery.StepDeadline(f"no progress within runtime.step_timeout_s={timeout:g}s")
+        return next(stream)
+
+    def log_step(self, rec: dict) -> None:
+        """One metrics.jsonl line per step: steps replayed after a rollback are not written again."""
+        if rec["step"] >= self.logged:
+            self.log.metric(rec)
+            self.logged = rec["step"] + 1
 
     def _record(self, rec: dict, all_ranks: list[dict]) -> dict:
         """metrics.jsonl's line for one step: rank 0's figures, the slowest rank's time."""

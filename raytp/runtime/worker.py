@@ -11,6 +11,7 @@ Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, which is then cuda:0.
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -25,7 +26,7 @@ from raytp.parallel.spawn import free_port
 from raytp.train import checkpoint
 from raytp.train.data import batch, load_corpus
 from raytp.train.step import Hyper, eval_loss, make_optimizer, train_step
-from raytp.parallel.plan import build_shard
+from raytp.parallel.plan import build_shard, rebind_groups
 
 
 def gpt_config(cfg: JobConfig) -> GPTConfig:
@@ -40,6 +41,10 @@ def hyper(cfg: JobConfig) -> Hyper:
                  weight_decay=t.weight_decay, beta1=t.beta1, beta2=t.beta2, grad_clip=t.grad_clip, seed=t.seed)
 
 
+class WorkerAborted(RuntimeError):
+    """A rank left a step because a collective failed."""
+
+
 class Worker:
     def __init__(self, job: dict, rank: int):
         self.cfg = from_dict(job)
@@ -49,6 +54,7 @@ class Worker:
             torch.set_num_threads(threads)
         self.device = torch.device("cuda", 0) if self.cfg.runtime.device == "cuda" else torch.device("cpu")
         self.groups = self.model = self.optimizer = None
+        self.completed, self.running = 0, False
         self.corpus = load_corpus(self.cfg.data.source, self.cfg.data.val_fraction)
         if self.corpus.vocab_size > self.cfg.model.vocab_size:
             raise ValueError(f"data.source has token ids up to {self.corpus.vocab_size - 1} but "
@@ -96,27 +102,58 @@ class Worker:
         n = cfg.micro_batch
         return list(zip(x.split(n), y.split(n)))
 
+    def _step(self, step: int) -> dict:
+        comm.STATS.take()
+        t0 = time.perf_counter()
+        r = train_step(self.model, self.optimizer, self._micro_batches("train", step), self.groups, step, self.hyper)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        self.completed = step + 1
+        return {"step": step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
+                "step_time_s": elapsed, "comm_s": comm.STATS.take()[0]}
+
     def train(self, start: int, count: int) -> list[dict]:
         """Run optimizer steps start .. start+count-1; returns one record per step."""
-        out = []
-        for step in range(start, start + count):
-            comm.STATS.take()
-            t0 = time.perf_counter()
-            r = train_step(self.model, self.optimizer, self._micro_batches("train", step), self.groups, step,
-                           self.hyper)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - t0
-            out.append({"step": step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
-                        "step_time_s": elapsed, "comm_s": comm.STATS.take()[0]})
-        return out
+        return [self._step(step) for step in range(start, start + count)]
+
+    def run_steps(self, start: int, count: int, snapshot_every: int = 0):
+        """Like `train`, streamed (call with num_returns="streaming"): yields each step's record as
+        it completes and, every `snapshot_every` steps on DP replica 0, this rank's state right after
+        it. Yielded objects are owned by the caller (the driver), so a snapshot outlives this worker.
+
+        If a collective fails (a peer died, or left one), this rank destroys its process groups,
+        which closes its sockets so that peers blocked on it fail too, and raises WorkerAborted.
+        """
+        self.running = True
+        try:
+            for step in range(start, start + count):
+                try:
+                    rec = self._step(step)
+                except Exception as e:  # noqa: BLE001 - every failure mid-step leaves the groups
+                    failure = f"rank {self.rank} left step {step}: {type(e).__name__}: {e}"
+                else:
+                    failure = None
+                if failure:  # outside the except block, so the failed step's frames are gone
+                    self.leave_groups()
+                    raise WorkerAborted(failure)
+                yield rec
+                if snapshot_every and self.groups.dp_rank == 0 and (step + 1) % snapshot_every == 0:
+                    yield checkpoint.shard_state(self.model, self.optimizer)
+        finally:
+            self.running = False
 
     def evaluate(self, step: int) -> float:
         cfg = self.cfg
         batches = []
         for i in range(cfg.train.eval_steps):
             batches += self._micro_batches("val", step * cfg.train.eval_steps + i)
-        return eval_loss(self.model, batches, self.groups)
+        try:
+            return eval_loss(self.model, batches, self.groups)
+        except Exception as e:  # noqa: BLE001 - as in run_steps: leave, so that peers get out too
+            failure = f"rank {self.rank} left evaluation: {type(e).__name__}: {e}"
+        self.leave_groups()
+        raise WorkerAborted(failure)
 
     # -- state ---------------------------------------------------------------------
     def get_state(self) -> dict:
@@ -139,6 +176,32 @@ class Worker:
 
     def ping(self) -> int:
         return self.rank
+
+    def status(self) -> dict:
+        """Answered even while a step runs (the actor is threaded): completed steps, and whether one runs."""
+        return {"rank": self.rank, "completed": self.completed, "running": self.running}
+
+    def leave_groups(self) -> None:
+        """Destroy this rank's process groups and drop every reference to them, so that their
+        sockets close now: peers blocked on this rank then fail too (gloo has no abort that
+        unblocks a collective; a closed socket does). Idempotent."""
+        destroy_process_groups()
+        if self.model is not None:
+            rebind_groups(self.model, None)
+        self.groups = None
+        gc.collect()
+
+    def rejoin(self, tp: int, dp: int, init_method: str) -> None:
+        """Build new process groups (after a failure) and rebind the model's layers to them; keeps the state."""
+        destroy_process_groups()
+        self.groups = init_process_groups(Layout(tp, dp), self.rank, init_method, self.cfg.runtime.device,
+                                          self.cfg.runtime.collective_timeout_s)
+        rebind_groups(self.model, self.groups.tp)
+
+    def set_shard(self, state: dict, completed: int) -> None:
+        """Take a shard_state of this rank's own shape (from a DP replica or a snapshot)."""
+        checkpoint.load_shard_state(self.model, self.optimizer, state)
+        self.completed = completed
 
     def shutdown(self) -> None:
         destroy_process_groups()
