@@ -108,3 +108,59 @@ def test_sigkill_of_a_random_worker_loses_nothing(reference, tmp_path, tp, dp):
     assert rec["seconds"] < 5
     metrics = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
     assert metrics == list(range(STEPS)), "one metrics line per step, none twice"
+
+
+def test_hung_worker_is_detected_by_the_step_deadline_and_replaced(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = recovery_job(2, 2, step_timeout_s=4.0, recovery={"ping_timeout_s": 2.0})
+    run(cfg, run_dir, "hang", faults=[(6, signal_rank(1, signal.SIGSTOP))])
+    assert_bitwise_equal(final_state(run_dir), reference[(2, 2)])
+    (fail,), (rec,) = events(run_dir, "failure"), events(run_dir, "recovered")
+    assert fail["rank"] == 1 and fail["cause"] == "hung"
+    assert rec["source"] == "replica" and rec["lost_steps"] == 0
+
+
+def test_two_failures_in_one_run(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    run(recovery_job(4, 1), run_dir, "twice",
+        faults=[(4, signal_rank(2, signal.SIGKILL)), (10, signal_rank(0, signal.SIGKILL))])
+    assert_bitwise_equal(final_state(run_dir), reference[(4, 1)])
+    assert [e["rank"] for e in events(run_dir, "failure")] == [2, 0]
+    recs = events(run_dir, "recovered")
+    assert len(recs) == 2 and all(r["source"] == "snapshot" and r["lost_steps"] <= 1 for r in recs)
+
+
+def test_failure_during_a_checkpoint_save(reference, tmp_path):
+    """Rank 1 dies inside the save of step 8: the job heals, saves step 8 again, and finishes."""
+    from faulty import DiesInSave
+    DiesInSave.marker = str(tmp_path / "died-once")
+    run_dir = tmp_path / "run"
+    cfg = recovery_job(2, 2)
+    cfg = cfg.__class__(**{**cfg.__dict__, "checkpoint": cfg.checkpoint.__class__(every=8, keep=3)})
+    run(cfg, run_dir, "insave", worker_cls=DiesInSave)
+    assert os.path.exists(DiesInSave.marker), "the fault was not injected"
+    assert_bitwise_equal(final_state(run_dir), reference[(2, 2)])
+    assert [e["step"] for e in events(run_dir, "checkpoint")] == [8, 16]
+    assert checkpoint.load(run_dir / "checkpoints" / "step-00000008")[0]["step"] == 8
+    (rec,) = events(run_dir, "recovered")
+    assert rec["source"] == "replica"
+
+
+def test_too_many_failures_fail_clearly_and_leave_a_checkpoint(ray_local, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = recovery_job(2, 1, recovery={"max_failures": 0})
+    d = Driver(cfg, run_dir, "giveup", out=open(tmp_path / "out", "w"))
+    holder = []
+    t = threading.Thread(target=lambda: holder.append(_run(d)), daemon=True)
+    t.start()
+    while _steps_logged(run_dir) < 5:
+        time.sleep(0.005)
+    signal_rank(1, signal.SIGKILL)("giveup")
+    t.join(timeout=120)
+    (err,) = holder
+    assert isinstance(err, RecoveryFailed)
+    assert "1 worker losses exceed recovery.max_failures=0" in str(err)
+    assert "saved the newest snapshot as" in str(err)
+    path, manifest, _ = checkpoint.load_latest(run_dir)
+    assert manifest["step"] >= 5
+    assert not ray_actors("raytp.giveup.")

@@ -1,0 +1,26 @@
+"""Workers with injected faults, shipped to Ray by value (tests/ is not on the workers' path)."""
+import os
+import sys
+
+import ray.cloudpickle
+
+from raytp.runtime.worker import Worker
+
+
+class DiesInSave(Worker):
+    """Rank 1 exits inside its first get_state at step 8 (once per test, via a marker file)."""
+
+    marker = ""
+
+    def __init__(self, job, rank):
+        super().__init__(job, rank)
+        self.marker_path = type(self).marker
+
+    def get_state(self):
+        if self.rank == 1 and self.completed == 8 and not os.path.exists(self.marker_path):
+            open(self.marker_path, "w").close()
+            os._exit(1)
+        return super().get_state()
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
