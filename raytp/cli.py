@@ -181,5 +181,110 @@ def sample(model_file, prompt, tokens, temperature, top_k, seed):
     click.echo(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
 
 
+def _connect(address: str | None) -> None:
+    """Join the cluster a run lives on: --address, RAY_ADDRESS, or the local one `ray start` made."""
+    import ray
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        ray.init(address=address, namespace="raytp", log_to_driver=False, logging_level="ERROR")
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        _fail(f"cannot reach a Ray cluster at {address!r} ({type(e).__name__}: {str(e).splitlines()[0]}); "
+              "pass --address or set RAY_ADDRESS", 1)
+
+
+def _control_of(run: str):
+    from raytp.runtime.control import find_control
+    ctl = find_control(run)
+    if ctl is None:
+        _fail(f"no running run named {run!r} in this cluster (see `raytp status` for the runs it has)", 1)
+    return ctl
+
+
+def _format_status(st: dict) -> str:
+    def num(key, fmt):
+        return format(st[key], fmt) if st.get(key) is not None else "-"
+    return (f"{st['run']}: {st['state']}  step {st.get('step', 0)}/{st.get('steps', '?')}  "
+            f"TP={st.get('tp', '?')} x DP={st.get('dp', '?')} ({st.get('world_size', '?')} workers)  "
+            f"loss {num('loss', '.4f')}  val {num('val_loss', '.4f')}  tok/s {num('tokens_per_s', ',.0f')}  "
+            f"failures {st.get('failures', 0)}  dir {st.get('run_dir', '-')}")
+
+
+def _await(ctl, rid: int, timeout_s: float, what: str) -> dict:
+    import ray
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            outcome = ray.get(ctl.outcome.remote(rid), timeout=10)
+        except ray.exceptions.RayActorError:
+            return {"ok": True, "note": "the run has ended"}
+        if outcome is not None:
+            return outcome
+        time.sleep(0.2)
+    _fail(f"no answer to the {what} request within {timeout_s:g}s (the run answers at step boundaries)", 1)
+
+
+@main.command()
+@click.argument("run", required=False)
+@click.option("--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else the local one).")
+def status(run, address):
+    """Layout, step, loss, tokens/s and state of RUN (of every running run without RUN)."""
+    import ray
+    _connect(address)
+    from raytp.runtime.control import find_control, list_runs
+    runs = [run] if run else list_runs()
+    if not runs:
+        click.echo("no raytp runs are running in this cluster")
+    for name in runs:
+        ctl = find_control(name)
+        if ctl is None:
+            _fail(f"no running run named {name!r} in this cluster", 1)
+        click.echo(_format_status(ray.get(ctl.get_status.remote(), timeout=30)))
+
+
+@main.command()
+@click.argument("run")
+@click.option("--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else the local one).")
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the run to stop.")
+def stop(run, address, timeout):
+    """Stop RUN at its next step boundary, with a checkpoint of the step it reached."""
+    import ray
+    _connect(address)
+    ctl = _control_of(run)
+    outcome = _await(ctl, ray.get(ctl.request.remote("stop"), timeout=30), timeout, "stop")
+    click.echo(f"[raytp] {run} stopped" + (f" at step {outcome['step']}" if "step" in outcome else "")
+               + (f"; checkpoint {outcome['checkpoint']}" if outcome.get("checkpoint") else ""))
+
+
+@main.command()
+@click.argument("run")
+@click.option("--workers", type=int, default=None, help="Total workers; keeps TP and sets DP = workers / TP.")
+@click.option("--tp", type=int, default=None, help="New tensor-parallel degree.")
+@click.option("--dp", type=int, default=None, help="New data-parallel degree.")
+@click.option("--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else the local one).")
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the resize.")
+def scale(run, workers, tp, dp, address, timeout):
+    """Change RUN's layout while it trains: --workers N, or --tp N and/or --dp M."""
+    import ray
+    if workers is None and tp is None and dp is None:
+        _fail("give --workers N, or --tp N and/or --dp M")
+    if workers is not None and (tp is not None or dp is not None):
+        _fail("--workers keeps TP and sets DP; give either it or --tp/--dp")
+    _connect(address)
+    ctl = _control_of(run)
+    st = ray.get(ctl.get_status.remote(), timeout=30)
+    if workers is not None:
+        if workers % st["tp"]:
+            _fail(f"--workers {workers} is not a multiple of the run's TP={st['tp']}; "
+                  f"valid: {', '.join(str(st['tp'] * k) for k in range(1, 5))}, ...")
+        tp, dp = st["tp"], workers // st["tp"]
+    tp, dp = tp or st["tp"], dp or st["dp"]
+    rid = ray.get(ctl.request.remote("scale", tp=tp, dp=dp), timeout=30)
+    outcome = _await(ctl, rid, timeout, "scale")
+    if not outcome.get("ok"):
+        _fail(f"scale refused; the run goes on unchanged: {outcome.get('error')}", 1)
+    click.echo(f"[raytp] {run} now runs at {outcome.get('layout')} (step {outcome.get('step', '?')})"
+               + (f"; {outcome['bytes'] / 1e6:.1f} MB moved" if outcome.get("bytes") else ""))
+
+
 if __name__ == "__main__":
     main()

@@ -20,7 +20,8 @@ from ray.exceptions import ActorAlreadyExistsError
 
 from raytp.config import JobConfig
 from raytp.parallel.layout import Layout
-from raytp.runtime import placement, recovery
+from raytp.runtime import placement, recovery, resize
+from raytp.runtime.control import start_control
 from raytp.runtime.metrics import RunLog
 from raytp.runtime.progress import Progress
 from raytp.runtime.snapshots import Snapshots
@@ -51,7 +52,8 @@ class Driver:
         self.log = RunLog(self.run_dir, run, ray_metrics)
         self.out = out
         self.state = State.SCHEDULING
-        self.pg = None
+        self.pgs: dict = {}  # dp_rank -> placement group of that replica
+        self.control = None
         self.workers: list = []
         self.placement: list[dict] = []
         self.step = 0
@@ -60,6 +62,9 @@ class Driver:
         self.snapshots = Snapshots(self.layout.tp)
         self.failures = 0
         self.healing: dict | None = None  # set by a recovery until the next completed step
+        self.resizing: dict | None = None  # set by a resize until the next completed step
+        self.stop_request: dict | None = None
+        self.t_start = time.perf_counter()
         self.saved_step: int | None = None
         self.logged = 0  # steps below this have their metrics.jsonl line
         self.partial: dict | None = None
@@ -70,15 +75,17 @@ class Driver:
 
         `t_start` (perf_counter) is when the user asked, for the time-to-first-step figure.
         """
-        t_start = time.perf_counter() if t_start is None else t_start
+        t_start = self.t_start = time.perf_counter() if t_start is None else t_start
         try:
             self.start()
             self.train_loop(t_start)
-            self.state = State.FINISHED
             summary = {"steps": self.step, "loss": self.last.get("loss"), "val_loss": self.last.get("val_loss"),
                        "seconds": time.perf_counter() - t_start, "failures": self.failures}
-            self.log.event("finished", **summary)
-            return summary
+            if self.stop_request is None:
+                self.state = State.FINISHED
+                self.log.event("finished", **summary)
+            self.publish()
+            return {**summary, "state": self.state.value}
         except KeyboardInterrupt:
             self.state = State.STOPPED
             self.log.event("stopped", step=self.step, reason="interrupted")
@@ -93,10 +100,13 @@ class Driver:
 
     def start(self) -> None:
         cfg, lay = self.cfg, self.layout
+        self.control = start_control(self.run)
+        self.publish()
         self.log.event("started", run=self.run, tp=lay.tp, dp=lay.dp, world_size=lay.world_size,
                        device=cfg.runtime.device, steps=cfg.train.steps)
         self._say(f"placing {lay.world_size} workers ({lay}) ...")
-        self.pg = placement.reserve(cfg, self.run, lay.tp, lay.dp, cfg.runtime.placement_timeout_s)
+        self.pgs = placement.reserve_replicas(cfg, self.run, lay.tp, list(range(lay.dp)),
+                                              cfg.runtime.placement_timeout_s)
         self.workers = [self.new_worker(r) for r in range(lay.world_size)]
         self.wire(fresh=set(range(lay.world_size)))
         if self.init_state is not None:
@@ -112,7 +122,8 @@ class Driver:
         """Start the actor of `rank` (threaded, so it answers pings while a step runs). A replacement
         may have to wait a moment for Ray to release the dead actor's name."""
         remote = ray.remote(self.worker_cls)
-        opts = placement.worker_options(self.cfg, self.pg, self.run, rank, self.layout.tp)
+        dp_rank, tp_rank = self.layout.coords(rank)
+        opts = placement.worker_options(self.cfg, self.pgs[dp_rank], self.run, rank, tp_rank)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -122,14 +133,16 @@ class Driver:
                     raise
                 time.sleep(0.05)
 
-    def wire(self, fresh: set[int]) -> None:
+    def wire(self, fresh: set[int], job: dict | None = None) -> None:
         """Rendezvous at rank 0's node and build the process groups: new workers (`fresh`) also build
-        their shard (`setup`); the others keep their state and only `rejoin`."""
+        their shard (`setup`); the others keep their state and only `rejoin` (with the job as it now
+        is, if `job` is given)."""
         workers, lay = self.workers, self.layout
         timeout = self.cfg.runtime.placement_timeout_s + self.cfg.runtime.collective_timeout_s
         init_method = ray.get(workers[0].rendezvous_address.remote(), timeout=timeout)
-        ray.get([(w.setup if r in fresh else w.rejoin).remote(lay.tp, lay.dp, init_method)
-                 for r, w in enumerate(workers)], timeout=timeout)
+        ray.get([w.setup.remote(lay.tp, lay.dp, init_method) if r in fresh
+                 else w.rejoin.remote(lay.tp, lay.dp, init_method, job) for r, w in enumerate(workers)],
+                timeout=timeout)
         self.placement = ray.get([w.where.remote() for w in workers], timeout=timeout)
         self.log.event("placed", ranks=self.placement)
 
@@ -162,12 +175,18 @@ class Driver:
         progress = Progress(cfg.train.steps, self.out)
         try:
             while self.step < end:
+                self.handle_requests()
+                if self.stop_request is not None:
+                    self.stop()
+                    return
                 try:
                     self._call(end, t_start, progress)
                 except recovery.FAILURES as e:
                     self.state = State.RECOVERING
+                    self.publish()
                     recovery.recover(self, e)
                     self.state = State.RUNNING
+                self.publish()
         finally:
             progress.close()
 
@@ -201,12 +220,53 @@ class Driver:
             self.log_step(self.last)
             if self.healing is not None:
                 recovery.healed(self)
+            if self.resizing is not None:
+                resize.resized(self)
         if save_every and (self.step % save_every == 0 or self.step == steps):
             self.save_checkpoint()
         if self.first_step is None:
             self.first_step = time.perf_counter() - t_start
             self.log.event("first_step", seconds=self.first_step)
         progress.update(self.last, time.perf_counter() - t_start)
+
+    # -- control -------------------------------------------------------------------
+    def status(self) -> dict:
+        """What `raytp status` shows."""
+        return {"state": self.state.value, "step": self.step, "steps": self.cfg.train.steps,
+                "tp": self.layout.tp, "dp": self.layout.dp, "world_size": self.layout.world_size,
+                "loss": self.last.get("loss"), "val_loss": self.last.get("val_loss"),
+                "tokens_per_s": self.last.get("tokens_per_s"), "step_time_s": self.last.get("step_time_s"),
+                "failures": self.failures, "run_dir": str(self.run_dir.resolve()),
+                "elapsed_s": time.perf_counter() - self.t_start}
+
+    def publish(self) -> None:
+        if self.control is not None:
+            self.control.publish.remote(self.status())
+
+    def handle_requests(self) -> None:
+        """Requests filed through the control actor, served at this step boundary."""
+        if self.control is None:
+            return
+        for req in ray.get(self.control.take_requests.remote(), timeout=30):
+            if req["kind"] == "stop":
+                self.stop_request = req
+            elif req["kind"] == "scale":
+                outcome = resize.resize(self, req["tp"], req["dp"])
+                self.control.answer.remote(req["id"], outcome)
+                self.publish()
+            else:
+                self.control.answer.remote(req["id"], {"ok": False, "error": f"unknown request {req['kind']!r}"})
+
+    def stop(self) -> None:
+        """Stop at this step boundary on request: a checkpoint of the step reached, then release."""
+        path = None
+        if self.step > 0 and self.saved_step != self.step:
+            path = self.save_checkpoint()
+        self.state = State.STOPPED
+        self.log.event("stopped", step=self.step, reason="requested", checkpoint=str(path) if path else None)
+        self.control.answer.remote(self.stop_request["id"], {"ok": True, "step": self.step,
+                                                             "checkpoint": str(path) if path else None})
+        self._say(f"stopped at step {self.step} on request" + (f"; checkpoint {path}" if path else ""))
 
     @staticmethod
     def _next(stream, timeout: float):
@@ -248,12 +308,14 @@ class Driver:
             except Exception:  # noqa: BLE001 - already gone is fine
                 pass
         self.workers = []
-        if self.pg is not None:
+        placement.release(self.pgs.values())
+        self.pgs = {}
+        if self.control is not None:
             try:
-                ray.util.remove_placement_group(self.pg)
+                ray.kill(self.control)
             except Exception:  # noqa: BLE001
                 pass
-            self.pg = None
+            self.control = None
 
     def _say(self, msg: str) -> None:
         print(f"[raytp] {msg}", file=self.out, flush=True)

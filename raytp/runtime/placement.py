@@ -1,19 +1,27 @@
-"""Placement groups for a Layout: each TP group inside one node, DP replicas spread.
+"""Placement groups: one per DP replica, one bundle per rank, packed on one node.
 
-One bundle per *TP group* (tp workers' worth of CPUs and GPUs), strategy
-SPREAD: a bundle never spans nodes, so a TP group's frequent all-reduces stay
-on one node's links by construction, and SPREAD puts the DP replicas on
-different nodes where it can (they sync once per step). Ray's strategies
-apply to a whole group, so per-rank bundles could not say "these together,
-those apart"; per-group bundles can. Worker r sits in bundle r // tp.
+Each replica (one TP group) gets its own placement group of ``tp`` bundles of
+``{GPU: 1, CPU: n}`` (``{CPU: n}`` on cpu) with strategy STRICT_PACK, so a TP
+group's frequent all-reduces stay on one node's links. Replicas are asked for
+on different nodes (a soft target: Ray falls back to any node that fits), so
+a node loss takes at most one replica where the cluster allows. One group per
+replica is what lets a job grow or shrink its DP degree while running: a
+replica's group is added or removed whole, and the other replicas' workers
+keep their processes. Worker (dp_rank, tp_rank) sits in bundle tp_rank of
+replica dp_rank's group.
 """
 from __future__ import annotations
+
+import itertools
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytp.config import JobConfig
+
+
+_GENERATION = itertools.count()  # group names must be unique while the old ones of a resize live
 
 
 class PlacementError(RuntimeError):
@@ -31,17 +39,17 @@ def worker_resources(cfg: JobConfig) -> dict[str, float]:
     return res
 
 
-def group_bundle(cfg: JobConfig, tp: int) -> dict[str, float]:
-    return {k: v * tp for k, v in worker_resources(cfg).items()}
-
-
 def _fmt(res: dict) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(res.items())) + "}"
 
 
+def _replica_need(cfg: JobConfig, tp: int) -> dict[str, float]:
+    return {k: v * tp for k, v in worker_resources(cfg).items()}
+
+
 def explain_shortfall(cfg: JobConfig, tp: int, dp: int) -> str:
     """Why a layout does not fit: what each TP group needs against what each node has."""
-    need = group_bundle(cfg, tp)
+    need = _replica_need(cfg, tp)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     fits = sum(int(min(n["Resources"].get(k, 0.0) // v for k, v in need.items())) for n in nodes)
     have = "; ".join(f"{n['NodeManagerAddress']}: {_fmt({k: n['Resources'].get(k, 0.0) for k in need})}"
@@ -50,18 +58,51 @@ def explain_shortfall(cfg: JobConfig, tp: int, dp: int) -> str:
             f"the cluster's nodes can hold {fits} (nodes, total resources: {have})")
 
 
-def reserve(cfg: JobConfig, run: str, tp: int, dp: int, timeout_s: float) -> PlacementGroup:
-    """Reserve one bundle per TP group; raises PlacementError (leaving nothing behind) on timeout."""
-    pg = placement_group([group_bundle(cfg, tp)] * dp, strategy="SPREAD", name=f"raytp.{run}")
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
-        remove_placement_group(pg)
-        raise PlacementError(f"could not place the workers within runtime.placement_timeout_s={timeout_s:g}s: "
-                             + explain_shortfall(cfg, tp, dp))
-    return pg
+def _candidate_nodes(need: dict[str, float], avoid: set[str]) -> list[str]:
+    """Alive nodes big enough for one replica, those not in `avoid` first."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")
+             and all(n["Resources"].get(k, 0.0) >= v for k, v in need.items())]
+    ids = [n["NodeID"] for n in nodes]
+    return [i for i in ids if i not in avoid] + [i for i in ids if i in avoid]
 
 
-def worker_options(cfg: JobConfig, pg: PlacementGroup, run: str, rank: int, tp: int) -> dict:
+def reserve_replicas(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int], timeout_s: float,
+                     avoid_nodes: set[str] = frozenset()) -> dict[int, PlacementGroup]:
+    """One STRICT_PACK group of `tp` bundles for each DP rank in `dp_ranks`, each aimed at a node of its
+    own; {dp_rank: group}. Raises PlacementError (leaving nothing behind) if not all are ready in time."""
+    need = _replica_need(cfg, tp)
+    targets = _candidate_nodes(need, set(avoid_nodes))
+    pgs = {}
+    for i, d in enumerate(dp_ranks):
+        target = targets[i] if i < len(targets) else None
+        pgs[d] = placement_group([worker_resources(cfg)] * tp, strategy="STRICT_PACK",
+                                 name=f"raytp.{run}.replica{d}.{next(_GENERATION)}", _soft_target_node_id=target)
+    ready, _ = ray.wait([pg.ready() for pg in pgs.values()], num_returns=len(pgs), timeout=timeout_s)
+    if len(ready) < len(pgs):
+        release(pgs.values())
+        raise PlacementError(f"could not place the workers within {timeout_s:g}s: "
+                             + explain_shortfall(cfg, tp, len(dp_ranks)))
+    return pgs
+
+
+def release(pgs) -> None:
+    for pg in list(pgs):
+        try:
+            remove_placement_group(pg)
+        except Exception:  # noqa: BLE001 - already removed
+            pass
+
+
+def nodes_of(pgs: dict[int, PlacementGroup]) -> set[str]:
+    """Nodes that host the given groups' bundles, as Ray's placement-group table says."""
+    table = ray.util.placement_group_table()
+    out = set()
+    for pg in pgs.values():
+        out |= set(table.get(pg.id.hex(), {}).get("bundles_to_node_id", {}).values())
+    return out
+
+
+def worker_options(cfg: JobConfig, pg: PlacementGroup, run: str, rank: int, tp_rank: int) -> dict:
     """Ray actor options for rank `rank`: its name, resources and bundle."""
     res = worker_resources(cfg)
     return {
@@ -71,5 +112,5 @@ def worker_options(cfg: JobConfig, pg: PlacementGroup, run: str, rank: int, tp: 
         "num_gpus": res.get("GPU", 0),
         "max_restarts": 0,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=rank // tp),
+            placement_group=pg, placement_group_bundle_index=tp_rank),
     }

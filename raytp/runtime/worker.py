@@ -191,8 +191,17 @@ class Worker:
         self.groups = None
         gc.collect()
 
-    def rejoin(self, tp: int, dp: int, init_method: str) -> None:
-        """Build new process groups (after a failure) and rebind the model's layers to them; keeps the state."""
+    def state_nbytes(self) -> int:
+        """Bytes of this rank's weights and optimizer state."""
+        tensors = list(self.model.parameters()) + [t for st in self.optimizer.state.values()
+                                                   for t in st.values() if torch.is_tensor(t)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def rejoin(self, tp: int, dp: int, init_method: str, job: dict | None = None) -> None:
+        """Build new process groups (after a failure or a DP resize) and rebind the model's layers to
+        them; keeps the state. `job`: the job as it is now (a resize changes its layout and micro-batch)."""
+        if job is not None:
+            self.cfg = from_dict(job)
         destroy_process_groups()
         self.groups = init_process_groups(Layout(tp, dp), self.rank, init_method, self.cfg.runtime.device,
                                           self.cfg.runtime.collective_timeout_s)

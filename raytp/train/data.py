@@ -15,6 +15,8 @@ Sources:
 """
 from __future__ import annotations
 
+import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,27 @@ def _read_text_files(files: list[Path], max_bytes: int | None) -> np.ndarray:
     return np.frombuffer(b"\n".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
+def _builtin_tokens(stdlib: Path) -> np.ndarray:
+    """The stdlib's source as bytes; cached as one file (memory-mapped) so that a worker starts fast."""
+    cache = Path(os.environ.get("RAYTP_CACHE", Path.home() / ".cache" / "raytp"))
+    name = f"builtin-{sys.version_info.major}.{sys.version_info.minor}-{BUILTIN_MAX_BYTES}.u8"
+    path = cache / name
+    if path.exists():
+        return np.memmap(path, dtype=np.uint8, mode="r")
+    files = sorted(stdlib.glob("*.py"))  # top level first: stable across installs of one version
+    files += sorted(p for p in stdlib.glob("*/*.py")
+                    if not p.parts[-2].startswith(("test", "site-packages", "idlelib")))
+    tokens = _read_text_files(files, BUILTIN_MAX_BYTES)
+    try:  # written whole elsewhere, then renamed: concurrent workers never read half a file
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cache / f".{name}.{os.getpid()}"
+        tokens.tofile(tmp)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # no cache: read again next time
+    return tokens
+
+
 def _split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     n_val = max(int(len(tokens) * val_fraction), 1)
     return tokens[:-n_val], tokens[-n_val:]
@@ -56,9 +79,7 @@ def load_corpus(source: str, val_fraction: float = 0.1) -> Corpus:
     """Load a corpus named by a job's `data.source`; raises ValueError naming the problem."""
     if source == "builtin":
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(p for p in stdlib.glob("*.py"))  # top level: stable across installs of one version
-        files += sorted(p for p in stdlib.glob("*/*.py") if not p.parts[-2].startswith(("test", "site-packages", "idlelib")))
-        tokens = _read_text_files(files, BUILTIN_MAX_BYTES)
+        tokens = _builtin_tokens(stdlib)
         train, val = _split(tokens, val_fraction)
         return Corpus(train, val, 256, f"builtin: Python stdlib source at {stdlib} ({len(tokens):,} bytes)")
     path = Path(source).expanduser()

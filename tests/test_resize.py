@@ -1,0 +1,85 @@
+"""Elastic resizing of a running job: TP 2 -> 4 -> 1 and DP 2 -> 1 -> 2 in one run, in memory."""
+import io
+import json
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from conftest import ray_actors
+from raytp.runtime import resize
+from raytp.runtime.driver import Driver
+from test_checkpoint import FIXED
+from test_runtime import job, losses
+
+PHASES = [(2, 2), (4, 2), (1, 2), (1, 1), (1, 2)]  # layouts, 4 steps each
+STEPS = 4 * len(PHASES)
+
+
+@pytest.fixture(scope="module")
+def ray_wide():
+    """A local Ray with room for two layouts at once (resizes reserve the new one first)."""
+    ray.init(address="local", num_cpus=12, include_dashboard=False, namespace="raytp", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_resizes_keep_the_model_and_track_an_unresized_run(ray_wide, tmp_path):
+    ref = Driver(job(2, 2, steps=STEPS), tmp_path / "ref", "unresized", out=io.StringIO())
+    ref.run_to_end()
+    d = Driver(job(2, 2, steps=STEPS), tmp_path / "run", "resized", out=io.StringIO())
+    try:
+        d.start()
+        for i, (tp, dp) in enumerate(PHASES):
+            if i:
+                before = d.logits(FIXED)
+                kept = {a["pid"] for n, a in ray_actors("raytp.resized.rank").items()}
+                outcome = resize.resize(d, tp, dp)
+                assert outcome["ok"], outcome
+                assert (d.layout.tp, d.layout.dp) == (tp, dp)
+                after = d.logits(FIXED)
+                assert float((after - before).abs().max()) < 1e-5, f"logits moved at {PHASES[i - 1]} -> {tp, dp}"
+                names = ray_actors("raytp.resized.rank")
+                assert sorted(names) == sorted(f"raytp.resized.rank{r}" for r in range(tp * dp))
+                if tp == PHASES[i - 1][0]:  # a DP change keeps the staying workers' processes
+                    stay = min(dp, PHASES[i - 1][1]) * tp
+                    assert {names[f"raytp.resized.rank{r}"]["pid"] for r in range(stay)} <= kept
+            d.train_loop(until=4 * (i + 1))
+    finally:
+        d.release()
+        d.log.close()
+    ours, theirs = np.array(losses(tmp_path / "run")), np.array(losses(tmp_path / "ref"))
+    assert len(ours) == STEPS
+    rel = np.abs(ours - theirs) / theirs
+    assert rel.max() < 1e-4, f"loss curve left the unresized one by {rel.max():.2e}"
+    resized = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl")]
+    resized = [e for e in resized if e["kind"] == "resized"]
+    assert [(e["old"]["tp"], e["old"]["dp"], e["new"]["tp"], e["new"]["dp"]) for e in resized] == [
+        (*PHASES[i], *PHASES[i + 1]) for i in range(len(PHASES) - 1)]
+    assert all(e["seconds"] > 0 and e["lost_steps"] == 0 for e in resized)
+    shrink = [e["new"]["tp"] == e["old"]["tp"] and e["new"]["dp"] < e["old"]["dp"] for e in resized]
+    assert [e["bytes"] > 0 for e in resized] == [not s for s in shrink]  # a DP shrink moves nothing
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [(m["tp"], m["dp"]) for m in metrics[::4]] == PHASES
+
+
+def test_invalid_requests_are_refused_and_the_job_is_untouched(ray_wide, tmp_path):
+    d = Driver(job(2, 1, steps=4, placement_timeout_s=2.0), tmp_path / "run", "refuse", out=io.StringIO())
+    try:
+        d.start()
+        d.train_loop(until=2)
+        pids = {a["pid"] for a in ray_actors("raytp.refuse.rank").values()}
+        bad_tp = resize.resize(d, 3, 1)
+        assert not bad_tp["ok"] and "parallel.tp: 3 does not divide model.n_head=4; valid tp: 1, 2, 4" in bad_tp["error"]
+        too_big = resize.resize(d, 2, 8)  # 16 workers on 12 CPUs
+        assert not too_big["ok"] and "could not place the workers" in too_big["error"]
+        bad_dp = resize.resize(d, 2, 3)
+        assert not bad_dp["ok"] and "train.batch_size" in bad_dp["error"]
+        assert (d.layout.tp, d.layout.dp) == (2, 1)
+        assert {a["pid"] for a in ray_actors("raytp.refuse.rank").values()} == pids
+        d.train_loop()
+        assert d.step == 4
+    finally:
+        d.release()
+        d.log.close()
