@@ -26,4 +26,6 @@ def lazy(target: str) -> Callable[..., dict]:
 BENCHMARKS: dict[str, Callable[..., dict]] = {
     "tp_vs_dtensor": lazy("bench.tp_vs_dtensor:run"),
     "tp_memory": lazy("bench.memory:run"),
+    "ray_overhead": lazy("bench.ray_overhead:run"),
+    "checkpoint_io": lazy("bench.checkpoint_io:run"),
 }
