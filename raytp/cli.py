@@ -46,7 +46,7 @@ def _check_data(cfg: config_mod.JobConfig) -> None:
 def run_name_and_dir(job: str, cfg: config_mod.JobConfig, run_dir: str | None, name: str | None) -> tuple[str, Path]:
     """RUN is the last component of the run dir unless --name (or the job's name) is given."""
     if run_dir:
-        path = Path(run_dir)
+        path = Path(run_dir).expanduser()
         return name or path.resolve().name, path
     name = name or cfg.name or f"{Path(job).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     return name, Path("runs") / name
@@ -59,6 +59,9 @@ def connect_ray(address: str | None, cfg: config_mod.JobConfig) -> bool:
         # An embedded instance serves this machine only: bind it to loopback. (Ray reads
         # this at import; despite its name it selects the loopback address on Linux too.)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if address:
+        from raytp.jobs import use_token_if_present
+        use_token_if_present()
     import ray
     if address:
         ray.init(address=address, namespace="raytp", log_to_driver=True)
@@ -119,7 +122,9 @@ def train(job, sets, address, run_dir, name, resume):
     from raytp.runtime.driver import Driver
     from raytp.runtime.placement import PlacementError
     try:
-        summary = Driver(cfg, path, run, init_state=init_state).run_to_end(t_start=t0)
+        driver = Driver(cfg, path, run, init_state=init_state)
+        _stop_on_sigterm(driver)
+        summary = driver.run_to_end(t_start=t0)
     except PlacementError as e:
         _fail(e, 1)
     except KeyboardInterrupt:
@@ -129,9 +134,21 @@ def train(job, sets, address, run_dir, name, resume):
         if embedded:
             ray.shutdown()
     val, loss = summary.get("val_loss"), summary.get("loss")
-    click.echo(f"[raytp] finished {summary['steps']} steps in {summary['seconds']:.1f}s"
+    ended = "stopped after" if summary.get("state") == "stopped" else "finished"
+    click.echo(f"[raytp] {ended} {summary['steps']} steps in {summary['seconds']:.1f}s"
                + (f": loss {loss:.4f}" if loss is not None else "")
                + (f", val_loss {val:.4f}" if val is not None else "") + f"; run dir {path}", err=True)
+
+
+def _stop_on_sigterm(driver) -> None:
+    """SIGTERM (what `ray job stop` and `raytp stop` of a submitted run send) stops the run at its next
+    step boundary, with a checkpoint, like `raytp stop`; the driver then releases everything."""
+    import signal
+
+    def handler(signum, frame):
+        if driver.stop_request is None:
+            driver.stop_request = {"id": 0, "kind": "stop", "via": "SIGTERM"}
+    signal.signal(signal.SIGTERM, handler)
 
 
 @main.command()
@@ -181,32 +198,28 @@ def sample(model_file, prompt, tokens, temperature, top_k, seed):
     click.echo(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
 
 
-def _connect(address: str | None) -> None:
-    """Join the cluster a run lives on: --address, RAY_ADDRESS, or the local one `ray start` made."""
-    import ray
-    address = address or os.environ.get("RAY_ADDRESS") or "auto"
-    try:
-        ray.init(address=address, namespace="raytp", log_to_driver=False, logging_level="ERROR")
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        _fail(f"cannot reach a Ray cluster at {address!r} ({type(e).__name__}: {str(e).splitlines()[0]}); "
-              "pass --address or set RAY_ADDRESS", 1)
+# -- a cluster's runs: submit, status, logs, stop, scale -------------------------------------
+ADDRESS_HELP = ("Ray cluster: its dashboard (http://HEAD:8265) or its GCS (HEAD:6379); default "
+                "RAY_ADDRESS, else the cluster `ray start` made on this machine.")
 
 
-def _control_of(run: str):
-    from raytp.runtime.control import find_control
-    ctl = find_control(run)
-    if ctl is None:
-        _fail(f"no running run named {run!r} in this cluster (see `raytp status` for the runs it has)", 1)
-    return ctl
+def _head(address: str | None):
+    from raytp.jobs import Head
+    return Head(address)
 
 
-def _format_status(st: dict) -> str:
-    def num(key, fmt):
-        return format(st[key], fmt) if st.get(key) is not None else "-"
-    return (f"{st['run']}: {st['state']}  step {st.get('step', 0)}/{st.get('steps', '?')}  "
-            f"TP={st.get('tp', '?')} x DP={st.get('dp', '?')} ({st.get('world_size', '?')} workers)  "
-            f"loss {num('loss', '.4f')}  val {num('val_loss', '.4f')}  tok/s {num('tokens_per_s', ',.0f')}  "
-            f"failures {st.get('failures', 0)}  dir {st.get('run_dir', '-')}")
+def _cluster_errors(fn):
+    """Unreachable heads and unknown runs end the command with one line and status 1."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from raytp.jobs import NoSuchRun, Unreachable
+        try:
+            return fn(*args, **kwargs)
+        except (Unreachable, NoSuchRun, FileExistsError) as e:
+            _fail(e, 1)
+    return wrapper
 
 
 def _await(ctl, rid: int, timeout_s: float, what: str) -> dict:
@@ -223,36 +236,127 @@ def _await(ctl, rid: int, timeout_s: float, what: str) -> dict:
     _fail(f"no answer to the {what} request within {timeout_s:g}s (the run answers at step boundaries)", 1)
 
 
+@main.command(epilog="\b\nThe run's Ray job is raytp-RUN; its driver is `raytp train` on the head node, and its "
+                     "run directory\n~/raytp/runs/RUN there unless --run-dir is given. Paths in the job file "
+                     "(data.source,\nmodel.init_from, checkpoint.dir) are paths on the cluster.")
+@click.argument("job", type=click.Path(exists=True, dir_okay=False))
+@click.option("--address", default=None, help="The cluster's dashboard, http://HEAD:8265, or its GCS, HEAD:6379 "
+              "(default: RAY_ADDRESS, else the cluster `ray start` made on this machine).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override a job key, e.g. --set parallel.tp=4 (repeatable; beats the file).")
+@click.option("--name", default=None, help="Run name (default: the job's name, else <job>-<timestamp>).")
+@click.option("--run-dir", default=None, help="Run directory on the cluster (default: ~/raytp/runs/<name>).")
+@_cluster_errors
+def submit(job, address, sets, name, run_dir):
+    """Run JOB on a Ray cluster as a Ray job, checked here first; returns once it is submitted."""
+    import tempfile
+    from raytp import jobs
+    cfg = _load_job(job, sets)  # a bad job exits 2 here, before anything reaches the cluster
+    run = name or cfg.name or f"{Path(job).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    problem = jobs.check_run_name(run)
+    if problem:
+        _fail(problem)
+    head = _head(address)
+    with tempfile.TemporaryDirectory(prefix="raytp-submit-") as staging:
+        sub = jobs.make_submission(Path(job), sets, run, run_dir, cfg.runtime.step_timeout_s + 120, Path(staging))
+        jobs.submit(head, sub)
+    where = f" --address {address}" if address else ""
+    click.echo(f"submitted run {run} as Ray job {sub.submission_id} to {head.dashboard}\n"
+               f"  layout TP={cfg.parallel.tp} x DP={cfg.parallel.dp}, {cfg.train.steps} steps; "
+               f"run dir on the cluster: {sub.run_dir}\n"
+               f"  follow it:  raytp status {run}{where}\n"
+               f"              raytp logs {run} --follow{where}\n"
+               f"  stop it:    raytp stop {run}{where}")
+
+
 @main.command()
 @click.argument("run", required=False)
-@click.option("--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else the local one).")
+@click.option("--address", default=None, help=ADDRESS_HELP)
+@_cluster_errors
 def status(run, address):
-    """Layout, step, loss, tokens/s and state of RUN (of every running run without RUN)."""
-    import ray
-    _connect(address)
-    from raytp.runtime.control import find_control, list_runs
-    runs = [run] if run else list_runs()
-    if not runs:
-        click.echo("no raytp runs are running in this cluster")
-    for name in runs:
-        ctl = find_control(name)
-        if ctl is None:
-            _fail(f"no running run named {name!r} in this cluster", 1)
-        click.echo(_format_status(ray.get(ctl.get_status.remote(), timeout=30)))
+    """State, step, layout, loss and tokens/s of RUN; of every run without RUN.
+
+    A submitted run also shows its Ray job's status (PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED),
+    after it ended too."""
+    from raytp import jobs
+    head = _head(address)
+    lines = jobs.describe(head, run) if run else jobs.all_runs(head)
+    click.echo("\n".join(lines) if lines else "no raytp runs in this cluster")
 
 
 @main.command()
 @click.argument("run")
-@click.option("--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else the local one).")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing as the run writes, until its job ends.")
+@click.option("--address", default=None, help=ADDRESS_HELP)
+@_cluster_errors
+def logs(run, follow, address):
+    """The output of submitted run RUN (its Ray job's driver log: progress, events, errors)."""
+    from raytp import jobs
+    head = _head(address)
+    if head.job(run) is None:
+        raise jobs.NoSuchRun(f"no submitted run named {run!r} in this cluster (no Ray job "
+                             f"{jobs.submission_id(run)}); a run started with `raytp train` logs to its "
+                             "terminal and its run directory")
+    if not follow:
+        click.echo(head.logs(run), nl=False)
+        return
+    import asyncio
+
+    async def tail():
+        async for chunk in head.client().tail_job_logs(jobs.submission_id(run)):
+            click.echo(chunk, nl=False)
+    try:
+        asyncio.run(tail())
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@click.argument("run")
+@click.option("--address", default=None, help=ADDRESS_HELP)
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the run to stop.")
+@_cluster_errors
 def stop(run, address, timeout):
-    """Stop RUN at its next step boundary, with a checkpoint of the step it reached."""
+    """Stop RUN at its next step boundary, with a checkpoint of the step it reached.
+
+    A submitted run is also stopped as a Ray job (SIGTERM to its driver, which stops the same way),
+    so Ray records it as STOPPED; without a control actor to ask, that is the only way."""
     import ray
-    _connect(address)
-    ctl = _control_of(run)
-    outcome = _await(ctl, ray.get(ctl.request.remote("stop"), timeout=30), timeout, "stop")
+    from raytp import jobs
+    head = _head(address)
+    job = jobs.job_if_reachable(head, run)
+    running = job is not None and not job.status.is_terminal()
+    ctl = None
+    if job is None or running:
+        try:
+            head.connect()
+            from raytp.runtime.control import find_control
+            ctl = find_control(run)
+        except jobs.Unreachable:
+            if job is None:
+                raise
+    if ctl is None and not running:
+        if job is not None:
+            _fail(f"{run} is not running: Ray job {jobs.submission_id(run)} is {job.status.value}", 1)
+        raise jobs.NoSuchRun(f"no running run named {run!r} in this cluster (see `raytp status`)")
+    rid = ray.get(ctl.request.remote("stop"), timeout=30) if ctl is not None else None
+    if running:
+        head.client().stop_job(jobs.submission_id(run))
+    outcome = _await(ctl, rid, timeout, "stop") if ctl is not None else {}
+    if running:
+        deadline = time.monotonic() + timeout
+        while not head.client().get_job_status(jobs.submission_id(run)).is_terminal():
+            if time.monotonic() > deadline:
+                _fail(f"Ray job {jobs.submission_id(run)} did not end within {timeout:g}s", 1)
+            time.sleep(0.5)
+        job = head.job(run)
+        if "step" not in outcome:  # no answer from a control actor: the job's log says where it stopped
+            log = head.logs(run)
+            outcome = jobs.stop_point(log) or {"last": jobs.progress_of(log)[1]}
     click.echo(f"[raytp] {run} stopped" + (f" at step {outcome['step']}" if "step" in outcome else "")
-               + (f"; checkpoint {outcome['checkpoint']}" if outcome.get("checkpoint") else ""))
+               + (f"; checkpoint {outcome['checkpoint']}" if outcome.get("checkpoint") else "")
+               + (f"; Ray job {job.submission_id} {job.status.value}" if running else "")
+               + (f"\n  last: {outcome['last']}" if outcome.get("last") else ""))
 
 
 @main.command()
@@ -260,17 +364,21 @@ def stop(run, address, timeout):
 @click.option("--workers", type=int, default=None, help="Total workers; keeps TP and sets DP = workers / TP.")
 @click.option("--tp", type=int, default=None, help="New tensor-parallel degree.")
 @click.option("--dp", type=int, default=None, help="New data-parallel degree.")
-@click.option("--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else the local one).")
+@click.option("--address", default=None, help=ADDRESS_HELP)
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the resize.")
+@_cluster_errors
 def scale(run, workers, tp, dp, address, timeout):
     """Change RUN's layout while it trains: --workers N, or --tp N and/or --dp M."""
     import ray
+    from raytp.runtime.control import find_control
     if workers is None and tp is None and dp is None:
         _fail("give --workers N, or --tp N and/or --dp M")
     if workers is not None and (tp is not None or dp is not None):
         _fail("--workers keeps TP and sets DP; give either it or --tp/--dp")
-    _connect(address)
-    ctl = _control_of(run)
+    _head(address).connect()
+    ctl = find_control(run)
+    if ctl is None:
+        _fail(f"no running run named {run!r} in this cluster (see `raytp status` for the runs it has)", 1)
     st = ray.get(ctl.get_status.remote(), timeout=30)
     if workers is not None:
         if workers % st["tp"]:

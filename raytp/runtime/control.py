@@ -73,8 +73,7 @@ def find_control(run: str):
 
 
 def list_runs() -> list[str]:
-    """Runs with a live control actor in the connected cluster."""
-    from ray.util.state import list_actors
-    names = [a.name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10000) if a.name]
+    """Runs with a live control actor in the connected cluster (asks the GCS; no dashboard needed)."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
     return sorted(n[len("raytp."):-len(".control")] for n in names
                   if n.startswith("raytp.") and n.endswith(".control"))

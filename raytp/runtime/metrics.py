@@ -11,6 +11,28 @@ import time
 from pathlib import Path
 
 
+GAUGES = {
+    "loss": "training loss of the last step",
+    "val_loss": "validation loss of the last evaluation",
+    "tokens_per_second": "tokens per second of the last step",
+    "step_seconds": "wall time of the last optimizer step",
+    "comm_seconds": "time inside collectives in the last step (rank 0)",
+    "step": "last completed optimizer step",
+    "world_size": "ranks in the current layout",
+}
+COUNTERS = {
+    "steps": "optimizer steps completed",
+    "failures": "worker failures seen",
+    "recoveries": "recoveries completed",
+    "resizes": "resizes completed",
+}
+
+
+def exported_names() -> list[str]:
+    """Every metric raytp exports, as named in Ray. (Ray's Prometheus endpoint prefixes them: `ray_raytp_loss`.)"""
+    return [f"raytp_{k}" for k in GAUGES] + [f"raytp_{k}_total" for k in COUNTERS]
+
+
 class RayMetrics:
     """Gauges and counters exported through Ray's metrics agent (dashboard, Prometheus)."""
 
@@ -18,21 +40,8 @@ class RayMetrics:
         from ray.util.metrics import Counter, Gauge
         tags = ("run",)
         self.tags = {"run": run}
-        self.gauges = {k: Gauge(f"raytp_{k}", description=d, tag_keys=tags) for k, d in (
-            ("loss", "training loss of the last step"),
-            ("val_loss", "validation loss of the last evaluation"),
-            ("tokens_per_second", "tokens per second of the last step"),
-            ("step_seconds", "wall time of the last optimizer step"),
-            ("comm_seconds", "time inside collectives in the last step (rank 0)"),
-            ("step", "last completed optimizer step"),
-            ("world_size", "ranks in the current layout"),
-        )}
-        self.counters = {k: Counter(f"raytp_{k}_total", description=d, tag_keys=tags) for k, d in (
-            ("steps", "optimizer steps completed"),
-            ("failures", "worker failures seen"),
-            ("recoveries", "recoveries completed"),
-            ("resizes", "resizes completed"),
-        )}
+        self.gauges = {k: Gauge(f"raytp_{k}", description=d, tag_keys=tags) for k, d in GAUGES.items()}
+        self.counters = {k: Counter(f"raytp_{k}_total", description=d, tag_keys=tags) for k, d in COUNTERS.items()}
 
     def set(self, name: str, value: float) -> None:
         self.gauges[name].set(float(value), tags=self.tags)
@@ -59,6 +68,8 @@ class RunLog:
                                ("val_loss", "val_loss")):
                 if rec.get(key) is not None:
                     self.ray.set(gauge, rec[key])
+            if rec.get("tp") and rec.get("dp"):
+                self.ray.set("world_size", rec["tp"] * rec["dp"])
             self.ray.inc("steps")
 
     def event(self, kind: str, **fields) -> dict:

@@ -1,0 +1,201 @@
+"""`raytp submit/status/logs/stop/scale` against a real Ray head, as a user drives them.
+
+The module starts one head with `ray start --head --block` on loopback (its own ports and temp dir,
+token auth on) and ends it by signalling that process alone: `ray stop` would also end every other
+Ray instance on the machine. Every command runs as a fresh `python -m raytp.cli` process.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).parent / "ray")
+SMALL = ["--set", "model.n_layer=2", "--set", "train.eval_interval=0"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **extra)
+    return env
+
+
+def raytp(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "raytp.cli", *args], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def wait_for(what, fn, timeout, every=1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = fn()
+        if out:
+            return out
+        time.sleep(every)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def head():
+    # Keep token auth on: make sure a token exists (as ray.init would), and tell the head to use it.
+    subprocess.run([RAY, "get-auth-token", "--generate"], capture_output=True, env=_env(), timeout=60, check=True)
+    gcs, dash, metrics, client, agent = (_free_port() for _ in range(5))
+    temp = tempfile.mkdtemp(prefix="rtp", dir="/tmp")  # short: Ray's socket paths live under it
+    log = open(Path(temp) / "head.log", "w")
+    proc = subprocess.Popen(
+        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--metrics-export-port={metrics}",
+         f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}", "--num-cpus=4",
+         "--disable-usage-stats", f"--temp-dir={temp}"],
+        env=_env(RAY_AUTH_MODE="token", RAY_metrics_report_interval_ms="2000",
+                 RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"),
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for("the head", lambda: proc.poll() is not None or (_answers(gcs) and _answers(dash) and _answers(agent)),
+                 timeout=120)
+        assert proc.poll() is None, (Path(temp) / "head.log").read_text()[-3000:]
+        yield SimpleNamespace(gcs=f"127.0.0.1:{gcs}", dashboard=f"http://127.0.0.1:{dash}", metrics_port=metrics,
+                              temp=temp)
+    finally:
+        proc.send_signal(signal.SIGTERM)  # `ray start --block` tears down the processes it started
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def alive_actors(head, prefix: str) -> list[str]:
+    code = ("import json, ray; from ray._private import state\n"
+            f"ray.init(address={head.gcs!r}, logging_level='ERROR')\n"
+            "print(json.dumps([a['Name'] for a in state.actors().values() "
+            f"if a.get('Name', '').startswith({prefix!r}) and a['State'] == 'ALIVE']))")
+    p = subprocess.run([sys.executable, "-c", code], env=_env(RAY_AUTH_MODE="token"), capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_submitted_run_runs_to_success_with_status_and_logs(head, tmp_path):
+    run_dir = tmp_path / "short"
+    p = raytp("submit", "jobs/default.yaml", "--address", head.dashboard, "--name", "short", "--run-dir",
+              str(run_dir), "--set", "train.steps=30", *SMALL)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "submitted run short as Ray job raytp-short" in p.stdout
+    assert "raytp status short" in p.stdout and "raytp logs short --follow" in p.stdout
+
+    # A second run of the same name is refused, and nothing replaces the first.
+    again = raytp("submit", "jobs/default.yaml", "--address", head.dashboard, "--name", "short")
+    assert again.returncode == 1 and "already submitted" in again.stderr
+
+    seen = raytp("status", "short", "--address", head.dashboard)
+    assert seen.returncode == 0, seen.stderr[-2000:]
+    assert re.search(r"Ray job raytp-short: (PENDING|RUNNING)", seen.stdout), seen.stdout
+
+    follow = raytp("logs", "short", "--follow", "--address", head.dashboard, timeout=150)
+    assert follow.returncode == 0, follow.stderr[-2000:]
+    assert "[raytp] step 1/30" in follow.stdout and "[raytp] step 30/30" in follow.stdout
+    assert "[raytp] finished 30 steps" in follow.stdout
+
+    done = wait_for("SUCCEEDED", lambda: (s := raytp("status", "short", "--address", head.dashboard))
+                    and "SUCCEEDED" in s.stdout and s, timeout=30)
+    assert "short: SUCCEEDED  step 30/30" in done.stdout
+    assert "Ray job raytp-short: SUCCEEDED" in done.stdout
+    by_gcs = raytp("status", "short", "--address", head.gcs)  # the other door gives the same answer
+    assert by_gcs.returncode == 0 and "short: SUCCEEDED  step 30/30" in by_gcs.stdout, by_gcs.stderr[-2000:]
+    assert "short: SUCCEEDED" in raytp("status", "--address", head.dashboard).stdout
+
+    logs = raytp("logs", "short", "--address", head.dashboard)
+    assert logs.returncode == 0 and "[raytp] step 30/30" in logs.stdout
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 30  # the head is this machine
+
+
+def test_long_run_exports_metrics_scales_and_stops_cleanly(head, tmp_path):
+    run_dir = tmp_path / "long"
+    p = raytp("submit", "jobs/default.yaml", "--address", head.dashboard, "--name", "long", "--run-dir",
+              str(run_dir), "--set", "train.steps=100000", "--set", "checkpoint.every=0",
+              "--set", "train.steps_per_call=5", *SMALL)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    running = wait_for("the run to train", lambda: (s := raytp("status", "long", "--address", head.gcs))
+                       and re.search(r"long: running  step [1-9]", s.stdout) and s, timeout=120, every=2)
+    assert "Ray job raytp-long: RUNNING" in running.stdout and "TP=2 x DP=1" in running.stdout
+
+    def series():
+        body = urllib.request.urlopen(f"http://127.0.0.1:{head.metrics_port}/metrics", timeout=10).read().decode()
+        found = {m.group(1) for m in re.finditer(r'^ray_(raytp_\w+)\{[^}]*run="long"', body, re.M)}
+        return found if {"raytp_step", "raytp_loss", "raytp_steps_total", "raytp_world_size"} <= found else None
+    assert "raytp_tokens_per_second" in wait_for("raytp_ metrics on the node's endpoint", series, timeout=60, every=2)
+
+    scaled = raytp("scale", "long", "--tp", "1", "--address", head.dashboard, timeout=180)
+    assert scaled.returncode == 0, scaled.stderr[-3000:]
+    assert "now runs at" in scaled.stdout
+    assert "TP=1 x DP=1" in raytp("status", "long", "--address", head.dashboard).stdout
+
+    stopped = raytp("stop", "long", "--address", head.dashboard, timeout=180)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert re.search(r"long stopped at step \d+; checkpoint \S+; Ray job raytp-long STOPPED", stopped.stdout), \
+        stopped.stdout
+    after = raytp("status", "long", "--address", head.dashboard)
+    assert "long: STOPPED" in after.stdout and "Ray job raytp-long: STOPPED" in after.stdout
+    assert any((run_dir / "checkpoints").iterdir())
+    assert wait_for("the run's actors to go", lambda: alive_actors(head, "raytp.long.") == [] or None, timeout=30)
+
+
+@pytest.mark.parametrize("command", [["status", "nope"], ["logs", "nope"], ["stop", "nope"],
+                                     ["scale", "nope", "--tp", "1"]])
+def test_unknown_run_is_one_clear_line(head, command):
+    address = head.dashboard if command[0] in ("status", "logs") else head.gcs
+    p = raytp(*command, "--address", address)
+    assert p.returncode == 1
+    assert len(p.stderr.strip().splitlines()) == 1 and "'nope'" in p.stderr, p.stderr
+
+
+def test_bad_job_is_rejected_before_submitting(head):
+    p = raytp("submit", "jobs/default.yaml", "--address", head.dashboard, "--name", "bad", "--set", "parallel.tp=3")
+    assert p.returncode == 2 and "parallel.tp" in p.stderr
+    assert raytp("status", "bad", "--address", head.dashboard).returncode == 1  # nothing was submitted
+    p = raytp("submit", "jobs/default.yaml", "--address", head.dashboard, "--name", "no/slash")
+    assert p.returncode == 2 and "run name" in p.stderr
+
+
+def test_unreachable_head_fails_fast():
+    port = _free_port()  # nothing listens there
+    for command in (["status", "x", "--address", f"http://127.0.0.1:{port}"],
+                    ["status", "x", "--address", f"127.0.0.1:{port}"],
+                    ["logs", "x", "--address", f"http://127.0.0.1:{port}"],
+                    ["submit", "jobs/default.yaml", "--address", f"http://127.0.0.1:{port}"]):
+        t0 = time.monotonic()
+        p = raytp(*command)
+        assert p.returncode == 1, (command, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1 and "answers at" in p.stderr, p.stderr
+        assert time.monotonic() - t0 < 15
+    # A bad job is reported as such even when no head is there: it is checked first.
+    p = raytp("submit", "jobs/default.yaml", "--address", f"http://127.0.0.1:{port}", "--set", "train.lr=abc")
+    assert p.returncode == 2 and "train.lr" in p.stderr
