@@ -85,6 +85,10 @@ class ParallelConfig:
     dp: int = _f(1, "data-parallel degree (model replicas)", POSITIVE)
     sequence_parallel: bool = _f(
         False, "shard LayerNorm/dropout activations along the sequence over TP ranks")
+    min_dp: Optional[int] = _f(
+        None, "elastic floor: when lost workers cannot be replaced, shrink to as few as this many "
+              "replicas instead of failing, and grow back to dp when capacity returns; null = never shrink",
+        POSITIVE)
 
 
 @dataclass(frozen=True)
@@ -393,6 +397,9 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
      or v["model.block_size"] % v["parallel.tp"] == 0,
      lambda v: f"needs model.block_size={v['model.block_size']} divisible by "
                f"parallel.tp={v['parallel.tp']}; set it to false or change block_size"),
+    (("parallel.min_dp", "parallel.dp"),
+     lambda v: v["parallel.min_dp"] is None or v["parallel.min_dp"] <= v["parallel.dp"],
+     lambda v: f"{v['parallel.min_dp']} exceeds parallel.dp={v['parallel.dp']}; valid: 1 to {v['parallel.dp']}"),
     (("train.batch_size", "parallel.dp"),
      lambda v: v["train.batch_size"] % v["parallel.dp"] == 0,
      lambda v: f"{v['train.batch_size']} is not divisible by "

@@ -102,7 +102,7 @@ def test_round_trip_through_dict_and_yaml():
     d = cfg.to_dict()
     assert from_dict(d) == cfg
     assert from_dict(yaml.safe_load(yaml.safe_dump(d))) == cfg
-    assert d["parallel"] == {"tp": 2, "dp": 2, "sequence_parallel": False}
+    assert d["parallel"] == {"tp": 2, "dp": 2, "sequence_parallel": False, "min_dp": None}
 
 
 @pytest.mark.parametrize("path", sorted(JOBS.glob("*.yaml")), ids=lambda p: p.name)

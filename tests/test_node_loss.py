@@ -1,11 +1,15 @@
 """Losing a whole node of a simulated cluster (fake GPUs, CPU compute) with a spare node present."""
 
+import json
+import time
+
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
 from conftest import ray_actors
-from test_recovery import STEPS, assert_bitwise_equal, events, final_state, recovery_job, run
+from test_recovery import assert_bitwise_equal, events, final_state, recovery_job, run
+from test_runtime import job
 
 
 @pytest.fixture(scope="module")
@@ -39,3 +43,32 @@ def test_removed_node_is_replaced_from_the_dp_replica(three_gpu_nodes, tmp_path)
     assert rec["source"] == "replica" and rec["lost_steps"] == 0
     placed = events(run_dir, "placed")[-1]["ranks"]
     assert placed[2]["node_id"] == placed[3]["node_id"] != remove_replica_1_node.node_id
+
+
+def test_elastic_job_shrinks_without_capacity_and_grows_back(three_gpu_nodes, tmp_path):
+    """Two GPU nodes remain after the test above: lose one with no spare -> DP 2 -> 1; add a node -> DP 2."""
+    cluster, nodes = three_gpu_nodes
+    steps = 400
+    cfg = job(2, 2, steps=steps, gpus_per_worker=1.0, recovery={"replace_timeout_s": 3.0})
+    cfg = cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=2, dp=2, min_dp=1)})
+    alive = {n.node_id: n for n in nodes if n.node_id in {x["NodeID"] for x in ray.nodes() if x["Alive"]}}
+    run_dir = tmp_path / "run"
+
+    def remove_replica_1_node(run_name):
+        node_id = ray_actors(f"raytp.{run_name}.rank2")[f"raytp.{run_name}.rank2"]["node_id"]
+        cluster.remove_node(alive[node_id])
+
+    def add_node_once_shrunk(run_name):
+        while not [e for e in events(run_dir, "resized") if e["new"]["dp"] == 1]:
+            time.sleep(0.05)
+        cluster.add_node(num_cpus=2, num_gpus=2)
+
+    run(cfg, run_dir, "elastic", faults=[(6, remove_replica_1_node), (7, add_node_once_shrunk)])
+    resized = events(run_dir, "resized")
+    assert [(e["old"]["dp"], e["new"]["dp"]) for e in resized] == [(2, 1), (1, 2)]
+    assert resized[0]["reason"].startswith("lost capacity") and resized[1]["reason"] == "capacity returned"
+    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == list(range(steps))
+    assert {m["dp"] for m in metrics} == {1, 2} and metrics[-1]["dp"] == 2
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 1.0
+    assert sorted(ray_actors("raytp.elastic.rank")) == []  # released at the end

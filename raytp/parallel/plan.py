@@ -88,15 +88,15 @@ def shard_tensor(full: torch.Tensor, s: Sharding, rank: int, tp: int) -> torch.T
 
 
 def unshard_tensors(shards: list[torch.Tensor], s: Sharding, full_size: int | None = None) -> torch.Tensor:
-    """Inverse of shard_tensor over all ranks' slices; `full_size` drops vocab padding."""
+    """Inverse of shard_tensor over all ranks' slices, in one copy; `full_size` drops vocab padding."""
     if s.dim is None or len(shards) == 1:
-        out = shards[0]
-    else:
-        per_rank = [sh.chunk(s.parts, dim=s.dim) for sh in shards]
-        out = torch.cat([torch.cat([pr[p] for pr in per_rank], dim=s.dim) for p in range(s.parts)], dim=s.dim)
-    if full_size is not None and s.dim is not None:
-        out = out.narrow(s.dim, 0, full_size)
-    return out.detach().clone()
+        out = shards[0].detach().clone()
+    else:  # blocks in order: part 0 of every rank, part 1 of every rank, ...
+        per_rank = [sh.detach().chunk(s.parts, dim=s.dim) for sh in shards]
+        out = torch.cat([pr[p] for p in range(s.parts) for pr in per_rank], dim=s.dim)
+    if full_size is not None and s.dim is not None and out.shape[s.dim] != full_size:
+        out = out.narrow(s.dim, 0, full_size).clone()
+    return out
 
 
 def full_size_of(name: str, cfg: GPTConfig) -> int | None:

@@ -65,6 +65,8 @@ class Driver:
         self.resizing: dict | None = None  # set by a resize until the next completed step
         self.stop_request: dict | None = None
         self.t_start = time.perf_counter()
+        self.target_dp = cfg.parallel.dp  # an elastic job grows back to this after a shrink
+        self.growing = None  # (placement groups, their ready refs) asked for to grow back
         self.saved_step: int | None = None
         self.logged = 0  # steps below this have their metrics.jsonl line
         self.partial: dict | None = None
@@ -133,16 +135,16 @@ class Driver:
                     raise
                 time.sleep(0.05)
 
-    def wire(self, fresh: set[int], job: dict | None = None) -> None:
+    def wire(self, fresh: set[int], job: dict | None = None, renumber: bool = False) -> None:
         """Rendezvous at rank 0's node and build the process groups: new workers (`fresh`) also build
         their shard (`setup`); the others keep their state and only `rejoin` (with the job as it now
-        is, if `job` is given)."""
+        is, if `job` is given, and their position in self.workers as rank if `renumber`)."""
         workers, lay = self.workers, self.layout
         timeout = self.cfg.runtime.placement_timeout_s + self.cfg.runtime.collective_timeout_s
         init_method = ray.get(workers[0].rendezvous_address.remote(), timeout=timeout)
         ray.get([w.setup.remote(lay.tp, lay.dp, init_method) if r in fresh
-                 else w.rejoin.remote(lay.tp, lay.dp, init_method, job) for r, w in enumerate(workers)],
-                timeout=timeout)
+                 else w.rejoin.remote(lay.tp, lay.dp, init_method, job, r if renumber else None)
+                 for r, w in enumerate(workers)], timeout=timeout)
         self.placement = ray.get([w.where.remote() for w in workers], timeout=timeout)
         self.log.event("placed", ranks=self.placement)
 
@@ -176,6 +178,7 @@ class Driver:
         try:
             while self.step < end:
                 self.handle_requests()
+                resize.maybe_grow(self)
                 if self.stop_request is not None:
                     self.stop()
                     return
@@ -310,6 +313,9 @@ class Driver:
         self.workers = []
         placement.release(self.pgs.values())
         self.pgs = {}
+        if self.growing is not None:
+            placement.release(self.growing[0].values())
+            self.growing = None
         if self.control is not None:
             try:
                 ray.kill(self.control)

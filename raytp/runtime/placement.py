@@ -66,10 +66,10 @@ def _candidate_nodes(need: dict[str, float], avoid: set[str]) -> list[str]:
     return [i for i in ids if i not in avoid] + [i for i in ids if i in avoid]
 
 
-def reserve_replicas(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int], timeout_s: float,
+def request_replicas(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int],
                      avoid_nodes: set[str] = frozenset()) -> dict[int, PlacementGroup]:
-    """One STRICT_PACK group of `tp` bundles for each DP rank in `dp_ranks`, each aimed at a node of its
-    own; {dp_rank: group}. Raises PlacementError (leaving nothing behind) if not all are ready in time."""
+    """Ask for one STRICT_PACK group of `tp` bundles for each DP rank in `dp_ranks`, each aimed at a node
+    of its own; {dp_rank: group}, not waited for (a pending group is also a demand the autoscaler sees)."""
     need = _replica_need(cfg, tp)
     targets = _candidate_nodes(need, set(avoid_nodes))
     pgs = {}
@@ -77,6 +77,14 @@ def reserve_replicas(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int], tim
         target = targets[i] if i < len(targets) else None
         pgs[d] = placement_group([worker_resources(cfg)] * tp, strategy="STRICT_PACK",
                                  name=f"raytp.{run}.replica{d}.{next(_GENERATION)}", _soft_target_node_id=target)
+    return pgs
+
+
+def reserve_replicas(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int], timeout_s: float,
+                     avoid_nodes: set[str] = frozenset()) -> dict[int, PlacementGroup]:
+    """request_replicas, waited for; raises PlacementError (leaving nothing behind) if not all are
+    ready within `timeout_s`."""
+    pgs = request_replicas(cfg, run, tp, dp_ranks, avoid_nodes)
     ready, _ = ray.wait([pg.ready() for pg in pgs.values()], num_returns=len(pgs), timeout=timeout_s)
     if len(ready) < len(pgs):
         release(pgs.values())

@@ -122,8 +122,11 @@ def _recover_once(d, error: BaseException, t0: float) -> None:
     try:
         ray.get([d.workers[r].ping.remote() for r in lost], timeout=cfg.recovery.replace_timeout_s)
     except GetTimeoutError:
-        give_up(d, f"no capacity to replace rank(s) {sorted(lost)} within "
-                   f"recovery.replace_timeout_s={cfg.recovery.replace_timeout_s:g}s")
+        why = (f"no capacity to replace rank(s) {sorted(lost)} within "
+               f"recovery.replace_timeout_s={cfg.recovery.replace_timeout_s:g}s")
+        if not shrink(d, lost, completed, t0):
+            give_up(d, why)
+        return
     d.wire(fresh=set(lost))
     step, source = restore(d, lost, completed)
     ahead = max(completed.values(), default=step)
@@ -164,6 +167,40 @@ def restore(d, lost: dict[int, str], completed: dict[int, int]) -> tuple[int, st
         raise RecoveryFailed(f"no DP replica, snapshot or checkpoint holds the lost shard(s) {sorted(lost)}: {e}")
     d.set_state(full)
     return manifest["step"], f"checkpoint {path}"
+
+
+def shrink(d, lost: dict[int, str], completed: dict[int, int], t0: float) -> bool:
+    """Elastic shrink: drop the replicas that lost workers, keep training on the others (renumbered
+    in order), down to parallel.min_dp. False if the job is not elastic or too few replicas are whole."""
+    from raytp.runtime import placement, resize
+    cfg, lay = d.cfg, d.layout
+    broken = {lay.coords(r)[0] for r in lost}
+    whole = [q for q in range(lay.dp) if q not in broken]
+    steps = {completed[r] for q in whole for r in lay.tp_group(q)}
+    floor = cfg.parallel.min_dp
+    sizes = [k for k in range(len(whole), 0, -1) if floor is not None and k >= floor
+             and cfg.train.batch_size % k == 0]
+    if not sizes or len(steps) != 1:
+        return False
+    new_dp, old = sizes[0], {"tp": lay.tp, "dp": lay.dp}
+    keep = whole[:new_dp]
+    drop = [r for q in range(lay.dp) if q not in keep for r in lay.tp_group(q)]
+    for r in drop:
+        ray.kill(d.workers[r], no_restart=True)
+    placement.release(d.pgs[q] for q in range(lay.dp) if q not in keep)
+    new_cfg = resize.resized_config(cfg, lay.tp, new_dp)
+    workers = [d.workers[r] for q in keep for r in lay.tp_group(q)]
+    pgs = {i: d.pgs[q] for i, q in enumerate(keep)}
+    resize._switch(d, new_cfg, pgs)
+    d.workers = workers
+    d.wire(set(), job=new_cfg.to_dict(), renumber=True)
+    d.step = steps.pop()
+    d.resizing = {"t0": t0, "old": old, "new": {"tp": lay.tp, "dp": new_dp}, "bytes": 0,
+                  "reason": f"lost capacity; kept replicas {keep} of {old['dp']}"}
+    d._say(f"no capacity for the lost workers: continuing at {d.layout} (grows back to DP={d.target_dp} "
+           "when capacity returns)")
+    d.healing = {"t0": t0, "lost_steps": 0, "source": f"shrink to DP={new_dp}", "ranks": sorted(lost)}
+    return True
 
 
 def healed(d) -> None:

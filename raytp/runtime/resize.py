@@ -68,7 +68,8 @@ def resize(d, tp: int, dp: int) -> dict:
         return {"ok": False, "error": str(e)}
     except FAILURES as e:
         return {"ok": False, "error": f"resize failed and was rolled back: {type(e).__name__}: {e}"}
-    d.resizing = {"t0": t0, "old": {"tp": old.tp, "dp": old.dp}, "new": {"tp": tp, "dp": dp}, "bytes": moved}
+    d.resizing = {"t0": t0, "old": {"tp": old.tp, "dp": old.dp}, "new": {"tp": tp, "dp": dp}, "bytes": moved,
+                  "reason": "requested"}
     return {"ok": True, "layout": str(d.layout), "bytes": moved, "step": d.step}
 
 
@@ -77,12 +78,40 @@ def _switch(d, cfg, pgs: dict) -> None:
     d.snapshots = Snapshots(cfg.parallel.tp)
 
 
-def _resize_dp(d, new_cfg) -> int:
+def maybe_grow(d) -> None:
+    """After an elastic shrink: placement groups for the missing replicas are requested at once and
+    left pending (the autoscaler sees the demand); at each step boundary, once they are all placed,
+    the job grows back to its DP degree. Never blocks training."""
+    if d.layout.dp >= d.target_dp:
+        return
+    tp, added = d.layout.tp, list(range(d.layout.dp, d.target_dp))
+    if d.growing is None:
+        pgs = placement.request_replicas(d.cfg, d.run, tp, added, avoid_nodes=placement.nodes_of(d.pgs))
+        d.growing = (pgs, [pg.ready() for pg in pgs.values()])
+        return
+    pgs, ready_refs = d.growing
+    ready, _ = ray.wait(ready_refs, num_returns=len(ready_refs), timeout=0)
+    if len(ready) < len(ready_refs):
+        return
+    d.growing = None
+    t0, old = time.perf_counter(), {"tp": tp, "dp": d.layout.dp}
+    d._say(f"capacity is back: growing to TP={tp} x DP={d.target_dp}")
+    try:
+        moved = _resize_dp(d, resized_config(d.cfg, tp, d.target_dp), reserved=pgs)
+    except FAILURES as e:
+        d._say(f"growing back failed and was rolled back: {type(e).__name__}: {e}")
+        return
+    d.resizing = {"t0": t0, "old": old, "new": {"tp": tp, "dp": d.layout.dp}, "bytes": moved,
+                  "reason": "capacity returned"}
+
+
+def _resize_dp(d, new_cfg, reserved: dict | None = None) -> int:
     old_cfg, old_pgs, old_workers = d.cfg, dict(d.pgs), list(d.workers)
     tp, old_dp, new_dp = d.layout.tp, d.layout.dp, new_cfg.parallel.dp
     added = list(range(old_dp, new_dp))
-    new_pgs = placement.reserve_replicas(new_cfg, d.run, tp, added, new_cfg.runtime.placement_timeout_s,
-                                         avoid_nodes=placement.nodes_of(old_pgs)) if added else {}
+    new_pgs = reserved if reserved is not None else placement.reserve_replicas(
+        new_cfg, d.run, tp, added, new_cfg.runtime.placement_timeout_s,
+        avoid_nodes=placement.nodes_of(old_pgs)) if added else {}
     removed_pgs = [old_pgs[r] for r in range(new_dp, old_dp)]
     try:
         ray.get([w.leave_groups.remote() for w in old_workers], timeout=new_cfg.runtime.step_timeout_s)
@@ -149,7 +178,7 @@ def resized(d) -> None:
     r, d.resizing = d.resizing, None
     seconds = time.perf_counter() - r["t0"]
     d.log.event("resized", old=r["old"], new=r["new"], seconds=seconds, bytes=r["bytes"], lost_steps=0,
-                step=d.step)
+                step=d.step, reason=r["reason"])
     if d.log.ray:
         d.log.ray.set("world_size", d.layout.world_size)
     d._say(f"resized to {d.layout} in {seconds:.1f}s ({r['bytes'] / 1e6:.1f} MB moved)")

@@ -139,7 +139,7 @@ class Worker:
                     raise WorkerAborted(failure)
                 yield rec
                 if snapshot_every and self.groups.dp_rank == 0 and (step + 1) % snapshot_every == 0:
-                    yield checkpoint.shard_state(self.model, self.optimizer)
+                    yield checkpoint.shard_state(self.model, self.optimizer, copy=False)  # Ray copies it
         finally:
             self.running = False
 
@@ -197,11 +197,14 @@ class Worker:
                                                    for t in st.values() if torch.is_tensor(t)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def rejoin(self, tp: int, dp: int, init_method: str, job: dict | None = None) -> None:
+    def rejoin(self, tp: int, dp: int, init_method: str, job: dict | None = None, rank: int | None = None) -> None:
         """Build new process groups (after a failure or a DP resize) and rebind the model's layers to
-        them; keeps the state. `job`: the job as it is now (a resize changes its layout and micro-batch)."""
+        them; keeps the state. `job`: the job as it is now (a resize changes its layout and micro-batch);
+        `rank`: a new rank (an elastic shrink renumbers replicas; the TP rank never changes)."""
         if job is not None:
             self.cfg = from_dict(job)
+        if rank is not None:
+            self.rank = rank
         destroy_process_groups()
         self.groups = init_process_groups(Layout(tp, dp), self.rank, init_method, self.cfg.runtime.device,
                                           self.cfg.runtime.collective_timeout_s)

@@ -47,14 +47,20 @@ class CheckpointError(RuntimeError):
 
 # -- one rank's state ----------------------------------------------------------------
 
-def shard_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """This rank's weights and AdamW state, keyed by parameter name, on the CPU."""
+def shard_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, copy: bool = True) -> dict:
+    """This rank's weights and AdamW state, keyed by parameter name, on the CPU.
+
+    With copy=False, CPU tensors are the live ones: only for a caller that serializes them at once
+    (a yield to Ray copies them into the object store), which saves a copy per snapshot."""
     params = dict(model.named_parameters())
     by_param = {id(p): n for n, p in params.items()}
-    optim = {}
-    for p, st in optimizer.state.items():
-        optim[by_param[id(p)]] = {k: v.detach().cpu().clone() for k, v in st.items()}
-    return {"model": {n: p.detach().cpu().clone() for n, p in params.items()}, "optim": optim}
+
+    def out(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.clone() if copy and t.device.type == "cpu" else t.cpu()
+
+    optim = {by_param[id(p)]: {k: out(v) for k, v in st.items()} for p, st in optimizer.state.items()}
+    return {"model": {n: out(p) for n, p in params.items()}, "optim": optim}
 
 
 @torch.no_grad()
@@ -72,7 +78,8 @@ def load_shard_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     optimizer.state.clear()
     for n, st in state["optim"].items():
         p = params[n]
-        optimizer.state[p] = {k: (v.to(p.device) if k != "step" else v.clone()) for k, v in st.items()}
+        # Copies: `state` may be a read-only view of Ray's object store.
+        optimizer.state[p] = {k: (v.to(p.device, copy=True) if k != "step" else v.clone()) for k, v in st.items()}
 
 
 # -- full (unsharded) state -------------------------------------------------------
