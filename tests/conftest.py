@@ -1,4 +1,5 @@
 """Shared fixtures. Ray clusters made here bind to loopback and are shut down in teardown."""
+import contextlib
 import os
 
 # Read by Ray at import: makes every node the tests start use 127.0.0.1 (name notwithstanding).
@@ -25,3 +26,20 @@ def ray_actors(name_prefix: str, alive_only: bool = True) -> dict[str, dict]:
         if a.get("Name", "").startswith(name_prefix) and (not alive_only or a["State"] == "ALIVE"):
             out[a["Name"]] = {"node_id": a["Address"]["NodeID"], "pid": a["Pid"], "state": a["State"]}
     return out
+
+
+@contextlib.contextmanager
+def gpu_cluster(gpu_nodes: int):
+    """A simulated cluster: a head with no GPUs (the driver's node) and `gpu_nodes` nodes of 2 CPUs
+    and 2 fake GPUs each, on loopback; connected, and shut down afterwards. Yields (cluster, nodes)."""
+    import ray
+    from ray.cluster_utils import Cluster
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    nodes = [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(gpu_nodes)]
+    ray.init(address=cluster.address, namespace="raytp", log_to_driver=False)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

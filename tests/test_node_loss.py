@@ -5,22 +5,16 @@ import time
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
-from conftest import ray_actors
+from conftest import gpu_cluster, ray_actors
 from test_recovery import assert_bitwise_equal, events, final_state, recovery_job, run
 from test_runtime import job
 
 
 @pytest.fixture(scope="module")
 def three_gpu_nodes():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-    nodes = [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(3)]  # two used, one spare
-    ray.init(address=cluster.address, namespace="raytp", log_to_driver=False)
-    cluster.wait_for_nodes()
-    yield cluster, nodes
-    ray.shutdown()
-    cluster.shutdown()
+    with gpu_cluster(3) as cluster_and_nodes:  # two used, one spare
+        yield cluster_and_nodes
 
 
 def test_removed_node_is_replaced_from_the_dp_replica(three_gpu_nodes, tmp_path):
@@ -59,7 +53,9 @@ def test_elastic_job_shrinks_without_capacity_and_grows_back(three_gpu_nodes, tm
         cluster.remove_node(alive[node_id])
 
     def add_node_once_shrunk(run_name):
+        deadline = time.monotonic() + 120
         while not [e for e in events(run_dir, "resized") if e["new"]["dp"] == 1]:
+            assert time.monotonic() < deadline, "the job did not shrink"
             time.sleep(0.05)
         cluster.add_node(num_cpus=2, num_gpus=2)
 

@@ -4,10 +4,9 @@ import json
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 
-from conftest import ray_actors
+from conftest import gpu_cluster, ray_actors
 from raytp.runtime.driver import Driver
 from raytp.runtime.placement import PlacementError
 from test_runtime import job
@@ -15,14 +14,8 @@ from test_runtime import job
 
 @pytest.fixture(scope="module")
 def two_gpu_nodes():
-    """Head (no GPUs) + two nodes of 2 CPUs and 2 fake GPUs each, on loopback."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-    nodes = [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
-    ray.init(address=cluster.address, namespace="raytp", log_to_driver=False)
-    cluster.wait_for_nodes()
-    yield cluster, nodes
-    ray.shutdown()
-    cluster.shutdown()
+    with gpu_cluster(2) as cluster_and_nodes:
+        yield cluster_and_nodes
 
 
 def test_tp_groups_share_a_node_and_replicas_spread(two_gpu_nodes, tmp_path):

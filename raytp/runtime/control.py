@@ -13,6 +13,7 @@ import itertools
 import time
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 NAMESPACE = "raytp"
 
@@ -60,8 +61,10 @@ def start_control(run: str):
         ray.kill(ray.get_actor(name, namespace=NAMESPACE))
     except ValueError:
         pass
+    # On the driver's node: it must not share the fate of a worker node.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return ray.remote(Control).options(name=name, namespace=NAMESPACE, num_cpus=0, max_restarts=0,
-                                       lifetime=None).remote(run)
+                                       scheduling_strategy=here).remote(run)
 
 
 def find_control(run: str):

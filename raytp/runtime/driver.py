@@ -250,7 +250,13 @@ class Driver:
         """Requests filed through the control actor, served at this step boundary."""
         if self.control is None:
             return
-        for req in ray.get(self.control.take_requests.remote(), timeout=30):
+        try:
+            requests = ray.get(self.control.take_requests.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            self._say("the control actor was lost; starting a new one (pending requests are dropped)")
+            self.control = start_control(self.run)
+            return
+        for req in requests:
             if req["kind"] == "stop":
                 self.stop_request = req
             elif req["kind"] == "scale":
