@@ -23,7 +23,7 @@ def test_tp_groups_share_a_node_and_replicas_spread(two_gpu_nodes, tmp_path):
     d = Driver(job(2, 2, steps=2, gpus_per_worker=1.0), tmp_path, "place", out=io.StringIO())
     try:
         d.start()
-        actors = ray_actors("raytp.place.")  # where Ray says each rank runs
+        actors = ray_actors("raytp.place.rank")  # where Ray says each rank runs
         node = {int(name.rsplit("rank", 1)[1]): a["node_id"] for name, a in actors.items()}
         gpu_nodes = {n.node_id for n in nodes}
         assert set(node.values()) <= gpu_nodes, "workers must sit on the GPU nodes"

@@ -37,7 +37,7 @@ def test_tp_and_dp_runs_equal_one_device(ray_local, tmp_path):
         d = Driver(job(tp, dp), tmp_path / run, run, out=io.StringIO())
         try:
             d.start()
-            names = ray_actors(f"raytp.{run}.")
+            names = ray_actors(f"raytp.{run}.rank")
             assert sorted(names) == [f"raytp.{run}.rank{r}" for r in range(tp * dp)]
             d.train_loop(0.0)
         finally:
