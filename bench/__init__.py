@@ -28,4 +28,7 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "tp_memory": lazy("bench.memory:run"),
     "ray_overhead": lazy("bench.ray_overhead:run"),
     "checkpoint_io": lazy("bench.checkpoint_io:run"),
+    "recovery": lazy("bench.recovery:run"),
+    "snapshots": lazy("bench.snapshots:run"),
+    "resize": lazy("bench.resize:run"),
 }
