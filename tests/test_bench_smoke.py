@@ -59,19 +59,14 @@ def test_registry_lists_both():
     assert {"tp_vs_dtensor", "tp_memory"} <= set(proc.stdout.split())
 
 
-def test_ray_overhead_and_checkpoint_io_quick(tmp_path):
-    """Both run at the tiny size: an embedded Ray with and without raytp's Driver, the CLI to its
-    first step, and sharded checkpoints that load back to the same state (asserted inside)."""
+def test_checkpoint_io_quick(tmp_path):
+    """Sharded checkpoints at the tiny size load back to the same state (asserted inside). The Ray
+    benchmarks (ray_overhead, recovery, snapshots, resize) take minutes even when quick: they are run
+    with `python -m bench`, not here."""
     out = tmp_path / "results.json"
-    proc = run_bench("ray_overhead", "checkpoint_io", "--quick", "--out", str(out), timeout=400)
+    proc = run_bench("checkpoint_io", "--quick", "--out", str(out), timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
-    ro = results["ray_overhead"]
-    assert ro["peer"] and ro["quick"] is True
-    for n in (1, 10):
-        assert ro[f"spc{n}_no_ray_step_s"] > 0 and ro[f"spc{n}_raytp_step_s"] > 0
-        assert ro[f"spc{n}_ratio_raytp_to_no_ray"] == round(ro[f"spc{n}_raytp_step_s"] / ro[f"spc{n}_no_ray_step_s"], 4)
-    assert 0 < ro["first_step_event_seconds_median"] <= ro["first_step_launch_to_first_step_s_median"] + 0.5
     ck = results["checkpoint_io"]
     assert ck["peer"] and ck["quick"] is True
     for key in ("save_raytp_s_per_gb", "save_torch_s_per_gb", "load_raytp_s_per_gb", "load_torch_s_per_gb",
