@@ -28,7 +28,6 @@ torch.load, which does no parallel ops, was unaffected; one thread is stable.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 import tempfile
@@ -72,14 +71,6 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _same(a: dict, b: dict) -> bool:
     return a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][n], b["model"][n])
                                                            for n in a["model"])
@@ -116,7 +107,7 @@ def measure(p: dict) -> dict:
 
             def torch_save():
                 t["torch_save"].append(timed(lambda: torch.save(full, plain))[0])
-                t["torch_fsync"].append(timed(lambda: fsync_file(plain))[0])
+                t["torch_fsync"].append(timed(lambda: checkpoint.fsync_path(plain))[0])
                 sizes["torch"] = plain.stat().st_size
 
             def raytp_load():

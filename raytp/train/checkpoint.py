@@ -109,7 +109,8 @@ def slice_state(full: dict, rank: int, tp: int) -> dict:
 
 # -- on disk --------------------------------------------------------------------------
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory: so that a rename in it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -147,11 +148,11 @@ def save(root: Path, step: int, shards: list[dict], cfg: GPTConfig, tp: int, dp:
             **(extra or {}),
         }
         _write(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         if final.exists():  # a save of the same step (e.g. after recovery): replace it whole
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
