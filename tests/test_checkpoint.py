@@ -205,3 +205,15 @@ def test_loading_never_unpickles_code(two_checkpoints, tmp_path):
     (newest / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="cannot be read"):
         checkpoint.load(newest, cfg)
+
+
+def test_packed_snapshot_round_trips_exactly():
+    _, full, _ = small_state(tp=1)
+    packed = checkpoint.pack_state(full)
+    assert set(packed) == {"packed", "data"} and packed["data"].ndim == 1  # one buffer for Ray to store
+    back = checkpoint.unpack_state(packed)
+    for n in full["model"]:
+        assert torch.equal(back["model"][n], full["model"][n])
+        for k, v in full["optim"][n].items():
+            assert torch.equal(back["optim"][n][k], v) and back["optim"][n][k].dtype == v.dtype
+    assert checkpoint.unpack_state(full) is full  # an unpacked state passes through

@@ -220,7 +220,7 @@ def give_up(d, reason: str) -> None:
     newest_step = int(newest[-1].name.split("-")[1]) if newest else -1
     if snap is not None and snap[0] > newest_step:
         try:
-            shards = ray.get(snap[1], timeout=d.cfg.runtime.step_timeout_s)
+            shards = [checkpoint.unpack_state(s) for s in ray.get(snap[1], timeout=d.cfg.runtime.step_timeout_s)]
             step, d.step = d.step, snap[0]
             note = f"; saved the newest snapshot as {d.save_checkpoint(shards)}"
             d.step = step

@@ -139,7 +139,7 @@ class Worker:
                     raise WorkerAborted(failure)
                 yield rec
                 if snapshot_every and self.groups.dp_rank == 0 and (step + 1) % snapshot_every == 0:
-                    yield checkpoint.shard_state(self.model, self.optimizer, copy=False)  # Ray copies it
+                    yield checkpoint.pack_state(checkpoint.shard_state(self.model, self.optimizer, copy=False))
         finally:
             self.running = False
 
@@ -211,8 +211,8 @@ class Worker:
         rebind_groups(self.model, self.groups.tp)
 
     def set_shard(self, state: dict, completed: int) -> None:
-        """Take a shard_state of this rank's own shape (from a DP replica or a snapshot)."""
-        checkpoint.load_shard_state(self.model, self.optimizer, state)
+        """Take a shard_state (or a packed one) of this rank's own shape (from a DP replica or a snapshot)."""
+        checkpoint.load_shard_state(self.model, self.optimizer, checkpoint.unpack_state(state))
         self.completed = completed
 
     def shutdown(self) -> None:

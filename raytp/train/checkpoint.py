@@ -82,6 +82,37 @@ def load_shard_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
         optimizer.state[p] = {k: (v.to(p.device, copy=True) if k != "step" else v.clone()) for k, v in st.items()}
 
 
+def pack_state(state: dict) -> dict:
+    """A shard_state as one flat byte buffer plus its layout: Ray stores one numpy buffer in a
+    single copy, where a dict of tensors costs a pickle per tensor (half the time, measured)."""
+    entries, tensors = [], []
+    for section in ("model", "optim"):
+        for name, value in state[section].items():
+            for key, t in ([(None, value)] if section == "model" else value.items()):
+                t = t.detach().contiguous()
+                entries.append((section, name, key, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.nbytes))
+                tensors.append(t.reshape(-1).view(torch.uint8))
+    flat = torch.cat(tensors) if tensors else torch.empty(0, dtype=torch.uint8)
+    return {"packed": entries, "data": flat.cpu().numpy()}
+
+
+def unpack_state(packed: dict) -> dict:
+    """Inverse of pack_state (tensors are copies, never views of the buffer)."""
+    if "packed" not in packed:
+        return packed
+    data = torch.from_numpy(packed["data"].copy()) if len(packed["data"]) else torch.empty(0, dtype=torch.uint8)
+    out: dict = {"model": {}, "optim": {}}
+    offset = 0
+    for section, name, key, shape, dtype, nbytes in packed["packed"]:
+        t = data[offset:offset + nbytes].view(getattr(torch, dtype)).reshape(shape)
+        offset += nbytes
+        if section == "model":
+            out["model"][name] = t
+        else:
+            out["optim"].setdefault(name, {})[key] = t
+    return out
+
+
 # -- full (unsharded) state -------------------------------------------------------
 
 def unshard_state(shards: list[dict], cfg: GPTConfig) -> dict:
