@@ -146,6 +146,7 @@ def test_long_run_exports_metrics_scales_and_stops_cleanly(head, tmp_path):
     running = wait_for("the run to train", lambda: (s := raytp("status", "long", "--address", head.gcs))
                        and re.search(r"long: running  step [1-9]", s.stdout) and s, timeout=120, every=2)
     assert "Ray job raytp-long: RUNNING" in running.stdout and "TP=2 x DP=1" in running.stdout
+    assert sorted(alive_actors(head, "raytp.long.rank")) == ["raytp.long.rank0", "raytp.long.rank1"]
 
     def series():
         body = urllib.request.urlopen(f"http://127.0.0.1:{head.metrics_port}/metrics", timeout=10).read().decode()
@@ -157,6 +158,8 @@ def test_long_run_exports_metrics_scales_and_stops_cleanly(head, tmp_path):
     assert scaled.returncode == 0, scaled.stderr[-3000:]
     assert "now runs at" in scaled.stdout
     assert "TP=1 x DP=1" in raytp("status", "long", "--address", head.dashboard).stdout
+    assert wait_for("Ray to show the new layout's one worker",
+                    lambda: alive_actors(head, "raytp.long.rank") == ["raytp.long.rank0"] or None, timeout=30)
 
     stopped = raytp("stop", "long", "--address", head.dashboard, timeout=180)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
