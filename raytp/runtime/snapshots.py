@@ -28,6 +28,3 @@ class Snapshots:
         """(step, [ref per TP rank]) of the newest complete snapshot, if any."""
         complete = [s for s, refs in self.by_step.items() if all(r is not None for r in refs)]
         return (max(complete), self.by_step[max(complete)]) if complete else None
-
-    def clear(self) -> None:
-        self.by_step.clear()

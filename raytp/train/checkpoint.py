@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from raytp.model import GPTConfig
-from raytp.parallel.plan import Sharding, sharding_of, unshard_tensors
+from raytp.parallel.plan import shard_tensor, sharding_of, unshard_tensors
 
 FORMAT = "raytp-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -131,7 +131,6 @@ def unshard_state(shards: list[dict], cfg: GPTConfig) -> dict:
 
 def slice_state(full: dict, rank: int, tp: int) -> dict:
     """The shard_state of TP rank `rank` out of a full state (weights, and AdamW state if any)."""
-    from raytp.parallel.plan import shard_tensor
     model = {n: shard_tensor(t, sharding_of(n), rank, tp) for n, t in full["model"].items()}
     optim = {n: {k: (v.clone() if v.dim() == 0 else shard_tensor(v, sharding_of(n), rank, tp))
                  for k, v in st.items()} for n, st in full.get("optim", {}).items()}
@@ -284,7 +283,3 @@ def load_latest(path: Path, cfg: GPTConfig | None = None, warn=None) -> tuple[Pa
             if warn:
                 warn(f"skipping {p}: {e}")
     raise CheckpointError(f"{path}: holds no whole checkpoint (looked in {path / 'checkpoints'} and {path})")
-
-
-__all__ = ["CheckpointError", "Sharding", "shard_state", "load_shard_state", "unshard_state", "slice_state",
-           "save", "load", "load_latest", "list_checkpoints", "read_manifest", "check_model"]
