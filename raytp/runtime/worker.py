@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import gc
 import os
+import queue
+import threading
 import time
 
 import torch
@@ -26,7 +28,7 @@ from raytp.parallel.spawn import free_port
 from raytp.train import checkpoint
 from raytp.train.data import batch, load_corpus
 from raytp.train.step import Hyper, eval_loss, make_optimizer, train_step
-from raytp.parallel.plan import build_shard, rebind_groups
+from raytp.parallel.plan import build_empty_shard, build_shard, rebind_groups
 
 
 def gpt_config(cfg: JobConfig) -> GPTConfig:
@@ -80,18 +82,44 @@ class Worker:
         ip = self._node_ip()
         return f"tcp://{ip}:{free_port(ip)}"
 
-    def setup(self, tp: int, dp: int, init_method: str) -> dict:
-        """Join the process groups and build this rank's shard from the seeded full initialisation."""
+    def setup(self, tp: int, dp: int, init_method: str, full: dict | None = None) -> dict:
+        """Join the process groups and build this rank's shard: from the seeded full initialisation, or,
+        given `full` (a one-device state), from its slices of it, with no initialisation at all."""
         t0 = time.perf_counter()
         layout = Layout(tp, dp)
         self.groups = init_process_groups(layout, self.rank, init_method, self.cfg.runtime.device,
                                           self.cfg.runtime.collective_timeout_s)
-        self.model = build_shard(gpt_config(self.cfg), self.cfg.train.seed, self.groups.tp,
-                                 self.cfg.parallel.sequence_parallel).to(self.device)
-        self.hyper = hyper(self.cfg)
-        self.optimizer = make_optimizer(self.model, self.hyper)
+        if full is None:
+            self.model = build_shard(gpt_config(self.cfg), self.cfg.train.seed, self.groups.tp,
+                                     self.cfg.parallel.sequence_parallel).to(self.device)
+            self.hyper = hyper(self.cfg)
+            self.optimizer = make_optimizer(self.model, self.hyper)
+        else:
+            self._build_from(full)
         n_local = sum(p.numel() for p in self.model.parameters())
         return {"rank": self.rank, "params_local": n_local, "setup_s": time.perf_counter() - t0}
+
+    def _build_from(self, full: dict) -> None:
+        """A new shard at this rank's current TP position (built empty) holding its slices of `full`."""
+        g = self.groups
+        self.model = self.optimizer = None
+        self.model = build_empty_shard(gpt_config(self.cfg), g.tp, self.cfg.parallel.sequence_parallel, self.device)
+        self.hyper = hyper(self.cfg)
+        self.optimizer = make_optimizer(self.model, self.hyper)
+        checkpoint.load_shard_state(self.model, self.optimizer, checkpoint.slice_state(full, g.tp_rank, g.layout.tp))
+
+    def reshape(self, tp: int, dp: int, init_method: str, job: dict, rank: int, full: dict) -> dict:
+        """A TP resize that keeps this process: leave the old groups, join those of layout tp x dp as
+        `rank` (with the job as it now is), and rebuild the shard at the new TP degree from its slices of
+        `full` (the one-device state), without the seeded initialisation."""
+        t0 = time.perf_counter()
+        self.cfg, self.rank = from_dict(job), rank
+        self.leave_groups()
+        self.groups = init_process_groups(Layout(tp, dp), rank, init_method, self.cfg.runtime.device,
+                                          self.cfg.runtime.collective_timeout_s)
+        self._build_from(full)
+        gc.collect()
+        return {"rank": self.rank, "reshape_s": time.perf_counter() - t0}
 
     # -- training ------------------------------------------------------------------
     def _micro_batches(self, split: str, step: int) -> list:
@@ -122,26 +150,48 @@ class Worker:
         it completes and, every `snapshot_every` steps on DP replica 0, this rank's state right after
         it. Yielded objects are owned by the caller (the driver), so a snapshot outlives this worker.
 
+        A snapshot does not stall training: the training thread only copies the state into one
+        buffer between two steps and goes on with the next step, while this generator's thread
+        writes the copy into the object store (the yield). At most one snapshot waits to be
+        written; a slower object store makes training wait rather than memory grow.
+
         If a collective fails (a peer died, or left one), this rank destroys its process groups,
         which closes its sockets so that peers blocked on it fail too, and raises WorkerAborted.
         """
-        self.running = True
-        try:
-            for step in range(start, start + count):
-                try:
-                    rec = self._step(step)
-                except Exception as e:  # noqa: BLE001 - every failure mid-step leaves the groups
-                    failure = f"rank {self.rank} left step {step}: {type(e).__name__}: {e}"
-                else:
-                    failure = None
-                if failure:  # outside the except block, so the failed step's frames are gone
-                    self.leave_groups()
-                    raise WorkerAborted(failure)
-                yield rec
-                if snapshot_every and self.groups.dp_rank == 0 and (step + 1) % snapshot_every == 0:
-                    yield checkpoint.pack_state(checkpoint.shard_state(self.model, self.optimizer, copy=False))
-        finally:
+        out: queue.Queue = queue.Queue(maxsize=2)
+        done = object()
+
+        def loop() -> None:
+            failure = None
+            try:
+                for step in range(start, start + count):
+                    try:
+                        rec = self._step(step)
+                    except Exception as e:  # noqa: BLE001 - every failure mid-step leaves the groups
+                        failure = f"rank {self.rank} left step {step}: {type(e).__name__}: {e}"
+                        break
+                    out.put(rec)
+                    if snapshot_every and self.groups.dp_rank == 0 and (step + 1) % snapshot_every == 0:
+                        out.put(checkpoint.pack_state(checkpoint.shard_state(self.model, self.optimizer,
+                                                                             copy=False)))
+            except BaseException as e:  # noqa: BLE001 - reported through the stream, never lost
+                failure = f"rank {self.rank} failed: {type(e).__name__}: {e}"
+            if failure:  # outside the except block, so the failed step's frames are gone
+                self.leave_groups()
             self.running = False
+            out.put(WorkerAborted(failure) if failure else done)
+
+        self.running = True
+        trainer = threading.Thread(target=loop, name=f"raytp-rank{self.rank}-steps", daemon=True)
+        trainer.start()
+        while True:
+            item = out.get()
+            if item is done:
+                break
+            if isinstance(item, WorkerAborted):
+                raise item
+            yield item
+        trainer.join()
 
     def evaluate(self, step: int) -> float:
         cfg = self.cfg
