@@ -5,7 +5,8 @@ block 128, batch 8, builtin data, 1 thread/rank; snapshots on, as by default)
 runs under raytp's ``Driver`` on one embedded Ray (loopback, 8 CPUs, room for
 both layouts at once) for ``warmup`` steps, then moves to a new layout:
 
-- TP 2 -> 4 (TP=2 x DP=1 -> TP=4 x DP=1): every worker is replaced;
+- TP 2 -> 4 (TP=2 x DP=1 -> TP=4 x DP=1): ranks 0, 1 keep their processes and
+  reshape their shards, ranks 2, 3 start (the restart starts all four);
 - DP 2 -> 1 (TP=2 x DP=2 -> TP=2 x DP=1): replica 1 goes, replica 0 stays.
 
 Two ways, alternated (in-memory first in odd reps, restart first in even ones):

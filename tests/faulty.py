@@ -23,4 +23,20 @@ class DiesInSave(Worker):
         return super().get_state()
 
 
+class DiesInResizeSetup(Worker):
+    """Rank 2, started by a TP resize (its setup gets the state to slice), exits there (once per test)."""
+
+    marker = ""
+
+    def __init__(self, job, rank):
+        super().__init__(job, rank)
+        self.marker_path = type(self).marker
+
+    def setup(self, tp, dp, init_method, full=None):
+        if full is not None and self.rank == 2 and not os.path.exists(self.marker_path):
+            open(self.marker_path, "w").close()
+            os._exit(1)
+        return super().setup(tp, dp, init_method, full)
+
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

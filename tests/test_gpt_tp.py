@@ -181,3 +181,30 @@ def test_one_device_model_is_gpt2_shaped():
     assert all(mod.bias is not None for mod in m.modules() if isinstance(mod, torch.nn.Linear) and mod is not m.lm_head)
     assert {n for n, _ in m.named_parameters()} >= {"wte.weight", "wpe.weight", "h.0.attn.c_attn.weight",
                                                     "h.0.mlp.c_fc.bias", "ln_f.weight"}
+
+
+def empty_shard_matches(rank, world, init):
+    """build_empty_shard + this rank's slices of the full state == build_shard, with and without SP."""
+    from raytp.parallel.plan import build_empty_shard
+    from raytp.train.checkpoint import load_shard_state, slice_state
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    groups = build_groups(Layout(world, 1), rank)
+    cfg = gpt_config(vocab=257)
+    torch.manual_seed(SEED)
+    full = {"model": {n: p.detach() for n, p in GPT(cfg).named_parameters()}, "optim": {}}
+    out = []
+    for sp in (False, True):
+        seeded = build_shard(cfg, SEED, groups.tp, sp)
+        empty = build_empty_shard(cfg, groups.tp, sp)
+        load_shard_state(empty, make_optimizer(empty, HYPER), slice_state(full, rank, world))
+        a, b = dict(seeded.named_parameters()), dict(empty.named_parameters())
+        out.append((list(a) == list(b), all(torch.equal(a[n], b[n]) for n in a),
+                    {n for n, p in a.items() if getattr(p, "sequence_parallel", False)}
+                    == {n for n, p in b.items() if getattr(p, "sequence_parallel", False)},
+                    empty.lm_head.weight is empty.wte.weight, all(p.device.type == "cpu" for p in b.values())))
+    return out
+
+
+def test_empty_shard_takes_its_slices_like_a_seeded_one():
+    for per_rank in run_ranks(2, empty_shard_matches):
+        assert per_rank == [(True, True, True, True, True)] * 2

@@ -8,6 +8,7 @@ import ray
 import torch
 
 from conftest import ray_actors
+from faulty import DiesInResizeSetup
 from raytp.runtime import resize
 from raytp.runtime.driver import Driver
 from test_checkpoint import FIXED
@@ -31,12 +32,15 @@ def test_resizes_keep_the_model_and_track_an_unresized_run(ray_wide, tmp_path):
     d = Driver(job(2, 2, steps=STEPS), tmp_path / "run", "resized", out=io.StringIO())
     try:
         d.start()
+        out = d.out
         for i, (tp, dp) in enumerate(PHASES):
             if i:
                 before = d.logits(FIXED)
-                kept = {a["pid"] for n, a in ray_actors("raytp.resized.rank").items()}
+                pids = {n: a["pid"] for n, a in ray_actors("raytp.resized.rank").items()}
+                kept = set(pids.values())
                 outcome = resize.resize(d, tp, dp)
                 assert outcome["ok"], outcome
+                assert "restarting every worker" not in out.getvalue()  # no fallback on one node
                 assert (d.layout.tp, d.layout.dp) == (tp, dp)
                 after = d.logits(FIXED)
                 assert float((after - before).abs().max()) < 1e-5, f"logits moved at {PHASES[i - 1]} -> {tp, dp}"
@@ -45,6 +49,11 @@ def test_resizes_keep_the_model_and_track_an_unresized_run(ray_wide, tmp_path):
                 if tp == PHASES[i - 1][0]:  # a DP change keeps the staying workers' processes
                     stay = min(dp, PHASES[i - 1][1]) * tp
                     assert {names[f"raytp.resized.rank{r}"]["pid"] for r in range(stay)} <= kept
+                else:  # a TP change keeps replica 0's first min(old, new) ranks' processes (and names)
+                    stay = [f"raytp.resized.rank{r}" for r in range(min(tp, PHASES[i - 1][0]))]
+                    assert {n: names[n]["pid"] for n in stay} == {n: pids[n] for n in stay}
+                    others = {names[f"raytp.resized.rank{r}"]["pid"] for r in range(len(stay), tp * dp)}
+                    assert not others & kept, "a rank whose number changed kept its process"
             d.train_loop(until=4 * (i + 1))
     finally:
         d.release()
@@ -83,3 +92,29 @@ def test_invalid_requests_are_refused_and_the_job_is_untouched(ray_wide, tmp_pat
     finally:
         d.release()
         d.log.close()
+
+
+def test_a_tp_resize_that_fails_midway_rolls_back(ray_wide, tmp_path):
+    """A rank the resize started dies in its setup: the job goes back to TP=2 with the same model."""
+    DiesInResizeSetup.marker = str(tmp_path / "died-once")
+    d = Driver(job(2, 1, steps=6, collective_timeout_s=15.0), tmp_path / "run", "rollback", out=io.StringIO())
+    d.worker_cls = DiesInResizeSetup
+    try:
+        d.start()
+        d.train_loop(until=3)
+        before = d.logits(FIXED)
+        outcome = resize.resize(d, 4, 1)
+        assert (tmp_path / "died-once").exists(), "the fault was not injected"
+        assert not outcome["ok"] and "rolled back" in outcome["error"], outcome
+        assert (d.layout.tp, d.layout.dp) == (2, 1) and d.step == 3
+        assert sorted(ray_actors("raytp.rollback.rank")) == ["raytp.rollback.rank0", "raytp.rollback.rank1"]
+        assert float((d.logits(FIXED) - before).abs().max()) < 1e-6
+        table = ray.util.placement_group_table()
+        assert not [g for g in table.values() if ".ext" in g["name"] and g["state"] != "REMOVED"]
+        d.train_loop()
+        assert d.step == 6
+    finally:
+        d.release()
+        d.log.close()
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert steps == list(range(6))

@@ -18,6 +18,7 @@ weights and for optimizer state alike (checkpoints and resharding use them).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass
@@ -159,6 +160,30 @@ def build_shard(cfg: GPTConfig, seed: int, group, sequence_parallel: bool = Fals
     """The local shard of a GPT initialised from `seed`: same numbers at every layout."""
     torch.manual_seed(seed)
     return apply_tp(GPT(cfg), group, sequence_parallel)
+
+
+@contextlib.contextmanager
+def _no_init():
+    """torch.nn.init's in-place initialisers as no-ops: modules built inside keep torch.empty storage."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
+def build_empty_shard(cfg: GPTConfig, group, sequence_parallel: bool = False,
+                      device: torch.device | str = "cpu") -> GPT:
+    """The local shard as build_shard makes it, on `device`, with UNINITIALISED weights: for a shard
+    whose state is loaded right after (a resize). It skips the seeded initialisation of the whole
+    one-device model (the RNG work; the slicing copies remain, of uninitialised memory). Not the meta
+    device: its first use in a process loads torch's Python meta kernels, seconds under load."""
+    with torch.device(device), _no_init():
+        return apply_tp(GPT(cfg), group, sequence_parallel)
 
 
 @torch.no_grad()

@@ -52,7 +52,8 @@ class Driver:
         self.log = RunLog(self.run_dir, run, ray_metrics)
         self.out = out
         self.state = State.SCHEDULING
-        self.pgs: dict = {}  # dp_rank -> placement group of that replica
+        self.pgs: dict = {}  # dp_rank -> that replica's placement: a group, or a placement.Slots of
+        #                      several on one node after a TP grow (see raytp.runtime.placement)
         self.control = None
         self.workers: list = []
         self.placement: list[dict] = []
@@ -135,16 +136,27 @@ class Driver:
                     raise
                 time.sleep(0.05)
 
-    def wire(self, fresh: set[int], job: dict | None = None, renumber: bool = False) -> None:
+    def wire(self, fresh: set[int], job: dict | None = None, renumber: bool = False, full=None) -> None:
         """Rendezvous at rank 0's node and build the process groups: new workers (`fresh`) also build
         their shard (`setup`); the others keep their state and only `rejoin` (with the job as it now
-        is, if `job` is given, and their position in self.workers as rank if `renumber`)."""
+        is, if `job` is given, and their position in self.workers as rank if `renumber`).
+
+        With `full` (a one-device state or its ObjectRef: a TP resize), every worker builds its shard
+        at the new TP degree from its slices of it, with no seeded initialisation: new workers in
+        `setup`, the others (kept processes) in `reshape`, as rank = their position in self.workers."""
         workers, lay = self.workers, self.layout
         timeout = self.cfg.runtime.placement_timeout_s + self.cfg.runtime.collective_timeout_s
         init_method = ray.get(workers[0].rendezvous_address.remote(), timeout=timeout)
-        ray.get([w.setup.remote(lay.tp, lay.dp, init_method) if r in fresh
-                 else w.rejoin.remote(lay.tp, lay.dp, init_method, job, r if renumber else None)
-                 for r, w in enumerate(workers)], timeout=timeout)
+        if full is not None:
+            job = self.cfg.to_dict() if job is None else job
+            calls = [w.setup.remote(lay.tp, lay.dp, init_method, full) if r in fresh
+                     else w.reshape.remote(lay.tp, lay.dp, init_method, job, r, full)
+                     for r, w in enumerate(workers)]
+        else:
+            calls = [w.setup.remote(lay.tp, lay.dp, init_method) if r in fresh
+                     else w.rejoin.remote(lay.tp, lay.dp, init_method, job, r if renumber else None)
+                     for r, w in enumerate(workers)]
+        ray.get(calls, timeout=timeout)
         self.placement = ray.get([w.where.remote() for w in workers], timeout=timeout)
         self.log.event("placed", ranks=self.placement)
 

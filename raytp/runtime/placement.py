@@ -9,10 +9,18 @@ replica is what lets a job grow or shrink its DP degree while running: a
 replica's group is added or removed whole, and the other replicas' workers
 keep their processes. Worker (dp_rank, tp_rank) sits in bundle tp_rank of
 replica dp_rank's group.
+
+Ray cannot grow a placement group, so a TP grow that keeps a replica's
+processes adds an *extension* group for the new ranks, aimed at the replica's
+node and checked to have landed there (``extend_replica``); the replica's
+bundles are then a ``Slots``: its groups in rank order. Everything here takes
+a replica's placement as either a plain group or a ``Slots`` (``bundle_of``,
+``groups_of``, ``release``, ``nodes_of``, ``worker_options``).
 """
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -26,6 +34,57 @@ _GENERATION = itertools.count()  # group names must be unique while the old ones
 
 class PlacementError(RuntimeError):
     """The cluster cannot host the layout within the timeout."""
+
+
+@dataclass(frozen=True)
+class Slots:
+    """One replica's bundles over several placement groups on one node: ((group, bundles), ...) in rank
+    order (the replica's first group, then the extensions a TP grow added)."""
+
+    parts: tuple[tuple[PlacementGroup, int], ...]
+
+    def __len__(self) -> int:
+        return sum(n for _, n in self.parts)
+
+
+def groups_of(replica) -> list[PlacementGroup]:
+    """The placement groups of one replica (a plain group or a Slots)."""
+    return [pg for pg, _ in replica.parts] if isinstance(replica, Slots) else [replica]
+
+
+def size_of(replica) -> int:
+    """How many bundles (ranks) one replica's placement holds."""
+    return len(replica) if isinstance(replica, Slots) else replica.bundle_count
+
+
+def bundle_of(replica, tp_rank: int) -> tuple[PlacementGroup, int]:
+    """(group, bundle index) of TP rank `tp_rank` in one replica's placement."""
+    if not isinstance(replica, Slots):
+        return replica, tp_rank
+    i = tp_rank
+    for pg, n in replica.parts:
+        if i < n:
+            return pg, i
+        i -= n
+    raise IndexError(f"TP rank {tp_rank} outside a replica of {len(replica)} bundles")
+
+
+def extended(replica, ext: PlacementGroup, n: int):
+    """The replica's placement with `n` more bundles from the extension group `ext`."""
+    parts = replica.parts if isinstance(replica, Slots) else ((replica, replica.bundle_count),)
+    return Slots(parts + ((ext, n),))
+
+
+def trimmed(replica, n: int):
+    """(the replica's placement cut to its first `n` bundles, the groups no longer used). A group
+    partly used stays whole (Ray cannot shrink one): its bundles past `n` stay reserved, idle."""
+    if not isinstance(replica, Slots):
+        return replica, []
+    kept, spare, used = [], [], 0
+    for pg, k in replica.parts:
+        (kept if used < n else spare).append((pg, k))
+        used += k
+    return (kept[0][0] if len(kept) == 1 else Slots(tuple(kept))), [pg for pg, _ in spare]
 
 
 def worker_resources(cfg: JobConfig) -> dict[str, float]:
@@ -94,25 +153,44 @@ def reserve_replicas(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int], tim
 
 
 def release(pgs) -> None:
-    for pg in list(pgs):
+    """Remove placement groups (plain groups or replicas' Slots); already removed ones are skipped."""
+    for pg in [g for replica in list(pgs) for g in groups_of(replica)]:
         try:
             remove_placement_group(pg)
         except Exception:  # noqa: BLE001 - already removed
             pass
 
 
-def nodes_of(pgs: dict[int, PlacementGroup]) -> set[str]:
-    """Nodes that host the given groups' bundles, as Ray's placement-group table says."""
+def nodes_of(pgs: dict) -> set[str]:
+    """Nodes that host the given replicas' bundles, as Ray's placement-group table says."""
     table = ray.util.placement_group_table()
     out = set()
-    for pg in pgs.values():
-        out |= set(table.get(pg.id.hex(), {}).get("bundles_to_node_id", {}).values())
+    for replica in pgs.values():
+        for pg in groups_of(replica):
+            out |= set(table.get(pg.id.hex(), {}).get("bundles_to_node_id", {}).values())
     return out
 
 
-def worker_options(cfg: JobConfig, pg: PlacementGroup, run: str, rank: int, tp_rank: int) -> dict:
-    """Ray actor options for rank `rank`: its name, resources and bundle."""
+def request_extension(cfg: JobConfig, run: str, dp_rank: int, replica, n: int) -> tuple[PlacementGroup, str | None]:
+    """Ask for `n` more bundles for replica `dp_rank` on the node of its placement `replica` (a soft
+    target: Ray may put them elsewhere, see extension_placed); (group, that node), not waited for."""
+    node = next(iter(nodes_of({dp_rank: replica})), None)
+    pg = placement_group([worker_resources(cfg)] * n, strategy="STRICT_PACK",
+                         name=f"raytp.{run}.replica{dp_rank}.ext{next(_GENERATION)}", _soft_target_node_id=node)
+    return pg, node
+
+
+def extension_placed(pg: PlacementGroup, node: str | None) -> bool:
+    """Whether a ready extension group's bundles all sit on `node` (a TP group must stay on one node)."""
+    bundles = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
+    return node is not None and bool(bundles) and set(bundles.values()) == {node}
+
+
+def worker_options(cfg: JobConfig, pg, run: str, rank: int, tp_rank: int) -> dict:
+    """Ray actor options for rank `rank`: its name, resources and bundle (`pg`: its replica's placement,
+    a plain group or a Slots)."""
     res = worker_resources(cfg)
+    pg, index = bundle_of(pg, tp_rank)
     return {
         "name": f"raytp.{run}.rank{rank}",
         "namespace": "raytp",
@@ -120,5 +198,5 @@ def worker_options(cfg: JobConfig, pg: PlacementGroup, run: str, rank: int, tp_r
         "num_gpus": res.get("GPU", 0),
         "max_restarts": 0,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=tp_rank),
+            placement_group=pg, placement_group_bundle_index=index),
     }

@@ -6,16 +6,42 @@
 - A DP change keeps the staying replicas' workers and processes: removed
   replicas are stopped and their groups released, added replicas start and
   copy their shards from replica 0 through the object store.
-- A TP change reshapes every TP group, so every replica's placement group
-  changes shape (a TP group lives in one group, on one node): the shards of
-  replica 0 are gathered into the driver's memory, joined into the one-device
-  state, and each new worker takes its slices of it through the object store.
-  Nothing touches the disk.
+- A TP change reshapes every TP group. The shards of replica 0 are gathered
+  into the driver's memory and joined into the one-device state; every worker
+  of the new layout then builds its shard empty (no seeded initialisation) and
+  takes its slices of that state through the object store. Nothing touches
+  the disk. Processes are kept where a rank keeps its number, its replica and
+  its bundle: replica 0's first min(old, new) TP ranks (with DP=1, every worker
+  that stays). They leave their groups and ``reshape`` in place; the others
+  are stopped, and the added ranks start anew.
+- Names. A worker's actor name is ``raytp.<run>.rank<R>`` with R its *current*
+  rank (the promise of ../shared/INTERFACES.md): Ray actor names are immutable,
+  so a process whose rank number would change (TP 2 -> 4 at DP=2: old rank 2,
+  replica 1, would become rank 4) is not kept but replaced, which at DP > 1
+  costs the process start of replicas 1.. (it overlaps the other starts).
+  Ranks whose names are free (R >= the old world size) are started before the
+  old layout is stopped, so their process start overlaps the state gathering
+  and the stopping; the others start as soon as their old holder is gone.
+- Placement. Ray cannot grow a placement group: a TP grow asks, for each
+  replica that stays, for an extension group of the missing bundles aimed at
+  the replica's node (``_soft_target_node_id``) and checks where it landed; if
+  any landed on another node, the resize takes the full-restart path instead
+  (new groups for every replica, every worker started anew). Added replicas
+  get a new group of their own. A TP shrink asks for nothing: each replica
+  keeps its groups, extension groups no longer used are released, and the
+  bundles of its first group past the new degree stay reserved (idle) until
+  the replica's group is released (a DP shrink, the end of the run); a later
+  TP grow back reuses them without asking Ray. ``Driver.pgs`` maps dp_rank to
+  the replica's placement: a plain group, or a ``placement.Slots``.
 - The global batch stays the job's ``train.batch_size``: each replica's
   micro-batch stays the same and a smaller DP degree accumulates over more of
   them; data order and the LR schedule are functions of the step, so the run
   continues as if nothing happened (to floating-point tolerance).
-- A resize that fails midway rolls back to the old layout.
+- A resize that fails midway rolls back to the old layout. For a TP change
+  that got past the gathering of the state, the old layout restarts from the
+  state the driver holds: every worker of the new layout is stopped (kept ones
+  too: they may be blocked in the failed rendezvous) and the old ranks start
+  anew and take their slices of it.
 """
 from __future__ import annotations
 
@@ -138,12 +164,89 @@ def _resize_dp(d, new_cfg, reserved: dict | None = None) -> int:
 
 
 def _resize_tp(d, new_cfg) -> int:
+    """A TP change that keeps the processes of replica 0's first min(old, new) ranks (see above)."""
+    old_cfg, old = d.cfg, d.layout
+    new = Layout(new_cfg.parallel.tp, new_cfg.parallel.dp)
+    reserved = _reserve_tp(d, new_cfg)
+    if reserved is None:  # an extension landed on another node than its replica
+        d._say("more bundles could not be had on a replica's node: restarting every worker")
+        return _resize_tp_restart(d, new_cfg)
+    new_pgs, requested, unused = reserved
+    old_pgs, old_workers, old_snapshots = dict(d.pgs), list(d.workers), d.snapshots
+    timeout = new_cfg.runtime.step_timeout_s
+    keep = min(old.tp, new.tp)  # same rank, name, replica and bundle at both layouts
+    started: list = []
+    ref = None
+    try:
+        _switch(d, new_cfg, new_pgs)
+        # Ranks whose names are free start now: their process start overlaps what follows.
+        early = {r: d.new_worker(r) for r in range(old.world_size, new.world_size)}
+        started += early.values()
+        shards = ray.get([w.get_state.remote() for w in old_workers[:old.tp]], timeout=timeout)
+        full = checkpoint.unshard_state(shards, gpt_config(old_cfg))
+        del shards
+        ref = ray.put(full)
+        _kill(old_workers[keep:])  # their names and bundles go to the new layout
+        late = [d.new_worker(r) for r in range(keep, min(old.world_size, new.world_size))]
+        started += late
+        d.workers = old_workers[:keep] + late + [early[r] for r in sorted(early)]
+        d.wire(set(range(keep, new.world_size)), job=new_cfg.to_dict(), full=ref)
+    except FAILURES:
+        _kill(started)
+        placement.release(requested)
+        _switch(d, old_cfg, old_pgs)
+        if ref is None:  # the old layout was not touched: it goes on as it was
+            d.workers, d.snapshots = old_workers, old_snapshots
+            raise
+        _kill(old_workers[:keep])
+        d.workers = [d.new_worker(r) for r in range(old.world_size)]
+        d.wire(set(range(old.world_size)), job=old_cfg.to_dict(), full=ref)
+        raise
+    placement.release(unused + [old_pgs[q] for q in range(new.dp, old.dp)])
+    return state_bytes(full)
+
+
+def _reserve_tp(d, new_cfg):
+    """The placement of layout new_cfg for a TP change that keeps replica 0's processes:
+    (dp_rank -> placement, groups requested, groups no longer used once it is done), or None if an
+    extension group could not be had on its replica's node (nothing is left reserved then).
+    Raises PlacementError (leaving nothing behind) if the capacity is not there in time."""
+    tp, dp, old_dp = new_cfg.parallel.tp, new_cfg.parallel.dp, d.layout.dp
+    pgs, unused, ext = {}, [], {}
+    for q in range(min(dp, old_dp)):
+        have = placement.size_of(d.pgs[q])
+        if have >= tp:
+            pgs[q], spare = placement.trimmed(d.pgs[q], tp)
+            unused += spare
+        else:
+            ext[q] = placement.request_extension(new_cfg, d.run, q, d.pgs[q], tp - have)
+    added = placement.request_replicas(new_cfg, d.run, tp, list(range(old_dp, dp)),
+                                       avoid_nodes=placement.nodes_of(d.pgs)) if dp > old_dp else {}
+    requested = [pg for pg, _ in ext.values()] + list(added.values())
+    timeout = new_cfg.runtime.placement_timeout_s
+    if requested:
+        ready, _ = ray.wait([pg.ready() for pg in requested], num_returns=len(requested), timeout=timeout)
+        if len(ready) < len(requested):
+            placement.release(requested)
+            raise placement.PlacementError(f"could not place the workers within {timeout:g}s: "
+                                           + placement.explain_shortfall(new_cfg, tp, dp))
+    if not all(placement.extension_placed(pg, node) for pg, node in ext.values()):
+        placement.release(requested)
+        return None
+    for q, (pg, _) in ext.items():
+        pgs[q] = placement.extended(d.pgs[q], pg, tp - placement.size_of(d.pgs[q]))
+    return {**pgs, **added}, requested, unused
+
+
+def _resize_tp_restart(d, new_cfg) -> int:
+    """A TP change the plain way: new placement groups for every replica, every worker started anew."""
     new = Layout(new_cfg.parallel.tp, new_cfg.parallel.dp)
     new_pgs = placement.reserve_replicas(new_cfg, d.run, new.tp, list(range(new.dp)),
                                          new_cfg.runtime.placement_timeout_s)
     old_cfg, old_pgs = d.cfg, dict(d.pgs)
     try:
         full = checkpoint.unshard_state(d.shard_states(), gpt_config(old_cfg))
+        ref = ray.put(full)
     except FAILURES:
         placement.release(new_pgs.values())
         raise
@@ -151,15 +254,13 @@ def _resize_tp(d, new_cfg) -> int:
     try:
         _switch(d, new_cfg, new_pgs)
         d.workers = [d.new_worker(r) for r in range(new.world_size)]
-        d.wire(set(range(new.world_size)))
-        d.set_state(full)
+        d.wire(set(range(new.world_size)), full=ref)
     except FAILURES:  # back to the old layout, from the state the driver holds
         _kill(d.workers)
         placement.release(new_pgs.values())
         _switch(d, old_cfg, old_pgs)
         d.workers = [d.new_worker(r) for r in range(d.layout.world_size)]
-        d.wire(set(range(d.layout.world_size)))
-        d.set_state(full)
+        d.wire(set(range(d.layout.world_size)), full=ref)
         raise
     placement.release(old_pgs.values())
     return state_bytes(full)
