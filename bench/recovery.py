@@ -8,7 +8,8 @@ rank 1 to SIGKILL (pid as the workers report it) right after ``kill_step``
 steps completed.
 
 - raytp: its ``Driver`` in a thread, TP=2 x DP=2 and TP=4 x DP=1, in-memory
-  snapshots every step (the default). Measured: kill -> the ``recovered``
+  snapshots every step (the default), and TP=2 x DP=2 with one warm spare
+  (``recovery.spares: 1``; killed once the spare is up). Measured: kill -> the ``recovered``
   event (the first step completed after healing; wall clock), kill -> the
   next metrics.jsonl line, and the ``recovered`` event's own ``seconds``
   (from the driver noticing to that step), with its ``source`` and
@@ -43,7 +44,8 @@ PEER = ("Ray Train 2.60 TorchTrainer (DDP, 4 CPU workers, same GPT and batches, 
 GOAL_RATIO, GOAL_S = 0.3, 5.0
 FULL = {"model": MODEL["FULL"], "batch_size": 8, "kill_step": 6, "after": 6, "reps": 2}
 QUICK = {"model": MODEL["QUICK"], "batch_size": 4, "kill_step": 3, "after": 3, "reps": 1}
-LAYOUTS = ((2, 2), (4, 1))
+LAYOUTS = ((2, 2, 0), (4, 1, 0), (2, 2, 1))  # (tp, dp, warm spares)
+GOAL_SPARE_S = 2.0
 KILL_RANK = 1
 
 
@@ -70,11 +72,17 @@ def _in_thread(fn) -> tuple[threading.Thread, list]:
 
 # ---------------------------------------------------------------- raytp
 
-def raytp_once(p: dict, tp: int, dp: int, run_dir: Path) -> dict:
+def _key(tp: int, dp: int, spares: int) -> str:
+    return f"tp{tp}_dp{dp}" + (f"_spare{spares}" if spares else "")
+
+
+def raytp_once(p: dict, tp: int, dp: int, spares: int, run_dir: Path) -> dict:
     k = p["kill_step"]
-    d = driver(job(p["model"], p["batch_size"], tp, dp, k + p["after"]), run_dir)
+    d = driver(job(p["model"], p["batch_size"], tp, dp, k + p["after"], recovery={"spares": spares}), run_dir)
     t, errors = _in_thread(d.run_to_end)
     _wait(lambda: len(jsonl(run_dir / "metrics.jsonl")) >= k, t)
+    if spares:  # the spare's process must be up, as it is in a job that has run for a while
+        _wait(lambda: any(e["kind"] == "spares" for e in jsonl(run_dir / "events.jsonl")), t)
     pid = next(w["pid"] for w in d.placement if w["rank"] == KILL_RANK)
     killed = time.time()
     os.kill(pid, signal.SIGKILL)
@@ -88,6 +96,7 @@ def raytp_once(p: dict, tp: int, dp: int, run_dir: Path) -> dict:
             "event_seconds": rec["seconds"], "kill_to_failure_event_s": fail["time"] - killed,
             "failure_to_placed_s": placed["time"] - fail["time"], "placed_to_step_s": rec["time"] - placed["time"],
             "source": rec["source"], "lost_steps": rec["lost_steps"], "killed_after_step": k,
+            "spares_used": len(rec.get("spares", [])),
             "first_step_s": ev["first_step"]["seconds"]}
 
 
@@ -176,15 +185,17 @@ def ray_train_once(p: dict, work: Path) -> dict:
 
 def run(quick: bool = False) -> dict:
     p = QUICK if quick else FULL
-    res: dict[str, list[dict]] = {f"raytp_tp{tp}_dp{dp}": [] for tp, dp in LAYOUTS}
+    res: dict[str, list[dict]] = {"raytp_" + _key(*c): [] for c in LAYOUTS}
     res["ray_train"] = []
     with ray_session(8), tempfile.TemporaryDirectory(prefix="raytp-bench-rec-") as tmp:
         warm_up(p, 4, 1, Path(tmp) / f"recovery-warm-up-{os.getpid()}")
         for i in range(p["reps"]):
-            for tp, dp in LAYOUTS:
-                r = raytp_once(p, tp, dp, Path(tmp) / f"rec-tp{tp}-dp{dp}-{os.getpid()}-{i}")
-                res[f"raytp_tp{tp}_dp{dp}"].append(r)
-                say(f"recovery: raytp TP={tp} x DP={dp} rep {i + 1}: {r['kill_to_step_s']:.2f}s ({r['source']})")
+            for tp, dp, spares in LAYOUTS:
+                key = _key(tp, dp, spares)
+                r = raytp_once(p, tp, dp, spares, Path(tmp) / f"rec-{key}-{os.getpid()}-{i}")
+                res["raytp_" + key].append(r)
+                say(f"recovery: raytp {key} rep {i + 1}: {r['kill_to_step_s']:.2f}s ({r['source']}, "
+                    f"{r['spares_used']} spare(s) used)")
             work = Path(tmp) / f"ray-train-{i}"
             work.mkdir()
             r = ray_train_once(p, work)
@@ -201,8 +212,9 @@ def run(quick: bool = False) -> dict:
     fig["ray_train_lost_steps"] = [r["lost_steps"] for r in res["ray_train"]]
     fig["ray_train_fit_to_first_step_s"] = med([r["fit_to_first_step_s"] for r in res["ray_train"]])
     met = True
-    for tp, dp in LAYOUTS:
-        rs, key = res[f"raytp_tp{tp}_dp{dp}"], f"tp{tp}_dp{dp}"
+    for tp, dp, spares in LAYOUTS:
+        key = _key(tp, dp, spares)
+        rs = res["raytp_" + key]
         kts = med([r["kill_to_step_s"] for r in rs])
         fig[key] = {
             "raytp_kill_to_step_s": kts, "raytp_runs_s": [round(r["kill_to_step_s"], 2) for r in rs],
@@ -212,9 +224,11 @@ def run(quick: bool = False) -> dict:
             "raytp_failure_to_replacement_placed_s": med([r["failure_to_placed_s"] for r in rs]),
             "raytp_placed_to_step_s": med([r["placed_to_step_s"] for r in rs]),
             "source": sorted({r["source"] for r in rs}), "lost_steps": [r["lost_steps"] for r in rs],
+            "spares_used": [r["spares_used"] for r in rs],
             "ratio_raytp_to_ray_train": round(kts / rt, 4)}
-        met = met and kts / rt <= GOAL_RATIO and kts < GOAL_S
+        met = met and kts / rt <= GOAL_RATIO and kts < (GOAL_SPARE_S if spares else GOAL_S)
     fig["raytp_first_step_s"] = med([r["first_step_s"] for v in res.values() for r in v if "first_step_s" in r])
-    fig["goal"] = f"raytp <= {GOAL_RATIO}x Ray Train and < {GOAL_S:g} s (kill -> next completed step)"
+    fig["goal"] = (f"raytp <= {GOAL_RATIO}x Ray Train and < {GOAL_S:g} s, < {GOAL_SPARE_S:g} s with a warm spare "
+                   "(kill -> next completed step)")
     fig["goal_met"] = met
     return fig

@@ -152,6 +152,8 @@ class RecoveryConfig:
     max_failures: int = _f(3, "worker losses to recover from before the job fails; 0 = fail at the first",
                            NONNEG)
     snapshot_every: int = _f(1, "steps between in-memory snapshots of every shard; 0 = off", NONNEG)
+    spares: int = _f(0, "warm spare workers started ahead (torch imported, each holding a worker's "
+                        "resources) that take a lost rank's place at once; 0 = none", NONNEG)
     replace_timeout_s: float = _f(120.0, "seconds to wait for a replacement worker to be placed", POSITIVE)
     ping_timeout_s: float = _f(5.0, "seconds a worker may take to answer a liveness check", POSITIVE)
 

@@ -194,7 +194,8 @@ def format_live(st: dict) -> str:
     return (f"{st['run']}: {st['state']}  step {st.get('step', 0)}/{st.get('steps', '?')}  "
             f"TP={st.get('tp', '?')} x DP={st.get('dp', '?')} ({st.get('world_size', '?')} workers)  "
             f"loss {num('loss', '.4f')}  val {num('val_loss', '.4f')}  tok/s {num('tokens_per_s', ',.0f')}  "
-            f"failures {st.get('failures', 0)}  dir {st.get('run_dir', '-')}")
+            f"failures {st.get('failures', 0)}" + (f"  spares {st['spares']}" if st.get("spares") else "")
+            + f"  dir {st.get('run_dir', '-')}")
 
 
 def progress_of(logs: str) -> tuple[tuple[int, int] | None, str | None]:

@@ -29,12 +29,15 @@ def ray_actors(name_prefix: str, alive_only: bool = True) -> dict[str, dict]:
 
 
 @contextlib.contextmanager
-def gpu_cluster(gpu_nodes: int):
+def gpu_cluster(gpu_nodes: int, system_config: dict | None = None):
     """A simulated cluster: a head with no GPUs (the driver's node) and `gpu_nodes` nodes of 2 CPUs
     and 2 fake GPUs each, on loopback; connected, and shut down afterwards. Yields (cluster, nodes)."""
     import ray
     from ray.cluster_utils import Cluster
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    head = {"num_cpus": 1, "num_gpus": 0}
+    if system_config:
+        head["_system_config"] = system_config
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     nodes = [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(gpu_nodes)]
     ray.init(address=cluster.address, namespace="raytp", log_to_driver=False)
     cluster.wait_for_nodes()

@@ -39,4 +39,15 @@ class DiesInResizeSetup(Worker):
         return super().setup(tp, dp, init_method, full)
 
 
+class Slow(Worker):
+    """Takes at least 0.4 s per step, so that a short job outlives the start of a spare process."""
+
+    def _step(self, step):
+        import time
+        t0 = time.perf_counter()
+        rec = super()._step(step)
+        time.sleep(max(0.0, 0.4 - (time.perf_counter() - t0)))
+        return rec
+
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -85,7 +85,7 @@ def signal_rank(rank, sig):
 def reference(ray_local, tmp_path_factory):
     """Uninterrupted runs, by layout."""
     out = {}
-    for tp, dp in [(2, 2), (4, 1)]:
+    for tp, dp in [(2, 2), (4, 1), (2, 1)]:
         run_dir = tmp_path_factory.mktemp(f"ref-tp{tp}-dp{dp}")
         run(recovery_job(tp, dp), run_dir, f"ref{tp}{dp}")
         out[(tp, dp)] = final_state(run_dir)
@@ -108,6 +108,31 @@ def test_sigkill_of_a_random_worker_loses_nothing(reference, tmp_path, tp, dp):
     assert rec["seconds"] > 0  # how fast is measured in bench/recovery.py, not asserted here
     metrics = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
     assert metrics == list(range(STEPS)), "one metrics line per step, none twice"
+
+
+def test_a_warm_spare_takes_the_place_of_a_killed_worker(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    seen = {}
+
+    def kill_rank_1_once_the_spare_is_up(run_name):
+        deadline = time.monotonic() + 60
+        while not events(run_dir, "spares"):
+            assert time.monotonic() < deadline, "the spare did not start"
+            time.sleep(0.05)
+        seen.update(ray_actors(f"raytp.{run_name}.spare"))
+        signal_rank(1, signal.SIGKILL)(run_name)
+
+    from faulty import Slow
+    run(recovery_job(2, 1, recovery={"spares": 1}), run_dir, "spare", faults=[(3, kill_rank_1_once_the_spare_is_up)],
+        worker_cls=Slow)
+    assert_bitwise_equal(final_state(run_dir), reference[(2, 1)])
+    (rec,) = events(run_dir, "recovered")
+    assert rec["spares"] == ["raytp.spare.spare0"] and rec["source"] == "snapshot" and rec["lost_steps"] <= 1
+    placed = events(run_dir, "placed")[-1]["ranks"]
+    assert placed[1]["pid"] == seen["raytp.spare.spare0"]["pid"], "rank 1 is not the spare's process"
+    assert [e["names"] for e in events(run_dir, "spares")] == [["raytp.spare.spare0"], ["raytp.spare.spare1"]], \
+        "a new spare starts in the freed bundle"
+    assert not ray_actors("raytp.spare."), "actors left after the run"
 
 
 def test_hung_worker_is_detected_by_the_step_deadline_and_replaced(reference, tmp_path):

@@ -24,7 +24,8 @@ from raytp.runtime import placement, recovery, resize
 from raytp.runtime.control import start_control
 from raytp.runtime.metrics import RunLog
 from raytp.runtime.progress import Progress
-from raytp.runtime.snapshots import Snapshots
+from raytp.runtime.snapshots import OffNodeCopy, Snapshots
+from raytp.runtime.spares import Spares, bundle_key
 from raytp.runtime.worker import Worker, gpt_config
 from raytp.train import checkpoint
 
@@ -61,6 +62,9 @@ class Driver:
         self.last: dict = {}
         self.first_step: float | None = None  # seconds from the command to the first completed step
         self.snapshots = Snapshots(self.layout.tp)
+        self.snapshot_copy = OffNodeCopy(run)
+        self.bundles: dict[str, tuple] = {}  # actor id -> (placement group id, bundle index) it sits in
+        self.spares = Spares(self)
         self.failures = 0
         self.healing: dict | None = None  # set by a recovery until the next completed step
         self.resizing: dict | None = None  # set by a resize until the next completed step
@@ -112,6 +116,9 @@ class Driver:
                                               cfg.runtime.placement_timeout_s)
         self.workers = [self.new_worker(r) for r in range(lay.world_size)]
         self.wire(fresh=set(range(lay.world_size)))
+        if cfg.recovery.snapshot_every:
+            self.snapshot_copy.update(self)  # its keeper starts while the first step runs
+        self.spares.start()  # in the background, like the keeper
         if self.init_state is not None:
             step, full, source = self.init_state
             self.set_state(full)
@@ -127,10 +134,14 @@ class Driver:
         remote = ray.remote(self.worker_cls)
         dp_rank, tp_rank = self.layout.coords(rank)
         opts = placement.worker_options(self.cfg, self.pgs[dp_rank], self.run, rank, tp_rank)
+        pg, index = placement.bundle_of(self.pgs[dp_rank], tp_rank)
+        self.spares.evict(pg, index)  # a spare that drifted into this rank's bundle makes room
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return remote.options(**opts, max_concurrency=4).remote(self.cfg.to_dict(), rank)
+                actor = remote.options(**opts, max_concurrency=4).remote(self.cfg.to_dict(), rank)
+                self.bundles[actor._actor_id.hex()] = bundle_key(pg, index)
+                return actor
             except ActorAlreadyExistsError:
                 if time.monotonic() > deadline:
                     raise
@@ -188,14 +199,18 @@ class Driver:
         end = cfg.train.steps if until is None else min(until, cfg.train.steps)
         progress = Progress(cfg.train.steps, self.out)
         try:
-            while self.step < end:
+            while self.step < end or self._final_save_due():
                 self.handle_requests()
                 resize.maybe_grow(self)
+                self.spares.refill()
                 if self.stop_request is not None:
                     self.stop()
                     return
                 try:
-                    self._call(end, t_start, progress)
+                    if self.step < end:
+                        self._call(end, t_start, progress)
+                    else:  # the last step's checkpoint, cut short by a failure: saved after recovery
+                        self.save_checkpoint()
                 except recovery.FAILURES as e:
                     self.state = State.RECOVERING
                     self.publish()
@@ -204,6 +219,10 @@ class Driver:
                 self.publish()
         finally:
             progress.close()
+
+    def _final_save_due(self) -> bool:
+        steps, every = self.cfg.train.steps, self.cfg.checkpoint.every
+        return bool(every) and self.step == steps and self.saved_step != steps
 
     def _call(self, end: int, t_start: float, progress: Progress) -> None:
         """One streamed call of up to steps_per_call steps, then evaluation and checkpoint if due."""
@@ -233,6 +252,8 @@ class Driver:
             if self.step == steps or (every and self.step % every == 0):
                 self.last["val_loss"] = self.evaluate()
             self.log_step(self.last)
+            if snap:
+                self.snapshot_copy.update(self)
             if self.healing is not None:
                 recovery.healed(self)
             if self.resizing is not None:
@@ -251,7 +272,8 @@ class Driver:
                 "tp": self.layout.tp, "dp": self.layout.dp, "world_size": self.layout.world_size,
                 "loss": self.last.get("loss"), "val_loss": self.last.get("val_loss"),
                 "tokens_per_s": self.last.get("tokens_per_s"), "step_time_s": self.last.get("step_time_s"),
-                "failures": self.failures, "run_dir": str(self.run_dir.resolve()),
+                "failures": self.failures, "spares": len(self.spares.pool),
+                "run_dir": str(self.run_dir.resolve()),
                 "elapsed_s": time.perf_counter() - self.t_start}
 
     def publish(self) -> None:
@@ -291,8 +313,10 @@ class Driver:
 
     @staticmethod
     def _next(stream, timeout: float):
-        """The next object of a streaming call, or StepDeadline if none comes within `timeout`."""
-        ready, _ = ray.wait([stream], timeout=timeout)
+        """The next object of a streaming call, or StepDeadline if none comes within `timeout`. The object
+        stays where it was made: fetch_local=False, or every snapshot would be pulled to the driver's
+        node before the next step is taken (a full model's state per step, over the network)."""
+        ready, _ = ray.wait([stream], timeout=timeout, fetch_local=False)
         if not ready:
             raise recovery.StepDeadline(f"no progress within runtime.step_timeout_s={timeout:g}s")
         return next(stream)
@@ -329,6 +353,8 @@ class Driver:
             except Exception:  # noqa: BLE001 - already gone is fine
                 pass
         self.workers = []
+        self.snapshot_copy.release()
+        self.spares.release()
         placement.release(self.pgs.values())
         self.pgs = {}
         if self.growing is not None:

@@ -12,11 +12,15 @@
    the ranks blocked on *it* fail next, and so on through every group; the
    dead process's own sockets start the chain (a hung one's, once killed).
    Survivors keep their processes, weights and optimizer state.
-3. Replace. The lost ranks are started again in their placement-group
-   bundles (Ray re-places a lost node's bundles once capacity returns).
+3. Replace. A lost rank takes a ready warm spare on its TP peers' node if
+   the job keeps spares (raytp.runtime.spares), else it is started again in
+   its placement-group bundle (Ray re-places a lost node's bundles once
+   capacity returns).
 4. Restore, fastest source first: a DP replica of the lost shard among the
    survivors (no step lost); else the newest in-memory snapshot (everyone
-   rolls back to it if the survivors are ahead); else the newest checkpoint.
+   rolls back to it if the survivors are ahead); else, when the snapshot went
+   down with its node, its copy on another node (raytp.runtime.snapshots);
+   else the newest checkpoint.
    Data and dropout are functions of the step, so the replay is exact.
 5. Rewire: new groups at a new rendezvous; survivors ``rejoin``, new workers
    ``setup``. Training resumes; the first completed step logs ``recovered``.
@@ -118,7 +122,16 @@ def _recover_once(d, error: BaseException, t0: float) -> None:
             ray.kill(d.workers[rank], no_restart=True)  # also frees the actor's name for the replacement
         except Exception:  # noqa: BLE001 - it is gone either way
             pass
-        d.workers[rank] = d.new_worker(rank)
+    promoted = d.spares.take(list(lost))  # warm spares first: no process to start
+    ray.get([s.actor.assume.remote(r, d.cfg.to_dict()) for r, s in promoted.items()],
+            timeout=cfg.recovery.ping_timeout_s)
+    for rank, spare in promoted.items():
+        d.workers[rank] = spare.actor
+        d.bundles[spare.actor._actor_id.hex()] = (spare.pg.id.hex(), spare.index)
+        d._say(f"rank {rank} is taken over by warm spare {spare.name}")
+    for rank in lost:
+        if rank not in promoted:
+            d.workers[rank] = d.new_worker(rank)
     try:
         ray.get([d.workers[r].ping.remote() for r in lost], timeout=cfg.recovery.replace_timeout_s)
     except GetTimeoutError:
@@ -127,12 +140,16 @@ def _recover_once(d, error: BaseException, t0: float) -> None:
         if not shrink(d, lost, completed, t0):
             give_up(d, why)
         return
+    snap_nodes = {d.placement[r].get("node_id") for r in lay.tp_group(0) if r < len(d.placement)}
     d.wire(fresh=set(lost))
     step, source = restore(d, lost, completed)
+    if source == "snapshot" and not snap_nodes & {n["NodeID"] for n in ray.nodes() if n.get("Alive")}:
+        source = "snapshot copy"  # its own node is gone: Ray served the copy kept on another node
     ahead = max(completed.values(), default=step)
     if d.partial is not None and d.partial["step"] == d.step and step > d.step:
         d.log_step(d._record(d.partial, [d.partial]))  # the step the survivors finished as the rank died
-    d.healing = {"t0": t0, "lost_steps": max(ahead - step, 0), "source": source, "ranks": sorted(lost)}
+    d.healing = {"t0": t0, "lost_steps": max(ahead - step, 0), "source": source, "ranks": sorted(lost),
+                 "spares": sorted(s.name for s in promoted.values())}
     d.step = step
 
 
@@ -149,8 +166,12 @@ def restore(d, lost: dict[int, str], completed: dict[int, int]) -> tuple[int, st
         ray.get([d.workers[r].set_shard.remote(d.workers[donors[r]].get_state.remote(), c) for r in lost],
                 timeout=timeout)
         return c, "replica"
-    snap = d.snapshots.latest()
-    if snap is not None:
+    copies = [("snapshot", lambda: d.snapshots.latest()),
+              ("snapshot copy", lambda: d.snapshot_copy.refs(lay.tp))]  # the off-node copy, if one is kept
+    for source, newest in copies:
+        snap = newest()
+        if snap is None:
+            continue
         k, refs = snap
         if steps == {k}:  # survivors are at the snapshot: only the new workers load
             targets = list(lost)
@@ -158,9 +179,10 @@ def restore(d, lost: dict[int, str], completed: dict[int, int]) -> tuple[int, st
             targets = range(lay.world_size)
         try:
             ray.get([d.workers[r].set_shard.remote(refs[lay.coords(r)[1]], k) for r in targets], timeout=timeout)
-            return k, "snapshot"
+            return k, source
         except (ObjectLostError, OwnerDiedError, RayTaskError) as e:
-            d._say(f"snapshot of step {k} unavailable ({type(e).__name__}); trying the checkpoint")
+            d._say(f"{source} of step {k} unavailable ({type(e).__name__}); trying the next source")
+            steps = set()  # some workers may have loaded it: whatever comes next, everyone loads
     try:
         path, manifest, full = checkpoint.load_latest(d.ckpt_root, warn=d._say)
     except checkpoint.CheckpointError as e:
@@ -208,7 +230,7 @@ def healed(d) -> None:
     h, d.healing = d.healing, None
     seconds = time.perf_counter() - h["t0"]
     d.log.event("recovered", seconds=seconds, lost_steps=h["lost_steps"], source=h["source"], ranks=h["ranks"],
-                step=d.step)
+                step=d.step, spares=h.get("spares", []))
     d._say(f"recovered in {seconds:.1f}s from {h['source']}, {h['lost_steps']} step(s) lost")
 
 

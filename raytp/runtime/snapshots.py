@@ -1,14 +1,32 @@
 """In-memory snapshots: the newest state of every shard, in the Ray object store.
 
 Workers yield a copy of their shard state every `recovery.snapshot_every`
-steps from their streaming step call; an object yielded that way is owned by
-the caller, the driver, so it outlives the worker that made it (not the node
-whose object store holds it: a node loss is covered by DP replicas on other
-nodes, or by checkpoints). Only DP replica 0 snapshots, as the other replicas
+steps from their streaming step call (taken between two steps and written to
+the object store while the next step runs, see ``Worker.run_steps``); an
+object yielded that way is owned by the caller, the driver, so it outlives
+the worker that made it. Only DP replica 0 snapshots, as the other replicas
 hold the same shards. A snapshot is usable once every TP rank's part of the
 same step has arrived.
+
+Its primary copy lives in the object store of replica 0's node, so a loss of
+that node would take the snapshot with it. Where no other DP replica lives on
+another node (a DP=1 job, or all replicas on one node), ``OffNodeCopy`` keeps
+a second copy of the newest complete snapshot on another node (the driver's
+node when it hosts none of replica 0's workers, else any other alive node),
+pulled there by a small keeper actor while training goes on. It is refreshed
+whenever the previous pull has finished, so it may trail the newest snapshot
+by a few steps on a slow network; it costs that node one snapshot of object
+store memory (the full model and optimizer state over TP ranks). Where DP
+replicas sit on other nodes, they are the off-node copy and no keeper runs.
 """
 from __future__ import annotations
+
+import itertools
+import time
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 
 class Snapshots:
@@ -28,3 +46,130 @@ class Snapshots:
         """(step, [ref per TP rank]) of the newest complete snapshot, if any."""
         complete = [s for s, refs in self.by_step.items() if all(r is not None for r in refs)]
         return (max(complete), self.by_step[max(complete)]) if complete else None
+
+
+class Keeper:
+    """Holds one complete snapshot in its node's object store (a Ray actor, no CPU reserved)."""
+
+    def __init__(self):
+        self.step, self.tp, self.parts = None, None, None
+
+    def hold(self, step: int, tp: int, refs: list) -> int:
+        """Pull snapshot `step` (a list of refs, one per TP rank) to this node and keep it."""
+        parts = ray.get(refs)  # zero-copy views of this node's object store: pinned while held
+        self.step, self.tp, self.parts = step, tp, parts
+        return step
+
+    def holding(self) -> tuple[int | None, int | None]:
+        """(step, tp) of the snapshot held."""
+        return self.step, self.tp
+
+    def part(self, step: int, tp_rank: int) -> dict:
+        if step != self.step:
+            raise KeyError(f"the keeper holds step {self.step}, not {step}")
+        return self.parts[tp_rank]
+
+
+_KEEPERS = itertools.count()  # a new keeper's name must not wait for the old one's to be freed
+RECHECK_S = 30.0  # how often a job without a keeper looks again for a node to put one on
+
+
+class OffNodeCopy:
+    """The driver's side of the keeper: where it runs, which snapshot it holds, refreshing it."""
+
+    def __init__(self, run: str):
+        self.run = run
+        self.checked: tuple | None = None  # (placement's nodes, time) of the last placement decision
+        self.keeper = None
+        self.node: str | None = None
+        self.pending = None  # (step, tp, ObjectRef of the hold call in flight)
+        self.held: tuple[int, int] | None = None  # (step, tp) the keeper holds
+        self.said: str | None = None  # the last placement reported as an event
+
+    def update(self, d) -> None:
+        """At the start and after each completed step: start the keeper where one is needed, and hand
+        it the newest complete snapshot if it is idle. Never waits."""
+        if not self._place(d):
+            return
+        if self.pending is not None:
+            step, tp, ref = self.pending
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                return
+            self.pending = None
+            try:
+                ray.get(ref)
+            except (RayActorError, RayTaskError) as e:  # its node went, or the snapshot did: start over
+                self.checked = None  # look for a node at once
+                self._drop(d, f"the snapshot keeper failed ({type(e).__name__})")
+                return
+            if self.held is None:
+                self._report(d, node=self.node, first_step=step)
+            self.held = (step, tp)
+        snap = d.snapshots.latest()
+        if snap is None or (self.held is not None and self.held == (snap[0], d.layout.tp)):
+            return
+        self.pending = (snap[0], d.layout.tp, self.keeper.hold.remote(snap[0], d.layout.tp, list(snap[1])))
+
+    def refs(self, tp: int) -> tuple[int, list] | None:
+        """(step, [ref per TP rank]) of the copy the keeper holds at TP degree `tp`, if any."""
+        if self.keeper is None:
+            return None
+        try:  # the keeper's word, not self.held: a pull may have finished since the driver last looked
+            step, held_tp = ray.get(self.keeper.holding.remote(), timeout=10)
+        except (RayActorError, ray.exceptions.GetTimeoutError) as e:
+            return None
+        if step is None or held_tp != tp:
+            return None
+        return step, [self.keeper.part.remote(step, t) for t in range(tp)]
+
+    def _place(self, d) -> bool:
+        """Run the keeper on a node without replica 0's state; False where none is needed or exists."""
+        lay = d.layout
+        nodes = [p.get("node_id") for p in d.placement]
+        if self.checked is not None and self.checked[0] == nodes and (
+                self.keeper is not None or time.monotonic() - self.checked[1] < RECHECK_S):
+            return self.keeper is not None
+        self.checked = (nodes, time.monotonic())
+        state_nodes = {nodes[r] for r in lay.tp_group(0) if r < len(nodes)}
+        if any(n not in state_nodes for n in nodes):  # another DP replica on another node: that is the copy
+            self._drop(d, "DP replicas on other nodes hold the same shards")
+            return False
+        alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in state_nodes]
+        if not alive:
+            self._drop(d, "no other node: a loss of the workers' node is covered by checkpoints only")
+            return False
+        here = ray.get_runtime_context().get_node_id()
+        if self.keeper is not None and self.node in alive:
+            return True
+        node = here if here in alive else alive[0]
+        self._drop(d, None)
+        self.keeper = ray.remote(Keeper).options(
+            name=f"raytp.{self.run}.snapshots{next(_KEEPERS)}", namespace="raytp", num_cpus=0, max_concurrency=2,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        self.node = node
+        return True
+
+    def _drop(self, d, why: str | None) -> None:
+        if self.keeper is not None:
+            try:
+                ray.kill(self.keeper, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.keeper, self.node, self.pending, self.held = None, None, None, None
+        if why is not None:
+            self._report(d, reason=why)
+
+    def _report(self, d, **what) -> None:
+        key = repr(sorted(what.items()))
+        if key != self.said:
+            self.said = key
+            d.log.event("snapshot_copy", step=d.step, **what)
+
+    def release(self) -> None:
+        if self.keeper is not None:
+            try:
+                ray.kill(self.keeper, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        self.keeper = self.pending = self.held = None

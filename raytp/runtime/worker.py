@@ -82,6 +82,10 @@ class Worker:
         ip = self._node_ip()
         return f"tcp://{ip}:{free_port(ip)}"
 
+    def assume(self, rank: int, job: dict) -> None:
+        """A warm spare takes rank `rank` of the job as it now is (its groups and shard come next)."""
+        self.rank, self.cfg = rank, from_dict(job)
+
     def setup(self, tp: int, dp: int, init_method: str, full: dict | None = None) -> dict:
         """Join the process groups and build this rank's shard: from the seeded full initialisation, or,
         given `full` (a one-device state), from its slices of it, with no initialisation at all."""

@@ -1,0 +1,179 @@
+"""Warm spares: worker processes started ahead that take a lost rank's place at once.
+
+With ``recovery.spares: N`` the driver keeps N spare ``Worker`` actors alive,
+named ``raytp.<run>.spare<K>``: their processes are up, torch and raytp are
+imported and the data is loaded, so a recovery skips starting a process (most
+of its time). Each spare holds a bundle of the workers' shape, so a spare is
+real capacity, reserved: the job's cost grows by N workers' resources.
+
+Bundles. At the start, N bundles are reserved in a group of their own
+(``raytp.<run>.spares``, PACK: on as few nodes as fit). A spare that takes
+rank R's place keeps its bundle, and R's own bundle (in R's replica group) is
+freed; a new spare is started there at once, in the background. So spares
+drift to where workers were lost, which is where the lost rank's TP peers
+are. Which bundle each actor sits in is recorded per actor (``Driver.bundles``),
+so resizes, which move workers between groups, need nothing special:
+``refill`` finds the free bundles of the groups the job holds, whatever they
+are, and starts spares there (idle bundles a TP shrink leaves reserved
+become spares too).
+
+Choosing. A lost rank takes a ready spare on the node of its surviving TP
+peers (a TP group stays inside one node); if its whole TP group was lost
+(a node loss), the group's ranks take spares that share one node. A spare
+that is not ready yet (its process still starting) is not used: the rank is
+started anew in its own bundle, as without spares.
+
+Names. Ray's actor names cannot change: a spare that becomes rank R keeps its
+name ``raytp.<run>.spare<K>``; the ``placed`` event and ``raytp status`` map
+ranks to actors (pid, node).
+"""
+from __future__ import annotations
+
+import itertools
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raytp.runtime import placement
+
+
+def bundle_key(pg, index: int) -> tuple[str, int]:
+    return pg.id.hex(), index
+
+
+class Spare:
+    def __init__(self, actor, pg, index: int, name: str):
+        self.actor, self.pg, self.index, self.name = actor, pg, index, name
+        self.ready_ref = actor.where.remote()  # answers once the process is up and __init__ is done
+        self.where: dict | None = None
+
+    def ready(self) -> bool:
+        """Started and alive (never waits); a dead one raises RayActorError."""
+        if self.where is None:
+            done, _ = ray.wait([self.ready_ref], timeout=0)
+            if not done:
+                return False
+            self.where = ray.get(self.ready_ref)
+        return True
+
+
+class Spares:
+    def __init__(self, d):
+        self.d = d
+        self.n = d.cfg.recovery.spares
+        self.pg = self.pg_ready = None
+        self.pool: list[Spare] = []
+        self.reported = False
+        self._names = itertools.count()
+
+    def start(self) -> None:
+        """Ask for the spares' own group; spares start as its bundles are placed (see refill). Never
+        waits: a group that cannot be placed stays a pending demand (an autoscaler sees it) and the
+        job runs without spares meanwhile."""
+        d = self.d
+        if not self.n:
+            return
+        self.pg = placement_group([placement.worker_resources(d.cfg)] * self.n, strategy="PACK",
+                                  name=f"raytp.{d.run}.spares")
+        self.pg_ready = self.pg.ready()
+        self.refill()
+
+    def groups(self) -> list:
+        """Every placement group whose bundles may hold workers or spares (the spares' own once placed)."""
+        out = [g for replica in self.d.pgs.values() for g in placement.groups_of(replica)]
+        if self.pg is not None and ray.wait([self.pg_ready], timeout=0)[0]:
+            out.append(self.pg)
+        return out
+
+    def refill(self) -> None:
+        """Start spares in free bundles of the job's groups until there are N (never waits)."""
+        d = self.d
+        if not self.n:
+            return
+        self.prune()
+        used = {d.bundles.get(w._actor_id.hex()) for w in d.workers} | {bundle_key(s.pg, s.index) for s in self.pool}
+        free = [(pg, i) for pg in self.groups() for i in range(pg.bundle_count) if bundle_key(pg, i) not in used]
+        remote = ray.remote(d.worker_cls)
+        for pg, i in free[:max(self.n - len(self.pool), 0)]:
+            name = f"raytp.{d.run}.spare{next(self._names)}"
+            res = placement.worker_resources(d.cfg)
+            actor = remote.options(
+                name=name, namespace="raytp", num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), max_restarts=0,
+                max_concurrency=4, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=i)).remote(d.cfg.to_dict(), -1)
+            self.pool.append(Spare(actor, pg, i, name))
+        if not self.reported and len(self.pool) == self.n and all(_ready(s) for s in self.pool):
+            self.reported = True
+            d.log.event("spares", ready=self.n, names=[s.name for s in self.pool])
+
+    def prune(self) -> None:
+        """Forget spares that died (their node went, their group was removed by a resize)."""
+        live_groups = {g.id.hex() for g in self.groups()} | ({self.pg.id.hex()} if self.pg is not None else set())
+        keep = []
+        for s in self.pool:
+            try:
+                if s.pg.id.hex() in live_groups:
+                    s.ready()
+                    keep.append(s)
+                    continue
+            except RayActorError:
+                pass
+            _kill(s.actor)
+        self.pool = keep
+
+    def evict(self, pg, index: int) -> None:
+        """Free bundle (pg, index) of a spare (a worker is about to be started in it)."""
+        for s in [s for s in self.pool if bundle_key(s.pg, s.index) == bundle_key(pg, index)]:
+            self.pool.remove(s)
+            _kill(s.actor)
+
+    def take(self, lost: list[int]) -> dict[int, Spare]:
+        """Ready spares for the lost ranks that can have one: {rank: spare}, removed from the pool."""
+        d, lay = self.d, self.d.layout
+        if not self.n:
+            return {}
+        self.prune()
+        ready = [s for s in self.pool if _ready(s)]
+        chosen: dict[int, Spare] = {}
+        lost_set = set(lost)
+        for q in sorted({lay.coords(r)[0] for r in lost}):
+            group = lay.tp_group(q)
+            missing = [r for r in group if r in lost_set]
+            peers = [d.placement[r]["node_id"] for r in group if r not in lost_set and r < len(d.placement)]
+            nodes = {peers[0]} if peers else {s.where["node_id"] for s in ready}
+            for node in nodes:
+                here = [s for s in ready if s.where["node_id"] == node]
+                if len(here) >= len(missing) or peers:  # a whole lost group must land on one node
+                    for r, s in zip(missing, here):
+                        chosen[r] = s
+                        ready.remove(s)
+                    break
+        for s in chosen.values():
+            self.pool.remove(s)
+        if chosen:
+            self.reported = False  # a "spares" event again once the pool is whole
+        return chosen
+
+    def release(self) -> None:
+        for s in self.pool:
+            _kill(s.actor)
+        self.pool = []
+        if self.pg is not None:
+            placement.release([self.pg])
+            self.pg = self.pg_ready = None
+
+
+def _ready(s: Spare) -> bool:
+    try:
+        return s.ready()
+    except (RayActorError, GetTimeoutError):
+        return False
+
+
+def _kill(actor) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
