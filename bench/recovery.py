@@ -42,8 +42,8 @@ from bench.snapshots import MODEL, driver, job, jsonl, med, ray_session, say, wa
 PEER = ("Ray Train 2.60 TorchTrainer (DDP, 4 CPU workers, same GPT and batches, checkpoint every step via "
         "ray.train.report, FailureConfig(max_failures=1), resume from get_checkpoint)")
 GOAL_RATIO, GOAL_S = 0.3, 5.0
-FULL = {"model": MODEL["FULL"], "batch_size": 8, "kill_step": 6, "after": 6, "reps": 2}
-QUICK = {"model": MODEL["QUICK"], "batch_size": 4, "kill_step": 3, "after": 3, "reps": 1}
+FULL = {"model": MODEL["FULL"], "batch_size": 8, "kill_step": 6, "after": 6, "reps": 2, "spare_steps": 150}
+QUICK = {"model": MODEL["QUICK"], "batch_size": 4, "kill_step": 3, "after": 3, "reps": 1, "spare_steps": 200}
 LAYOUTS = ((2, 2, 0), (4, 1, 0), (2, 2, 1))  # (tp, dp, warm spares)
 GOAL_SPARE_S = 2.0
 KILL_RANK = 1
@@ -78,11 +78,15 @@ def _key(tp: int, dp: int, spares: int) -> str:
 
 def raytp_once(p: dict, tp: int, dp: int, spares: int, run_dir: Path) -> dict:
     k = p["kill_step"]
-    d = driver(job(p["model"], p["batch_size"], tp, dp, k + p["after"], recovery={"spares": spares}), run_dir)
+    # With a spare, the kill waits for its process to be up, as it is in a job that has run a while: the
+    # job runs long enough for that (seconds), and the kill comes after step k or later.
+    steps = k + p["after"] + (p["spare_steps"] if spares else 0)
+    d = driver(job(p["model"], p["batch_size"], tp, dp, steps, recovery={"spares": spares}), run_dir)
     t, errors = _in_thread(d.run_to_end)
     _wait(lambda: len(jsonl(run_dir / "metrics.jsonl")) >= k, t)
-    if spares:  # the spare's process must be up, as it is in a job that has run for a while
-        _wait(lambda: any(e["kind"] == "spares" for e in jsonl(run_dir / "events.jsonl")), t)
+    if spares:
+        _wait(lambda: any(e["kind"] == "spares" and "ready" in e for e in jsonl(run_dir / "events.jsonl")), t)
+        k = len(jsonl(run_dir / "metrics.jsonl"))
     pid = next(w["pid"] for w in d.placement if w["rank"] == KILL_RANK)
     killed = time.time()
     os.kill(pid, signal.SIGKILL)

@@ -3,10 +3,10 @@
 The same raytp job (TP=2, jobs/default.yaml's model: 4 layers x 128 wide, 4
 heads, block 128, batch 8, builtin data, 1 thread/rank, no evaluation, no
 checkpoints) under raytp's ``Driver`` with ``recovery.snapshot_every=1``
-("snap": after every step each rank of DP replica 0 yields
-``checkpoint.shard_state`` -- a CPU copy of its weights and AdamW state --
-through its Ray streaming generator, so the driver owns it) and ``=0``
-("nosnap"). The machine is shared and its speed drifts by tens of percent
+("snap": after every step each rank of DP replica 0 packs a copy of its
+weights and AdamW state into one buffer, between two steps, and its Ray
+streaming generator yields it -- the write into the object store -- while the
+next step runs, so the driver owns it) and ``=0`` ("nosnap"). The machine is shared and its speed drifts by tens of percent
 within a minute, so the two settings alternate call by call inside one job:
 after ``warmup`` steps, calls of ``spc`` steps (one streamed call each, the
 driver's own ``train_loop``) switch the setting in the order ABBA ABBA ...
@@ -23,12 +23,17 @@ Figures, medians over calls:
   ``Worker._step``: forward, backward, optimizer). The snapshot is taken after
   that timer stops, so this shows only its side effects on the step itself.
 
+With TP=2 and one thread per rank both cores of a 2-core machine train, so
+the write competes with training for CPU. The same comparison runs again at
+TP=1 (``tp1_free_core_*``): one core trains and the other is free for the
+write, as the CPU cores of a GPU node are while its GPU runs the step.
+
 Also reported: the bytes of one snapshot (one TP=2 shard, weights + AdamW),
 the round trip of ``Worker.get_state`` on a live rank (the same copy, returned
 through the object store), the absolute wall overhead per step, and, timed in
-this process on the TP=1 model, ``shard_state`` alone and ``ray.put`` of its
-result, also scaled by bytes to one TP=2 shard (``est_*_per_rank``): what the
-copy and the object-store write each cost of that overhead.
+this process on the TP=1 model, the packed copy and ``ray.put`` of it, also
+scaled by bytes to one TP=2 shard (``est_*_per_rank``): what the copy and the
+object-store write each cost.
 
 This module also holds what bench.recovery and bench.resize share (job dicts,
 an embedded Ray, a Driver, reading the run directory).
@@ -113,12 +118,12 @@ def say(msg: str) -> None:
 
 # ---------------------------------------------------------------- the benchmark
 
-def one_run(p: dict, first: int, run_dir: Path) -> list[dict]:
+def one_run(p: dict, first: int, run_dir: Path, tp: int = 2) -> list[dict]:
     """One fresh job; after the warm-up, calls of `spc` steps alternate snapshot_every 1/0 as ABBA
     starting with `first`. Returns one dict per timed call."""
     import dataclasses
     import ray
-    jd = job(p["model"], p["batch_size"], 2, 1, p["warmup"] + p["calls"] * p["spc"] + 1,
+    jd = job(p["model"], p["batch_size"], tp, 1, p["warmup"] + p["calls"] * p["spc"] + 1,
              train={"steps_per_call": p["spc"]}, recovery={"snapshot_every": first})
     d = driver(jd, run_dir)
     calls = []
@@ -163,26 +168,37 @@ def shard_state_cost(p: dict, reps: int = 5) -> dict:
     model(x, x).backward()
     opt.step()
     copy, put = [], []
-    for _ in range(reps):
+    for _ in range(reps):  # what Worker.run_steps does: the packed copy, then its write to the object store
         t0 = time.perf_counter()
-        st = checkpoint.shard_state(model, opt)
+        packed = checkpoint.pack_state(checkpoint.shard_state(model, opt, copy=False))
         t1 = time.perf_counter()
-        ref = ray.put(st)
+        ref = ray.put(packed)
         copy.append(t1 - t0)
         put.append(time.perf_counter() - t1)
         del ref
-    nbytes = sum(t.numel() * t.element_size() for part in st.values() for v in part.values()
-                 for t in (v.values() if isinstance(v, dict) else [v]))
+    nbytes = packed["data"].nbytes
     return {"tp1_shard_state_s": med(copy), "tp1_ray_put_s": med(put), "tp1_bytes": nbytes}
+
+
+def paired_overhead(calls: list[dict]) -> float:
+    """Median over adjacent (snap, nosnap) calls of the same run of their wall-time ratio, minus 1:
+    the drift of the shared machine cancels."""
+    pairs = [(calls[i], calls[i + 1]) for i in range(0, len(calls) - 1, 2) if calls[i]["snap"] != calls[i + 1]["snap"]]
+    ratios = [(x if x["snap"] else y)["wall_per_step_s"] / (y if x["snap"] else x)["wall_per_step_s"] for x, y in pairs]
+    return round(statistics.median(ratios) - 1, 4)
 
 
 def run(quick: bool = False) -> dict:
     p = QUICK if quick else FULL
     calls: list[dict] = []
+    tp1: list[dict] = []
     with ray_session(4) as _, tempfile.TemporaryDirectory(prefix="raytp-bench-snap-") as tmp:
         for i in range(p["runs"]):
             calls += one_run(p, 1 - i % 2, Path(tmp) / f"snapshots-{os.getpid()}-{i}")
             say(f"snapshots: run {i + 1}/{p['runs']} done")
+        for i in range(p["runs"]):  # one core trains, the other is free for the write, as on a GPU node
+            tp1 += one_run(p, 1 - i % 2, Path(tmp) / f"snapshots-tp1-{os.getpid()}-{i}", tp=1)
+            say(f"snapshots: TP=1 run {i + 1}/{p['runs']} done")
         cost = shard_state_cost(p)
     on, off = [c for c in calls if c["snap"]], [c for c in calls if not c["snap"]]
     m = p["model"]
@@ -195,10 +211,9 @@ def run(quick: bool = False) -> dict:
         a, b = med([c[key] for c in on]), med([c[key] for c in off])
         fig[f"snap_{key}"], fig[f"nosnap_{key}"] = a, b
         fig[f"overhead_{key}"] = round(a / b - 1, 4)
-    # adjacent calls (one with, one without) of the same run: drift of the shared machine cancels
-    pairs = [(calls[i], calls[i + 1]) for i in range(0, len(calls) - 1, 2) if calls[i]["snap"] != calls[i + 1]["snap"]]
-    ratios = [(x if x["snap"] else y)["wall_per_step_s"] / (y if x["snap"] else x)["wall_per_step_s"] for x, y in pairs]
-    fig["overhead_wall_paired_median"] = round(statistics.median(ratios) - 1, 4)
+    fig["overhead_wall_paired_median"] = paired_overhead(calls)
+    fig["tp1_free_core_overhead_wall_paired_median"] = paired_overhead(tp1)
+    fig["tp1_free_core_snapshot_bytes"] = tp1[0]["snapshot_bytes"]
     fig["snapshot_bytes_per_rank"] = calls[0]["snapshot_bytes"]
     fig["get_state_roundtrip_s"] = med([c["get_state_s"] for c in calls])
     fig["overhead_wall_s_per_step"] = round(fig["snap_wall_per_step_s"] - fig["nosnap_wall_per_step_s"], 4)
@@ -206,6 +221,6 @@ def run(quick: bool = False) -> dict:
     scale = calls[0]["snapshot_bytes"] / cost["tp1_bytes"]  # the TP=1 timings scaled to one TP=2 shard
     fig["est_shard_state_s_per_rank"] = round(cost["tp1_shard_state_s"] * scale, 4)
     fig["est_ray_put_s_per_rank"] = round(cost["tp1_ray_put_s"] * scale, 4)
-    fig["goal"] = f"overhead of the wall time per step (paired median) <= {GOAL:.0%}"
+    fig["goal"] = f"overhead of the wall time per step (paired median, TP=2: both cores training) <= {GOAL:.0%}"
     fig["goal_met"] = fig["overhead_wall_paired_median"] <= GOAL
     return fig

@@ -42,12 +42,21 @@ class DiesInResizeSetup(Worker):
 class Slow(Worker):
     """Takes at least 0.4 s per step, so that a short job outlives the start of a spare process."""
 
-    def _step(self, step):
+    def _step(self, step, before_update=None):
         import time
         t0 = time.perf_counter()
-        rec = super()._step(step)
+        rec = super()._step(step, before_update)
         time.sleep(max(0.0, 0.4 - (time.perf_counter() - t0)))
         return rec
+
+
+class Buggy(Worker):
+    """Its step raises at step 3, on every rank: an error of the job's code, not a lost worker."""
+
+    def _step(self, step, before_update=None):
+        if step == 3:
+            raise ZeroDivisionError("a bug in the training code")
+        return super()._step(step, before_update)
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -116,22 +116,26 @@ def test_a_warm_spare_takes_the_place_of_a_killed_worker(reference, tmp_path):
 
     def kill_rank_1_once_the_spare_is_up(run_name):
         deadline = time.monotonic() + 60
-        while not events(run_dir, "spares"):
+        while not [e for e in events(run_dir, "spares") if "ready" in e]:
             assert time.monotonic() < deadline, "the spare did not start"
             time.sleep(0.05)
         seen.update(ray_actors(f"raytp.{run_name}.spare"))
         signal_rank(1, signal.SIGKILL)(run_name)
 
     from faulty import Slow
-    run(recovery_job(2, 1, recovery={"spares": 1}), run_dir, "spare", faults=[(3, kill_rank_1_once_the_spare_is_up)],
-        worker_cls=Slow)
+    run(recovery_job(2, 1, recovery={"spares": 1}), run_dir, "spare",
+            faults=[(3, kill_rank_1_once_the_spare_is_up)], worker_cls=Slow)
     assert_bitwise_equal(final_state(run_dir), reference[(2, 1)])
     (rec,) = events(run_dir, "recovered")
     assert rec["spares"] == ["raytp.spare.spare0"] and rec["source"] == "snapshot" and rec["lost_steps"] <= 1
     placed = events(run_dir, "placed")[-1]["ranks"]
     assert placed[1]["pid"] == seen["raytp.spare.spare0"]["pid"], "rank 1 is not the spare's process"
-    assert [e["names"] for e in events(run_dir, "spares")] == [["raytp.spare.spare0"], ["raytp.spare.spare1"]], \
-        "a new spare starts in the freed bundle"
+    started = [s for e in events(run_dir, "spares") for s in e.get("started", [])]
+    assert [s["name"] for s in started] == ["raytp.spare.spare0", "raytp.spare.spare1"]
+    (replica0,) = [g for g, t in ray.util.placement_group_table().items()
+                   if t["name"].startswith("raytp.spare.replica0.")]
+    assert started[0]["group"] != replica0 and (started[1]["group"], started[1]["bundle"]) == (replica0, 1), \
+        "the new spare starts in the bundle rank 1 left"
     assert not ray_actors("raytp.spare."), "actors left after the run"
 
 
@@ -189,3 +193,17 @@ def test_too_many_failures_fail_clearly_and_leave_a_checkpoint(ray_local, tmp_pa
     path, manifest, _ = checkpoint.load_latest(run_dir)
     assert manifest["step"] >= 5
     assert not ray_actors("raytp.giveup.")
+
+
+def test_an_error_of_the_job_itself_fails_it_at_once(ray_local, tmp_path):
+    """Every worker alive, a step raising: no recovery (it would only repeat), a clear failure."""
+    from faulty import Buggy
+    from raytp.runtime.recovery import JobError
+    d = Driver(recovery_job(2, 1), tmp_path / "run", "buggy", out=open(tmp_path / "out", "w"))
+    d.worker_cls = Buggy
+    t0 = time.monotonic()
+    with pytest.raises(JobError, match="a step failed with every worker alive.*a bug in the training code"):
+        d.run_to_end()
+    assert time.monotonic() - t0 < 60
+    assert [e["kind"] for e in events(tmp_path / "run") if e["kind"] in ("failure", "recovered", "failed")] == ["failed"]
+    assert d.failures == 0 and not ray_actors("raytp.buggy.")

@@ -118,3 +118,27 @@ def test_a_tp_resize_that_fails_midway_rolls_back(ray_wide, tmp_path):
         d.log.close()
     steps = [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert steps == list(range(6))
+
+
+def test_the_job_trains_on_while_a_resize_starts_its_new_ranks(ray_wide, tmp_path):
+    """A requested TP grow starts its new ranks and returns; the old layout trains on until they are
+    up, then the switch pauses training for only its own part."""
+    d = Driver(job(2, 1, steps=400), tmp_path / "run", "ahead", out=io.StringIO())
+    try:
+        d.start()
+        d.train_loop(until=2)
+        assert resize.request(d, 4, 1) is None  # pending: ranks 2 and 3 are starting
+        assert d.pending_resize is not None and (d.layout.tp, d.layout.dp) == (2, 1)
+        at_request = d.step
+        while d.pending_resize is not None:
+            d.train_loop(until=d.step + 1)
+        assert (d.layout.tp, d.layout.dp) == (4, 1)
+        trained_meanwhile = d.step - at_request - 1  # the last step ran at the new layout
+        assert trained_meanwhile >= 1, "the old layout did not train while the new ranks started"
+        metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    finally:
+        d.release()
+        d.log.close()
+    assert [m["tp"] for m in metrics] == [2] * (len(metrics) - 1) + [4]
+    (ev,) = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl") if '"resized"' in line]
+    assert 0 < ev["stall_s"] < ev["seconds"], ev

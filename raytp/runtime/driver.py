@@ -68,6 +68,7 @@ class Driver:
         self.failures = 0
         self.healing: dict | None = None  # set by a recovery until the next completed step
         self.resizing: dict | None = None  # set by a resize until the next completed step
+        self.pending_resize = None  # a requested resize whose new ranks are starting (raytp.runtime.resize)
         self.stop_request: dict | None = None
         self.t_start = time.perf_counter()
         self.target_dp = cfg.parallel.dp  # an elastic job grows back to this after a shrink
@@ -115,31 +116,35 @@ class Driver:
         self.pgs = placement.reserve_replicas(cfg, self.run, lay.tp, list(range(lay.dp)),
                                               cfg.runtime.placement_timeout_s)
         self.workers = [self.new_worker(r) for r in range(lay.world_size)]
-        self.wire(fresh=set(range(lay.world_size)))
+        if self.init_state is None:
+            self.wire(fresh=set(range(lay.world_size)))
+        else:  # every worker builds its shard from its slices of the state: no seeded initialisation
+            self.wire(fresh=set(range(lay.world_size)), full=ray.put(self.init_state[1]))
         if cfg.recovery.snapshot_every:
             self.snapshot_copy.update(self)  # its keeper starts while the first step runs
         self.spares.start()  # in the background, like the keeper
         if self.init_state is not None:
             step, full, source = self.init_state
-            self.set_state(full)
             self.step = self.logged = step
             self.log.event("resumed", step=step, source=source)
             self._say(f"starting at step {step} from {source}")
             self.init_state = None  # free the driver's copy
         self.state = State.RUNNING
 
-    def new_worker(self, rank: int, timeout_s: float = 30.0):
+    def new_worker(self, rank: int, timeout_s: float = 30.0, at: tuple | None = None):
         """Start the actor of `rank` (threaded, so it answers pings while a step runs). A replacement
-        may have to wait a moment for Ray to release the dead actor's name."""
+        may have to wait a moment for Ray to release the dead actor's name. `at`: (job config,
+        dp_rank -> placement) of a layout not yet switched to (a resize starting ranks ahead)."""
         remote = ray.remote(self.worker_cls)
-        dp_rank, tp_rank = self.layout.coords(rank)
-        opts = placement.worker_options(self.cfg, self.pgs[dp_rank], self.run, rank, tp_rank)
-        pg, index = placement.bundle_of(self.pgs[dp_rank], tp_rank)
+        cfg, pgs = at if at is not None else (self.cfg, self.pgs)
+        dp_rank, tp_rank = Layout(cfg.parallel.tp, cfg.parallel.dp).coords(rank)
+        opts = placement.worker_options(cfg, pgs[dp_rank], self.run, rank, tp_rank)
+        pg, index = placement.bundle_of(pgs[dp_rank], tp_rank)
         self.spares.evict(pg, index)  # a spare that drifted into this rank's bundle makes room
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                actor = remote.options(**opts, max_concurrency=4).remote(self.cfg.to_dict(), rank)
+                actor = remote.options(**opts, max_concurrency=4).remote(cfg.to_dict(), rank)
                 self.bundles[actor._actor_id.hex()] = bundle_key(pg, index)
                 return actor
             except ActorAlreadyExistsError:
@@ -201,9 +206,11 @@ class Driver:
         try:
             while self.step < end or self._final_save_due():
                 self.handle_requests()
+                resize.maybe_finish(self)
                 resize.maybe_grow(self)
                 self.spares.refill()
                 if self.stop_request is not None:
+                    resize.cancel(self, "the run was stopped")
                     self.stop()
                     return
                 try:
@@ -229,8 +236,10 @@ class Driver:
         cfg = self.cfg
         steps, every, save_every = cfg.train.steps, cfg.train.eval_interval, cfg.checkpoint.every
         snap = cfg.recovery.snapshot_every
-        # The first call runs one step, so the first completed step shows at once.
-        n = min(cfg.train.steps_per_call if self.first_step is not None else 1, end - self.step)
+        # The first call runs one step, so the first completed step shows at once; so does every call
+        # while a resize waits for its new ranks, so that it takes over as soon as they are up.
+        n = min(cfg.train.steps_per_call if self.first_step is not None and self.pending_resize is None else 1,
+                end - self.step)
         for interval in (every, save_every):  # end the call at the next evaluation/save boundary
             if interval:
                 n = min(n, interval - self.step % interval)
@@ -294,8 +303,9 @@ class Driver:
             if req["kind"] == "stop":
                 self.stop_request = req
             elif req["kind"] == "scale":
-                outcome = resize.resize(self, req["tp"], req["dp"])
-                self.control.answer.remote(req["id"], outcome)
+                outcome = resize.request(self, req["tp"], req["dp"], req["id"])
+                if outcome is not None:  # else answered when the new layout takes over (resize.maybe_finish)
+                    self.control.answer.remote(req["id"], outcome)
                 self.publish()
             else:
                 self.control.answer.remote(req["id"], {"ok": False, "error": f"unknown request {req['kind']!r}"})
@@ -352,6 +362,7 @@ class Driver:
                 ray.kill(w, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone is fine
                 pass
+        resize.cancel(self, "the run ended")
         self.workers = []
         self.snapshot_copy.release()
         self.spares.release()

@@ -43,6 +43,11 @@ class RecoveryFailed(RuntimeError):
     """Workers were lost and could not be replaced or restored."""
 
 
+class JobError(RuntimeError):
+    """A step failed while every worker is alive: an error of the job itself (its code, its data),
+    which a recovery would only repeat."""
+
+
 FAILURES = (RayActorError, RayTaskError, GetTimeoutError, StepDeadline, ObjectLostError, OwnerDiedError)
 
 
@@ -103,8 +108,9 @@ def wait_out(d, survivors: list[int], lost: dict[int, str]) -> dict[int, int]:
 def _recover_once(d, error: BaseException, t0: float) -> None:
     cfg, lay = d.cfg, d.layout
     lost = find_lost(d)
-    if not lost:
-        raise error  # every worker is alive: not a lost worker but an error of the job itself
+    if not lost:  # every worker is alive: not a lost worker but an error of the job itself
+        cause = getattr(error, "cause", None) or error  # a RayTaskError carries the worker's exception
+        raise JobError(f"a step failed with every worker alive: {type(cause).__name__}: {cause}") from error
     survivors = [r for r in range(lay.world_size) if r not in lost]
     completed = wait_out(d, survivors, lost)
     survivors = [r for r in survivors if r not in lost]

@@ -1,8 +1,16 @@
 """Elastic resizing: a new TP x DP layout for a running job, at a step boundary, in memory.
 
-- New capacity is reserved first (placement groups for the replicas that
-  are new or change shape); if it cannot be had in time the job goes on
-  unchanged and the request is answered with the reason.
+- Two phases. On a request (``request``, from ``raytp scale`` through the
+  control actor) new capacity is reserved first (placement groups for the
+  replicas that are new or change shape); if it cannot be had in time the job
+  goes on unchanged and the request is answered with the reason. Then the
+  ranks whose actor names are free (R >= the old world size) are started, and
+  the job *keeps training on the old layout* while their processes come up
+  (python, torch: seconds), one step per call. At the first step boundary
+  where they all answer, ``maybe_finish`` switches: the part below, the only
+  time training pauses (``stall_s`` in the ``resized`` event; ``seconds`` is
+  from the request). A shrink has nothing to start and switches at once.
+  ``resize`` does both phases in one call (tests, benchmarks).
 - A DP change keeps the staying replicas' workers and processes: removed
   replicas are stopped and their groups released, added replicas start and
   copy their shards from replica 0 through the object store.
@@ -76,27 +84,122 @@ def state_bytes(state: dict) -> int:
     return n + sum(t.numel() * t.element_size() for st in state["optim"].values() for t in st.values())
 
 
-def resize(d, tp: int, dp: int) -> dict:
-    """Move driver `d` to layout tp x dp; returns the outcome ({"ok": ..., "error" or figures})."""
+@dataclasses.dataclass
+class Pending:
+    """A requested resize whose new ranks are starting while the old layout trains on."""
+    t0: float                 # the request (perf_counter)
+    new_cfg: config_mod.JobConfig
+    kind: str                 # "tp" or "dp"
+    base: tuple               # the layout and groups it was planned against
+    reserved: object          # what _finish_* needs of the placement
+    requested: list           # placement groups asked for (released if it is cancelled)
+    early: dict               # rank -> actor started ahead
+    ready: list               # their pings
+    request_id: int | None    # the control request to answer, if any
+
+
+def _base(d) -> tuple:
+    groups = [g.id.hex() for q in sorted(d.pgs) for g in placement.groups_of(d.pgs[q])]
+    return d.layout.tp, d.layout.dp, tuple(groups)
+
+
+def request(d, tp: int, dp: int, request_id: int | None = None) -> dict | None:
+    """Begin moving driver `d` to layout tp x dp: validate, reserve the placement, start the ranks
+    whose names are free (their processes come up while the old layout trains on). Returns the
+    outcome at once if it is refused, failed, trivial or done; None if it waits for its new ranks
+    (``maybe_finish`` completes it at a step boundary and answers `request_id`)."""
     t0 = time.perf_counter()
     old = d.layout
+    if d.pending_resize is not None:
+        new = d.pending_resize.new_cfg.parallel
+        return {"ok": False, "error": f"a resize to TP={new.tp} x DP={new.dp} is in progress"}
     try:
         new_cfg = resized_config(d.cfg, tp, dp)
     except config_mod.ConfigError as e:
         return {"ok": False, "error": "; ".join(e.problems)}
     if (tp, dp) == (old.tp, old.dp):
         return {"ok": True, "layout": str(old), "note": "already at this layout"}
-    d._say(f"resizing {old} -> TP={tp} x DP={dp} at step {d.step}")
+    d._say(f"resizing {old} -> TP={tp} x DP={dp} (requested at step {d.step})")
     try:
-        moved = (_resize_dp if tp == old.tp else _resize_tp)(d, new_cfg)
+        if tp == old.tp:
+            reserved, requested, early = _plan_dp(d, new_cfg)
+        else:
+            planned = _reserve_tp(d, new_cfg)
+            if planned is None:  # an extension landed on another node than its replica
+                d._say("more bundles could not be had on a replica's node: restarting every worker")
+                moved = _resize_tp_restart(d, new_cfg)
+                d.resizing = {"t0": t0, "switch_t0": t0, "old": {"tp": old.tp, "dp": old.dp},
+                              "new": {"tp": tp, "dp": dp}, "bytes": moved, "reason": "requested"}
+                return {"ok": True, "layout": str(d.layout), "bytes": moved, "step": d.step}
+            reserved, requested = planned, planned[1]
+            early = {r: d.new_worker(r, at=(new_cfg, planned[0]))
+                     for r in range(old.world_size, new_cfg.world_size)}
     except placement.PlacementError as e:
         d.log.event("resize_refused", old={"tp": old.tp, "dp": old.dp}, new={"tp": tp, "dp": dp}, error=str(e))
         return {"ok": False, "error": str(e)}
     except FAILURES as e:
         return {"ok": False, "error": f"resize failed and was rolled back: {type(e).__name__}: {e}"}
-    d.resizing = {"t0": t0, "old": {"tp": old.tp, "dp": old.dp}, "new": {"tp": tp, "dp": dp}, "bytes": moved,
-                  "reason": "requested"}
-    return {"ok": True, "layout": str(d.layout), "bytes": moved, "step": d.step}
+    d.pending_resize = Pending(t0, new_cfg, "dp" if tp == old.tp else "tp", _base(d), reserved, requested, early,
+                               [w.ping.remote() for w in early.values()], request_id if early else None)
+    if not early:  # nothing to start (a shrink): switch at this step boundary
+        return maybe_finish(d, wait=True)
+    return None
+
+
+def maybe_finish(d, wait: bool = False) -> dict | None:
+    """At a step boundary: switch to the pending layout once its new ranks are up (or, with `wait`,
+    now); returns the outcome (also sent to the request's asker), or None if it still waits."""
+    p = d.pending_resize
+    if p is None:
+        return None
+    if _base(d) != p.base:  # a failure was healed by shrinking meanwhile: the plan no longer fits
+        return cancel(d, "the layout changed while its new workers started (a failure was healed)")
+    if not wait and p.ready:
+        up, _ = ray.wait(p.ready, num_returns=len(p.ready), timeout=0)
+        if len(up) < len(p.ready) and time.perf_counter() - p.t0 < d.cfg.runtime.placement_timeout_s:
+            return None  # not up yet; past the timeout the switch is tried anyway (and rolls back)
+    d.pending_resize = None
+    old, t_switch = d.layout, time.perf_counter()
+    try:
+        moved = (_resize_dp(d, p.new_cfg, p.reserved, p.early) if p.kind == "dp"
+                 else _resize_tp(d, p.new_cfg, p.reserved, p.early))
+    except FAILURES as e:
+        outcome = {"ok": False, "error": f"resize failed and was rolled back: {type(e).__name__}: {e}"}
+    else:
+        new = p.new_cfg.parallel
+        d.resizing = {"t0": p.t0, "switch_t0": t_switch, "old": {"tp": old.tp, "dp": old.dp},
+                      "new": {"tp": new.tp, "dp": new.dp}, "bytes": moved, "reason": "requested"}
+        outcome = {"ok": True, "layout": str(d.layout), "bytes": moved, "step": d.step}
+    _answer(d, p, outcome)
+    return outcome
+
+
+def cancel(d, why: str) -> dict | None:
+    """Drop a pending resize: its new ranks stop and its placement groups go; the job is untouched."""
+    p, d.pending_resize = d.pending_resize, None
+    if p is None:
+        return None
+    _kill(p.early.values())
+    placement.release(p.requested)
+    outcome = {"ok": False, "error": f"resize cancelled: {why}"}
+    _answer(d, p, outcome)
+    return outcome
+
+
+def _answer(d, p: Pending, outcome: dict) -> None:
+    if p.request_id is not None and d.control is not None:
+        d.control.answer.remote(p.request_id, outcome)
+
+
+def resize(d, tp: int, dp: int) -> dict:
+    """Move driver `d` to layout tp x dp now (request, wait for the new ranks, switch); the outcome."""
+    outcome = request(d, tp, dp)
+    if outcome is not None:
+        return outcome
+    p = d.pending_resize
+    if p.ready:
+        ray.wait(p.ready, num_returns=len(p.ready), timeout=d.cfg.runtime.placement_timeout_s)
+    return maybe_finish(d, wait=True)
 
 
 def _switch(d, cfg, pgs: dict) -> None:
@@ -131,7 +234,21 @@ def maybe_grow(d) -> None:
                   "reason": "capacity returned"}
 
 
-def _resize_dp(d, new_cfg, reserved: dict | None = None) -> int:
+def _plan_dp(d, new_cfg) -> tuple[dict, list, dict]:
+    """A DP change's placement groups for the added replicas (reserved, waited for) and their ranks,
+    started ahead (their names are free): (groups, groups, {rank: actor})."""
+    tp, old_dp, new_dp = d.layout.tp, d.layout.dp, new_cfg.parallel.dp
+    added = list(range(old_dp, new_dp))
+    if not added:
+        return {}, [], {}
+    new_pgs = placement.reserve_replicas(new_cfg, d.run, tp, added, new_cfg.runtime.placement_timeout_s,
+                                         avoid_nodes=placement.nodes_of(d.pgs))
+    pgs = {**{r: pg for r, pg in d.pgs.items() if r < new_dp}, **new_pgs}
+    return new_pgs, list(new_pgs.values()), {r: d.new_worker(r, at=(new_cfg, pgs))
+                                             for r in range(old_dp * tp, new_dp * tp)}
+
+
+def _resize_dp(d, new_cfg, reserved: dict | None = None, early: dict | None = None) -> int:
     old_cfg, old_pgs, old_workers = d.cfg, dict(d.pgs), list(d.workers)
     tp, old_dp, new_dp = d.layout.tp, d.layout.dp, new_cfg.parallel.dp
     added = list(range(old_dp, new_dp))
@@ -139,11 +256,12 @@ def _resize_dp(d, new_cfg, reserved: dict | None = None) -> int:
         new_cfg, d.run, tp, added, new_cfg.runtime.placement_timeout_s,
         avoid_nodes=placement.nodes_of(old_pgs)) if added else {}
     removed_pgs = [old_pgs[r] for r in range(new_dp, old_dp)]
+    early = early or {}
     try:
         ray.get([w.leave_groups.remote() for w in old_workers], timeout=new_cfg.runtime.step_timeout_s)
         _switch(d, new_cfg, {**{r: pg for r, pg in old_pgs.items() if r < new_dp}, **new_pgs})
         keep = new_dp * tp if new_dp < old_dp else old_dp * tp
-        d.workers = old_workers[:keep] + [d.new_worker(r) for r in range(keep, new_dp * tp)]
+        d.workers = old_workers[:keep] + [early.get(r) or d.new_worker(r) for r in range(keep, new_dp * tp)]
         fresh = set(range(keep, new_dp * tp))
         d.wire(fresh, job=new_cfg.to_dict())
         # Added replicas copy their shards from replica 0 (same TP rank), worker to worker.
@@ -153,6 +271,7 @@ def _resize_dp(d, new_cfg, reserved: dict | None = None) -> int:
         moved = sum(ray.get([donors[r].state_nbytes.remote() for r in fresh]))
     except FAILURES:
         _kill(d.workers[min(new_dp, old_dp) * tp:] if new_dp > old_dp else [])
+        _kill(early.values())
         placement.release(new_pgs.values())
         _switch(d, old_cfg, old_pgs)
         d.workers = old_workers
@@ -163,25 +282,19 @@ def _resize_dp(d, new_cfg, reserved: dict | None = None) -> int:
     return moved
 
 
-def _resize_tp(d, new_cfg) -> int:
-    """A TP change that keeps the processes of replica 0's first min(old, new) ranks (see above)."""
+def _resize_tp(d, new_cfg, reserved: tuple, early: dict) -> int:
+    """A TP change that keeps the processes of replica 0's first min(old, new) ranks (see above).
+    `reserved`: _reserve_tp's placement; `early`: the ranks whose names were free, started ahead."""
     old_cfg, old = d.cfg, d.layout
     new = Layout(new_cfg.parallel.tp, new_cfg.parallel.dp)
-    reserved = _reserve_tp(d, new_cfg)
-    if reserved is None:  # an extension landed on another node than its replica
-        d._say("more bundles could not be had on a replica's node: restarting every worker")
-        return _resize_tp_restart(d, new_cfg)
     new_pgs, requested, unused = reserved
     old_pgs, old_workers, old_snapshots = dict(d.pgs), list(d.workers), d.snapshots
     timeout = new_cfg.runtime.step_timeout_s
     keep = min(old.tp, new.tp)  # same rank, name, replica and bundle at both layouts
-    started: list = []
+    started: list = list(early.values())
     ref = None
     try:
         _switch(d, new_cfg, new_pgs)
-        # Ranks whose names are free start now: their process start overlaps what follows.
-        early = {r: d.new_worker(r) for r in range(old.world_size, new.world_size)}
-        started += early.values()
         shards = ray.get([w.get_state.remote() for w in old_workers[:old.tp]], timeout=timeout)
         full = checkpoint.unshard_state(shards, gpt_config(old_cfg))
         del shards
@@ -278,8 +391,10 @@ def resized(d) -> None:
     """The first completed step after a resize: log it."""
     r, d.resizing = d.resizing, None
     seconds = time.perf_counter() - r["t0"]
-    d.log.event("resized", old=r["old"], new=r["new"], seconds=seconds, bytes=r["bytes"], lost_steps=0,
-                step=d.step, reason=r["reason"])
+    stall = time.perf_counter() - r.get("switch_t0", r["t0"])
+    d.log.event("resized", old=r["old"], new=r["new"], seconds=seconds, stall_s=stall, bytes=r["bytes"],
+                lost_steps=0, step=d.step, reason=r["reason"])
     if d.log.ray:
         d.log.ray.set("world_size", d.layout.world_size)
-    d._say(f"resized to {d.layout} in {seconds:.1f}s ({r['bytes'] / 1e6:.1f} MB moved)")
+    d._say(f"resized to {d.layout} in {seconds:.1f}s, training paused {stall:.1f}s "
+           f"({r['bytes'] / 1e6:.1f} MB moved)")

@@ -96,6 +96,7 @@ class Spares:
         used = {d.bundles.get(w._actor_id.hex()) for w in d.workers} | {bundle_key(s.pg, s.index) for s in self.pool}
         free = [(pg, i) for pg in self.groups() for i in range(pg.bundle_count) if bundle_key(pg, i) not in used]
         remote = ray.remote(d.worker_cls)
+        started = []
         for pg, i in free[:max(self.n - len(self.pool), 0)]:
             name = f"raytp.{d.run}.spare{next(self._names)}"
             res = placement.worker_resources(d.cfg)
@@ -104,9 +105,12 @@ class Spares:
                 max_concurrency=4, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i)).remote(d.cfg.to_dict(), -1)
             self.pool.append(Spare(actor, pg, i, name))
+            started.append({"name": name, "bundle": i, "group": pg.id.hex()})
+        if started:
+            d.log.event("spares", started=started)
         if not self.reported and len(self.pool) == self.n and all(_ready(s) for s in self.pool):
             self.reported = True
-            d.log.event("spares", ready=self.n, names=[s.name for s in self.pool])
+            d.log.event("spares", ready=[s.name for s in self.pool])
 
     def prune(self) -> None:
         """Forget spares that died (their node went, their group was removed by a resize)."""

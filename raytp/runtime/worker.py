@@ -12,6 +12,7 @@ Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, which is then cuda:0.
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import queue
 import threading
@@ -47,6 +48,17 @@ class WorkerAborted(RuntimeError):
     """A rank left a step because a collective failed."""
 
 
+class SnapshotBuffer:
+    """A host buffer a snapshot is packed into: `packed` once the state is copied into it (the next
+    optimizer update waits for that), `free` once the stream has written it out (reuse waits)."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+        self.packed, self.free = threading.Event(), threading.Event()
+        self.packed.set()
+        self.free.set()
+
+
 class Worker:
     def __init__(self, job: dict, rank: int):
         self.cfg = from_dict(job)
@@ -57,6 +69,12 @@ class Worker:
         self.device = torch.device("cuda", 0) if self.cfg.runtime.device == "cuda" else torch.device("cpu")
         self.groups = self.model = self.optimizer = None
         self.completed, self.running = 0, False
+        self._snap_bufs: list[SnapshotBuffer] = []
+        self._snap_next = 0
+        self._copy_stream = None  # cuda: where snapshots are copied to the host
+        # What building the first optimizer imports (~1 s), paid here: a spare, or a rank started ahead
+        # of a resize, has it behind it when it is needed.
+        importlib.import_module("torch._dynamo")
         self.corpus = load_corpus(self.cfg.data.source, self.cfg.data.val_fraction)
         if self.corpus.vocab_size > self.cfg.model.vocab_size:
             raise ValueError(f"data.source has token ids up to {self.corpus.vocab_size - 1} but "
@@ -135,10 +153,11 @@ class Worker:
         n = cfg.micro_batch
         return list(zip(x.split(n), y.split(n)))
 
-    def _step(self, step: int) -> dict:
+    def _step(self, step: int, before_update=None) -> dict:
         comm.STATS.take()
         t0 = time.perf_counter()
-        r = train_step(self.model, self.optimizer, self._micro_batches("train", step), self.groups, step, self.hyper)
+        r = train_step(self.model, self.optimizer, self._micro_batches("train", step), self.groups, step, self.hyper,
+                       before_update)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
@@ -155,30 +174,37 @@ class Worker:
         it completes and, every `snapshot_every` steps on DP replica 0, this rank's state right after
         it. Yielded objects are owned by the caller (the driver), so a snapshot outlives this worker.
 
-        A snapshot does not stall training: the training thread only copies the state into one
-        buffer between two steps and goes on with the next step, while this generator's thread
-        writes the copy into the object store (the yield). At most one snapshot waits to be
-        written; a slower object store makes training wait rather than memory grow.
+        A snapshot stalls nothing: steps run on a training thread of their own, while this
+        generator's thread packs the state into a reused host buffer and writes it to the object
+        store (the yield). The next step only reads the weights and optimizer state until its
+        optimizer update, and that update waits until the packing is done; so the copy overlaps the
+        next forward and backward passes.
 
         If a collective fails (a peer died, or left one), this rank destroys its process groups,
         which closes its sockets so that peers blocked on it fail too, and raises WorkerAborted.
         """
         out: queue.Queue = queue.Queue(maxsize=2)
         done = object()
+        for buf in self._snap_bufs:
+            buf.free.set()  # a previous call that ended early may have left one marked in use
+            buf.packed.set()
 
         def loop() -> None:
-            failure = None
+            failure, last = None, None  # last: the buffer of the newest snapshot, maybe still packing
             try:
                 for step in range(start, start + count):
                     try:
-                        rec = self._step(step)
+                        rec = self._step(step, before_update=last.packed.wait if last else None)
                     except Exception as e:  # noqa: BLE001 - every failure mid-step leaves the groups
                         failure = f"rank {self.rank} left step {step}: {type(e).__name__}: {e}"
                         break
                     out.put(rec)
                     if snapshot_every and self.groups.dp_rank == 0 and (step + 1) % snapshot_every == 0:
-                        out.put(checkpoint.pack_state(checkpoint.shard_state(self.model, self.optimizer,
-                                                                             copy=False)))
+                        nbytes = checkpoint.packed_nbytes(checkpoint.live_state(self.model, self.optimizer))
+                        last = self._snapshot_buffer(nbytes)
+                        out.put(last)
+                if last is not None:
+                    last.packed.wait()  # the state is the snapshot's until it is copied
             except BaseException as e:  # noqa: BLE001 - reported through the stream, never lost
                 failure = f"rank {self.rank} failed: {type(e).__name__}: {e}"
             if failure:  # outside the except block, so the failed step's frames are gone
@@ -195,8 +221,42 @@ class Worker:
                 break
             if isinstance(item, WorkerAborted):
                 raise item
-            yield item
+            if isinstance(item, SnapshotBuffer):
+                try:
+                    packed = self._pack(item)
+                finally:
+                    item.packed.set()
+                yield packed
+                item.free.set()  # written to the object store: the buffer may be packed again
+            else:
+                yield item
         trainer.join()
+
+    def _pack(self, buf: "SnapshotBuffer") -> dict:
+        """This rank's state, packed into `buf` (on a side stream on cuda, finished when it returns)."""
+        state = checkpoint.live_state(self.model, self.optimizer)
+        if self.device.type != "cuda":
+            return checkpoint.pack_state(state, out=buf.data)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        with torch.cuda.stream(self._copy_stream):  # _step synchronized the device: the state is final
+            return checkpoint.pack_state(state, out=buf.data)
+
+    def _snapshot_buffer(self, nbytes: int) -> "SnapshotBuffer":
+        """One of two reused host buffers for snapshots (pinned on cuda), once the stream has written
+        out what was packed into it two snapshots ago (with a bounded queue it normally has)."""
+        if not self._snap_bufs or self._snap_bufs[0].data.numel() != nbytes:  # first use, or a new shape
+            for old in self._snap_bufs:
+                old.free.wait()
+            pin = self.device.type == "cuda"
+            self._snap_bufs = [SnapshotBuffer(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
+                               for _ in range(2)]
+        buf = self._snap_bufs[self._snap_next]
+        self._snap_next ^= 1
+        buf.free.wait()
+        buf.free.clear()
+        buf.packed.clear()
+        return buf
 
     def evaluate(self, step: int) -> float:
         cfg = self.cfg

@@ -91,8 +91,10 @@ class StepResult:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches, groups: ProcessGroups,
-               step: int, h: Hyper) -> StepResult:
-    """One optimizer step over this rank's micro-batches [(x, y), ...] of global step `step`."""
+               step: int, h: Hyper, before_update=None) -> StepResult:
+    """One optimizer step over this rank's micro-batches [(x, y), ...] of global step `step`.
+    `before_update`: called right before the weights and optimizer state change (the optimizer's
+    step); until then they are only read, so a snapshot of them may still be being copied."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     n = len(micro_batches)
@@ -120,6 +122,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     lr = lr_at(step, h)
     for g in optimizer.param_groups:
         g["lr"] = lr
+    if before_update is not None:
+        before_update()
     optimizer.step()
     return StepResult(float(mean_loss), float(norm), lr)
 
