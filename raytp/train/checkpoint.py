@@ -112,7 +112,9 @@ def pack_state(state: dict, out: torch.Tensor | None = None) -> dict:
         flat = torch.empty(0, dtype=torch.uint8)
     elif out is None:
         flat = torch.cat(tensors).cpu()
-    else:  # tensor by tensor into `out` (from any device; pinned `out` makes device copies asynchronous)
+    elif not any(t.is_cuda for t in tensors):
+        flat = torch.cat(tensors, out=out)
+    else:  # tensor by tensor from the device into `out` (pinned: the copies are asynchronous)
         offset = 0
         for t in tensors:
             out[offset:offset + t.numel()].copy_(t, non_blocking=True)
