@@ -127,12 +127,16 @@ def test_the_job_trains_on_while_a_resize_starts_its_new_ranks(ray_wide, tmp_pat
     try:
         d.start()
         d.train_loop(until=2)
-        assert resize.request(d, 4, 1) is None  # pending: ranks 2 and 3 are starting
+        rid = ray.get(d.control.request.remote("scale", tp=4, dp=1))  # what `raytp scale` files
+        d.train_loop(until=3)  # served at this step boundary: ranks 2 and 3 start, no answer yet
         assert d.pending_resize is not None and (d.layout.tp, d.layout.dp) == (2, 1)
-        at_request = d.step
+        assert ray.get(d.control.outcome.remote(rid)) is None
+        at_request = d.step - 1
         while d.pending_resize is not None:
             d.train_loop(until=d.step + 1)
         assert (d.layout.tp, d.layout.dp) == (4, 1)
+        answer = ray.get(d.control.outcome.remote(rid))
+        assert answer["ok"] and answer["layout"] == "TP=4 x DP=1", answer
         trained_meanwhile = d.step - at_request - 1  # the last step ran at the new layout
         assert trained_meanwhile >= 1, "the old layout did not train while the new ranks started"
         metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
