@@ -61,18 +61,27 @@ def _started(p: dict, tp: int, dp: int, run_dir: Path):
     return d
 
 
+def _one_step_at(d, layout: tuple, p: dict) -> float:
+    """Train one step, which must run at `layout` right after the warm-up; when it ended."""
+    d.train_loop(until=d.step + 1)
+    assert (d.layout.tp, d.layout.dp) == layout and d.step == p["warmup"] + 1
+    return time.perf_counter()
+
+
+def _accepted(outcome: dict | None, old: tuple, new: tuple) -> None:
+    if outcome is not None and not outcome.get("ok"):
+        raise RuntimeError(f"resize {old} -> {new} refused: {outcome}")
+
+
 def in_memory(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
     from raytp.runtime import resize
     d = _started(p, *old, run_dir)
     try:
         w0, t0 = time.time(), time.perf_counter()
         outcome = resize.resize(d, *new)
-        if not outcome.get("ok"):
-            raise RuntimeError(f"resize {old} -> {new} refused: {outcome}")
+        _accepted(outcome, old, new)
         t1 = time.perf_counter()
-        d.train_loop(until=d.step + 1)
-        t2 = time.perf_counter()
-        assert (d.layout.tp, d.layout.dp) == new and d.step == p["warmup"] + 1
+        t2 = _one_step_at(d, new, p)
     finally:
         close(d)
     evs = jsonl(run_dir / "events.jsonl")
@@ -89,9 +98,7 @@ def training_on(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
     d = _started(p, *old, run_dir)
     try:
         t0 = time.perf_counter()
-        outcome = resize.request(d, *new)
-        if outcome is not None and not outcome.get("ok"):
-            raise RuntimeError(f"resize {old} -> {new} refused: {outcome}")
+        _accepted(resize.request(d, *new), old, new)
         at_request = d.step
         while d.pending_resize is not None or (d.layout.tp, d.layout.dp) != new:
             d.train_loop(until=d.step + 1)
@@ -123,9 +130,7 @@ def restart(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
     try:
         d2.start()
         t3 = time.perf_counter()
-        d2.train_loop(until=d2.step + 1)
-        t4 = time.perf_counter()
-        assert (d2.layout.tp, d2.layout.dp) == new and d2.step == p["warmup"] + 1
+        t4 = _one_step_at(d2, new, p)
     finally:
         close(d2)
     return {"request_to_step_s": t4 - t0, "save_and_release_s": t1 - t0, "load_s": t2 - t1,

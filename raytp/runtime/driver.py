@@ -357,11 +357,7 @@ class Driver:
 
     def release(self) -> None:
         """Kill the actors and remove the placement group (idempotent)."""
-        for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone is fine
-                pass
+        placement.kill(self.workers)
         resize.cancel(self, "the run ended")
         self.workers = []
         self.snapshot_copy.release()

@@ -152,6 +152,15 @@ def reserve_replicas(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int], tim
     return pgs
 
 
+def kill(actors) -> None:
+    """Kill actors for good; those already gone are skipped."""
+    for actor in list(actors):
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
 def release(pgs) -> None:
     """Remove placement groups (plain groups or replicas' Slots); already removed ones are skipped."""
     for pg in [g for replica in list(pgs) for g in groups_of(replica)]:
@@ -189,10 +198,14 @@ def extension_placed(pg: PlacementGroup, node: str | None) -> bool:
 def worker_options(cfg: JobConfig, pg, run: str, rank: int, tp_rank: int) -> dict:
     """Ray actor options for rank `rank`: its name, resources and bundle (`pg`: its replica's placement,
     a plain group or a Slots)."""
+    return bundle_options(cfg, *bundle_of(pg, tp_rank), f"raytp.{run}.rank{rank}")
+
+
+def bundle_options(cfg: JobConfig, pg: PlacementGroup, index: int, name: str) -> dict:
+    """Ray actor options for a worker (or a warm spare) named `name` in bundle `index` of `pg`."""
     res = worker_resources(cfg)
-    pg, index = bundle_of(pg, tp_rank)
     return {
-        "name": f"raytp.{run}.rank{rank}",
+        "name": name,
         "namespace": "raytp",
         "num_cpus": res["CPU"],
         "num_gpus": res.get("GPU", 0),

@@ -32,6 +32,7 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, ObjectLostError, OwnerDiedError, RayActorError, RayTaskError
 
+from raytp.runtime import placement
 from raytp.train import checkpoint
 
 
@@ -123,11 +124,7 @@ def _recover_once(d, error: BaseException, t0: float) -> None:
     if d.failures > cfg.recovery.max_failures:
         give_up(d, f"{d.failures} worker losses exceed recovery.max_failures={cfg.recovery.max_failures}")
 
-    for rank in lost:
-        try:
-            ray.kill(d.workers[rank], no_restart=True)  # also frees the actor's name for the replacement
-        except Exception:  # noqa: BLE001 - it is gone either way
-            pass
+    placement.kill(d.workers[rank] for rank in lost)  # also frees the actors' names for the replacements
     promoted = d.spares.take(list(lost))  # warm spares first: no process to start
     ray.get([s.actor.assume.remote(r, d.cfg.to_dict()) for r, s in promoted.items()],
             timeout=cfg.recovery.ping_timeout_s)
@@ -200,7 +197,7 @@ def restore(d, lost: dict[int, str], completed: dict[int, int]) -> tuple[int, st
 def shrink(d, lost: dict[int, str], completed: dict[int, int], t0: float) -> bool:
     """Elastic shrink: drop the replicas that lost workers, keep training on the others (renumbered
     in order), down to parallel.min_dp. False if the job is not elastic or too few replicas are whole."""
-    from raytp.runtime import placement, resize
+    from raytp.runtime import resize
     cfg, lay = d.cfg, d.layout
     broken = {lay.coords(r)[0] for r in lost}
     whole = [q for q in range(lay.dp) if q not in broken]

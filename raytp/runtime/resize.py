@@ -179,7 +179,7 @@ def cancel(d, why: str) -> dict | None:
     p, d.pending_resize = d.pending_resize, None
     if p is None:
         return None
-    _kill(p.early.values())
+    placement.kill(p.early.values())
     placement.release(p.requested)
     outcome = {"ok": False, "error": f"resize cancelled: {why}"}
     _answer(d, p, outcome)
@@ -270,14 +270,14 @@ def _resize_dp(d, new_cfg, reserved: dict | None = None, early: dict | None = No
                 timeout=new_cfg.runtime.step_timeout_s)
         moved = sum(ray.get([donors[r].state_nbytes.remote() for r in fresh]))
     except FAILURES:
-        _kill(d.workers[min(new_dp, old_dp) * tp:] if new_dp > old_dp else [])
-        _kill(early.values())
+        placement.kill(d.workers[min(new_dp, old_dp) * tp:] if new_dp > old_dp else [])
+        placement.kill(early.values())
         placement.release(new_pgs.values())
         _switch(d, old_cfg, old_pgs)
         d.workers = old_workers
         d.wire(set(), job=old_cfg.to_dict())
         raise
-    _kill(old_workers[new_dp * tp:])
+    placement.kill(old_workers[new_dp * tp:])
     placement.release(removed_pgs)
     return moved
 
@@ -299,19 +299,19 @@ def _resize_tp(d, new_cfg, reserved: tuple, early: dict) -> int:
         full = checkpoint.unshard_state(shards, gpt_config(old_cfg))
         del shards
         ref = ray.put(full)
-        _kill(old_workers[keep:])  # their names and bundles go to the new layout
+        placement.kill(old_workers[keep:])  # their names and bundles go to the new layout
         late = [d.new_worker(r) for r in range(keep, min(old.world_size, new.world_size))]
         started += late
         d.workers = old_workers[:keep] + late + [early[r] for r in sorted(early)]
         d.wire(set(range(keep, new.world_size)), job=new_cfg.to_dict(), full=ref)
     except FAILURES:
-        _kill(started)
+        placement.kill(started)
         placement.release(requested)
         _switch(d, old_cfg, old_pgs)
         if ref is None:  # the old layout was not touched: it goes on as it was
             d.workers, d.snapshots = old_workers, old_snapshots
             raise
-        _kill(old_workers[:keep])
+        placement.kill(old_workers[:keep])
         d.workers = [d.new_worker(r) for r in range(old.world_size)]
         d.wire(set(range(old.world_size)), job=old_cfg.to_dict(), full=ref)
         raise
@@ -363,13 +363,13 @@ def _resize_tp_restart(d, new_cfg) -> int:
     except FAILURES:
         placement.release(new_pgs.values())
         raise
-    _kill(d.workers)  # the new ranks take the old names
+    placement.kill(d.workers)  # the new ranks take the old names
     try:
         _switch(d, new_cfg, new_pgs)
         d.workers = [d.new_worker(r) for r in range(new.world_size)]
         d.wire(set(range(new.world_size)), full=ref)
     except FAILURES:  # back to the old layout, from the state the driver holds
-        _kill(d.workers)
+        placement.kill(d.workers)
         placement.release(new_pgs.values())
         _switch(d, old_cfg, old_pgs)
         d.workers = [d.new_worker(r) for r in range(d.layout.world_size)]
@@ -377,14 +377,6 @@ def _resize_tp_restart(d, new_cfg) -> int:
         raise
     placement.release(old_pgs.values())
     return state_bytes(full)
-
-
-def _kill(workers) -> None:
-    for w in workers:
-        try:
-            ray.kill(w, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
 
 
 def resized(d) -> None:

@@ -28,6 +28,8 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raytp.runtime import placement
+
 
 class Snapshots:
     def __init__(self, tp: int):
@@ -117,7 +119,7 @@ class OffNodeCopy:
             return None
         try:  # the keeper's word, not self.held: a pull may have finished since the driver last looked
             step, held_tp = ray.get(self.keeper.holding.remote(), timeout=10)
-        except (RayActorError, ray.exceptions.GetTimeoutError) as e:
+        except (RayActorError, ray.exceptions.GetTimeoutError):
             return None
         if step is None or held_tp != tp:
             return None
@@ -151,12 +153,7 @@ class OffNodeCopy:
         return True
 
     def _drop(self, d, why: str | None) -> None:
-        if self.keeper is not None:
-            try:
-                ray.kill(self.keeper, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        self.keeper, self.node, self.pending, self.held = None, None, None, None
+        self.release()
         if why is not None:
             self._report(d, reason=why)
 
@@ -168,8 +165,5 @@ class OffNodeCopy:
 
     def release(self) -> None:
         if self.keeper is not None:
-            try:
-                ray.kill(self.keeper, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
-        self.keeper = self.pending = self.held = None
+            placement.kill([self.keeper])
+        self.keeper, self.node, self.pending, self.held = None, None, None, None

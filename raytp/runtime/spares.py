@@ -34,7 +34,6 @@ import itertools
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytp.runtime import placement
 
@@ -99,11 +98,8 @@ class Spares:
         started = []
         for pg, i in free[:max(self.n - len(self.pool), 0)]:
             name = f"raytp.{d.run}.spare{next(self._names)}"
-            res = placement.worker_resources(d.cfg)
-            actor = remote.options(
-                name=name, namespace="raytp", num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), max_restarts=0,
-                max_concurrency=4, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=i)).remote(d.cfg.to_dict(), -1)
+            actor = remote.options(**placement.bundle_options(d.cfg, pg, i, name), max_concurrency=4).remote(
+                d.cfg.to_dict(), -1)
             self.pool.append(Spare(actor, pg, i, name))
             started.append({"name": name, "bundle": i, "group": pg.id.hex()})
         if started:
@@ -124,14 +120,14 @@ class Spares:
                     continue
             except RayActorError:
                 pass
-            _kill(s.actor)
+            placement.kill([s.actor])
         self.pool = keep
 
     def evict(self, pg, index: int) -> None:
         """Free bundle (pg, index) of a spare (a worker is about to be started in it)."""
         for s in [s for s in self.pool if bundle_key(s.pg, s.index) == bundle_key(pg, index)]:
             self.pool.remove(s)
-            _kill(s.actor)
+            placement.kill([s.actor])
 
     def take(self, lost: list[int]) -> dict[int, Spare]:
         """Ready spares for the lost ranks that can have one: {rank: spare}, removed from the pool."""
@@ -161,8 +157,7 @@ class Spares:
         return chosen
 
     def release(self) -> None:
-        for s in self.pool:
-            _kill(s.actor)
+        placement.kill(s.actor for s in self.pool)
         self.pool = []
         if self.pg is not None:
             placement.release([self.pg])
@@ -175,9 +170,3 @@ def _ready(s: Spare) -> bool:
     except (RayActorError, GetTimeoutError):
         return False
 
-
-def _kill(actor) -> None:
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:  # noqa: BLE001 - already gone
-        pass

@@ -200,9 +200,9 @@ class Worker:
                         break
                     out.put(rec)
                     if snapshot_every and self.groups.dp_rank == 0 and (step + 1) % snapshot_every == 0:
-                        nbytes = checkpoint.packed_nbytes(checkpoint.live_state(self.model, self.optimizer))
-                        last = self._snapshot_buffer(nbytes)
-                        out.put(last)
+                        state = checkpoint.live_state(self.model, self.optimizer)
+                        last = self._snapshot_buffer(checkpoint.packed_nbytes(state))
+                        out.put((last, state))
                 if last is not None:
                     last.packed.wait()  # the state is the snapshot's until it is copied
             except BaseException as e:  # noqa: BLE001 - reported through the stream, never lost
@@ -221,20 +221,21 @@ class Worker:
                 break
             if isinstance(item, WorkerAborted):
                 raise item
-            if isinstance(item, SnapshotBuffer):
+            if isinstance(item, tuple):  # (buffer, live state) of a snapshot
+                buf, state = item
                 try:
-                    packed = self._pack(item)
+                    packed = self._pack(state, buf)
                 finally:
-                    item.packed.set()
+                    buf.packed.set()
+                del state
                 yield packed
-                item.free.set()  # written to the object store: the buffer may be packed again
+                buf.free.set()  # written to the object store: the buffer may be packed again
             else:
                 yield item
         trainer.join()
 
-    def _pack(self, buf: "SnapshotBuffer") -> dict:
-        """This rank's state, packed into `buf` (on a side stream on cuda, finished when it returns)."""
-        state = checkpoint.live_state(self.model, self.optimizer)
+    def _pack(self, state: dict, buf: "SnapshotBuffer") -> dict:
+        """A live_state packed into `buf` (on a side stream on cuda, finished when it returns)."""
         if self.device.type != "cuda":
             return checkpoint.pack_state(state, out=buf.data)
         if self._copy_stream is None:
