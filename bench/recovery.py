@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import signal
-import statistics
 import sys
 import tempfile
 import threading

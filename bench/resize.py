@@ -11,7 +11,7 @@ both layouts at once) for ``warmup`` steps, then moves to a new layout:
 
 Three ways, in turn (the order reversed in every other rep):
 
-- training_on: what ``raytp scale`` does. ``resize.request`` reserves and
+- training_on: what ``raytp scale`` does. ``Driver.request_resize`` reserves and
   starts the ranks whose names are free, the job trains on at the old layout
   (one step per call) until they are up, then switches at a step boundary.
   Measured: the pause (the ``resized`` event's ``stall_s``: from the step
@@ -19,12 +19,12 @@ Three ways, in turn (the order reversed in every other rep):
   layout), the request to that step, and the steps trained meanwhile. The
   goal is on the pause: it is the time the job trains nothing, which for the
   restart is all of its request -> next step.
-- raytp (blocking): ``raytp.runtime.resize.resize(driver, tp, dp)``: both
+- raytp (blocking): ``Driver.resize(tp, dp)``: both
   phases in one call, training waits for the new ranks, then one step.
 - restart (the peer, the same code the classic way): ``Driver.save_checkpoint()``
   to disk, ``release`` (actors and placement groups gone), ``load_latest`` of
   that checkpoint, a new ``Driver`` at the new layout (the job as
-  ``resize.resized_config`` makes it, so both run the same micro-batches) with
+  ``policy.resized_config`` makes it, so both run the same micro-batches) with
   ``init_state`` from it, ``start``, then one step.
 
 Measured for the last two: the request (before ``resize``/``save_checkpoint``)
@@ -68,17 +68,16 @@ def _one_step_at(d, layout: tuple, p: dict) -> float:
     return time.perf_counter()
 
 
-def _accepted(outcome: dict | None, old: tuple, new: tuple) -> None:
-    if outcome is not None and not outcome.get("ok"):
+def _accepted(outcome, old: tuple, new: tuple) -> None:
+    if outcome is not None and not outcome.ok:
         raise RuntimeError(f"resize {old} -> {new} refused: {outcome}")
 
 
 def in_memory(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
-    from raytp.runtime import resize
     d = _started(p, *old, run_dir)
     try:
         w0, t0 = time.time(), time.perf_counter()
-        outcome = resize.resize(d, *new)
+        outcome = d.resize(*new)
         _accepted(outcome, old, new)
         t1 = time.perf_counter()
         t2 = _one_step_at(d, new, p)
@@ -88,17 +87,16 @@ def in_memory(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
     ev = next(e for e in evs if e["kind"] == "resized")
     placed = max(e["time"] for e in evs if e["kind"] == "placed")  # the end of the new layout's wiring
     return {"request_to_step_s": t2 - t0, "move_s": t1 - t0, "event_seconds": ev["seconds"],
-            "request_to_placed_s": placed - w0, "bytes": outcome["bytes"]}
+            "request_to_placed_s": placed - w0, "bytes": outcome.bytes}
 
 
 def training_on(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
     """What `raytp scale` does: request, then the job trains on (one step per call) until the new
     ranks are up and it switches at a step boundary."""
-    from raytp.runtime import resize
     d = _started(p, *old, run_dir)
     try:
         t0 = time.perf_counter()
-        _accepted(resize.request(d, *new), old, new)
+        _accepted(d.request_resize(*new), old, new)
         at_request = d.step
         while d.pending_resize is not None or (d.layout.tp, d.layout.dp) != new:
             d.train_loop(until=d.step + 1)
@@ -113,13 +111,13 @@ def training_on(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
 
 
 def restart(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
-    from raytp.runtime import resize
+    from raytp.runtime import policy
     from raytp.train import checkpoint
     d = _started(p, *old, run_dir)
     try:
         t0 = time.perf_counter()
         path = d.save_checkpoint()
-        new_job = resize.resized_config(d.cfg, *new).to_dict()
+        new_job = policy.resized_config(d.cfg, *new).to_dict()
     finally:
         close(d)
     t1 = time.perf_counter()

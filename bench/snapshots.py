@@ -132,7 +132,8 @@ def one_run(p: dict, first: int, run_dir: Path, tp: int = 2) -> list[dict]:
         d.train_loop(until=p["warmup"])
         for i in range(p["calls"]):
             snap = first if i % 4 in (0, 3) else 1 - first
-            d.cfg = dataclasses.replace(d.cfg, recovery=dataclasses.replace(d.cfg.recovery, snapshot_every=snap))
+            cfg = dataclasses.replace(d.cfg, recovery=dataclasses.replace(d.cfg.recovery, snapshot_every=snap))
+            d.adopt(dataclasses.replace(d.group, cfg=cfg))
             start = d.step
             t0 = time.perf_counter()
             d.train_loop(until=start + p["spc"])  # one streamed call of spc steps (the driver's code path)

@@ -146,8 +146,7 @@ def _stop_on_sigterm(driver) -> None:
     import signal
 
     def handler(signum, frame):
-        if driver.stop_request is None:
-            driver.stop_request = {"id": 0, "kind": "stop", "via": "SIGTERM"}
+        driver.request_stop(via="SIGTERM")
     signal.signal(signal.SIGTERM, handler)
 
 

@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from raytp.seeds import derive_seed
+
 
 MODEL_FORMAT = "raytp-model/1"
 
@@ -43,16 +45,6 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
-
-
-def _mix(*parts: int) -> int:
-    """A 63-bit seed from integers (splitmix-style), stable across processes."""
-    h = 0x9E3779B97F4A7C15
-    for p in parts:
-        h ^= (p + 0x9E3779B97F4A7C15 + ((h << 6) & 0xFFFFFFFFFFFFFFFF) + (h >> 2)) & 0xFFFFFFFFFFFFFFFF
-        h = (h * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h & 0x7FFFFFFFFFFFFFFF
 
 
 class KeyedDropout(nn.Module):
@@ -76,7 +68,7 @@ class KeyedDropout(nn.Module):
         if self.shard is not None:
             dim, _, count = self.shard
             full[dim] *= count
-        g = torch.Generator(device=device).manual_seed(_mix(self.key, self.site))
+        g = torch.Generator(device=device).manual_seed(derive_seed(self.key, self.site))
         keep = torch.rand(full, generator=g, device=device) >= self.p
         if self.shard is not None:
             dim, index, _ = self.shard
@@ -109,7 +101,8 @@ class CausalSelfAttention(nn.Module):
         B, nh, T, _ = att.shape
         keep = torch.empty_like(att, dtype=torch.bool)
         for h in range(nh):  # one stream per global head: the same at every TP degree
-            g = torch.Generator(device=att.device).manual_seed(_mix(self.key, self.site, self.head_offset + h))
+            seed = derive_seed(self.key, self.site, self.head_offset + h)
+            g = torch.Generator(device=att.device).manual_seed(seed)
             keep[:, h] = torch.rand((B, T, T), generator=g, device=att.device) >= self.p
         return att * keep.to(att.dtype) / (1.0 - self.p)
 

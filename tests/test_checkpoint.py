@@ -9,29 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from raytp.model import GPT, GPTConfig
-from raytp.runtime.driver import Driver
-from raytp.runtime.worker import gpt_config
+from helpers import close, drive, job, losses, small_state
+from raytp.model import GPTConfig
 from raytp.train import checkpoint
 from raytp.train.checkpoint import CheckpointError
-from test_runtime import job, losses
-
-FIXED = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(5))
-
-
-def drive(cfg, run_dir, run, until=None, init_state=None):
-    """Start a Driver, train to `until`, return (driver, logits at the start, logits at the end)."""
-    d = Driver(cfg, run_dir, run, out=open("/dev/null", "w"), init_state=init_state)
-    d.start()
-    start_logits = d.logits(FIXED)
-    d.train_loop(until=until)
-    return d, start_logits, d.logits(FIXED)
-
-
-def close(d):
-    d.release()
-    d.log.close()
-
 
 def full_state(path):
     return checkpoint.load(path)[1]
@@ -71,18 +52,6 @@ def test_save_at_tp4_resume_at_other_layouts(ray_local, tmp_path):
         assert rel.max() < 1e-4, f"TP={tp} x DP={dp}: diverged by {rel.max():.2e}"
 
 
-def small_state(tp):
-    """A trained-looking state as TP shards, without Ray: for the on-disk tests."""
-    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=37)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randint(37, (2, 8)), torch.randint(37, (2, 8))).backward()
-    opt.step()
-    full = checkpoint.shard_state(model, opt)
-    return cfg, full, [checkpoint.slice_state(full, r, tp) for r in range(tp)]
-
-
 def test_shards_round_trip_through_disk_with_padding(tmp_path):
     cfg, full, shards = small_state(tp=2)  # vocab 37 at TP=2: padded to 38
     assert shards[1]["model"]["wte.weight"].shape[0] == 19
@@ -103,21 +72,28 @@ def test_keep_bounds_the_number_of_checkpoints(tmp_path):
 
 
 CRASHING_SAVE = textwrap.dedent("""
-    import sys, torch
+    import os, sys, torch
     sys.path.insert(0, {tests!r})
-    from test_checkpoint import small_state
+    from helpers import small_state
     from raytp.train import checkpoint
     cfg, _, shards = small_state(tp=2)
     checkpoint.save({root!r}, 10, shards, cfg, 2, 1, keep=3)
-    checkpoint.save({root!r}, 20, shards, cfg, 2, 1, keep=3)  # the hook kills us in here
+    real_save, calls = torch.save, []
+    def save_then_die(obj, f, *a, **k):  # the process dies after the first shard file of the second save
+        real_save(obj, f, *a, **k)
+        calls.append(1)
+        if len(calls) == 1:
+            f.flush()
+            os._exit(17)
+    torch.save = save_then_die
+    checkpoint.save({root!r}, 20, shards, cfg, 2, 1, keep=3)
     print("not reached")
 """)
 
 
 def test_process_killed_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
     script = CRASHING_SAVE.format(tests=str(__import__("pathlib").Path(__file__).parent), root=str(tmp_path))
-    p = subprocess.run([sys.executable, "-c", script], env={**__import__("os").environ,
-                       "RAYTP_TEST_CRASH_IN_SAVE": "20"}, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert p.returncode == 17, p.stderr
     assert [x.name for x in tmp_path.iterdir() if x.name.startswith(".tmp-step-00000020")], "no partial save seen"
     path, manifest, _ = checkpoint.load_latest(tmp_path)

@@ -8,8 +8,7 @@ import torch
 from raytp.model import GPT
 from raytp.runtime.origin import starting_state
 from raytp.train import checkpoint
-from test_checkpoint import FIXED, close, drive
-from test_runtime import job
+from helpers import FIXED, close, drive, job
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,9 +6,7 @@ import time
 import pytest
 import ray
 
-from conftest import gpu_cluster, ray_actors
-from test_recovery import assert_bitwise_equal, events, final_state, recovery_job, run
-from test_runtime import job
+from helpers import assert_bitwise_equal, events, final_state, gpu_cluster, job, ray_actors, recovery_job, run
 
 
 @pytest.fixture(scope="module")

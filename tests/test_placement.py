@@ -3,13 +3,11 @@ import io
 import json
 
 import pytest
-import ray
 from ray.util.placement_group import placement_group_table
 
-from conftest import gpu_cluster, ray_actors
+from helpers import gpu_cluster, job, ray_actors
 from raytp.runtime.driver import Driver
 from raytp.runtime.placement import PlacementError
-from test_runtime import job
 
 
 @pytest.fixture(scope="module")

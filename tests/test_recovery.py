@@ -9,76 +9,14 @@ import time
 
 import pytest
 import ray
-import torch
 
-from conftest import ray_actors
+from helpers import (RECOVERY_STEPS, assert_bitwise_equal, events, final_state, ray_actors, recovery_job, run,
+                     run_catching, signal_rank, steps_logged)
 from raytp.runtime.driver import Driver
-from raytp.runtime.recovery import RecoveryFailed
-from raytp.runtime.worker import Worker
+from raytp.runtime.errors import JobError, RecoveryFailed
 from raytp.train import checkpoint
-from test_runtime import job
 
-STEPS = 16
-
-
-def recovery_job(tp, dp, **kw):
-    return job(tp, dp, steps=STEPS, checkpoint={"every": STEPS, "keep": 2},
-               recovery=kw.pop("recovery", {}), step_timeout_s=kw.pop("step_timeout_s", 30.0), **kw)
-
-
-def events(run_dir, kind=None):
-    evs = [json.loads(line) for line in open(run_dir / "events.jsonl")]
-    return [e for e in evs if kind is None or e["kind"] == kind]
-
-
-def final_state(run_dir):
-    return checkpoint.load(run_dir / "checkpoints" / f"step-{STEPS:08d}")[1]
-
-
-def assert_bitwise_equal(a, b):
-    for n in a["model"]:
-        assert torch.equal(a["model"][n], b["model"][n]), n
-        for k in a["optim"][n]:
-            assert torch.equal(a["optim"][n][k], b["optim"][n][k]), (n, k)
-
-
-def run(cfg, run_dir, name, faults=(), worker_cls=Worker):
-    """Run a job in a thread; `faults` are (after_step, action(run_name)) applied from outside."""
-    d = Driver(cfg, run_dir, name, out=open(run_dir.parent / f"{name}.out", "w"))
-    d.worker_cls = worker_cls
-    errors = []
-    t = threading.Thread(target=lambda: errors.append(_run(d)), daemon=True)
-    t.start()
-    for after, action in faults:
-        while t.is_alive() and _steps_logged(run_dir) < after:
-            time.sleep(0.005)
-        action(name)
-    t.join(timeout=240)
-    assert not t.is_alive(), "the job did not finish"
-    assert errors == [None], errors
-    return d
-
-
-def _run(d):
-    try:
-        d.run_to_end()
-    except Exception as e:  # noqa: BLE001 - handed to the test
-        return e
-
-
-def _steps_logged(run_dir):
-    try:
-        return sum(1 for _ in open(run_dir / "metrics.jsonl"))
-    except FileNotFoundError:
-        return 0
-
-
-def signal_rank(rank, sig):
-    def action(run_name):
-        name = f"raytp.{run_name}.rank{rank}"
-        pid = ray_actors(name)[name]["pid"]  # the pid as Ray's actor table has it
-        os.kill(pid, sig)
-    return action
+STEPS = RECOVERY_STEPS
 
 
 @pytest.fixture(scope="module")
@@ -180,9 +118,9 @@ def test_too_many_failures_fail_clearly_and_leave_a_checkpoint(ray_local, tmp_pa
     cfg = recovery_job(2, 1, recovery={"max_failures": 0})
     d = Driver(cfg, run_dir, "giveup", out=open(tmp_path / "out", "w"))
     holder = []
-    t = threading.Thread(target=lambda: holder.append(_run(d)), daemon=True)
+    t = threading.Thread(target=lambda: holder.append(run_catching(d)), daemon=True)
     t.start()
-    while _steps_logged(run_dir) < 5:
+    while steps_logged(run_dir) < 5:
         time.sleep(0.005)
     signal_rank(1, signal.SIGKILL)("giveup")
     t.join(timeout=120)
@@ -198,7 +136,6 @@ def test_too_many_failures_fail_clearly_and_leave_a_checkpoint(ray_local, tmp_pa
 def test_an_error_of_the_job_itself_fails_it_at_once(ray_local, tmp_path):
     """Every worker alive, a step raising: no recovery (it would only repeat), a clear failure."""
     from faulty import Buggy
-    from raytp.runtime.recovery import JobError
     d = Driver(recovery_job(2, 1), tmp_path / "run", "buggy", out=open(tmp_path / "out", "w"))
     d.worker_cls = Buggy
     t0 = time.monotonic()

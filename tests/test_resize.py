@@ -5,14 +5,10 @@ import json
 import numpy as np
 import pytest
 import ray
-import torch
 
-from conftest import ray_actors
 from faulty import DiesInResizeSetup
-from raytp.runtime import resize
+from helpers import FIXED, job, losses, ray_actors
 from raytp.runtime.driver import Driver
-from test_checkpoint import FIXED
-from test_runtime import job, losses
 
 PHASES = [(2, 2), (4, 2), (1, 2), (1, 1), (1, 2)]  # layouts, 4 steps each
 STEPS = 4 * len(PHASES)
@@ -38,8 +34,8 @@ def test_resizes_keep_the_model_and_track_an_unresized_run(ray_wide, tmp_path):
                 before = d.logits(FIXED)
                 pids = {n: a["pid"] for n, a in ray_actors("raytp.resized.rank").items()}
                 kept = set(pids.values())
-                outcome = resize.resize(d, tp, dp)
-                assert outcome["ok"], outcome
+                outcome = d.resize(tp, dp)
+                assert outcome.ok, outcome
                 assert "restarting every worker" not in out.getvalue()  # no fallback on one node
                 assert (d.layout.tp, d.layout.dp) == (tp, dp)
                 after = d.logits(FIXED)
@@ -79,12 +75,12 @@ def test_invalid_requests_are_refused_and_the_job_is_untouched(ray_wide, tmp_pat
         d.start()
         d.train_loop(until=2)
         pids = {a["pid"] for a in ray_actors("raytp.refuse.rank").values()}
-        bad_tp = resize.resize(d, 3, 1)
-        assert not bad_tp["ok"] and "parallel.tp: 3 does not divide model.n_head=4; valid tp: 1, 2, 4" in bad_tp["error"]
-        too_big = resize.resize(d, 2, 8)  # 16 workers on 12 CPUs
-        assert not too_big["ok"] and "could not place the workers" in too_big["error"]
-        bad_dp = resize.resize(d, 2, 3)
-        assert not bad_dp["ok"] and "train.batch_size" in bad_dp["error"]
+        bad_tp = d.resize(3, 1)
+        assert not bad_tp.ok and "parallel.tp: 3 does not divide model.n_head=4; valid tp: 1, 2, 4" in bad_tp.error
+        too_big = d.resize(2, 8)  # 16 workers on 12 CPUs
+        assert not too_big.ok and "could not place the workers" in too_big.error
+        bad_dp = d.resize(2, 3)
+        assert not bad_dp.ok and "train.batch_size" in bad_dp.error
         assert (d.layout.tp, d.layout.dp) == (2, 1)
         assert {a["pid"] for a in ray_actors("raytp.refuse.rank").values()} == pids
         d.train_loop()
@@ -103,9 +99,9 @@ def test_a_tp_resize_that_fails_midway_rolls_back(ray_wide, tmp_path):
         d.start()
         d.train_loop(until=3)
         before = d.logits(FIXED)
-        outcome = resize.resize(d, 4, 1)
+        outcome = d.resize(4, 1)
         assert (tmp_path / "died-once").exists(), "the fault was not injected"
-        assert not outcome["ok"] and "rolled back" in outcome["error"], outcome
+        assert not outcome.ok and "rolled back" in outcome.error, outcome
         assert (d.layout.tp, d.layout.dp) == (2, 1) and d.step == 3
         assert sorted(ray_actors("raytp.rollback.rank")) == ["raytp.rollback.rank0", "raytp.rollback.rank1"]
         assert float((d.logits(FIXED) - before).abs().max()) < 1e-6
@@ -127,15 +123,15 @@ def test_the_job_trains_on_while_a_resize_starts_its_new_ranks(ray_wide, tmp_pat
     try:
         d.start()
         d.train_loop(until=2)
-        rid = ray.get(d.control.request.remote("scale", tp=4, dp=1))  # what `raytp scale` files
+        rid = ray.get(d.control.actor.request.remote("scale", tp=4, dp=1))  # what `raytp scale` files
         d.train_loop(until=3)  # served at this step boundary: ranks 2 and 3 start, no answer yet
         assert d.pending_resize is not None and (d.layout.tp, d.layout.dp) == (2, 1)
-        assert ray.get(d.control.outcome.remote(rid)) is None
+        assert ray.get(d.control.actor.outcome.remote(rid)) is None
         at_request = d.step - 1
         while d.pending_resize is not None:
             d.train_loop(until=d.step + 1)
         assert (d.layout.tp, d.layout.dp) == (4, 1)
-        answer = ray.get(d.control.outcome.remote(rid))
+        answer = ray.get(d.control.actor.outcome.remote(rid))
         assert answer["ok"] and answer["layout"] == "TP=4 x DP=1", answer
         trained_meanwhile = d.step - at_request - 1  # the last step ran at the new layout
         assert trained_meanwhile >= 1, "the old layout did not train while the new ranks started"

@@ -5,11 +5,8 @@ import io
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from conftest import gpu_cluster, ray_actors
-from raytp.runtime import resize
+from helpers import FIXED, gpu_cluster, job, ray_actors
 from raytp.runtime.driver import Driver
-from test_checkpoint import FIXED
-from test_runtime import job
 
 
 def pids_and_nodes(run):
@@ -35,7 +32,7 @@ def test_tp_grow_stays_on_the_replicas_node_or_restarts_where_it_fits(tmp_path):
             before, logits = pids_and_nodes("nodes"), d.logits(FIXED)
             assert {node for _, node in before.values()} == {node_a.node_id}
 
-            assert resize.resize(d, 4, 1)["ok"]  # two more bundles on node A: ranks 0, 1 keep their processes
+            assert d.resize(4, 1).ok  # two more bundles on node A: ranks 0, 1 keep their processes
             grown = pids_and_nodes("nodes")
             assert sorted(grown) == [f"raytp.nodes.rank{r}" for r in range(4)]
             assert {n: grown[n] for n in before} == before
@@ -43,7 +40,7 @@ def test_tp_grow_stays_on_the_replicas_node_or_restarts_where_it_fits(tmp_path):
             assert float((d.logits(FIXED) - logits).abs().max()) < 1e-5
             d.train_loop(until=4)
 
-            assert resize.resize(d, 2, 1)["ok"]  # the extension group is released
+            assert d.resize(2, 1).ok  # the extension group is released
             assert {n: p for n, p in pids_and_nodes("nodes").items()} == {n: grown[n] for n in before}
             groups = ray.util.placement_group_table().values()
             assert not [g for g in groups if ".ext" in g["name"] and g["state"] != "REMOVED"]
@@ -56,7 +53,7 @@ def test_tp_grow_stays_on_the_replicas_node_or_restarts_where_it_fits(tmp_path):
             cluster.wait_for_nodes()
             kept = pids_and_nodes("nodes")
             logits = d.logits(FIXED)
-            assert resize.resize(d, 4, 1)["ok"]
+            assert d.resize(4, 1).ok
             assert "restarting every worker" in out.getvalue()
             moved = pids_and_nodes("nodes")
             assert {node for _, node in moved.values()} == {node_b.node_id}

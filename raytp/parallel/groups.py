@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -16,6 +17,13 @@ import torch.distributed as dist
 from raytp.parallel.layout import Layout
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (for a rendezvous store)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass

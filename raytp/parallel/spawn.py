@@ -13,14 +13,9 @@ import os
 import pickle
 import queue as queue_mod
 import time
-import socket
 import traceback
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from raytp.parallel.groups import free_port
 
 
 def _entry(fn, rank, world_size, init_method, args, threads, queue):

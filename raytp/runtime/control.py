@@ -1,8 +1,9 @@
 """The run's control actor: how `raytp status/stop/scale` reach a running job.
 
 One small actor per run, named ``raytp.<run>.control`` in the namespace
-``raytp``, created by the driver. The driver publishes its status to it after
-every call and collects requests from it at step boundaries; the CLI, from any
+``raytp``, created by the driver on its own node. The driver publishes its
+status to it after every call and collects requests from it at step
+boundaries (``ControlChannel`` is the driver's side); the CLI, from any
 machine that reaches the cluster, reads the status and files requests, then
 polls for their outcome. The actor holds no training state, so it costs
 nothing on the hot path.
@@ -15,11 +16,9 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-NAMESPACE = "raytp"
+from raytp import names
 
-
-def control_name(run: str) -> str:
-    return f"raytp.{run}.control"
+LINGER_S = 5.0  # how long a run that ends waits for the CLI to collect its last answers
 
 
 class Control:
@@ -28,6 +27,7 @@ class Control:
         self.status: dict = {"run": run, "state": "scheduling", "time": time.time()}
         self.requests: list[dict] = []
         self.outcomes: dict[int, dict] = {}
+        self.collected: set[int] = set()
         self.ids = itertools.count(1)
 
     # -- driver side -----------------------------------------------------------
@@ -41,6 +41,10 @@ class Control:
     def answer(self, request_id: int, outcome: dict) -> None:
         self.outcomes[request_id] = outcome
 
+    def uncollected(self) -> int:
+        """Answers the CLI has not read yet."""
+        return len(set(self.outcomes) - self.collected)
+
     # -- CLI side ----------------------------------------------------------------
     def get_status(self) -> dict:
         return self.status
@@ -51,32 +55,71 @@ class Control:
         return rid
 
     def outcome(self, request_id: int) -> dict | None:
-        return self.outcomes.get(request_id)
+        out = self.outcomes.get(request_id)
+        if out is not None:
+            self.collected.add(request_id)
+        return out
+
+
+class ControlChannel:
+    """The driver's side of the control actor: publish, take requests, answer; restarted if lost."""
+
+    def __init__(self, run: str, say=lambda msg: None):
+        self.run, self.say = run, say
+        self.actor = start_control(run)
+
+    def publish(self, status: dict) -> None:
+        self.actor.publish.remote(status)
+
+    def take_requests(self) -> list[dict]:
+        try:
+            return ray.get(self.actor.take_requests.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            self.say("the control actor was lost; starting a new one (pending requests are dropped)")
+            self.actor = start_control(self.run)
+            return []
+
+    def answer(self, request_id: int | None, outcome) -> None:
+        if request_id is not None:
+            self.actor.answer.remote(request_id, outcome.to_dict())
+
+    def close(self) -> None:
+        """Wait (briefly) until the CLI has read every answer, then end the actor."""
+        deadline = time.monotonic() + LINGER_S
+        try:
+            while ray.get(self.actor.uncollected.remote(), timeout=5) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001 - it is ending anyway
+            pass
+        try:
+            ray.kill(self.actor)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
 
 def start_control(run: str):
     """The control actor of `run` (a fresh one; a stale one of a dead driver is replaced)."""
-    name = control_name(run)
+    name = names.control(run)
     try:
-        ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+        ray.kill(ray.get_actor(name, namespace=names.NAMESPACE))
     except ValueError:
         pass
     # On the driver's node: it must not share the fate of a worker node.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return ray.remote(Control).options(name=name, namespace=NAMESPACE, num_cpus=0, max_restarts=0,
+    return ray.remote(Control).options(name=name, namespace=names.NAMESPACE, num_cpus=0, max_restarts=0,
                                        scheduling_strategy=here).remote(run)
 
 
 def find_control(run: str):
     """The control actor of a running `run`, or None."""
     try:
-        return ray.get_actor(control_name(run), namespace=NAMESPACE)
+        return ray.get_actor(names.control(run), namespace=names.NAMESPACE)
     except ValueError:
         return None
 
 
 def list_runs() -> list[str]:
     """Runs with a live control actor in the connected cluster (asks the GCS; no dashboard needed)."""
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
-    return sorted(n[len("raytp."):-len(".control")] for n in names
-                  if n.startswith("raytp.") and n.endswith(".control"))
+    found = (names.run_of_control(a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == names.NAMESPACE)
+    return sorted(r for r in found if r is not None)

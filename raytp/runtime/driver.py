@@ -1,88 +1,113 @@
-"""The Driver: places the workers, wires them, drives training, heals, releases.
+"""The Driver: a state machine that decides, and carries out through one WorkerGroup.
 
-It runs in the Ray driver process (``raytp train``) and is a small state
-machine: SCHEDULING (reserve the placement group, start the actors, meet in
-torch.distributed) -> RUNNING (streamed calls of ``steps_per_call`` steps,
-evaluation, checkpoints) <-> RECOVERING (a worker died or hung: see
-raytp.runtime.recovery) -> FINISHED, or FAILED / STOPPED. Whatever happens,
-``release`` kills the actors and removes the placement group, and the run
+It runs in the Ray driver process (``raytp train``): SCHEDULING (reserve the
+placement, start the actors, meet in torch.distributed) -> RUNNING (streamed
+calls of ``steps_per_call`` steps, evaluation, checkpoints) <-> RECOVERING (a
+worker died or hung: raytp.runtime.recovery) or RESIZING (raytp.runtime.resize)
+-> FINISHED, or FAILED / STOPPED. Recovery and resize build the next worker
+group and hand it back; ``adopt`` is the one place the job switches to it, so
+its layout, config, placement and workers always agree. Whatever happens,
+``release`` kills the actors and removes the placement groups, and the run
 directory keeps every line written so far.
+
+The Ray-facing parts are class attributes a test may swap: ``worker_cls``
+(what each rank runs: faults are injected through it), ``group_cls`` (how
+workers are placed and called: a fake runs the loop without Ray),
+``control_cls`` and ``copy_cls`` (the control actor, the off-node snapshot copy).
 """
 from __future__ import annotations
 
-import enum
 import sys
 import time
 from pathlib import Path
 
-import ray
-from ray.exceptions import ActorAlreadyExistsError
-
 from raytp.config import JobConfig
 from raytp.parallel.layout import Layout
-from raytp.runtime import placement, recovery, resize
-from raytp.runtime.control import start_control
+from raytp.runtime import policy, recovery, resize
+from raytp.runtime.checkpoints import Checkpoints
+from raytp.runtime.control import ControlChannel
+from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
+from raytp.runtime.group import WorkerGroup
+from raytp.runtime.launch import Launcher
 from raytp.runtime.metrics import RunLog
 from raytp.runtime.progress import Progress
+from raytp.runtime.records import Outcome, PendingResize, State, StopRequest
 from raytp.runtime.snapshots import OffNodeCopy, Snapshots
-from raytp.runtime.spares import Spares, bundle_key
-from raytp.runtime.worker import Worker, gpt_config
-from raytp.train import checkpoint
+from raytp.runtime.spares import Spares
+from raytp.runtime.worker import Worker
 
 
-class State(enum.Enum):
-    SCHEDULING = "scheduling"
-    RUNNING = "running"
-    RECOVERING = "recovering"
-    FINISHED = "finished"
-    FAILED = "failed"
-    STOPPED = "stopped"
+def layout_dict(lay: Layout) -> dict:
+    return {"tp": lay.tp, "dp": lay.dp}
 
 
 class Driver:
-    worker_cls = Worker  # tests may swap in another class with the same methods
+    worker_cls = Worker
+    group_cls = WorkerGroup
+    control_cls = ControlChannel
+    copy_cls = OffNodeCopy
 
     def __init__(self, cfg: JobConfig, run_dir: Path, run: str, out=sys.stderr, ray_metrics: bool = True,
                  init_state: tuple[int, dict, str] | None = None):
         """`init_state`: (step, full one-device state, where from) to start from (a checkpoint or a
         Hugging Face model) instead of the seeded initialisation."""
-        self.cfg, self.run_dir, self.run = cfg, Path(run_dir), run
+        self.job, self.run_dir, self.run = cfg, Path(run_dir), run
         self.init_state = init_state
-        self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
-        self.layout = Layout(cfg.parallel.tp, cfg.parallel.dp)
         self.log = RunLog(self.run_dir, run, ray_metrics)
         self.out = out
         self.state = State.SCHEDULING
-        self.pgs: dict = {}  # dp_rank -> that replica's placement: a group, or a placement.Slots of
-        #                      several on one node after a TP grow (see raytp.runtime.placement)
+        self.group: WorkerGroup | None = None
         self.control = None
-        self.workers: list = []
-        self.placement: list[dict] = []
         self.step = 0
         self.last: dict = {}
         self.first_step: float | None = None  # seconds from the command to the first completed step
-        self.snapshots = Snapshots(self.layout.tp)
-        self.snapshot_copy = OffNodeCopy(run)
-        self.bundles: dict[str, tuple] = {}  # actor id -> (placement group id, bundle index) it sits in
-        self.spares = Spares(self)
+        self.snapshots = Snapshots(cfg.parallel.tp)
+        self.copy = self.copy_cls(run, self.log)
+        self.spares = Spares(run, cfg.recovery.spares, self.log)
+        root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.checkpoints = Checkpoints(root, cfg.checkpoint.keep, self.log)
         self.failures = 0
-        self.healing: dict | None = None  # set by a recovery until the next completed step
-        self.resizing: dict | None = None  # set by a resize until the next completed step
-        self.pending_resize = None  # a requested resize whose new ranks are starting (raytp.runtime.resize)
-        self.stop_request: dict | None = None
+        self.healing = None            # records.Healing, until the next completed step
+        self.resizing = None           # records.Resizing, until the next completed step
+        self.pending_resize: PendingResize | None = None
+        self.growing = None            # records.GrowBack
+        self.stop_request: StopRequest | None = None
         self.t_start = time.perf_counter()
         self.target_dp = cfg.parallel.dp  # an elastic job grows back to this after a shrink
-        self.growing = None  # (placement groups, their ready refs) asked for to grow back
         self.saved_step: int | None = None
         self.logged = 0  # steps below this have their metrics.jsonl line
-        self.partial: dict | None = None
+        self.stream = None  # the streamed call in flight
 
-    # -- lifecycle -----------------------------------------------------------------
+    # -- the group and what follows from it ----------------------------------------------------
+    @property
+    def cfg(self) -> JobConfig:
+        return self.group.cfg if self.group is not None else self.job
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.cfg.parallel.tp, self.cfg.parallel.dp)
+
+    @property
+    def workers(self) -> tuple:
+        return self.group.workers if self.group is not None else ()
+
+    @property
+    def placement(self) -> tuple:
+        return self.group.placement if self.group is not None else ()
+
+    def adopt(self, group: WorkerGroup) -> None:
+        """Switch the job to `group`: the one place the workers, their layout, config and placement change."""
+        old = self.group
+        if old is not None and group.layout != old.layout:
+            self.snapshots = Snapshots(group.layout.tp)  # snapshots of another layout are of no use
+        self.group = group
+        if group.placement and (old is None or group.placement != old.placement):
+            self.log.event("placed", ranks=list(group.placement))
+
+    # -- lifecycle -------------------------------------------------------------------------------
     def run_to_end(self, t_start: float | None = None) -> dict:
         """Train to cfg.train.steps; returns the summary. Releases all resources on any exit.
-
-        `t_start` (perf_counter) is when the user asked, for the time-to-first-step figure.
-        """
+        `t_start` (perf_counter) is when the user asked, for the time-to-first-step figure."""
         t_start = self.t_start = time.perf_counter() if t_start is None else t_start
         try:
             self.start()
@@ -107,110 +132,52 @@ class Driver:
             self.log.close()
 
     def start(self) -> None:
-        cfg, lay = self.cfg, self.layout
-        self.control = start_control(self.run)
+        cfg, lay = self.job, Layout(self.job.parallel.tp, self.job.parallel.dp)
+        self.control = self.control_cls(self.run, self._say) if self.control_cls else None
         self.publish()
         self.log.event("started", run=self.run, tp=lay.tp, dp=lay.dp, world_size=lay.world_size,
                        device=cfg.runtime.device, steps=cfg.train.steps)
         self._say(f"placing {lay.world_size} workers ({lay}) ...")
-        self.pgs = placement.reserve_replicas(cfg, self.run, lay.tp, list(range(lay.dp)),
-                                              cfg.runtime.placement_timeout_s)
-        self.workers = [self.new_worker(r) for r in range(lay.world_size)]
-        if self.init_state is None:
-            self.wire(fresh=set(range(lay.world_size)))
-        else:  # every worker builds its shard from its slices of the state: no seeded initialisation
-            self.wire(fresh=set(range(lay.world_size)), full=ray.put(self.init_state[1]))
+        pgs = self.group_cls.reserve(cfg, self.run, list(range(lay.dp)))
+        try:
+            group = self.group_cls.create(Launcher(self.run, self.worker_cls, evict=self.spares.evict), cfg, pgs)
+        except BaseException:
+            self.group_cls.placer.release(pgs.values())
+            raise
+        self.adopt(group)
+        # With a state to start from, every worker builds its shard from its slices of it: no seeded init.
+        self.adopt(group.join(setup=range(lay.world_size), state=self.init_state[1] if self.init_state else None))
         if cfg.recovery.snapshot_every:
-            self.snapshot_copy.update(self)  # its keeper starts while the first step runs
-        self.spares.start()  # in the background, like the keeper
+            self.copy.update(self.group, self.snapshots, self.step)  # its keeper starts while the first step runs
+        self.spares.start(self.group)  # in the background, like the keeper
         if self.init_state is not None:
-            step, full, source = self.init_state
+            step, _, source = self.init_state
             self.step = self.logged = step
             self.log.event("resumed", step=step, source=source)
             self._say(f"starting at step {step} from {source}")
             self.init_state = None  # free the driver's copy
         self.state = State.RUNNING
 
-    def new_worker(self, rank: int, timeout_s: float = 30.0, at: tuple | None = None):
-        """Start the actor of `rank` (threaded, so it answers pings while a step runs). A replacement
-        may have to wait a moment for Ray to release the dead actor's name. `at`: (job config,
-        dp_rank -> placement) of a layout not yet switched to (a resize starting ranks ahead)."""
-        remote = ray.remote(self.worker_cls)
-        cfg, pgs = at if at is not None else (self.cfg, self.pgs)
-        dp_rank, tp_rank = Layout(cfg.parallel.tp, cfg.parallel.dp).coords(rank)
-        opts = placement.worker_options(cfg, pgs[dp_rank], self.run, rank, tp_rank)
-        pg, index = placement.bundle_of(pgs[dp_rank], tp_rank)
-        self.spares.evict(pg, index)  # a spare that drifted into this rank's bundle makes room
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                actor = remote.options(**opts, max_concurrency=4).remote(cfg.to_dict(), rank)
-                self.bundles[actor._actor_id.hex()] = bundle_key(pg, index)
-                return actor
-            except ActorAlreadyExistsError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def wire(self, fresh: set[int], job: dict | None = None, renumber: bool = False, full=None) -> None:
-        """Rendezvous at rank 0's node and build the process groups: new workers (`fresh`) also build
-        their shard (`setup`); the others keep their state and only `rejoin` (with the job as it now
-        is, if `job` is given, and their position in self.workers as rank if `renumber`).
-
-        With `full` (a one-device state or its ObjectRef: a TP resize), every worker builds its shard
-        at the new TP degree from its slices of it, with no seeded initialisation: new workers in
-        `setup`, the others (kept processes) in `reshape`, as rank = their position in self.workers."""
-        workers, lay = self.workers, self.layout
-        timeout = self.cfg.runtime.placement_timeout_s + self.cfg.runtime.collective_timeout_s
-        init_method = ray.get(workers[0].rendezvous_address.remote(), timeout=timeout)
-        if full is not None:
-            job = self.cfg.to_dict() if job is None else job
-            calls = [w.setup.remote(lay.tp, lay.dp, init_method, full) if r in fresh
-                     else w.reshape.remote(lay.tp, lay.dp, init_method, job, r, full)
-                     for r, w in enumerate(workers)]
-        else:
-            calls = [w.setup.remote(lay.tp, lay.dp, init_method) if r in fresh
-                     else w.rejoin.remote(lay.tp, lay.dp, init_method, job, r if renumber else None)
-                     for r, w in enumerate(workers)]
-        ray.get(calls, timeout=timeout)
-        self.placement = ray.get([w.where.remote() for w in workers], timeout=timeout)
-        self.log.event("placed", ranks=self.placement)
-
-    def set_state(self, full: dict) -> None:
-        """Give every worker its slices of a full state, through the object store (one copy)."""
-        ref = ray.put(full)
-        ray.get([w.set_state.remote(ref) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)
-
-    def shard_states(self) -> list[dict]:
-        """The TP shards of replica 0 (DP replicas hold the same), rank order."""
-        return ray.get([w.get_state.remote() for w in self.workers[:self.layout.tp]],
-                       timeout=self.cfg.runtime.step_timeout_s)
-
-    def save_checkpoint(self, shards: list[dict] | None = None) -> Path:
-        t0 = time.perf_counter()
-        path = checkpoint.save(self.ckpt_root, self.step, shards or self.shard_states(), gpt_config(self.cfg),
-                               self.layout.tp, self.layout.dp, self.cfg.checkpoint.keep)
-        size = sum(f.stat().st_size for f in path.iterdir())
+    def save_checkpoint(self) -> Path:
+        path = self.checkpoints.save(self.group, self.step)
         self.saved_step = self.step
-        self.log.event("checkpoint", step=self.step, path=str(path), bytes=size,
-                       seconds=time.perf_counter() - t0)
         return path
 
-    # -- training ------------------------------------------------------------------
+    # -- training --------------------------------------------------------------------------------
     def train_loop(self, t_start: float | None = None, until: int | None = None) -> None:
         """Train from self.step to `until` (default: the job's last step), healing failures on the way."""
-        cfg = self.cfg
         t_start = time.perf_counter() if t_start is None else t_start
-        end = cfg.train.steps if until is None else min(until, cfg.train.steps)
-        progress = Progress(cfg.train.steps, self.out)
+        steps = self.cfg.train.steps
+        end = steps if until is None else min(until, steps)
+        progress = Progress(steps, self.out)
         try:
             while self.step < end or self._final_save_due():
                 self.handle_requests()
-                resize.maybe_finish(self)
-                resize.maybe_grow(self)
-                self.spares.refill()
+                self.advance_resize()
+                self._grow_back()
+                self.spares.refill(self.group)
                 if self.stop_request is not None:
-                    resize.cancel(self, "the run was stopped")
+                    self._cancel_resize("the run was stopped")
                     self.stop()
                     return
                 try:
@@ -218,119 +185,194 @@ class Driver:
                         self._call(end, t_start, progress)
                     else:  # the last step's checkpoint, cut short by a failure: saved after recovery
                         self.save_checkpoint()
-                except recovery.FAILURES as e:
-                    self.state = State.RECOVERING
-                    self.publish()
-                    recovery.recover(self, e)
-                    self.state = State.RUNNING
+                except FAILURES as e:
+                    self._recover(e)
                 self.publish()
         finally:
             progress.close()
 
     def _final_save_due(self) -> bool:
-        steps, every = self.cfg.train.steps, self.cfg.checkpoint.every
-        return bool(every) and self.step == steps and self.saved_step != steps
+        cfg = self.cfg
+        return self.step == cfg.train.steps and policy.checkpoint_due(self.step, cfg.train.steps,
+                                                                      cfg.checkpoint.every, self.saved_step)
 
     def _call(self, end: int, t_start: float, progress: Progress) -> None:
         """One streamed call of up to steps_per_call steps, then evaluation and checkpoint if due."""
         cfg = self.cfg
         steps, every, save_every = cfg.train.steps, cfg.train.eval_interval, cfg.checkpoint.every
         snap = cfg.recovery.snapshot_every
-        # The first call runs one step, so the first completed step shows at once; so does every call
-        # while a resize waits for its new ranks, so that it takes over as soon as they are up.
-        n = min(cfg.train.steps_per_call if self.first_step is not None and self.pending_resize is None else 1,
-                end - self.step)
-        for interval in (every, save_every):  # end the call at the next evaluation/save boundary
-            if interval:
-                n = min(n, interval - self.step % interval)
-        start = self.step
-        if save_every and self.saved_step != start and start % save_every == 0 and start > 0:
+        warm = self.first_step is not None and self.pending_resize is None
+        n = policy.call_length(self.step, end, cfg.train.steps_per_call, warm, every, save_every)
+        if policy.checkpoint_due(self.step, steps, save_every, self.saved_step):
             self.save_checkpoint()  # a save interrupted by a failure, redone after recovery
-        streams = [w.run_steps.options(num_returns="streaming").remote(start, n, snap) for w in self.workers]
-        deadline = cfg.runtime.step_timeout_s
-        for step in range(start, start + n):
-            recs = []
-            for rank, stream in enumerate(streams):
-                recs.append(ray.get(self._next(stream, deadline)))
-                self.partial = recs[0]  # rank 0's figures of a step cut short, for recovery
-                dp_rank, tp_rank = self.layout.coords(rank)
-                if snap and dp_rank == 0 and (step + 1) % snap == 0:
-                    self.snapshots.add(step + 1, tp_rank, self._next(stream, deadline))
-            self.step = step + 1
-            self.last = self._record(recs[0], recs)
+        self.stream = self.group.run_steps(self.step, n, snap)
+        for done in self.stream:
+            for tp_rank, ref in done.snapshot.items():
+                self.snapshots.add(done.step + 1, tp_rank, ref)
+            self.step = done.step + 1
+            self.last = self._record(done.records[0], done.records)
             if self.step == steps or (every and self.step % every == 0):
-                self.last["val_loss"] = self.evaluate()
+                self.last["val_loss"] = self.group.evaluate(self.step)
             self.log_step(self.last)
             if snap:
-                self.snapshot_copy.update(self)
+                self.copy.update(self.group, self.snapshots, self.step)
             if self.healing is not None:
-                recovery.healed(self)
+                self._healed()
             if self.resizing is not None:
-                resize.resized(self)
-        if save_every and (self.step % save_every == 0 or self.step == steps):
+                self._resized()
+        if policy.checkpoint_due(self.step, steps, save_every, self.saved_step):
             self.save_checkpoint()
         if self.first_step is None:
             self.first_step = time.perf_counter() - t_start
             self.log.event("first_step", seconds=self.first_step)
         progress.update(self.last, time.perf_counter() - t_start)
 
-    # -- control -------------------------------------------------------------------
+    def _recover(self, error: BaseException) -> None:
+        self.state = State.RECOVERING
+        self.publish()
+        ctx = recovery.RecoveryContext(self.log, self._say, self.spares, self.snapshots, self.copy, self.checkpoints)
+        partial = self.stream.partial if self.stream is not None else None
+        try:
+            r = recovery.recover(ctx, self.group, error, self.step, self.failures, partial)
+        except (RecoveryFailed, JobError) as e:
+            if getattr(e, "group", None) is not None:
+                self.adopt(e.group)  # so that release() finds every actor the recovery started
+            raise
+        self.failures += r.failures
+        if r.replayed is not None:  # the step the survivors finished as the rank died
+            self.log_step(self._record(r.replayed, [r.replayed]))
+        self.adopt(r.group)
+        self.step, self.healing = r.step, r.healing
+        if r.resizing is not None:
+            self.resizing = r.resizing
+            self._say(f"no capacity for the lost workers: continuing at {self.layout} (grows back to "
+                      f"DP={self.target_dp} when capacity returns)")
+        self.state = State.RUNNING
+
+    def _healed(self) -> None:
+        """The first completed step after a recovery: log how long it took and what was lost."""
+        h, self.healing = self.healing, None
+        seconds = time.perf_counter() - h.t0
+        self.log.event("recovered", seconds=seconds, lost_steps=h.lost_steps, source=h.source, ranks=list(h.ranks),
+                       step=self.step, spares=list(h.spares))
+        self._say(f"recovered in {seconds:.1f}s from {h.source}, {h.lost_steps} step(s) lost")
+
+    def _resized(self) -> None:
+        """The first completed step after a resize: log it."""
+        r, self.resizing = self.resizing, None
+        now = time.perf_counter()
+        self.log.event("resized", old=layout_dict(r.old), new=layout_dict(r.new), seconds=now - r.t0,
+                       stall_s=now - r.switch_t0, bytes=r.bytes, lost_steps=0, step=self.step, reason=r.reason)
+        if self.log.ray:
+            self.log.ray.set("world_size", self.layout.world_size)
+        self._say(f"resized to {self.layout} in {now - r.t0:.1f}s, training paused {now - r.switch_t0:.1f}s "
+                  f"({r.bytes / 1e6:.1f} MB moved)")
+
+    # -- resizing --------------------------------------------------------------------------------
+    def resize(self, tp: int, dp: int) -> Outcome:
+        """Move to layout tp x dp now: request, wait for the new ranks, switch (tests, benchmarks)."""
+        outcome = self.request_resize(tp, dp)
+        if outcome is not None:
+            return outcome
+        self.group.answered(self.pending_resize.ready, timeout_s=self.cfg.runtime.placement_timeout_s)
+        return self.advance_resize(wait=True)
+
+    def request_resize(self, tp: int, dp: int, request_id: int | None = None) -> Outcome | None:
+        """Begin a resize (raytp.runtime.resize.request); its outcome, or None while its new ranks start
+        (answered to `request_id` when it finishes)."""
+        if self.pending_resize is not None:
+            new = self.pending_resize.new_cfg.parallel
+            return Outcome.refused(f"a resize to TP={new.tp} x DP={new.dp} is in progress")
+        got = resize.request(self.group, tp, dp, self.step, self._say, self.log, request_id)
+        if isinstance(got, resize.Switched):
+            return self._switched(got)
+        if isinstance(got, PendingResize):
+            self.pending_resize = got
+            return self.advance_resize(wait=True) if not got.early else None  # a shrink switches now
+        return got
+
+    def advance_resize(self, wait: bool = False) -> Outcome | None:
+        """At a step boundary: finish the pending resize if it is due (or now, with `wait`)."""
+        p = self.pending_resize
+        if p is None or not (wait or resize.due(self.group, p)):
+            return None
+        self.pending_resize = None
+        self.state = State.RESIZING
+        self.publish()
+        got = resize.finish(self.group, p, self.step)
+        outcome = self._switched(got) if isinstance(got, resize.Switched) else got
+        self.state = State.RUNNING
+        if self.control is not None:
+            self.control.answer(p.request_id, outcome)
+        return outcome
+
+    def _switched(self, sw: "resize.Switched") -> Outcome:
+        self.adopt(sw.group)
+        if sw.resizing is not None:
+            self.resizing = sw.resizing
+        return sw.outcome
+
+    def _cancel_resize(self, why: str) -> None:
+        p, self.pending_resize = self.pending_resize, None
+        if p is not None:
+            outcome = resize.cancel(self.group, p, why)
+            if self.control is not None:
+                self.control.answer(p.request_id, outcome)
+
+    def _grow_back(self) -> None:
+        self.growing, switched = resize.grow(self.group, self.growing, self.target_dp, self.step, self._say)
+        if switched is not None:
+            self._switched(switched)
+
+    # -- control ---------------------------------------------------------------------------------
     def status(self) -> dict:
         """What `raytp status` shows."""
+        lay = self.layout
         return {"state": self.state.value, "step": self.step, "steps": self.cfg.train.steps,
-                "tp": self.layout.tp, "dp": self.layout.dp, "world_size": self.layout.world_size,
+                "tp": lay.tp, "dp": lay.dp, "world_size": lay.world_size,
                 "loss": self.last.get("loss"), "val_loss": self.last.get("val_loss"),
                 "tokens_per_s": self.last.get("tokens_per_s"), "step_time_s": self.last.get("step_time_s"),
                 "failures": self.failures, "spares": len(self.spares.pool),
-                "run_dir": str(self.run_dir.resolve()),
-                "elapsed_s": time.perf_counter() - self.t_start}
+                "run_dir": str(self.run_dir.resolve()), "elapsed_s": time.perf_counter() - self.t_start}
 
     def publish(self) -> None:
         if self.control is not None:
-            self.control.publish.remote(self.status())
+            self.control.publish(self.status())
 
     def handle_requests(self) -> None:
         """Requests filed through the control actor, served at this step boundary."""
         if self.control is None:
             return
-        try:
-            requests = ray.get(self.control.take_requests.remote(), timeout=30)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            self._say("the control actor was lost; starting a new one (pending requests are dropped)")
-            self.control = start_control(self.run)
-            return
-        for req in requests:
+        for req in self.control.take_requests():
             if req["kind"] == "stop":
-                self.stop_request = req
+                self.request_stop(req["id"])
             elif req["kind"] == "scale":
-                outcome = resize.request(self, req["tp"], req["dp"], req["id"])
-                if outcome is not None:  # else answered when the new layout takes over (resize.maybe_finish)
-                    self.control.answer.remote(req["id"], outcome)
+                outcome = self.request_resize(req["tp"], req["dp"], req["id"])
+                if outcome is not None:  # else answered when the new layout takes over (advance_resize)
+                    self.control.answer(req["id"], outcome)
                 self.publish()
             else:
-                self.control.answer.remote(req["id"], {"ok": False, "error": f"unknown request {req['kind']!r}"})
+                self.control.answer(req["id"], Outcome.refused(f"unknown request {req['kind']!r}"))
+
+    def request_stop(self, request_id: int | None = None, via: str = "control") -> None:
+        """Stop at the next step boundary (`raytp stop`, or SIGTERM); answer `request_id` then."""
+        stop = self.stop_request or StopRequest(via=via)
+        self.stop_request = stop.also(request_id) if request_id is not None else stop
 
     def stop(self) -> None:
         """Stop at this step boundary on request: a checkpoint of the step reached, then release."""
+        self.handle_requests()  # a stop filed meanwhile (`raytp stop` sends SIGTERM too) is answered as well
         path = None
         if self.step > 0 and self.saved_step != self.step:
             path = self.save_checkpoint()
         self.state = State.STOPPED
         self.log.event("stopped", step=self.step, reason="requested", checkpoint=str(path) if path else None)
-        self.control.answer.remote(self.stop_request["id"], {"ok": True, "step": self.step,
-                                                             "checkpoint": str(path) if path else None})
+        if self.control is not None:
+            for rid in self.stop_request.ids:
+                self.control.answer(rid, Outcome(ok=True, step=self.step, checkpoint=str(path) if path else None))
         self._say(f"stopped at step {self.step} on request" + (f"; checkpoint {path}" if path else ""))
 
-    @staticmethod
-    def _next(stream, timeout: float):
-        """The next object of a streaming call, or StepDeadline if none comes within `timeout`. The object
-        stays where it was made: fetch_local=False, or every snapshot would be pulled to the driver's
-        node before the next step is taken (a full model's state per step, over the network)."""
-        ready, _ = ray.wait([stream], timeout=timeout, fetch_local=False)
-        if not ready:
-            raise recovery.StepDeadline(f"no progress within runtime.step_timeout_s={timeout:g}s")
-        return next(stream)
-
+    # -- records ---------------------------------------------------------------------------------
     def log_step(self, rec: dict) -> None:
         """One metrics.jsonl line per step: steps replayed after a rollback are not written again."""
         if rec["step"] >= self.logged:
@@ -346,32 +388,22 @@ class Driver:
                 "tokens_per_s": tokens_per_step / step_time, "comm_s": rec["comm_s"],
                 "tp": self.layout.tp, "dp": self.layout.dp, "time": time.time()}
 
-    def logits(self, idx) -> "torch.Tensor":
+    def logits(self, idx):
         """Full-vocabulary logits of a batch from replica 0 (for checks and tests)."""
-        return ray.get([w.logits.remote(idx) for w in self.workers[:self.layout.tp]],
-                       timeout=self.cfg.runtime.step_timeout_s)[0]
-
-    def evaluate(self) -> float:
-        return ray.get([w.evaluate.remote(self.step) for w in self.workers],
-                       timeout=self.cfg.runtime.step_timeout_s)[0]
+        return self.group.logits(idx)
 
     def release(self) -> None:
-        """Kill the actors and remove the placement group (idempotent)."""
-        placement.kill(self.workers)
-        resize.cancel(self, "the run ended")
-        self.workers = []
-        self.snapshot_copy.release()
+        """Kill the actors and remove the placement groups (idempotent)."""
+        if self.group is not None:
+            self.group.release()
+            self._cancel_resize("the run ended")
+            if self.growing is not None:
+                self.group.placer.release(self.growing.pgs.values())
+                self.growing = None
+        self.copy.release()
         self.spares.release()
-        placement.release(self.pgs.values())
-        self.pgs = {}
-        if self.growing is not None:
-            placement.release(self.growing[0].values())
-            self.growing = None
         if self.control is not None:
-            try:
-                ray.kill(self.control)
-            except Exception:  # noqa: BLE001
-                pass
+            self.control.close()
             self.control = None
 
     def _say(self, msg: str) -> None:

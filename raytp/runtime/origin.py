@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from raytp import config as config_mod
-from raytp.runtime.worker import gpt_config
+from raytp.config.adapters import gpt_config
 from raytp.train import checkpoint
 
 

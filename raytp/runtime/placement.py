@@ -12,7 +12,7 @@ replica dp_rank's group.
 
 Ray cannot grow a placement group, so a TP grow that keeps a replica's
 processes adds an *extension* group for the new ranks, aimed at the replica's
-node and checked to have landed there (``extend_replica``); the replica's
+node and checked to have landed there (``reserve_tp``); the replica's
 bundles are then a ``Slots``: its groups in rank order. Everything here takes
 a replica's placement as either a plain group or a ``Slots`` (``bundle_of``,
 ``groups_of``, ``release``, ``nodes_of``, ``worker_options``).
@@ -26,14 +26,13 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raytp import names
 from raytp.config import JobConfig
+from raytp.runtime.errors import PlacementError
 
+__all__ = ["PlacementError", "Slots"]  # and the functions below
 
 _GENERATION = itertools.count()  # group names must be unique while the old ones of a resize live
-
-
-class PlacementError(RuntimeError):
-    """The cluster cannot host the layout within the timeout."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +134,7 @@ def request_replicas(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int],
     for i, d in enumerate(dp_ranks):
         target = targets[i] if i < len(targets) else None
         pgs[d] = placement_group([worker_resources(cfg)] * tp, strategy="STRICT_PACK",
-                                 name=f"raytp.{run}.replica{d}.{next(_GENERATION)}", _soft_target_node_id=target)
+                                 name=names.replica_group(run, d, next(_GENERATION)), _soft_target_node_id=target)
     return pgs
 
 
@@ -170,6 +169,17 @@ def release(pgs) -> None:
             pass
 
 
+def alive_nodes() -> list[str]:
+    """Node ids of the cluster's alive nodes."""
+    return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+
+
+def placed(pgs) -> bool:
+    """Whether every placement group in `pgs` is placed now (never waits)."""
+    refs = [pg.ready() for pg in pgs]
+    return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
+
+
 def nodes_of(pgs: dict) -> set[str]:
     """Nodes that host the given replicas' bundles, as Ray's placement-group table says."""
     table = ray.util.placement_group_table()
@@ -185,7 +195,7 @@ def request_extension(cfg: JobConfig, run: str, dp_rank: int, replica, n: int) -
     target: Ray may put them elsewhere, see extension_placed); (group, that node), not waited for."""
     node = next(iter(nodes_of({dp_rank: replica})), None)
     pg = placement_group([worker_resources(cfg)] * n, strategy="STRICT_PACK",
-                         name=f"raytp.{run}.replica{dp_rank}.ext{next(_GENERATION)}", _soft_target_node_id=node)
+                         name=names.extension_group(run, dp_rank, next(_GENERATION)), _soft_target_node_id=node)
     return pg, node
 
 
@@ -198,7 +208,7 @@ def extension_placed(pg: PlacementGroup, node: str | None) -> bool:
 def worker_options(cfg: JobConfig, pg, run: str, rank: int, tp_rank: int) -> dict:
     """Ray actor options for rank `rank`: its name, resources and bundle (`pg`: its replica's placement,
     a plain group or a Slots)."""
-    return bundle_options(cfg, *bundle_of(pg, tp_rank), f"raytp.{run}.rank{rank}")
+    return bundle_options(cfg, *bundle_of(pg, tp_rank), names.worker(run, rank))
 
 
 def bundle_options(cfg: JobConfig, pg: PlacementGroup, index: int, name: str) -> dict:
@@ -206,10 +216,43 @@ def bundle_options(cfg: JobConfig, pg: PlacementGroup, index: int, name: str) ->
     res = worker_resources(cfg)
     return {
         "name": name,
-        "namespace": "raytp",
+        "namespace": names.NAMESPACE,
         "num_cpus": res["CPU"],
         "num_gpus": res.get("GPU", 0),
         "max_restarts": 0,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=index),
     }
+
+
+def reserve_tp(cfg: JobConfig, run: str, pgs: dict, old_dp: int):
+    """The placement of layout `cfg` for a TP change that keeps replica 0's processes, from the
+    replicas' placement `pgs` at the old layout: (dp_rank -> placement, groups requested, groups no
+    longer used once it is done), or None if an extension group could not be had on its replica's
+    node (nothing is left reserved then). A replica that has the bundles already is trimmed; one
+    that lacks some gets an extension group aimed at its node; added replicas get groups of their
+    own. Raises PlacementError (leaving nothing behind) if the capacity is not there in time."""
+    tp, dp = cfg.parallel.tp, cfg.parallel.dp
+    out, unused, ext = {}, [], {}
+    for q in range(min(dp, old_dp)):
+        have = size_of(pgs[q])
+        if have >= tp:
+            out[q], spare = trimmed(pgs[q], tp)
+            unused += spare
+        else:
+            ext[q] = request_extension(cfg, run, q, pgs[q], tp - have)
+    added = request_replicas(cfg, run, tp, list(range(old_dp, dp)), avoid_nodes=nodes_of(pgs)) if dp > old_dp else {}
+    requested = [pg for pg, _ in ext.values()] + list(added.values())
+    timeout = cfg.runtime.placement_timeout_s
+    if requested:
+        ready, _ = ray.wait([pg.ready() for pg in requested], num_returns=len(requested), timeout=timeout)
+        if len(ready) < len(requested):
+            release(requested)
+            raise PlacementError(f"could not place the workers within {timeout:g}s: "
+                                 + explain_shortfall(cfg, tp, dp))
+    if not all(extension_placed(pg, node) for pg, node in ext.values()):
+        release(requested)
+        return None
+    for q, (pg, _) in ext.items():
+        out[q] = extended(pgs[q], pg, tp - size_of(pgs[q]))
+    return {**out, **added}, requested, unused

@@ -28,7 +28,8 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raytp.runtime import placement
+from raytp import names
+from raytp.runtime import placement, policy
 
 
 class Snapshots:
@@ -79,8 +80,8 @@ RECHECK_S = 30.0  # how often a job without a keeper looks again for a node to p
 class OffNodeCopy:
     """The driver's side of the keeper: where it runs, which snapshot it holds, refreshing it."""
 
-    def __init__(self, run: str):
-        self.run = run
+    def __init__(self, run: str, log):
+        self.run, self.log = run, log
         self.checked: tuple | None = None  # (placement's nodes, time) of the last placement decision
         self.keeper = None
         self.node: str | None = None
@@ -88,13 +89,13 @@ class OffNodeCopy:
         self.held: tuple[int, int] | None = None  # (step, tp) the keeper holds
         self.said: str | None = None  # the last placement reported as an event
 
-    def update(self, d) -> None:
-        """At the start and after each completed step: start the keeper where one is needed, and hand
-        it the newest complete snapshot if it is idle. Never waits."""
-        if not self._place(d):
+    def update(self, group, snapshots: Snapshots, step: int) -> None:
+        """At the start and after each completed step: start the keeper where `group`'s replica 0
+        needs one, and hand it the newest complete snapshot if it is idle. Never waits."""
+        if not self._place(group, step):
             return
         if self.pending is not None:
-            step, tp, ref = self.pending
+            held_step, tp, ref = self.pending
             ready, _ = ray.wait([ref], timeout=0)
             if not ready:
                 return
@@ -103,65 +104,63 @@ class OffNodeCopy:
                 ray.get(ref)
             except (RayActorError, RayTaskError) as e:  # its node went, or the snapshot did: start over
                 self.checked = None  # look for a node at once
-                self._drop(d, f"the snapshot keeper failed ({type(e).__name__})")
+                self._drop(step, f"the snapshot keeper failed ({type(e).__name__})")
                 return
             if self.held is None:
-                self._report(d, node=self.node, first_step=step)
-            self.held = (step, tp)
-        snap = d.snapshots.latest()
-        if snap is None or (self.held is not None and self.held == (snap[0], d.layout.tp)):
+                self._report(step, node=self.node, first_step=held_step)
+            self.held = (held_step, tp)
+        snap, tp = snapshots.latest(), group.layout.tp
+        if snap is None or (self.held is not None and self.held == (snap[0], tp)):
             return
-        self.pending = (snap[0], d.layout.tp, self.keeper.hold.remote(snap[0], d.layout.tp, list(snap[1])))
+        self.pending = (snap[0], tp, self.keeper.hold.remote(snap[0], tp, list(snap[1])))
 
-    def refs(self, tp: int) -> tuple[int, list] | None:
-        """(step, [ref per TP rank]) of the copy the keeper holds at TP degree `tp`, if any."""
+    def held_step(self, tp: int) -> int | None:
+        """The step of the copy the keeper holds at TP degree `tp`, if any (the keeper's word, not
+        self.held: a pull may have finished since the driver last looked)."""
         if self.keeper is None:
             return None
-        try:  # the keeper's word, not self.held: a pull may have finished since the driver last looked
+        try:
             step, held_tp = ray.get(self.keeper.holding.remote(), timeout=10)
         except (RayActorError, ray.exceptions.GetTimeoutError):
             return None
-        if step is None or held_tp != tp:
-            return None
-        return step, [self.keeper.part.remote(step, t) for t in range(tp)]
+        return step if step is not None and held_tp == tp else None
 
-    def _place(self, d) -> bool:
+    def parts(self, step: int, tp: int) -> dict[int, object]:
+        """{tp_rank: ref} of the copy of `step` the keeper holds."""
+        return {t: self.keeper.part.remote(step, t) for t in range(tp)}
+
+    def _place(self, group, step: int) -> bool:
         """Run the keeper on a node without replica 0's state; False where none is needed or exists."""
-        lay = d.layout
-        nodes = [p.get("node_id") for p in d.placement]
+        nodes = group.nodes()
         if self.checked is not None and self.checked[0] == nodes and (
                 self.keeper is not None or time.monotonic() - self.checked[1] < RECHECK_S):
             return self.keeper is not None
         self.checked = (nodes, time.monotonic())
-        state_nodes = {nodes[r] for r in lay.tp_group(0) if r < len(nodes)}
-        if any(n not in state_nodes for n in nodes):  # another DP replica on another node: that is the copy
-            self._drop(d, "DP replicas on other nodes hold the same shards")
-            return False
-        alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in state_nodes]
-        if not alive:
-            self._drop(d, "no other node: a loss of the workers' node is covered by checkpoints only")
-            return False
+        alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
         here = ray.get_runtime_context().get_node_id()
-        if self.keeper is not None and self.node in alive:
+        node, why = policy.keeper_node(group.layout, nodes, alive, here, self.node if self.keeper else None)
+        if node is None:
+            self._drop(step, why)
+            return False
+        if self.keeper is not None and node == self.node:
             return True
-        node = here if here in alive else alive[0]
-        self._drop(d, None)
+        self._drop(step, None)
         self.keeper = ray.remote(Keeper).options(
-            name=f"raytp.{self.run}.snapshots{next(_KEEPERS)}", namespace="raytp", num_cpus=0, max_concurrency=2,
+            name=names.keeper(self.run, next(_KEEPERS)), namespace=names.NAMESPACE, num_cpus=0, max_concurrency=2,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
         self.node = node
         return True
 
-    def _drop(self, d, why: str | None) -> None:
+    def _drop(self, step: int, why: str | None) -> None:
         self.release()
         if why is not None:
-            self._report(d, reason=why)
+            self._report(step, reason=why)
 
-    def _report(self, d, **what) -> None:
+    def _report(self, step: int, **what) -> None:
         key = repr(sorted(what.items()))
         if key != self.said:
             self.said = key
-            d.log.event("snapshot_copy", step=d.step, **what)
+            self.log.event("snapshot_copy", step=step, **what)
 
     def release(self) -> None:
         if self.keeper is not None:

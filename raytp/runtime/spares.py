@@ -11,17 +11,18 @@ Bundles. At the start, N bundles are reserved in a group of their own
 rank R's place keeps its bundle, and R's own bundle (in R's replica group) is
 freed; a new spare is started there at once, in the background. So spares
 drift to where workers were lost, which is where the lost rank's TP peers
-are. Which bundle each actor sits in is recorded per actor (``Driver.bundles``),
+are. Which bundle each actor sits in is recorded per actor (``WorkerGroup.bundles``),
 so resizes, which move workers between groups, need nothing special:
 ``refill`` finds the free bundles of the groups the job holds, whatever they
 are, and starts spares there (idle bundles a TP shrink leaves reserved
 become spares too).
 
-Choosing. A lost rank takes a ready spare on the node of its surviving TP
-peers (a TP group stays inside one node); if its whole TP group was lost
-(a node loss), the group's ranks take spares that share one node. A spare
-that is not ready yet (its process still starting) is not used: the rank is
-started anew in its own bundle, as without spares.
+Choosing (raytp.runtime.policy.choose_spares). A lost rank takes a ready
+spare on the node of its surviving TP peers (a TP group stays inside one
+node); if its whole TP group was lost (a node loss), the group's ranks take
+spares that share one node. A spare that is not ready yet (its process still
+starting) is not used: the rank is started anew in its own bundle, as without
+spares.
 
 Names. Ray's actor names cannot change: a spare that becomes rank R keeps its
 name ``raytp.<run>.spare<K>``; the ``placed`` event and ``raytp status`` map
@@ -35,11 +36,9 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group
 
-from raytp.runtime import placement
-
-
-def bundle_key(pg, index: int) -> tuple[str, int]:
-    return pg.id.hex(), index
+from raytp import names
+from raytp.runtime import placement, policy
+from raytp.runtime.launch import actor_id, bundle_key
 
 
 class Spare:
@@ -47,6 +46,10 @@ class Spare:
         self.actor, self.pg, self.index, self.name = actor, pg, index, name
         self.ready_ref = actor.where.remote()  # answers once the process is up and __init__ is done
         self.where: dict | None = None
+
+    @property
+    def bundle(self) -> tuple[str, int]:
+        return bundle_key(self.pg, self.index)
 
     def ready(self) -> bool:
         """Started and alive (never waits); a dead one raises RayActorError."""
@@ -59,58 +62,56 @@ class Spare:
 
 
 class Spares:
-    def __init__(self, d):
-        self.d = d
-        self.n = d.cfg.recovery.spares
+    """The pool of warm spares of run `run`: `n` of them, reported through `log`."""
+
+    def __init__(self, run: str, n: int, log):
+        self.run, self.n, self.log = run, n, log
         self.pg = self.pg_ready = None
         self.pool: list[Spare] = []
         self.reported = False
         self._names = itertools.count()
 
-    def start(self) -> None:
+    def start(self, group) -> None:
         """Ask for the spares' own group; spares start as its bundles are placed (see refill). Never
         waits: a group that cannot be placed stays a pending demand (an autoscaler sees it) and the
         job runs without spares meanwhile."""
-        d = self.d
         if not self.n:
             return
-        self.pg = placement_group([placement.worker_resources(d.cfg)] * self.n, strategy="PACK",
-                                  name=f"raytp.{d.run}.spares")
+        self.pg = placement_group([placement.worker_resources(group.cfg)] * self.n, strategy="PACK",
+                                  name=names.spares_group(self.run))
         self.pg_ready = self.pg.ready()
-        self.refill()
+        self.refill(group)
 
-    def groups(self) -> list:
+    def groups(self, group) -> list:
         """Every placement group whose bundles may hold workers or spares (the spares' own once placed)."""
-        out = [g for replica in self.d.pgs.values() for g in placement.groups_of(replica)]
+        out = [g for replica in group.pgs.values() for g in placement.groups_of(replica)]
         if self.pg is not None and ray.wait([self.pg_ready], timeout=0)[0]:
             out.append(self.pg)
         return out
 
-    def refill(self) -> None:
+    def refill(self, group) -> None:
         """Start spares in free bundles of the job's groups until there are N (never waits)."""
-        d = self.d
         if not self.n:
             return
-        self.prune()
-        used = {d.bundles.get(w._actor_id.hex()) for w in d.workers} | {bundle_key(s.pg, s.index) for s in self.pool}
-        free = [(pg, i) for pg in self.groups() for i in range(pg.bundle_count) if bundle_key(pg, i) not in used]
-        remote = ray.remote(d.worker_cls)
+        self.prune(group)
+        used = {group.bundles.get(actor_id(w)) for w in group.workers} | {s.bundle for s in self.pool}
+        free = [(pg, i) for pg in self.groups(group) for i in range(pg.bundle_count)
+                if bundle_key(pg, i) not in used]
         started = []
         for pg, i in free[:max(self.n - len(self.pool), 0)]:
-            name = f"raytp.{d.run}.spare{next(self._names)}"
-            actor = remote.options(**placement.bundle_options(d.cfg, pg, i, name), max_concurrency=4).remote(
-                d.cfg.to_dict(), -1)
+            name = names.spare(self.run, next(self._names))
+            actor = group.launcher.start_spare(group.cfg, pg, i, name)
             self.pool.append(Spare(actor, pg, i, name))
             started.append({"name": name, "bundle": i, "group": pg.id.hex()})
         if started:
-            d.log.event("spares", started=started)
+            self.log.event("spares", started=started)
         if not self.reported and len(self.pool) == self.n and all(_ready(s) for s in self.pool):
             self.reported = True
-            d.log.event("spares", ready=[s.name for s in self.pool])
+            self.log.event("spares", ready=[s.name for s in self.pool])
 
-    def prune(self) -> None:
+    def prune(self, group) -> None:
         """Forget spares that died (their node went, their group was removed by a resize)."""
-        live_groups = {g.id.hex() for g in self.groups()} | ({self.pg.id.hex()} if self.pg is not None else set())
+        live_groups = {g.id.hex() for g in self.groups(group)} | ({self.pg.id.hex()} if self.pg is not None else set())
         keep = []
         for s in self.pool:
             try:
@@ -125,35 +126,26 @@ class Spares:
 
     def evict(self, pg, index: int) -> None:
         """Free bundle (pg, index) of a spare (a worker is about to be started in it)."""
-        for s in [s for s in self.pool if bundle_key(s.pg, s.index) == bundle_key(pg, index)]:
+        for s in [s for s in self.pool if s.bundle == bundle_key(pg, index)]:
             self.pool.remove(s)
             placement.kill([s.actor])
 
-    def take(self, lost: list[int]) -> dict[int, Spare]:
-        """Ready spares for the lost ranks that can have one: {rank: spare}, removed from the pool."""
-        d, lay = self.d, self.d.layout
+    def take(self, group, lost: list[int]) -> dict[int, Spare]:
+        """Ready spares for the lost ranks of `group` that can have one, each told its rank and job:
+        {rank: spare}, removed from the pool."""
         if not self.n:
             return {}
-        self.prune()
-        ready = [s for s in self.pool if _ready(s)]
-        chosen: dict[int, Spare] = {}
-        lost_set = set(lost)
-        for q in sorted({lay.coords(r)[0] for r in lost}):
-            group = lay.tp_group(q)
-            missing = [r for r in group if r in lost_set]
-            peers = [d.placement[r]["node_id"] for r in group if r not in lost_set and r < len(d.placement)]
-            nodes = {peers[0]} if peers else {s.where["node_id"] for s in ready}
-            for node in nodes:
-                here = [s for s in ready if s.where["node_id"] == node]
-                if len(here) >= len(missing) or peers:  # a whole lost group must land on one node
-                    for r, s in zip(missing, here):
-                        chosen[r] = s
-                        ready.remove(s)
-                    break
+        self.prune(group)
+        ready = {s.name: s for s in self.pool if _ready(s)}
+        picks = policy.choose_spares(group.layout, lost, group.nodes(),
+                                     [(name, s.where["node_id"]) for name, s in ready.items()])
+        chosen = {r: ready[name] for r, name in picks.items()}
         for s in chosen.values():
             self.pool.remove(s)
         if chosen:
             self.reported = False  # a "spares" event again once the pool is whole
+            ray.get([s.actor.assume.remote(r, group.cfg.to_dict()) for r, s in chosen.items()],
+                    timeout=group.cfg.recovery.ping_timeout_s)
         return chosen
 
     def release(self) -> None:
@@ -169,4 +161,3 @@ def _ready(s: Spare) -> bool:
         return s.ready()
     except (RayActorError, GetTimeoutError):
         return False
-

@@ -1,13 +1,14 @@
 """The Worker actor: one per rank, owns its shard of weights and optimizer state.
 
-The driver creates it inside the run's placement group, asks rank 0 for a
-rendezvous address, then calls ``setup`` on every rank at once (they meet in
-torch.distributed), and drives training with ``train`` calls of several steps
-each, so Ray's per-call cost stays off the hot path.
+The driver's WorkerGroup (raytp.runtime.group) starts it in the rank's bundle,
+asks rank 0 for a rendezvous address, then has every rank join at once
+(``setup``, ``rejoin`` or ``reshape``: they meet in torch.distributed), and
+drives training with streamed ``run_steps`` calls of several steps each, so
+Ray's per-call cost stays off the hot path.
 
-The class is plain Python; ``remote_worker`` wraps it for Ray. The CUDA path
-differs from the CPU path only in ``device`` and the backend picked from it:
-Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, which is then cuda:0.
+The class is plain Python (Ray wraps it when the launcher starts it). The CUDA
+path differs from the CPU path only in ``device`` and the backend picked from
+it: Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, which is then cuda:0.
 """
 from __future__ import annotations
 
@@ -20,43 +21,17 @@ import time
 
 import torch
 
-from raytp.config import JobConfig, from_dict
-from raytp.model import GPTConfig
+from raytp.config import from_dict
+from raytp.config.adapters import gpt_config, hyper
 from raytp.parallel import comm
-from raytp.parallel.groups import destroy_process_groups, init_process_groups
+from raytp.parallel.groups import destroy_process_groups, free_port, init_process_groups
 from raytp.parallel.layout import Layout
-from raytp.parallel.spawn import free_port
+from raytp.parallel.plan import build_empty_shard, build_shard, rebind_groups
+from raytp.runtime.errors import WorkerAborted
+from raytp.runtime.snapshot_buffers import SnapshotBuffers
 from raytp.train import checkpoint
 from raytp.train.data import batch, load_corpus
-from raytp.train.step import Hyper, eval_loss, make_optimizer, train_step
-from raytp.parallel.plan import build_empty_shard, build_shard, rebind_groups
-
-
-def gpt_config(cfg: JobConfig) -> GPTConfig:
-    m = cfg.model
-    return GPTConfig(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=m.block_size,
-                     vocab_size=m.vocab_size, dropout=m.dropout)
-
-
-def hyper(cfg: JobConfig) -> Hyper:
-    t = cfg.train
-    return Hyper(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, steps=t.steps, lr_schedule=t.lr_schedule,
-                 weight_decay=t.weight_decay, beta1=t.beta1, beta2=t.beta2, grad_clip=t.grad_clip, seed=t.seed)
-
-
-class WorkerAborted(RuntimeError):
-    """A rank left a step because a collective failed."""
-
-
-class SnapshotBuffer:
-    """A host buffer a snapshot is packed into: `packed` once the state is copied into it (the next
-    optimizer update waits for that), `free` once the stream has written it out (reuse waits)."""
-
-    def __init__(self, data: torch.Tensor):
-        self.data = data
-        self.packed, self.free = threading.Event(), threading.Event()
-        self.packed.set()
-        self.free.set()
+from raytp.train.step import eval_loss, make_optimizer, train_step
 
 
 class Worker:
@@ -69,9 +44,7 @@ class Worker:
         self.device = torch.device("cuda", 0) if self.cfg.runtime.device == "cuda" else torch.device("cpu")
         self.groups = self.model = self.optimizer = None
         self.completed, self.running = 0, False
-        self._snap_bufs: list[SnapshotBuffer] = []
-        self._snap_next = 0
-        self._copy_stream = None  # cuda: where snapshots are copied to the host
+        self.snap_bufs = SnapshotBuffers(self.device)
         # What building the first optimizer imports (~1 s), paid here: a spare, or a rank started ahead
         # of a resize, has it behind it when it is needed.
         importlib.import_module("torch._dynamo")
@@ -185,9 +158,7 @@ class Worker:
         """
         out: queue.Queue = queue.Queue(maxsize=2)
         done = object()
-        for buf in self._snap_bufs:
-            buf.free.set()  # a previous call that ended early may have left one marked in use
-            buf.packed.set()
+        self.snap_bufs.reset()
 
         def loop() -> None:
             failure, last = None, None  # last: the buffer of the newest snapshot, maybe still packing
@@ -201,7 +172,7 @@ class Worker:
                     out.put(rec)
                     if snapshot_every and self.groups.dp_rank == 0 and (step + 1) % snapshot_every == 0:
                         state = checkpoint.live_state(self.model, self.optimizer)
-                        last = self._snapshot_buffer(checkpoint.packed_nbytes(state))
+                        last = self.snap_bufs.take(checkpoint.state_bytes(state))
                         out.put((last, state))
                 if last is not None:
                     last.packed.wait()  # the state is the snapshot's until it is copied
@@ -224,7 +195,7 @@ class Worker:
             if isinstance(item, tuple):  # (buffer, live state) of a snapshot
                 buf, state = item
                 try:
-                    packed = self._pack(state, buf)
+                    packed = self.snap_bufs.pack(state, buf)
                 finally:
                     buf.packed.set()
                 del state
@@ -233,31 +204,6 @@ class Worker:
             else:
                 yield item
         trainer.join()
-
-    def _pack(self, state: dict, buf: "SnapshotBuffer") -> dict:
-        """A live_state packed into `buf` (on a side stream on cuda, finished when it returns)."""
-        if self.device.type != "cuda":
-            return checkpoint.pack_state(state, out=buf.data)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream()
-        with torch.cuda.stream(self._copy_stream):  # _step synchronized the device: the state is final
-            return checkpoint.pack_state(state, out=buf.data)
-
-    def _snapshot_buffer(self, nbytes: int) -> "SnapshotBuffer":
-        """One of two reused host buffers for snapshots (pinned on cuda), once the stream has written
-        out what was packed into it two snapshots ago (with a bounded queue it normally has)."""
-        if not self._snap_bufs or self._snap_bufs[0].data.numel() != nbytes:  # first use, or a new shape
-            for old in self._snap_bufs:
-                old.free.wait()
-            pin = self.device.type == "cuda"
-            self._snap_bufs = [SnapshotBuffer(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
-                               for _ in range(2)]
-        buf = self._snap_bufs[self._snap_next]
-        self._snap_next ^= 1
-        buf.free.wait()
-        buf.free.clear()
-        buf.packed.clear()
-        return buf
 
     def evaluate(self, step: int) -> float:
         cfg = self.cfg

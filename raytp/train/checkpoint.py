@@ -90,16 +90,16 @@ def live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return {"model": {n: p.detach() for n, p in params.items()}, "optim": optim}
 
 
-def packed_nbytes(state: dict) -> int:
-    """The size of pack_state's buffer for `state`."""
-    return sum(t.nbytes for t in state["model"].values()) + sum(
-        t.nbytes for st in state["optim"].values() for t in st.values())
+def state_bytes(state: dict) -> int:
+    """Bytes of a state's tensors (weights and optimizer state)."""
+    n = sum(t.numel() * t.element_size() for t in state["model"].values())
+    return n + sum(t.numel() * t.element_size() for st in state.get("optim", {}).values() for t in st.values())
 
 
 def pack_state(state: dict, out: torch.Tensor | None = None) -> dict:
     """A shard_state as one flat byte buffer plus its layout: Ray stores one numpy buffer in a
     single copy, where a dict of tensors costs a pickle per tensor (half the time, measured).
-    `out`: a CPU uint8 tensor of packed_nbytes(state) to pack into (reused, its pages are already
+    `out`: a CPU uint8 tensor of state_bytes(state) to pack into (reused, its pages are already
     mapped: a fresh buffer each time cost page faults worth as much as the copy itself)."""
     entries, tensors = [], []
     for section in ("model", "optim"):
@@ -198,7 +198,6 @@ def save(root: Path, step: int, shards: list[dict], cfg: GPTConfig, tp: int, dp:
         for i, sh in enumerate(shards):
             name = f"shard-tp{i}.pt"
             files[name] = _write(tmp / name, lambda f, sh=sh: torch.save(sh, f))
-            _crash_hook(step)
         manifest = {
             "format": FORMAT, "step": step, "time": time.time(), "model": asdict(cfg),
             "layout": {"tp": tp, "dp": dp}, "files": files,
@@ -224,12 +223,6 @@ def _full_shape(name: str, shard: torch.Tensor, tp: int, cfg: GPTConfig) -> list
     if s.dim is not None:
         shape[s.dim] = cfg.vocab_size if s.pad else shape[s.dim] * tp
     return shape
-
-
-def _crash_hook(step: int) -> None:
-    """Test hook: RAYTP_TEST_CRASH_IN_SAVE=<step> kills the process mid-save of that step, after one shard file."""
-    if os.environ.get("RAYTP_TEST_CRASH_IN_SAVE") == str(step):
-        os._exit(17)
 
 
 def list_checkpoints(root: Path) -> list[Path]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raytp.model import _mix
+from raytp.seeds import derive_seed
 
 BUILTIN_MAX_BYTES = 8 << 20  # enough text for small models; reads in well under a second
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
@@ -113,7 +113,7 @@ def batch(corpus: Corpus, split: str, seed: int, step: int, dp_rank: int, dp: in
     tokens = corpus.train if split == "train" else corpus.val
     if len(tokens) <= block_size + 1:
         raise ValueError(f"the {split} split has {len(tokens)} tokens, fewer than block_size+1={block_size + 1}")
-    g = torch.Generator().manual_seed(_mix(seed, SPLITS[split], step))
+    g = torch.Generator().manual_seed(derive_seed(seed, SPLITS[split], step))
     offsets = torch.randint(len(tokens) - block_size - 1, (batch_size,), generator=g)
     per = batch_size // dp
     rows = np.stack([np.asarray(tokens[o:o + block_size + 1], dtype=np.int64)

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from raytp.model import _mix, set_dropout_key
+from raytp.model import set_dropout_key
 from raytp.parallel import comm
 from raytp.parallel.groups import ProcessGroups
 from raytp.parallel.plan import sharding_of
+from raytp.seeds import derive_seed
 
 
 @dataclass
@@ -100,7 +101,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     n = len(micro_batches)
     loss_sum = torch.zeros((), device=next(model.parameters()).device)
     for i, (x, y) in enumerate(micro_batches):
-        set_dropout_key(model, _mix(h.seed, step, groups.dp_rank * n + i))
+        set_dropout_key(model, derive_seed(h.seed, step, groups.dp_rank * n + i))
         loss = model(x, y)
         (loss / n).backward()
         loss_sum += loss.detach()

@@ -1,0 +1,18 @@
+"""A job in the terms of the layers below the runtime: the model's shape, the optimiser's knobs."""
+from __future__ import annotations
+
+from raytp.config.schema import JobConfig
+from raytp.model import GPTConfig
+from raytp.train.step import Hyper
+
+
+def gpt_config(cfg: JobConfig) -> GPTConfig:
+    m = cfg.model
+    return GPTConfig(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=m.block_size,
+                     vocab_size=m.vocab_size, dropout=m.dropout)
+
+
+def hyper(cfg: JobConfig) -> Hyper:
+    t = cfg.train
+    return Hyper(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, steps=t.steps, lr_schedule=t.lr_schedule,
+                 weight_decay=t.weight_decay, beta1=t.beta1, beta2=t.beta2, grad_clip=t.grad_clip, seed=t.seed)

@@ -1,0 +1,94 @@
+"""Checks of a whole job: ranges, choices, and the rules between keys (tp divides the heads, ...)."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from raytp.config.schema import LEAVES, ConfigError, JobConfig, Range, at, show
+from raytp.names import RUN_NAME
+
+
+def validate(cfg: JobConfig, source: str = "<config>") -> None:
+    """Re-check a config built in code (e.g. after `dataclasses.replace`)."""
+    problems = check(cfg, lambda k: source, set())
+    if problems:
+        raise ConfigError(problems)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(i) for i in range(1, n + 1) if n % i == 0)
+
+
+# Cross-field rules: (keys it reads, the first one named in the message; ok(v);
+# message(v)), v mapping dotted keys to values. A rule is skipped when any key
+# it reads already has a problem of its own.
+_RULES: list[tuple[tuple[str, ...], Any, Any]] = [
+    (("train.min_lr", "train.lr"),
+     lambda v: v["train.min_lr"] <= v["train.lr"],
+     lambda v: f"{show(v['train.min_lr'])} exceeds train.lr={show(v['train.lr'])}; "
+               "valid: 0 <= min_lr <= lr"),
+    (("train.warmup_steps", "train.steps"),
+     lambda v: v["train.warmup_steps"] <= v["train.steps"],
+     lambda v: f"{v['train.warmup_steps']} exceeds train.steps={v['train.steps']}; "
+               f"valid: 0 to {v['train.steps']}"),
+    (("model.n_head", "model.n_embd"),
+     lambda v: v["model.n_embd"] % v["model.n_head"] == 0,
+     lambda v: f"{v['model.n_head']} does not divide model.n_embd={v['model.n_embd']}; "
+               f"valid n_head: {_divisors(v['model.n_embd'])}"),
+    # Attention heads and the MLP's 4*n_embd hidden units are split over TP.
+    (("parallel.tp", "model.n_head", "model.n_embd"),
+     lambda v: math.gcd(v["model.n_head"], 4 * v["model.n_embd"]) % v["parallel.tp"] == 0,
+     lambda v: f"{v['parallel.tp']} does not divide "
+               + (f"model.n_head={v['model.n_head']}"
+                  if v["model.n_head"] % v["parallel.tp"]
+                  else f"4*model.n_embd={4 * v['model.n_embd']}")
+               + f"; valid tp: {_divisors(math.gcd(v['model.n_head'], 4 * v['model.n_embd']))}"),
+    # Sequence parallelism splits each sequence into tp equal pieces.
+    (("parallel.sequence_parallel", "parallel.tp", "model.block_size"),
+     lambda v: not v["parallel.sequence_parallel"]
+     or v["model.block_size"] % v["parallel.tp"] == 0,
+     lambda v: f"needs model.block_size={v['model.block_size']} divisible by "
+               f"parallel.tp={v['parallel.tp']}; set it to false or change block_size"),
+    (("parallel.min_dp", "parallel.dp"),
+     lambda v: v["parallel.min_dp"] is None or v["parallel.min_dp"] <= v["parallel.dp"],
+     lambda v: f"{v['parallel.min_dp']} exceeds parallel.dp={v['parallel.dp']}; valid: 1 to {v['parallel.dp']}"),
+    (("train.batch_size", "parallel.dp"),
+     lambda v: v["train.batch_size"] % v["parallel.dp"] == 0,
+     lambda v: f"{v['train.batch_size']} is not divisible by "
+               f"parallel.dp={v['parallel.dp']}; valid: a multiple of {v['parallel.dp']}"),
+    (("train.micro_batch_size", "train.batch_size", "parallel.dp"),
+     lambda v: v["train.micro_batch_size"] is None
+     or (v["train.batch_size"] // v["parallel.dp"]) % v["train.micro_batch_size"] == 0,
+     lambda v: f"{v['train.micro_batch_size']} does not divide the per-rank batch "
+               f"train.batch_size/parallel.dp={v['train.batch_size'] // v['parallel.dp']}; "
+               f"valid: {_divisors(v['train.batch_size'] // v['parallel.dp'])}"),
+    (("name",),
+     lambda v: v["name"] is None or RUN_NAME.fullmatch(v["name"]),
+     lambda v: f"{v['name']!r} is not a valid run name; use letters, digits, "
+               "'_', '-', '.', starting with a letter or digit"),
+]
+
+
+def check(cfg: JobConfig, where, bad: set[str]) -> list[str]:
+    """Range, choice and cross-field checks; returns problem lines."""
+    problems: list[str] = []
+    v: dict[str, Any] = {}
+    for key, (_, f) in LEAVES.items():
+        sec, _, leaf = key.rpartition(".")
+        v[key] = getattr(getattr(cfg, sec) if sec else cfg, leaf)
+        valid = f.metadata.get("valid")
+        if key in bad or v[key] is None or valid is None:
+            continue
+        if isinstance(valid, Range) and v[key] not in valid:
+            msg = f"{show(v[key])} is out of range; must be {valid}"
+        elif isinstance(valid, tuple) and v[key] not in valid:
+            msg = f"{v[key]!r} is not valid; valid: {', '.join(valid)}"
+        else:
+            continue
+        problems.append(f"{at(where(key), key)}: {msg}")
+        bad.add(key)  # skip the cross-field rules that read it
+    for keys, ok, message in _RULES:
+        if not bad.intersection(keys) and not ok(v):
+            problems.append(f"{at(where(keys[0]), keys[0])}: {message(v)}")
+            bad.add(keys[0])  # and skip the rules that follow from it
+    return problems

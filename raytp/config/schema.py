@@ -1,0 +1,228 @@
+"""The job's schema: typed, frozen dataclasses, each field with its help text and valid values.
+
+Every field carries its help text and, optionally, a Range or a tuple of
+choices in ``field(metadata=...)``; parsing (raytp.config.parse) and checking
+(raytp.config.rules) are driven by those type hints and metadata, so adding a
+knob is adding one line here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(Exception):
+    """A job file or override is invalid; `.problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str] | str):
+        if isinstance(problems, str):  # so the error survives pickling
+            problems = problems.splitlines()
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+@dataclass(frozen=True)
+class Range:
+    """Valid numeric interval for a field, e.g. Range(0, 1, hi_open=True) is [0, 1)."""
+
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, v: float) -> bool:
+        lo_ok = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
+        hi_ok = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+        return lo_ok and hi_ok  # NaN fails both comparisons, as it should
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        return (f"in {'(' if self.lo_open else '['}{self.lo:g}, "
+                f"{self.hi:g}{')' if self.hi_open else ']'}")
+
+
+POSITIVE = Range(0, lo_open=True)
+NONNEG = Range(0)
+UNIT = Range(0, 1, hi_open=True)  # [0, 1)
+
+
+def _f(default: Any, help: str, valid: Any = None, factory: Any = None):
+    """A field with its help text and, optionally, a Range or a tuple of choices."""
+    meta = {"help": help, "valid": valid}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layer: int = _f(4, "number of transformer blocks", POSITIVE)
+    n_head: int = _f(4, "attention heads per block", POSITIVE)
+    n_embd: int = _f(128, "embedding width", POSITIVE)
+    block_size: int = _f(128, "context length in tokens", POSITIVE)
+    vocab_size: int = _f(256, "vocabulary size (padded for TP elsewhere)", POSITIVE)
+    dropout: float = _f(0.0, "dropout probability", UNIT)
+    init_from: Optional[str] = _f(
+        None, "GPT-2 directory in Hugging Face format to start from; "
+              "its config overrides the shape keys")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = _f(1, "tensor-parallel degree (ranks that split each layer)", POSITIVE)
+    dp: int = _f(1, "data-parallel degree (model replicas)", POSITIVE)
+    sequence_parallel: bool = _f(
+        False, "shard LayerNorm/dropout activations along the sequence over TP ranks")
+    min_dp: Optional[int] = _f(
+        None, "elastic floor: when lost workers cannot be replaced, shrink to as few as this many "
+              "replicas instead of failing, and grow back to dp when capacity returns; null = never shrink",
+        POSITIVE)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = _f(200, "optimizer steps to run", POSITIVE)
+    batch_size: int = _f(16, "global sequences per optimizer step", POSITIVE)
+    micro_batch_size: Optional[int] = _f(
+        None, "sequences per forward/backward on one DP rank; "
+              "null = batch_size // dp (no accumulation)", POSITIVE)
+    lr: float = _f(1e-3, "peak learning rate", POSITIVE)
+    min_lr: float = _f(1e-4, "final learning rate of the cosine schedule", NONNEG)
+    warmup_steps: int = _f(20, "linear warmup steps", NONNEG)
+    lr_schedule: str = _f("cosine", "learning-rate schedule after warmup",
+                          ("cosine", "constant"))
+    weight_decay: float = _f(0.1, "AdamW weight decay (matrices only)", NONNEG)
+    beta1: float = _f(0.9, "AdamW beta1", UNIT)
+    beta2: float = _f(0.95, "AdamW beta2", UNIT)
+    grad_clip: float = _f(1.0, "global gradient-norm clip; 0 = off", NONNEG)
+    seed: int = _f(1337, "random seed for weights and data order", NONNEG)
+    eval_interval: int = _f(50, "steps between validation runs; 0 = never", NONNEG)
+    eval_steps: int = _f(4, "batches per validation run", POSITIVE)
+    steps_per_call: int = _f(10, "optimizer steps each worker runs per driver call",
+                             POSITIVE)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = _f(
+        "builtin", "'builtin' (Python stdlib source text, byte level), a directory "
+                   "of text files, or a nanoGPT .bin of uint16 token ids")
+    val_fraction: float = _f(0.1, "fraction of the data held out for validation",
+                             Range(0, 1, lo_open=True, hi_open=True))
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = _f(0, "steps between checkpoints; 0 = never", NONNEG)
+    keep: int = _f(3, "checkpoints to keep (oldest deleted first)", Range(1))
+    dir: Optional[str] = _f(None, "checkpoint directory; null = <run dir>/checkpoints")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: str = _f("cpu", "'cpu' (gloo) or 'cuda' (nccl)", ("cpu", "cuda"))
+    cpus_per_worker: float = _f(1.0, "Ray CPUs reserved per worker", POSITIVE)
+    gpus_per_worker: Optional[float] = _f(
+        None, "Ray GPUs reserved per worker; null = 1 for cuda, 0 for cpu "
+              "(1 with cpu places workers on GPU nodes while computing on CPU)", NONNEG)
+    threads_per_worker: int = _f(1, "torch threads per worker; 0 = torch default",
+                                 NONNEG)
+    placement_timeout_s: float = _f(60.0, "seconds to wait for workers to be placed",
+                                    POSITIVE)
+    step_timeout_s: float = _f(300.0, "seconds one optimizer step may take before its workers are "
+                                      "checked for a hang", POSITIVE)
+    collective_timeout_s: float = _f(120.0, "seconds before a collective gives up",
+                                     POSITIVE)
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    max_failures: int = _f(3, "worker losses to recover from before the job fails; 0 = fail at the first",
+                           NONNEG)
+    snapshot_every: int = _f(1, "steps between in-memory snapshots of every shard; 0 = off", NONNEG)
+    spares: int = _f(0, "warm spare workers started ahead (torch imported, each holding a worker's "
+                        "resources) that take a lost rank's place at once; 0 = none", NONNEG)
+    replace_timeout_s: float = _f(120.0, "seconds to wait for a replacement worker to be placed", POSITIVE)
+    ping_timeout_s: float = _f(5.0, "seconds a worker may take to answer a liveness check", POSITIVE)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    name: Optional[str] = _f(None, "run name; null = derived from the run directory")
+    model: ModelConfig = _f(None, "model shape", factory=ModelConfig)
+    parallel: ParallelConfig = _f(None, "parallel layout", factory=ParallelConfig)
+    train: TrainConfig = _f(None, "optimization", factory=TrainConfig)
+    data: DataConfig = _f(None, "training data", factory=DataConfig)
+    checkpoint: CheckpointConfig = _f(None, "checkpointing", factory=CheckpointConfig)
+    runtime: RuntimeConfig = _f(None, "Ray and torch runtime", factory=RuntimeConfig)
+    recovery: RecoveryConfig = _f(None, "fault recovery", factory=RecoveryConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.tp * self.parallel.dp
+
+    @property
+    def local_batch_size(self) -> int:
+        """Sequences per optimizer step on one DP rank."""
+        return self.train.batch_size // self.parallel.dp
+
+    @property
+    def micro_batch(self) -> int:
+        return self.train.micro_batch_size or self.local_batch_size
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.local_batch_size // self.micro_batch
+
+    def to_dict(self) -> dict:
+        """Plain nested dict; `from_dict(cfg.to_dict()) == cfg`."""
+        return dataclasses.asdict(self)
+
+
+# Field tables, read once from the dataclasses; they drive parsing, checking and describe().
+
+def fields_of(cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], f) for f in dataclasses.fields(cls)}
+
+
+SECTIONS = {k: tp for k, (tp, _) in fields_of(JobConfig).items()
+             if dataclasses.is_dataclass(tp)}
+LEAVES: dict[str, tuple[Any, dataclasses.Field]] = {}  # dotted key -> (hint, field)
+for _k, (_tp, _fd) in fields_of(JobConfig).items():
+    if _k in SECTIONS:
+        LEAVES.update({f"{_k}.{n}": hf for n, hf in fields_of(_tp).items()})
+    else:
+        LEAVES[_k] = (_tp, _fd)
+del _k, _tp, _fd
+
+
+# How keys and values are written in messages.
+
+def unwrap(tp: Any) -> tuple[type, bool]:
+    """Optional[X] -> (X, True); X -> (X, False)."""
+    if typing.get_origin(tp) is typing.Union:
+        return [a for a in typing.get_args(tp) if a is not type(None)][0], True
+    return tp, False
+
+
+def type_name(tp: Any) -> str:
+    base, optional = unwrap(tp)
+    return base.__name__ + (" or null" if optional else "")
+
+
+def show(v: Any) -> str:
+    """A value as the user would write it in YAML."""
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def literal(v: Any) -> str:
+    return repr(v) if isinstance(v, str) else show(v)
+
+
+def at(where: str, key: str) -> str:
+    """'jobs/x.yaml: train.lr' or '--set train.lr'."""
+    return f"--set {key}" if where == "--set" else f"{where}: {key}"

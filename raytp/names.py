@@ -1,0 +1,66 @@
+"""The names raytp gives things in Ray and on disk, in one place.
+
+Scripts, dashboards and the CLI find a run's parts by these names (the README's
+"Ray names"): every actor of run R lives in the Ray namespace ``raytp`` and is
+called ``raytp.<R>.<role>``.
+"""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+NAMESPACE = "raytp"
+PREFIX = "raytp."
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def worker(run: str, rank: int) -> str:
+    return f"{PREFIX}{run}.rank{rank}"
+
+
+def spare(run: str, k: int) -> str:
+    return f"{PREFIX}{run}.spare{k}"
+
+
+def keeper(run: str, k: int) -> str:
+    """The actor holding the off-node copy of the newest snapshot."""
+    return f"{PREFIX}{run}.snapshots{k}"
+
+
+def control(run: str) -> str:
+    return f"{PREFIX}{run}.control"
+
+
+def run_of_control(name: str) -> str | None:
+    """The run whose control actor is called `name`, or None."""
+    if name.startswith(PREFIX) and name.endswith(".control"):
+        return name[len(PREFIX):-len(".control")]
+    return None
+
+
+def replica_group(run: str, dp_rank: int, generation: int) -> str:
+    """The placement group of one DP replica (generations keep names unique while a resize holds two)."""
+    return f"{PREFIX}{run}.replica{dp_rank}.{generation}"
+
+
+def extension_group(run: str, dp_rank: int, generation: int) -> str:
+    """More bundles for a replica whose TP degree grows (Ray cannot grow a placement group)."""
+    return f"{PREFIX}{run}.replica{dp_rank}.ext{generation}"
+
+
+def spares_group(run: str) -> str:
+    return f"{PREFIX}{run}.spares"
+
+
+def default_run_name(job_file: str | Path) -> str:
+    """<job file stem>-<local time>, e.g. default-20261201-081500."""
+    return f"{Path(job_file).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def check_run_name(run: str) -> str | None:
+    """What is wrong with `run` as an actor name, Ray job id and directory name; None if nothing."""
+    if RUN_NAME.fullmatch(run):
+        return None
+    return (f"run name {run!r} is not valid: use letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit")

@@ -1,0 +1,33 @@
+"""The errors of the runtime, in a module of their own (every runtime module may import it).
+
+``FAILURES`` are the exceptions that mean "a worker may be lost": the driver
+answers them with a recovery (raytp.runtime.recovery), a resize with a
+rollback. Anything else is a bug or a user error and ends the run.
+"""
+from __future__ import annotations
+
+from ray.exceptions import GetTimeoutError, ObjectLostError, OwnerDiedError, RayActorError, RayTaskError
+
+
+class StepDeadline(RuntimeError):
+    """No worker finished a step within runtime.step_timeout_s: someone may hang."""
+
+
+class WorkerAborted(RuntimeError):
+    """A rank left a step because a collective failed (raised inside the worker)."""
+
+
+class RecoveryFailed(RuntimeError):
+    """Workers were lost and could not be replaced or restored."""
+
+
+class JobError(RuntimeError):
+    """A step failed while every worker is alive: an error of the job itself (its code, its data),
+    which a recovery would only repeat."""
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot host the layout within the timeout."""
+
+
+FAILURES = (RayActorError, RayTaskError, GetTimeoutError, StepDeadline, ObjectLostError, OwnerDiedError)

@@ -1,0 +1,297 @@
+"""WorkerGroup: the workers of one layout, as one value (Ray Train v2's WorkerGroup is the model).
+
+A group holds the job as it is at this layout (its config), each replica's
+placement, the worker actors in rank order, the bundle each actor sits in, and
+where each rank runs once the group has met in torch.distributed. It is
+frozen: replacing lost ranks, renumbering after a shrink, or moving to another
+layout makes a *new* group (``with_workers``, ``started``, ``successor``),
+and the driver switches to it in one place (``Driver.adopt``), so layout,
+config, placement and workers never disagree.
+
+Joining: every rank of a group meets the others at rank 0's address in one of
+three ways, named by ``join``'s arguments: ``setup`` (a new process builds its
+shard: from the seeded initialisation, or from its slices of a given state),
+``reshape`` (a kept process rebuilds its shard at a new TP degree from its
+slices of a given state), and rejoin (everyone else: a kept shard, new process
+groups, the job and rank as they now are).
+
+All calls to the workers go through here, so the driver, recovery and resize
+never touch an actor directly (and the tests can swap this class for a fake).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import ray
+from ray.exceptions import RayActorError
+
+from raytp.config.adapters import gpt_config
+from raytp.parallel.layout import Layout
+from raytp.runtime import placement as placements
+from raytp.runtime.errors import StepDeadline
+from raytp.runtime.launch import Launcher, actor_id
+from raytp.train import checkpoint
+
+
+@dataclass(frozen=True)
+class StepRecords:
+    """What one step of a streamed call brought: each rank's record, and replica 0's snapshot parts."""
+    step: int
+    records: list[dict]
+    snapshot: dict[int, object]  # tp_rank -> ObjectRef of its packed state after this step
+
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    cfg: object                      # the JobConfig at this layout
+    pgs: Mapping[int, object]        # dp_rank -> the replica's placement (a group, or a placement.Slots)
+    workers: tuple                   # actor handles, rank order
+    bundles: Mapping[str, tuple]     # actor id -> (placement group id, bundle index) it sits in
+    launcher: Launcher = field(compare=False, repr=False)
+    placement: tuple = ()            # where each rank runs ({"rank", "node_id", "pid", ...}), after a join
+    placer = placements              # the placement functions (a fake group brings its own)
+
+    # -- building groups ------------------------------------------------------------------------
+    @classmethod
+    def create(cls, launcher: Launcher, cfg, pgs: Mapping[int, object]) -> "WorkerGroup":
+        """A worker for every rank of `cfg`'s layout, placed in `pgs` (not joined yet)."""
+        workers, bundles = [], {}
+        for rank in range(cfg.world_size):
+            actor, key = launcher.start(cfg, pgs, rank)
+            workers.append(actor)
+            bundles[actor_id(actor)] = key
+        return cls(cfg, dict(pgs), tuple(workers), bundles, launcher)
+
+    @classmethod
+    def reserve(cls, cfg, run: str, dp_ranks: list[int], avoid_nodes=frozenset()) -> dict:
+        """Placement for replicas `dp_ranks` of `cfg`, waited for (PlacementError if it cannot be had)."""
+        return cls.placer.reserve_replicas(cfg, run, cfg.parallel.tp, dp_ranks, cfg.runtime.placement_timeout_s,
+                                           avoid_nodes=avoid_nodes)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.cfg.parallel.tp, self.cfg.parallel.dp)
+
+    def start_worker(self, rank: int, cfg=None, pgs=None) -> tuple[object, tuple]:
+        """A new actor for `rank` (of this group's layout, or of `cfg`/`pgs` not yet switched to)."""
+        return self.launcher.start(cfg or self.cfg, pgs if pgs is not None else self.pgs, rank)
+
+    def with_workers(self, actors: Mapping[int, object], bundles: Mapping[int, tuple] | None = None) -> "WorkerGroup":
+        """This group with ranks' actors replaced: {rank: actor}; `bundles`: {rank: bundle} of the new
+        ones (default: the bundle of the rank's old actor). Where ranks ran stays recorded until the
+        next join."""
+        workers = list(self.workers)
+        keys = dict(self.bundles)
+        for rank, actor in actors.items():
+            old = keys.get(actor_id(workers[rank]))
+            workers[rank] = actor
+            keys[actor_id(actor)] = (bundles or {}).get(rank, old)
+        return self._with(workers=tuple(workers), bundles=self._keep(keys, workers))
+
+    def started(self, ranks: Iterable[int]) -> "WorkerGroup":
+        """This group with new actors started for `ranks`, each in the rank's own bundle."""
+        actors, keys = {}, {}
+        for r in ranks:
+            actors[r], keys[r] = self.start_worker(r)
+        return self.with_workers(actors, keys)
+
+    def successor(self, cfg, pgs: Mapping[int, object], workers: list,
+                  bundles: Mapping[str, tuple] | None = None) -> "WorkerGroup":
+        """A group of another layout (or renumbered) made of `workers`, some of them this group's
+        (`bundles`: actor id -> bundle of the others)."""
+        keys = {**self.bundles, **(bundles or {})}
+        return dataclasses.replace(self, cfg=cfg, pgs=dict(pgs), workers=tuple(workers),
+                                   bundles=self._keep(keys, workers), placement=())
+
+    def _with(self, **changes) -> "WorkerGroup":
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def _keep(keys: Mapping[str, tuple], workers) -> dict:
+        return {actor_id(w): keys[actor_id(w)] for w in workers if actor_id(w) in keys}
+
+    # -- joining ---------------------------------------------------------------------------------
+    def join(self, setup: Iterable[int] = (), reshape: Iterable[int] = (), state=None) -> "WorkerGroup":
+        """Meet in torch.distributed at rank 0's node and build the TP and DP groups; returns this group
+        with where each rank runs. Ranks in `setup` build their shard (from their slices of `state`, a
+        one-device state or its ref, if given; else seeded), ranks in `reshape` rebuild theirs from
+        their slices of `state`, and every other rank rejoins with the shard it holds."""
+        setup, reshape = set(setup), set(reshape)
+        lay, cfg = self.layout, self.cfg
+        timeout = cfg.runtime.placement_timeout_s + cfg.runtime.collective_timeout_s
+        if state is not None and not isinstance(state, ray.ObjectRef):
+            state = ray.put(state)  # one copy in the object store, sliced by every worker
+        init_method = ray.get(self.workers[0].rendezvous_address.remote(), timeout=timeout)
+        job = cfg.to_dict()
+        calls = []
+        for r, w in enumerate(self.workers):
+            if r in setup:
+                calls.append(w.setup.remote(lay.tp, lay.dp, init_method, state))
+            elif r in reshape:
+                calls.append(w.reshape.remote(lay.tp, lay.dp, init_method, job, r, state))
+            else:
+                calls.append(w.rejoin.remote(lay.tp, lay.dp, init_method, job, r))
+        ray.get(calls, timeout=timeout)
+        where = ray.get([w.where.remote() for w in self.workers], timeout=timeout)
+        return self._with(placement=tuple(where))
+
+    def leave(self) -> None:
+        """Every worker leaves its process groups (keeping its shard), e.g. before a DP change."""
+        ray.get([w.leave_groups.remote() for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)
+
+    def nodes(self) -> list[str | None]:
+        """Each rank's node, as last placed."""
+        return [p.get("node_id") for p in self.placement]
+
+    # -- training --------------------------------------------------------------------------------
+    def run_steps(self, start: int, count: int, snapshot_every: int) -> "StepStream":
+        return StepStream(self, start, count, snapshot_every)
+
+    def evaluate(self, step: int) -> float:
+        return ray.get([w.evaluate.remote(step) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)[0]
+
+    def logits(self, idx):
+        """Full-vocabulary logits of a batch from replica 0."""
+        return ray.get([w.logits.remote(idx) for w in self.workers[:self.layout.tp]],
+                       timeout=self.cfg.runtime.step_timeout_s)[0]
+
+    # -- health ----------------------------------------------------------------------------------
+    def find_lost(self) -> dict[int, str]:
+        """{rank: "died" | "hung"} of the workers that no longer serve; hung ones are killed."""
+        pings = [w.ping.remote() for w in self.workers]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=self.cfg.recovery.ping_timeout_s)
+        lost = {}
+        for rank, ref in enumerate(pings):
+            if ref not in ready:
+                lost[rank] = "hung"
+                ray.kill(self.workers[rank], no_restart=True)
+                continue
+            try:
+                ray.get(ref)
+            except RayActorError:
+                lost[rank] = "died"
+        return lost
+
+    def wait_out(self, survivors: list[int]) -> tuple[dict[int, int], list[int]]:
+        """Wait until no survivor is inside a step, then have them leave their process groups:
+        ({rank: completed steps}, [ranks that did not get out within runtime.collective_timeout_s,
+        killed: they count as lost])."""
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.runtime.collective_timeout_s
+        completed: dict[int, int] = {}
+        pending, stuck = list(survivors), []
+        while pending:
+            statuses = ray.get([self.workers[r].status.remote() for r in pending],
+                               timeout=cfg.recovery.ping_timeout_s)
+            for r, st in zip(list(pending), statuses):
+                if not st["running"]:
+                    completed[r] = st["completed"]
+                    pending.remove(r)
+            if pending and time.monotonic() > deadline:
+                self.kill(pending)
+                stuck = list(pending)
+                break
+            if pending:
+                time.sleep(0.02)
+        for r in completed:
+            self.workers[r].leave_groups.remote()
+        return completed, stuck
+
+    @staticmethod
+    def pinged(actors: Iterable) -> list:
+        """Refs that resolve once each actor is up (placed, __init__ done)."""
+        return [a.ping.remote() for a in actors]
+
+    @staticmethod
+    def answered(refs: list, timeout_s: float = 0.0) -> bool:
+        """Whether every ref of `pinged` has resolved (waiting up to `timeout_s`)."""
+        return len(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) == len(refs)
+
+    def ready(self, ranks: Iterable[int], timeout_s: float) -> bool:
+        """Whether the actors of `ranks` are up (placed, __init__ done) within `timeout_s`."""
+        try:
+            ray.get([self.workers[r].ping.remote() for r in ranks], timeout=timeout_s)
+            return True
+        except ray.exceptions.GetTimeoutError:
+            return False
+
+    # -- state in and out ------------------------------------------------------------------------
+    def shard_states(self) -> list[dict]:
+        """The TP shards of replica 0 (DP replicas hold the same), rank order, in this process."""
+        return ray.get([w.get_state.remote() for w in self.workers[:self.layout.tp]],
+                       timeout=self.cfg.runtime.step_timeout_s)
+
+    def full_state_ref(self):
+        """Replica 0's shards joined into the one-device state, put in the object store: (ref, bytes)."""
+        full = checkpoint.unshard_state(self.shard_states(), gpt_config(self.cfg))
+        return ray.put(full), checkpoint.state_bytes(full)
+
+    def set_state(self, full) -> None:
+        """Every worker takes its slices of a full one-device state (or its ref)."""
+        ref = full if isinstance(full, ray.ObjectRef) else ray.put(full)
+        ray.get([w.set_state.remote(ref) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)
+
+    def copy_shards(self, donors: Mapping[int, int], step: int) -> int:
+        """Ranks take their shards from donors holding the same ones ({rank: donor rank}), worker to
+        worker through the object store; returns the bytes moved."""
+        ws = self.workers
+        ray.get([ws[r].set_shard.remote(ws[d].get_state.remote(), step) for r, d in donors.items()],
+                timeout=self.cfg.runtime.step_timeout_s)
+        return sum(ray.get([ws[d].state_nbytes.remote() for d in donors.values()]))
+
+    def load_parts(self, ranks: Iterable[int], parts: Mapping[int, object], step: int) -> None:
+        """Ranks take their TP rank's part of a snapshot ({tp_rank: ref}) as the state after `step`."""
+        lay = self.layout
+        ray.get([self.workers[r].set_shard.remote(parts[lay.coords(r)[1]], step) for r in ranks],
+                timeout=self.cfg.runtime.step_timeout_s)
+
+    # -- ending ----------------------------------------------------------------------------------
+    def kill(self, ranks: Iterable[int]) -> None:
+        self.kill_actors(self.workers[r] for r in ranks)
+
+    @staticmethod
+    def kill_actors(actors) -> None:
+        """Kill actors for good (workers of this group or not yet in it); those already gone are skipped."""
+        placements.kill(actors)
+
+    def release(self) -> None:
+        """Kill every worker and remove every placement group of this group (idempotent)."""
+        self.kill_actors(self.workers)
+        self.placer.release(self.pgs.values())
+
+
+class StepStream:
+    """One streamed call of `count` steps on every worker: iterate for each step's StepRecords.
+    Raises StepDeadline if a step makes no progress within runtime.step_timeout_s, and Ray's
+    errors if a worker dies or aborts. ``partial``: rank 0's record of the step in progress."""
+
+    def __init__(self, group: WorkerGroup, start: int, count: int, snapshot_every: int):
+        self.group, self.start, self.count, self.snap = group, start, count, snapshot_every
+        self.partial: dict | None = None
+        self.streams = [w.run_steps.options(num_returns="streaming").remote(start, count, snapshot_every)
+                        for w in group.workers]
+
+    def __iter__(self):
+        lay, timeout = self.group.layout, self.group.cfg.runtime.step_timeout_s
+        for step in range(self.start, self.start + self.count):
+            recs, parts = [], {}
+            for rank, stream in enumerate(self.streams):
+                recs.append(ray.get(_next(stream, timeout)))
+                self.partial = recs[0]
+                dp_rank, tp_rank = lay.coords(rank)
+                if self.snap and dp_rank == 0 and (step + 1) % self.snap == 0:
+                    parts[tp_rank] = _next(stream, timeout)
+            yield StepRecords(step, recs, parts)
+
+
+def _next(stream, timeout: float):
+    """The next object of a streaming call, or StepDeadline if none comes within `timeout`. The object
+    stays where it was made: fetch_local=False, or every snapshot would be pulled to the driver's
+    node before the next step is taken (a full model's state per step, over the network)."""
+    ready, _ = ray.wait([stream], timeout=timeout, fetch_local=False)
+    if not ready:
+        raise StepDeadline(f"no progress within runtime.step_timeout_s={timeout:g}s")
+    return next(stream)

@@ -1,0 +1,61 @@
+"""Starting worker actors: in a rank's bundle, named after the rank, threaded.
+
+Workers are threaded actors (``max_concurrency``), so they answer pings and
+status calls while a step runs, which is how the driver tells a hung worker
+from a slow one. A replacement for a dead actor may have to wait a moment
+until Ray frees the dead one's name.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import ray
+from ray.exceptions import ActorAlreadyExistsError
+
+from raytp import names
+from raytp.parallel.layout import Layout
+from raytp.runtime import placement
+
+CONCURRENCY = 4  # a step, its stream, and the pings and status calls that watch it
+
+
+def bundle_key(pg, index: int) -> tuple[str, int]:
+    """How a bundle is named in the records: (placement group id, bundle index)."""
+    return pg.id.hex(), index
+
+
+def actor_id(actor) -> str:
+    return actor._actor_id.hex()
+
+
+class Launcher:
+    """Starts the actors of one run. `evict(pg, index)` is called before a worker takes a bundle
+    (a warm spare sitting there makes room)."""
+
+    def __init__(self, run: str, worker_cls, evict: Callable | None = None):
+        self.run, self.worker_cls = run, worker_cls
+        self.evict = evict or (lambda pg, index: None)
+        self._remote = ray.remote(worker_cls)
+
+    def start(self, cfg, pgs: dict, rank: int, timeout_s: float = 30.0) -> tuple[object, tuple[str, int]]:
+        """The actor of `rank` of layout `cfg` placed in `pgs` (dp_rank -> replica placement), and the
+        bundle it sits in."""
+        dp_rank, tp_rank = Layout(cfg.parallel.tp, cfg.parallel.dp).coords(rank)
+        pg, index = placement.bundle_of(pgs[dp_rank], tp_rank)
+        self.evict(pg, index)
+        opts = placement.bundle_options(cfg, pg, index, names.worker(self.run, rank))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                actor = self._remote.options(**opts, max_concurrency=CONCURRENCY).remote(cfg.to_dict(), rank)
+                return actor, bundle_key(pg, index)
+            except ActorAlreadyExistsError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def start_spare(self, cfg, pg, index: int, name: str):
+        """A warm spare (rank -1 until it takes one) in bundle `index` of `pg`."""
+        opts = placement.bundle_options(cfg, pg, index, name)
+        return self._remote.options(**opts, max_concurrency=CONCURRENCY).remote(cfg.to_dict(), -1)

@@ -1,0 +1,205 @@
+"""Decisions, as pure functions: what the runtime does, separate from doing it.
+
+Each function takes plain values (layouts, rank numbers, steps, node ids) and
+returns a small decision; recovery, resize, spares and the snapshot keeper
+only carry them out (Ray Train v2's ``FailurePolicy.make_decision`` is the
+model). Nothing here imports Ray or touches a process, so every choice is
+unit-tested in microseconds (tests/test_policy.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Hashable, Mapping, Sequence
+
+from raytp import config as config_mod
+from raytp.parallel.layout import Layout
+
+# -- failures ----------------------------------------------------------------------------------
+
+RECOVER, GIVE_UP, JOB_ERROR = "recover", "give up", "job error"
+
+
+def on_failure(lost: Mapping[int, str], failures_before: int, max_failures: int) -> str:
+    """A step failed and `lost` are the ranks that no longer serve: recover them, give up (too many
+    losses), or fail the job at once (none lost: an error of the job itself, which would only repeat)."""
+    if not lost:
+        return JOB_ERROR
+    if failures_before + len(lost) > max_failures:
+        return GIVE_UP
+    return RECOVER
+
+
+@dataclass(frozen=True)
+class Restore:
+    """One way to give lost ranks their shards back."""
+    source: str                          # "replica", "snapshot", "snapshot copy", "checkpoint"
+    step: int | None                     # the step it restores; None for a checkpoint (known once read)
+    targets: tuple[int, ...]             # ranks that load (survivors too, when they must roll back)
+    donors: Mapping[int, int] = dataclasses.field(default_factory=dict)  # replica: lost rank -> survivor
+
+
+def restore_plan(layout: Layout, lost: Sequence[int], completed: Mapping[int, int],
+                 copies: Sequence[tuple[str, int]]) -> list[Restore]:
+    """The sources to try, fastest first: a DP replica among the survivors (no step lost), then the
+    in-memory copies (`copies`: (source, step) of each, e.g. the snapshot and its off-node copy), then
+    the newest checkpoint.
+
+    `completed`: survivors -> completed steps. A replica serves only if every lost shard has a
+    survivor with the same TP rank and all survivors are at one step. A copy at the survivors' step
+    is loaded by the new ranks only; otherwise everyone rolls back to it. After an attempt that
+    failed midway, plan again with ``completed={}``: some ranks may have loaded, so everyone loads."""
+    everyone = tuple(range(layout.world_size))
+    steps = set(completed.values())
+    plan = []
+    donors = {}
+    for r in lost:
+        tp_rank = layout.coords(r)[1]
+        donors[r] = next((s for s in sorted(completed) if layout.coords(s)[1] == tp_rank), None)
+    if len(steps) == 1 and all(v is not None for v in donors.values()):
+        plan.append(Restore("replica", next(iter(steps)), tuple(sorted(lost)), donors))
+    for source, step in copies:
+        plan.append(Restore(source, step, tuple(sorted(lost)) if steps == {step} else everyone))
+    plan.append(Restore("checkpoint", None, everyone))
+    return plan
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """Go on with fewer replicas: those in `keep` (old DP ranks, renumbered 0.. in this order)."""
+    new_dp: int
+    keep: tuple[int, ...]
+    step: int                            # where the kept replicas are
+
+
+def shrink_decision(layout: Layout, lost: Sequence[int], completed: Mapping[int, int], min_dp: int | None,
+                    batch_size: int) -> Shrink | None:
+    """Elastic shrink when lost ranks cannot be replaced: keep the whole replicas (as many as divide
+    the global batch, at least `min_dp`); None if the job is not elastic (min_dp None), too few
+    replicas are whole, or they disagree on the step."""
+    if min_dp is None:
+        return None
+    broken = {layout.coords(r)[0] for r in lost}
+    whole = [q for q in range(layout.dp) if q not in broken]
+    if any(r not in completed for q in whole for r in layout.tp_group(q)):
+        return None
+    steps = {completed[r] for q in whole for r in layout.tp_group(q)}
+    sizes = [k for k in range(len(whole), 0, -1) if k >= min_dp and batch_size % k == 0]
+    if not sizes or len(steps) != 1:
+        return None
+    return Shrink(sizes[0], tuple(whole[:sizes[0]]), steps.pop())
+
+
+def choose_spares(layout: Layout, lost: Sequence[int], nodes: Sequence[str | None],
+                  ready: Sequence[tuple[Hashable, str]]) -> dict[int, Hashable]:
+    """Which ready spare takes which lost rank: {rank: spare key}.
+
+    `nodes`: the node of every rank as last placed; `ready`: (key, node) of the spares ready now.
+    A lost rank takes a spare on the node of its surviving TP peers (a TP group stays inside one
+    node); a TP group lost whole takes spares that share one node. Ranks left out start anew."""
+    lost_set, pool, chosen = set(lost), list(ready), {}
+    for q in sorted({layout.coords(r)[0] for r in lost}):
+        group = layout.tp_group(q)
+        missing = [r for r in group if r in lost_set]
+        peers = [nodes[r] for r in group if r not in lost_set and r < len(nodes)]
+        candidates = [peers[0]] if peers else list(dict.fromkeys(node for _, node in pool))
+        for node in candidates:
+            here = [s for s in pool if s[1] == node]
+            if len(here) >= len(missing) or peers:  # a whole lost group must land on one node
+                for r, s in zip(missing, here):
+                    chosen[r] = s[0]
+                    pool.remove(s)
+                break
+    return chosen
+
+
+# -- resizing ----------------------------------------------------------------------------------
+
+def resized_config(cfg: config_mod.JobConfig, tp: int, dp: int) -> config_mod.JobConfig:
+    """The job at layout tp x dp: the same global batch, the same micro-batch where it divides the
+    new per-replica share (so the micro-batches, hence the numbers, stay those of the old layout).
+    Raises ConfigError for a layout the job cannot take."""
+    local = cfg.train.batch_size // dp if cfg.train.batch_size % dp == 0 else cfg.train.batch_size
+    micro = math.gcd(cfg.micro_batch, local)
+    new = dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, dp=dp),
+        train=dataclasses.replace(cfg.train, micro_batch_size=micro))
+    config_mod.validate(new, "scale request")
+    return new
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Which workers of a resize keep their processes, and which start (and when)."""
+    kept: tuple[int, ...]                # same rank, name and bundle at both layouts
+    early: tuple[int, ...]               # new ranks whose names are free: started while the old layout trains
+    late: tuple[int, ...]                # new ranks whose names are taken: started once the old holder is gone
+    removed: tuple[int, ...]             # old ranks that stop
+
+
+def dp_resize_ranks(tp: int, old_dp: int, new_dp: int) -> RankPlan:
+    """A DP change keeps the staying replicas' workers; added replicas' ranks are new numbers."""
+    keep = min(old_dp, new_dp) * tp
+    return RankPlan(tuple(range(keep)), tuple(range(old_dp * tp, new_dp * tp)), (),
+                    tuple(range(new_dp * tp, old_dp * tp)))
+
+
+def tp_resize_ranks(old: Layout, new: Layout) -> RankPlan:
+    """A TP change keeps replica 0's first min(old, new) TP ranks (the only ranks whose number,
+    replica and bundle are the same at both layouts); every other rank starts anew, those whose
+    names are free first."""
+    keep = min(old.tp, new.tp)
+    return RankPlan(tuple(range(keep)), tuple(range(old.world_size, new.world_size)),
+                    tuple(range(keep, min(old.world_size, new.world_size))),
+                    tuple(range(keep, old.world_size)))
+
+
+GROW_REQUEST, GROW_WAIT, GROW_NOW = "request", "wait", "grow"
+
+
+def grow_back(dp: int, target_dp: int, requested: bool, placed: bool) -> str | None:
+    """After an elastic shrink: ask for the missing replicas' placement at once (the autoscaler sees
+    the demand), wait while it is pending, grow at the first step boundary once it is placed."""
+    if dp >= target_dp:
+        return None
+    if not requested:
+        return GROW_REQUEST
+    return GROW_NOW if placed else GROW_WAIT
+
+
+# -- the training loop -------------------------------------------------------------------------
+
+def call_length(step: int, end: int, steps_per_call: int, warm: bool, eval_every: int, save_every: int) -> int:
+    """Steps in the next streamed call: steps_per_call once warm (else 1: the first completed step
+    shows at once, and a resize waiting for its new ranks takes over as soon as they are up), cut at
+    the end and at the next evaluation or checkpoint boundary."""
+    n = min(steps_per_call if warm else 1, end - step)
+    for interval in (eval_every, save_every):
+        if interval:
+            n = min(n, interval - step % interval)
+    return n
+
+
+def checkpoint_due(step: int, steps: int, every: int, saved_step: int | None) -> bool:
+    """A checkpoint is due at `step` (every `every` steps and at the last one) unless already saved."""
+    return bool(every) and step > 0 and saved_step != step and (step % every == 0 or step == steps)
+
+
+def keeper_node(layout: Layout, nodes: Sequence[str | None], alive: Sequence[str], here: str,
+                current: str | None) -> tuple[str | None, str | None]:
+    """Where the off-node copy of replica 0's snapshots is kept: (node, None), or (None, why not).
+
+    `nodes`: each rank's node; `alive`: alive nodes; `here`: the driver's node; `current`: the
+    keeper's node now. None is needed where another DP replica lives on another node (it is the
+    copy); none is possible where no other node is alive. The current keeper stays where it is;
+    a new one goes to the driver's node when that node holds none of replica 0's shards."""
+    state_nodes = {nodes[r] for r in layout.tp_group(0) if r < len(nodes)}
+    if any(n not in state_nodes for n in nodes):
+        return None, "DP replicas on other nodes hold the same shards"
+    others = [n for n in alive if n not in state_nodes]
+    if not others:
+        return None, "no other node: a loss of the workers' node is covered by checkpoints only"
+    if current in others:
+        return current, None
+    return (here if here in others else others[0]), None

@@ -1,0 +1,63 @@
+"""The two reused host buffers a worker packs its snapshots into (pinned on cuda).
+
+A snapshot is packed into one flat buffer (raytp.train.checkpoint.pack_state),
+which the worker's stream then writes to the object store. Fresh buffers each
+time cost page faults worth as much as the copy itself, so two are kept and
+reused: one may be written out while the next is packed. Each buffer says when
+it is ``packed`` (the next optimizer update waits for that: until then the
+weights and AdamW state are only read) and ``free`` (written out; it may be
+packed again).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from raytp.train import checkpoint
+
+
+class SnapshotBuffer:
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+        self.packed, self.free = threading.Event(), threading.Event()
+        self.packed.set()
+        self.free.set()
+
+
+class SnapshotBuffers:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.bufs: list[SnapshotBuffer] = []
+        self.next = 0
+        self.copy_stream = None  # cuda: where snapshots are copied to the host
+
+    def reset(self) -> None:
+        """Mark every buffer packed and free (a previous call that ended early may have left one in use)."""
+        for buf in self.bufs:
+            buf.free.set()
+            buf.packed.set()
+
+    def take(self, nbytes: int) -> SnapshotBuffer:
+        """The next buffer for a snapshot of `nbytes`, once what was packed into it two snapshots ago
+        is written out (with a bounded queue it normally is)."""
+        if not self.bufs or self.bufs[0].data.numel() != nbytes:  # first use, or a new shape
+            for old in self.bufs:
+                old.free.wait()
+            pin = self.device.type == "cuda"
+            self.bufs = [SnapshotBuffer(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)) for _ in range(2)]
+        buf = self.bufs[self.next]
+        self.next ^= 1
+        buf.free.wait()
+        buf.free.clear()
+        buf.packed.clear()
+        return buf
+
+    def pack(self, state: dict, buf: SnapshotBuffer) -> dict:
+        """A live_state packed into `buf` (on a side stream on cuda, finished when it returns)."""
+        if self.device.type != "cuda":
+            return checkpoint.pack_state(state, out=buf.data)
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream()
+        with torch.cuda.stream(self.copy_stream):  # the step synchronized the device: the state is final
+            return checkpoint.pack_state(state, out=buf.data)

@@ -1,0 +1,164 @@
+"""What the tests share: small jobs, driving a Driver, reading a run dir, Ray's view of the actors.
+
+Fixtures live in conftest.py; everything a test module imports lives here (tests never import
+each other).
+"""
+import contextlib
+import json
+import os
+import threading
+import time
+
+import torch
+
+from raytp.config import from_dict
+from raytp.runtime.driver import Driver
+from raytp.runtime.worker import Worker
+from raytp.train import checkpoint
+
+SMALL = {
+    "model": {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 32, "vocab_size": 256},
+    "train": {"steps": 12, "batch_size": 8, "lr": 3e-3, "warmup_steps": 2, "eval_interval": 6,
+              "steps_per_call": 4},
+}
+FIXED = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(5))  # a batch to compare logits on
+RECOVERY_STEPS = 16
+
+
+# -- jobs -------------------------------------------------------------------------------------------
+def job(tp=1, dp=1, model=None, steps=None, checkpoint=None, recovery=None, **runtime):
+    """The small test job at layout tp x dp; `runtime` keys go to its runtime section."""
+    d = json.loads(json.dumps(SMALL))
+    d["parallel"] = {"tp": tp, "dp": dp}
+    d["model"].update(model or {})
+    d["train"]["steps"] = steps or d["train"]["steps"]
+    d["runtime"] = {"placement_timeout_s": 20.0, **runtime}
+    d["checkpoint"] = checkpoint or {}
+    d["recovery"] = recovery or {}
+    return from_dict(d)
+
+
+def recovery_job(tp, dp, **kw):
+    return job(tp, dp, steps=RECOVERY_STEPS, checkpoint={"every": RECOVERY_STEPS, "keep": 2},
+               recovery=kw.pop("recovery", {}), step_timeout_s=kw.pop("step_timeout_s", 30.0), **kw)
+
+
+# -- a run dir --------------------------------------------------------------------------------------
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in open(run_dir / "metrics.jsonl")]
+
+
+def events(run_dir, kind=None):
+    evs = [json.loads(line) for line in open(run_dir / "events.jsonl")]
+    return [e for e in evs if kind is None or e["kind"] == kind]
+
+
+def steps_logged(run_dir):
+    try:
+        return sum(1 for _ in open(run_dir / "metrics.jsonl"))
+    except FileNotFoundError:
+        return 0
+
+
+def final_state(run_dir, steps=RECOVERY_STEPS):
+    return checkpoint.load(run_dir / "checkpoints" / f"step-{steps:08d}")[1]
+
+
+def assert_bitwise_equal(a, b):
+    for n in a["model"]:
+        assert torch.equal(a["model"][n], b["model"][n]), n
+        for k in a["optim"][n]:
+            assert torch.equal(a["optim"][n][k], b["optim"][n][k]), (n, k)
+
+
+# -- driving a Driver -------------------------------------------------------------------------------
+def drive(cfg, run_dir, run, until=None, init_state=None):
+    """Start a Driver, train to `until`, return (driver, logits at the start, logits at the end)."""
+    d = Driver(cfg, run_dir, run, out=open("/dev/null", "w"), init_state=init_state)
+    d.start()
+    start_logits = d.logits(FIXED)
+    d.train_loop(until=until)
+    return d, start_logits, d.logits(FIXED)
+
+
+def close(d):
+    d.release()
+    d.log.close()
+
+
+def run(cfg, run_dir, name, faults=(), worker_cls=Worker):
+    """Run a job in a thread; `faults` are (after_step, action(run_name)) applied from outside."""
+    d = Driver(cfg, run_dir, name, out=open(run_dir.parent / f"{name}.out", "w"))
+    d.worker_cls = worker_cls
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(run_catching(d)), daemon=True)
+    t.start()
+    for after, action in faults:
+        while t.is_alive() and steps_logged(run_dir) < after:
+            time.sleep(0.005)
+        action(name)
+    t.join(timeout=240)
+    assert not t.is_alive(), "the job did not finish"
+    assert errors == [None], errors
+    return d
+
+
+def run_catching(d):
+    try:
+        d.run_to_end()
+    except Exception as e:  # noqa: BLE001 - handed to the test
+        return e
+
+
+# -- Ray's view -------------------------------------------------------------------------------------
+def ray_actors(name_prefix: str, alive_only: bool = True) -> dict[str, dict]:
+    """Actors as Ray's GCS records them, by name: {"name": {"node_id", "pid", "state"}}."""
+    from ray._private import state
+    out = {}
+    for a in state.actors().values():
+        if a.get("Name", "").startswith(name_prefix) and (not alive_only or a["State"] == "ALIVE"):
+            out[a["Name"]] = {"node_id": a["Address"]["NodeID"], "pid": a["Pid"], "state": a["State"]}
+    return out
+
+
+def signal_rank(rank, sig):
+    """A fault: send `sig` to the process of rank `rank` (found by its actor name)."""
+    def action(run_name):
+        name = f"raytp.{run_name}.rank{rank}"
+        pid = ray_actors(name)[name]["pid"]  # the pid as Ray's actor table has it
+        os.kill(pid, sig)
+    return action
+
+
+@contextlib.contextmanager
+def gpu_cluster(gpu_nodes: int, system_config: dict | None = None):
+    """A simulated cluster: a head with no GPUs (the driver's node) and `gpu_nodes` nodes of 2 CPUs
+    and 2 fake GPUs each, on loopback; connected, and shut down afterwards. Yields (cluster, nodes)."""
+    import ray
+    from ray.cluster_utils import Cluster
+    head = {"num_cpus": 1, "num_gpus": 0}
+    if system_config:
+        head["_system_config"] = system_config
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    nodes = [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(gpu_nodes)]
+    ray.init(address=cluster.address, namespace="raytp", log_to_driver=False)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+# -- states without Ray -----------------------------------------------------------------------------
+def small_state(tp):
+    """A trained-looking state as TP shards, without Ray: for the on-disk tests."""
+    from raytp.model import GPT, GPTConfig
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=37)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(37, (2, 8)), torch.randint(37, (2, 8))).backward()
+    opt.step()
+    full = checkpoint.shard_state(model, opt)
+    return cfg, full, [checkpoint.slice_state(full, r, tp) for r in range(tp)]
