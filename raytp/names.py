@@ -12,6 +12,7 @@ from pathlib import Path
 
 NAMESPACE = "raytp"
 PREFIX = "raytp."
+JOB_PREFIX = "raytp-"  # the Ray job of a submitted run R is raytp-R
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
@@ -37,6 +38,11 @@ def run_of_control(name: str) -> str | None:
     if name.startswith(PREFIX) and name.endswith(".control"):
         return name[len(PREFIX):-len(".control")]
     return None
+
+
+def ray_job(run: str) -> str:
+    """The Ray job (submission id) of a submitted run."""
+    return JOB_PREFIX + run
 
 
 def replica_group(run: str, dp_rank: int, generation: int) -> str:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import ray
-
 from raytp.config.adapters import gpt_config
 from raytp.train import checkpoint
 
@@ -32,8 +30,7 @@ class Checkpoints:
 
     def save_snapshot(self, group, step: int, parts: list) -> Path:
         """Write a snapshot (one ref per TP rank of `group`'s layout) as the checkpoint of `step`."""
-        packed = ray.get(list(parts), timeout=group.cfg.runtime.step_timeout_s)
-        return self.save(group, step, [checkpoint.unpack_state(p) for p in packed])
+        return self.save(group, step, [checkpoint.unpack_state(p) for p in group.fetch(parts)])
 
     def newest_step(self) -> int | None:
         """The step of the newest checkpoint that looks whole, if any."""

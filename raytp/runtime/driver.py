@@ -12,7 +12,7 @@ directory keeps every line written so far.
 
 The Ray-facing parts are class attributes a test may swap: ``worker_cls``
 (what each rank runs: faults are injected through it), ``group_cls`` (how
-workers are placed and called: a fake runs the loop without Ray),
+workers are placed, started and called: a fake runs the loop without Ray),
 ``control_cls`` and ``copy_cls`` (the control actor, the off-node snapshot copy).
 """
 from __future__ import annotations
@@ -28,7 +28,6 @@ from raytp.runtime.checkpoints import Checkpoints
 from raytp.runtime.control import ControlChannel
 from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
 from raytp.runtime.group import WorkerGroup
-from raytp.runtime.launch import Launcher
 from raytp.runtime.metrics import RunLog
 from raytp.runtime.progress import Progress
 from raytp.runtime.records import Outcome, PendingResize, State, StopRequest
@@ -140,7 +139,8 @@ class Driver:
         self._say(f"placing {lay.world_size} workers ({lay}) ...")
         pgs = self.group_cls.reserve(cfg, self.run, list(range(lay.dp)))
         try:
-            group = self.group_cls.create(Launcher(self.run, self.worker_cls, evict=self.spares.evict), cfg, pgs)
+            launcher = self.group_cls.launcher_cls(self.run, self.worker_cls, evict=self.spares.evict)
+            group = self.group_cls.create(launcher, cfg, pgs)
         except BaseException:
             self.group_cls.placer.release(pgs.values())
             raise

@@ -53,6 +53,7 @@ class WorkerGroup:
     launcher: Launcher = field(compare=False, repr=False)
     placement: tuple = ()            # where each rank runs ({"rank", "node_id", "pid", ...}), after a join
     placer = placements              # the placement functions (a fake group brings its own)
+    launcher_cls = Launcher          # how its actors are started
 
     # -- building groups ------------------------------------------------------------------------
     @classmethod
@@ -228,6 +229,10 @@ class WorkerGroup:
         """Replica 0's shards joined into the one-device state, put in the object store: (ref, bytes)."""
         full = checkpoint.unshard_state(self.shard_states(), gpt_config(self.cfg))
         return ray.put(full), checkpoint.state_bytes(full)
+
+    def fetch(self, refs) -> list:
+        """The objects behind `refs`, in this process (e.g. a snapshot to save as a checkpoint)."""
+        return ray.get(list(refs), timeout=self.cfg.runtime.step_timeout_s)
 
     def set_state(self, full) -> None:
         """Every worker takes its slices of a full one-device state (or its ref)."""

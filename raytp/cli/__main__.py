@@ -1,0 +1,3 @@
+from raytp.cli import main
+
+main()

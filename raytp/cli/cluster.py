@@ -1,0 +1,204 @@
+"""Commands on a cluster's runs, from any machine that reaches it: submit, status, logs, stop, scale."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from raytp import names
+from raytp.cli.base import fail, load_job, main
+
+ADDRESS_HELP = ("Ray cluster: its dashboard (http://HEAD:8265) or its GCS (HEAD:6379); default "
+                "RAY_ADDRESS, else the cluster `ray start` made on this machine.")
+
+
+def _head(address: str | None):
+    from raytp.head import Head
+    return Head(address)
+
+
+def _cluster_errors(fn):
+    """Unreachable heads and unknown runs end the command with one line and status 1."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from raytp.head import Unreachable
+        from raytp.jobs import NoSuchRun
+        try:
+            return fn(*args, **kwargs)
+        except (Unreachable, NoSuchRun, FileExistsError) as e:
+            fail(e, 1)
+    return wrapper
+
+
+def await_outcome(ctl, rid: int, timeout_s: float, what: str) -> dict:
+    import ray
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            outcome = ray.get(ctl.outcome.remote(rid), timeout=10)
+        except ray.exceptions.RayActorError:
+            return {"ok": True, "note": "the run has ended"}
+        if outcome is not None:
+            return outcome
+        time.sleep(0.2)
+    fail(f"no answer to the {what} request within {timeout_s:g}s (the run answers at step boundaries)", 1)
+
+
+@main.command(epilog="\b\nThe run's Ray job is raytp-RUN; its driver is `raytp train` on the head node, and its "
+                     "run directory\n~/raytp/runs/RUN there unless --run-dir is given. Paths in the job file "
+                     "(data.source,\nmodel.init_from, checkpoint.dir) are paths on the cluster.")
+@click.argument("job", type=click.Path(exists=True, dir_okay=False))
+@click.option("--address", default=None, help="The cluster's dashboard, http://HEAD:8265, or its GCS, HEAD:6379 "
+              "(default: RAY_ADDRESS, else the cluster `ray start` made on this machine).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override a job key, e.g. --set parallel.tp=4 (repeatable; beats the file).")
+@click.option("--name", default=None, help="Run name (default: the job's name, else <job>-<timestamp>).")
+@click.option("--run-dir", default=None, help="Run directory on the cluster (default: ~/raytp/runs/<name>).")
+@_cluster_errors
+def submit(job, address, sets, name, run_dir):
+    """Run JOB on a Ray cluster as a Ray job, checked here first; returns once it is submitted."""
+    import tempfile
+    from raytp import jobs
+    cfg = load_job(job, sets)  # a bad job exits 2 here, before anything reaches the cluster
+    run = name or cfg.name or names.default_run_name(job)
+    problem = names.check_run_name(run)
+    if problem:
+        fail(problem)
+    head = _head(address)
+    with tempfile.TemporaryDirectory(prefix="raytp-submit-") as staging:
+        sub = jobs.make_submission(Path(job), sets, run, run_dir, cfg.runtime.step_timeout_s + 120, Path(staging))
+        jobs.submit(head, sub)
+    where = f" --address {address}" if address else ""
+    click.echo(f"submitted run {run} as Ray job {sub.submission_id} to {head.dashboard}\n"
+               f"  layout TP={cfg.parallel.tp} x DP={cfg.parallel.dp}, {cfg.train.steps} steps; "
+               f"run dir on the cluster: {sub.run_dir}\n"
+               f"  follow it:  raytp status {run}{where}\n"
+               f"              raytp logs {run} --follow{where}\n"
+               f"  stop it:    raytp stop {run}{where}")
+
+
+@main.command()
+@click.argument("run", required=False)
+@click.option("--address", default=None, help=ADDRESS_HELP)
+@_cluster_errors
+def status(run, address):
+    """State, step, layout, loss and tokens/s of RUN; of every run without RUN.
+
+    A submitted run also shows its Ray job's status (PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED),
+    after it ended too."""
+    from raytp import jobs
+    head = _head(address)
+    lines = jobs.describe(head, run) if run else jobs.all_runs(head)
+    click.echo("\n".join(lines) if lines else "no raytp runs in this cluster")
+
+
+@main.command()
+@click.argument("run")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing as the run writes, until its job ends.")
+@click.option("--address", default=None, help=ADDRESS_HELP)
+@_cluster_errors
+def logs(run, follow, address):
+    """The output of submitted run RUN (its Ray job's driver log: progress, events, errors)."""
+    from raytp import jobs
+    head = _head(address)
+    if head.job(run) is None:
+        raise jobs.NoSuchRun(f"no submitted run named {run!r} in this cluster (no Ray job "
+                             f"{jobs.submission_id(run)}); a run started with `raytp train` logs to its "
+                             "terminal and its run directory")
+    if not follow:
+        click.echo(head.logs(run), nl=False)
+        return
+    import asyncio
+
+    async def tail():
+        async for chunk in head.client().tail_job_logs(jobs.submission_id(run)):
+            click.echo(chunk, nl=False)
+    try:
+        asyncio.run(tail())
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@click.argument("run")
+@click.option("--address", default=None, help=ADDRESS_HELP)
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the run to stop.")
+@_cluster_errors
+def stop(run, address, timeout):
+    """Stop RUN at its next step boundary, with a checkpoint of the step it reached.
+
+    A submitted run is also stopped as a Ray job (SIGTERM to its driver, which stops the same way),
+    so Ray records it as STOPPED; without a control actor to ask, that is the only way."""
+    import ray
+    from raytp import jobs
+    head = _head(address)
+    job = jobs.job_if_reachable(head, run)
+    running = job is not None and not job.status.is_terminal()
+    ctl = None
+    if job is None or running:
+        try:
+            head.connect()
+            from raytp.runtime.control import find_control
+            ctl = find_control(run)
+        except jobs.Unreachable:
+            if job is None:
+                raise
+    if ctl is None and not running:
+        if job is not None:
+            fail(f"{run} is not running: Ray job {jobs.submission_id(run)} is {job.status.value}", 1)
+        raise jobs.NoSuchRun(f"no running run named {run!r} in this cluster (see `raytp status`)")
+    rid = ray.get(ctl.request.remote("stop"), timeout=30) if ctl is not None else None
+    if running:
+        head.client().stop_job(jobs.submission_id(run))
+    # The driver answers every stop request it got (also when the SIGTERM reached it first): the step
+    # it stopped at and its checkpoint.
+    outcome = await_outcome(ctl, rid, timeout, "stop") if ctl is not None else {}
+    if running:
+        deadline = time.monotonic() + timeout
+        while not head.client().get_job_status(jobs.submission_id(run)).is_terminal():
+            if time.monotonic() > deadline:
+                fail(f"Ray job {jobs.submission_id(run)} did not end within {timeout:g}s", 1)
+            time.sleep(0.5)
+        job = head.job(run)
+    click.echo(f"[raytp] {run} stopped" + (f" at step {outcome['step']}" if "step" in outcome else "")
+               + (f"; checkpoint {outcome['checkpoint']}" if outcome.get("checkpoint") else "")
+               + (f"; Ray job {job.submission_id} {job.status.value}" if running else ""))
+
+
+@main.command()
+@click.argument("run")
+@click.option("--workers", type=int, default=None, help="Total workers; keeps TP and sets DP = workers / TP.")
+@click.option("--tp", type=int, default=None, help="New tensor-parallel degree.")
+@click.option("--dp", type=int, default=None, help="New data-parallel degree.")
+@click.option("--address", default=None, help=ADDRESS_HELP)
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the resize.")
+@_cluster_errors
+def scale(run, workers, tp, dp, address, timeout):
+    """Change RUN's layout while it trains: --workers N, or --tp N and/or --dp M."""
+    import ray
+    from raytp.runtime.control import find_control
+    if workers is None and tp is None and dp is None:
+        fail("give --workers N, or --tp N and/or --dp M")
+    if workers is not None and (tp is not None or dp is not None):
+        fail("--workers keeps TP and sets DP; give either it or --tp/--dp")
+    _head(address).connect()
+    ctl = find_control(run)
+    if ctl is None:
+        fail(f"no running run named {run!r} in this cluster (see `raytp status` for the runs it has)", 1)
+    st = ray.get(ctl.get_status.remote(), timeout=30)
+    if workers is not None:
+        if workers % st["tp"]:
+            fail(f"--workers {workers} is not a multiple of the run's TP={st['tp']}; "
+                  f"valid: {', '.join(str(st['tp'] * k) for k in range(1, 5))}, ...")
+        tp, dp = st["tp"], workers // st["tp"]
+    tp, dp = tp or st["tp"], dp or st["dp"]
+    rid = ray.get(ctl.request.remote("scale", tp=tp, dp=dp), timeout=30)
+    outcome = await_outcome(ctl, rid, timeout, "scale")
+    if not outcome.get("ok"):
+        fail(f"scale refused; the run goes on unchanged: {outcome.get('error')}", 1)
+    click.echo(f"[raytp] {run} now runs at {outcome.get('layout')} (step {outcome.get('step', '?')})"
+               + (f"; {outcome['bytes'] / 1e6:.1f} MB moved" if outcome.get("bytes") else ""))
+

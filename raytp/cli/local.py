@@ -1,0 +1,158 @@
+"""Commands that run here: train a job (an embedded Ray, or a cluster it joins), export, sample.
+
+    raytp train jobs/default.yaml --set parallel.tp=4
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from raytp import config as config_mod
+from raytp import names
+from raytp.cli.base import check_data, fail, keys_help, load_job, main
+
+
+def run_name_and_dir(job: str, cfg: config_mod.JobConfig, run_dir: str | None, name: str | None) -> tuple[str, Path]:
+    """RUN is the last component of the run dir unless --name (or the job's name) is given."""
+    if run_dir:
+        path = Path(run_dir).expanduser()
+        return name or path.resolve().name, path
+    name = name or cfg.name or names.default_run_name(job)
+    return name, Path("runs") / name
+
+
+def connect_ray(address: str | None, cfg: config_mod.JobConfig) -> bool:
+    """Join the cluster at `address` (or RAY_ADDRESS), else start an embedded local one. True if embedded."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address and "ray" not in sys.modules:
+        # An embedded instance serves this machine only: bind it to loopback. (Ray reads
+        # this at import; despite its name it selects the loopback address on Linux too.)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if address:
+        from raytp.head import use_token_if_present
+        use_token_if_present()
+    import ray
+    if address:
+        ray.init(address=address, namespace=names.NAMESPACE, log_to_driver=True)
+        return False
+    # A fresh local instance, deliberately ("local" never joins a stale cluster).
+    needed = cfg.world_size * cfg.runtime.cpus_per_worker
+    ray.init(address="local", namespace=names.NAMESPACE, num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
+             include_dashboard=False, log_to_driver=True)
+    return True
+
+
+@main.command(epilog=keys_help())
+@click.argument("job", type=click.Path(dir_okay=False))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override a job key, e.g. --set parallel.tp=4 (repeatable; beats the file).")
+@click.option("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray).")
+@click.option("--run-dir", default=None, help="Run directory (default: runs/<name>).")
+@click.option("--name", default=None, help="Run name (default: the run directory's last component).")
+@click.option("--resume", is_flag=False, flag_value="latest", default=None, metavar="[PATH]",
+              help="Resume from a checkpoint dir, or the newest whole checkpoint of a run dir; "
+                   "alone, from this run's own. Any valid layout: weights and optimizer state are resharded.")
+def train(job, sets, address, run_dir, name, resume):
+    """Train the model of JOB (a YAML job file) on a Ray cluster."""
+    t0 = time.perf_counter()
+    cfg = load_job(job, sets)
+    check_data(cfg)
+    run, path = run_name_and_dir(job, cfg, run_dir, name)
+    from raytp.runtime.origin import starting_state
+    from raytp.train.checkpoint import CheckpointError
+    try:
+        cfg, init_state = starting_state(cfg, resume, path, say=lambda m: click.echo(f"[raytp] {m}", err=True))
+    except (CheckpointError, ValueError) as e:
+        fail(e)
+    except config_mod.ConfigError as e:
+        fail("\n".join(e.problems))
+    if (path / "metrics.jsonl").exists() and resume != "latest":
+        fail(f"run directory {path} already holds a run; pass --resume to continue it, or another --run-dir/--name")
+    path.mkdir(parents=True, exist_ok=True)
+    import yaml
+    (path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    click.echo(f"[raytp] run {run}  dir {path}  layout TP={cfg.parallel.tp} x DP={cfg.parallel.dp}  "
+               f"device {cfg.runtime.device}", err=True)
+
+    embedded = connect_ray(address, cfg)
+    import ray
+    from raytp.runtime.driver import Driver
+    from raytp.runtime.placement import PlacementError
+    try:
+        driver = Driver(cfg, path, run, init_state=init_state)
+        _stop_on_sigterm(driver)
+        summary = driver.run_to_end(t_start=t0)
+    except PlacementError as e:
+        fail(e, 1)
+    except KeyboardInterrupt:
+        click.echo(f"[raytp] interrupted; workers released, run dir {path} kept", err=True)
+        sys.exit(130)
+    finally:
+        if embedded:
+            ray.shutdown()
+    val, loss = summary.get("val_loss"), summary.get("loss")
+    ended = "stopped after" if summary.get("state") == "stopped" else "finished"
+    click.echo(f"[raytp] {ended} {summary['steps']} steps in {summary['seconds']:.1f}s"
+               + (f": loss {loss:.4f}" if loss is not None else "")
+               + (f", val_loss {val:.4f}" if val is not None else "") + f"; run dir {path}", err=True)
+
+
+def _stop_on_sigterm(driver) -> None:
+    """SIGTERM (what `ray job stop` and `raytp stop` of a submitted run send) stops the run at its next
+    step boundary, with a checkpoint, like `raytp stop`; the driver then releases everything."""
+    import signal
+
+    def handler(signum, frame):
+        driver.request_stop(via="SIGTERM")
+    signal.signal(signal.SIGTERM, handler)
+
+
+@main.command()
+@click.argument("source", type=click.Path(exists=True))
+@click.option("--out", required=True, type=click.Path(), help="Output file (raytp) or directory (hf).")
+@click.option("--format", "fmt", type=click.Choice(["raytp", "hf"]), default="raytp", show_default=True,
+              help="raytp: one file raytp.model.GPT.load reads; hf: a GPT-2 directory for transformers.")
+def export(source, out, fmt):
+    """Write one unsharded model from SOURCE (a run dir or a checkpoint dir)."""
+    from raytp.model import GPT, GPTConfig
+    from raytp.train import checkpoint
+    try:
+        ckpt, manifest, full = checkpoint.load_latest(
+            Path(source), warn=lambda m: click.echo(f"[raytp] warning: {m}", err=True))
+    except checkpoint.CheckpointError as e:
+        fail(e, 1)
+    cfg = GPTConfig(**manifest["model"])
+    if fmt == "hf":
+        from raytp.train import hf
+        hf.save_hf(full["model"], cfg, Path(out))
+    else:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        GPT.from_state_dict(cfg, full["model"], where=str(ckpt)).save(out)
+    click.echo(f"[raytp] exported step {manifest['step']} of {ckpt} ({fmt}) to {out}", err=True)
+
+
+@main.command()
+@click.argument("model_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--prompt", default="\n", show_default=True, help="Text to continue (byte-level models).")
+@click.option("--tokens", default=200, show_default=True, help="Tokens to generate.")
+@click.option("--temperature", default=0.8, show_default=True, help="0 = greedy.")
+@click.option("--top-k", default=None, type=int, help="Sample among the k likeliest tokens only.")
+@click.option("--seed", default=0, show_default=True)
+def sample(model_file, prompt, tokens, temperature, top_k, seed):
+    """Generate text from MODEL_FILE (written by `raytp export`)."""
+    import torch
+    from raytp.model import GPT
+    try:
+        model = GPT.load(model_file)
+    except ValueError as e:
+        fail(e, 1)
+    if model.cfg.vocab_size > 256:
+        fail(f"{model_file}: vocabulary of {model.cfg.vocab_size} is not byte level; sample decodes bytes only", 1)
+    idx = torch.tensor([list(prompt.encode())], dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    out = model.generate(idx, tokens, temperature=temperature, top_k=top_k, generator=g)
+    click.echo(bytes(out[0].tolist()).decode("utf-8", errors="replace"))

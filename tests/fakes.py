@@ -1,0 +1,324 @@
+"""A worker group without Ray, so that the driver's loop, recovery and resize run in-process.
+
+``FakeCluster`` plays Ray's part: placement groups over a number of worker slots (capacity that
+tests take away and give back), actors that start, die and answer, and a clock of step calls.
+``FakeGroup`` is raytp's WorkerGroup with every call to the workers done in-process: its workers'
+"model" is one float64 number x that each step s moves by a fixed amount, so a run that replays
+steps after a failure ends at the very x of an uninterrupted run only if the runtime restored the
+right state at the right step. The bookkeeping (``with_workers``, ``started``, ``successor``,
+bundles, layout) is WorkerGroup's own.
+"""
+import itertools
+
+import torch
+from ray.exceptions import RayActorError, RayTaskError
+
+from raytp.runtime.errors import PlacementError
+from raytp.runtime.group import StepRecords, WorkerGroup
+
+_ids = itertools.count()
+NAME = "ln_f.weight"  # the fake state's one tensor, under a real parameter name (checkpoints read it)
+
+
+def delta(step: int) -> float:
+    return 1.0 / (step + 3)
+
+
+def expected_x(steps: int) -> float:
+    x = 0.0
+    for s in range(steps):
+        x += delta(s)
+    return x
+
+
+def state_of(x: float) -> dict:
+    return {"model": {NAME: torch.tensor([x], dtype=torch.float64)}, "optim": {}}
+
+
+class _Id:
+    def __init__(self):
+        self.n = next(_ids)
+
+    def hex(self) -> str:
+        return f"{self.n:08x}"
+
+
+class Ref:
+    """An object reference: resolved at once, or once the cluster's clock reaches `at`."""
+
+    def __init__(self, value=None, cluster=None, at=0):
+        self.value, self.cluster, self.at = value, cluster, at
+
+    def done(self) -> bool:
+        return self.cluster is None or self.cluster.clock >= self.at
+
+
+class FakePG:
+    def __init__(self, cluster, n: int):
+        self.cluster, self.id, self.bundle_count, self.placed, self.removed = cluster, _Id(), n, False, False
+
+
+class FakeActor:
+    def __init__(self, cluster, pg: FakePG, rank: int):
+        self._actor_id = _Id()
+        self.cluster, self.pg, self.rank = cluster, pg, rank
+        self.alive, self.x, self.completed = True, 0.0, 0
+        self.born, self.started = cluster.clock, False
+
+    @property
+    def up(self) -> bool:
+        """Placed (its group is) and started (its process takes `start_calls` step calls to come up,
+        unless a join waited for it)."""
+        return self.alive and self.pg.placed and (
+            self.started or self.cluster.clock >= self.born + self.cluster.start_calls)
+
+
+class FakeCluster:
+    """Ray's part: `slots` worker slots, placement groups on them, faults scheduled by step."""
+
+    def __init__(self, slots: int, start_calls: int = 0):
+        self.slots, self.start_calls = slots, start_calls
+        self.pgs: list[FakePG] = []
+        self.clock = 0                       # step calls made so far
+        self.deaths: dict[int, tuple[list[int], int]] = {}  # step -> (ranks that die in it, slots lost with them)
+        self.returns: dict[int, int] = {}     # step -> slots that come back before it
+        self.failing_steps: set[int] = set()  # steps that raise on every rank (a bug of the job)
+        self.released = []
+
+    # -- what tests do to it
+    def kill_at(self, step: int, *ranks: int, slots: int = 0) -> None:
+        """Ranks die in step `step`; with `slots`, their node goes too (that capacity leaves)."""
+        self.deaths[step] = (list(ranks), slots)
+
+    def give_at(self, step: int, slots: int) -> None:
+        """Capacity comes back before step `step` runs."""
+        self.returns[step] = slots
+
+    def take(self, n: int) -> None:
+        """Capacity leaves (a node goes): the newest placed groups it held lose their placement."""
+        self.slots -= n
+        for pg in reversed(self.pgs):
+            if self.free() >= 0:
+                break
+            pg.placed = False
+
+    def give(self, n: int) -> None:
+        self.slots += n
+        self.placed(self.pgs)
+
+    def group_class(self):
+        return type("BoundFakeGroup", (FakeGroup,), {"placer": self})
+
+    # -- the placement functions WorkerGroup.placer provides
+    def free(self) -> int:
+        return self.slots - sum(pg.bundle_count for pg in self.pgs if pg.placed)
+
+    def request_replicas(self, cfg, run, tp, dp_ranks, avoid_nodes=frozenset()):
+        out = {q: FakePG(self, tp) for q in dp_ranks}
+        self.pgs += out.values()
+        self.placed(out.values())
+        return out
+
+    def reserve_replicas(self, cfg, run, tp, dp_ranks, timeout_s, avoid_nodes=frozenset()):
+        out = self.request_replicas(cfg, run, tp, dp_ranks)
+        if not all(pg.placed for pg in out.values()):
+            self.release(out.values())
+            raise PlacementError(f"could not place the workers: {len(dp_ranks)} x {tp} slots, {self.free()} free")
+        return out
+
+    def reserve_tp(self, cfg, run, pgs, old_dp):
+        """Fresh groups for every replica (the fake has no extensions): (placement, requested, unused)."""
+        new = self.reserve_replicas(cfg, run, cfg.parallel.tp, list(range(cfg.parallel.dp)), 0)
+        return new, list(new.values()), list(pgs.values())
+
+    def placed(self, pgs) -> bool:
+        for pg in pgs:
+            if not pg.placed and not pg.removed and self.free() >= pg.bundle_count:
+                pg.placed = True
+        return all(pg.placed for pg in pgs)
+
+    def release(self, pgs) -> None:
+        for pg in list(pgs):
+            if not pg.removed:
+                pg.removed, pg.placed = True, False
+                self.released.append(pg)
+                self.pgs.remove(pg)
+
+    def nodes_of(self, pgs) -> set:
+        return {"node"}
+
+    @staticmethod
+    def groups_of(replica) -> list:
+        return [replica]
+
+    @staticmethod
+    def alive_nodes() -> list:
+        return ["node"]
+
+
+class FakeLauncher:
+    def __init__(self, run, worker_cls, evict=None):
+        self.run = run
+
+    def start(self, cfg, pgs, rank, timeout_s=30.0):
+        dp_rank, tp_rank = divmod(rank, cfg.parallel.tp)
+        pg = pgs[dp_rank]
+        return FakeActor(pg.cluster, pg, rank), (pg.id.hex(), tp_rank)
+
+
+class FakeGroup(WorkerGroup):
+    launcher_cls = FakeLauncher
+    placer: FakeCluster  # set by FakeCluster.group_class
+
+    # -- joining
+    def join(self, setup=(), reshape=(), state=None):
+        setup, reshape = set(setup), set(reshape)
+        for r, w in enumerate(self.workers):
+            if not (w.alive and w.pg.placed):
+                raise RayActorError()
+            w.started = True  # a join waits for the process to come up
+            if r in setup or r in reshape:
+                w.x = state.value["model"][NAME].item() if isinstance(state, Ref) else \
+                    state["model"][NAME].item() if state is not None else 0.0
+            w.rank = r
+        where = tuple({"rank": r, "node_id": "node", "pid": w._actor_id.n} for r, w in enumerate(self.workers))
+        return self._with(placement=where)
+
+    def leave(self):
+        pass
+
+    # -- training
+    def run_steps(self, start, count, snapshot_every):
+        return FakeStream(self, start, count, snapshot_every)
+
+    def evaluate(self, step):
+        return 1.0 / (1.0 + self.workers[0].x)
+
+    def logits(self, idx):
+        return torch.tensor([self.workers[0].x])
+
+    # -- health
+    def find_lost(self):
+        return {r: "died" for r, w in enumerate(self.workers) if not w.alive}
+
+    def wait_out(self, survivors):
+        return {r: self.workers[r].completed for r in survivors}, []
+
+    @staticmethod
+    def pinged(actors):
+        actors = list(actors)
+        return [Ref(a) for a in actors]
+
+    @staticmethod
+    def answered(refs, timeout_s=0.0):
+        return all(r.value.up for r in refs)
+
+    def ready(self, ranks, timeout_s):
+        return all(self.workers[r].up for r in ranks)
+
+    # -- state
+    def shard_states(self):
+        return [state_of(w.x) for w in self.workers[:self.layout.tp]]
+
+    def full_state_ref(self):
+        return Ref(state_of(self.workers[0].x)), 8
+
+    def fetch(self, refs):
+        return [r.value for r in refs]
+
+    def set_state(self, full):
+        for w in self.workers:
+            w.x = full["model"][NAME].item()
+
+    def copy_shards(self, donors, step):
+        for r, d in donors.items():
+            self.workers[r].x, self.workers[r].completed = self.workers[d].x, step
+        return 8 * len(donors)
+
+    def load_parts(self, ranks, parts, step):
+        for r in ranks:
+            part = parts[self.layout.coords(r)[1]]
+            self.workers[r].x, self.workers[r].completed = part.value["model"][NAME].item(), step
+
+    @staticmethod
+    def kill_actors(actors):
+        for a in actors:
+            a.alive = False
+
+    def release(self):
+        self.kill_actors(self.workers)
+        self.placer.release(self.pgs.values())
+
+
+class FakeStream:
+    def __init__(self, group, start, count, snap):
+        self.group, self.start, self.count, self.snap = group, start, count, snap
+        self.partial = None
+        group.placer.clock += 1
+
+    def __iter__(self):
+        cluster, lay, ws = self.group.placer, self.group.layout, self.group.workers
+        for step in range(self.start, self.start + self.count):
+            if not all(w.alive for w in ws):
+                raise RayActorError()
+            if step in cluster.failing_steps:
+                raise RayTaskError("run_steps", "(fake)", ZeroDivisionError(f"a bug at step {step}"))
+            if step in cluster.returns:
+                cluster.give(cluster.returns.pop(step))
+            dead, slots = cluster.deaths.pop(step, ([], 0))
+            if dead:
+                self.group.kill(dead)
+                cluster.take(slots)
+                raise RayActorError()
+            for w in ws:
+                w.x += delta(step)
+                w.completed = step + 1
+            recs = [{"step": step, "loss": 1.0 / (1.0 + w.x), "lr": 1e-3, "grad_norm": 1.0, "step_time_s": 0.001,
+                     "comm_s": 0.0} for w in ws]
+            self.partial = recs[0]
+            parts = {}
+            if self.snap and (step + 1) % self.snap == 0:
+                parts = {t: Ref(state_of(ws[lay.rank(0, t)].x)) for t in range(lay.tp)}
+            yield StepRecords(step, recs, parts)
+
+
+class LocalControl:
+    """The control actor's part, in-process: the test files requests as the CLI would."""
+
+    def __init__(self, run, say=None):
+        self.requests, self.outcomes, self.status, self.ids = [], {}, {}, itertools.count(1)
+
+    def file(self, kind, **args) -> int:
+        rid = next(self.ids)
+        self.requests.append({"id": rid, "kind": kind, **args})
+        return rid
+
+    def publish(self, status):
+        self.status = status
+
+    def take_requests(self):
+        out, self.requests = self.requests, []
+        return out
+
+    def answer(self, request_id, outcome):
+        if request_id is not None:
+            self.outcomes[request_id] = outcome.to_dict()
+
+    def close(self):
+        pass
+
+
+class NoCopy:
+    """No off-node snapshot copy (a one-node fake cluster has nowhere to keep one)."""
+
+    def __init__(self, run, log):
+        pass
+
+    def update(self, group, snapshots, step):
+        pass
+
+    def held_step(self, tp):
+        return None
+
+    def release(self):
+        pass

@@ -1,0 +1,146 @@
+"""The driver's loop, recovery and resize carried out on a fake worker group (tests/fakes.py), without
+Ray: each decision path in milliseconds, beside the real-cluster tests of the same paths."""
+import io
+import json
+
+import pytest
+
+from fakes import NAME, FakeCluster, LocalControl, NoCopy, expected_x
+from helpers import events, job
+from raytp.runtime.driver import Driver
+from raytp.runtime.errors import JobError, RecoveryFailed
+from raytp.train import checkpoint
+
+STEPS = 12
+
+
+def fake_driver(cluster, cfg, run_dir, name="fake"):
+    class FakeDriver(Driver):
+        group_cls = cluster.group_class()
+        control_cls = LocalControl
+        copy_cls = NoCopy
+    return FakeDriver(cfg, run_dir, name, out=io.StringIO(), ray_metrics=False)
+
+
+def fake_job(tp, dp, recovery=None, min_dp=None, **kw):
+    cfg = job(tp, dp, steps=STEPS, checkpoint={"every": STEPS}, recovery=recovery, **kw)
+    if min_dp is not None:
+        cfg = cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=tp, dp=dp, min_dp=min_dp)})
+    return cfg
+
+
+def x_saved(run_dir, step=STEPS):
+    return checkpoint.load(run_dir / "checkpoints" / f"step-{step:08d}")[1]["model"][NAME].item()
+
+
+def metric_steps(run_dir):
+    return [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
+
+
+def test_an_uninterrupted_run(tmp_path):
+    d = fake_driver(FakeCluster(slots=4), fake_job(2, 2), tmp_path)
+    assert d.run_to_end()["state"] == "finished"
+    assert x_saved(tmp_path) == expected_x(STEPS)
+    assert metric_steps(tmp_path) == list(range(STEPS))
+    assert [e["kind"] for e in events(tmp_path)] == ["started", "placed", "first_step", "checkpoint", "finished"]
+
+
+def test_a_lost_rank_is_restored_from_its_dp_replica(tmp_path):
+    cluster = FakeCluster(slots=4)
+    cluster.kill_at(5, 3)
+    fake_driver(cluster, fake_job(2, 2), tmp_path).run_to_end()
+    assert x_saved(tmp_path) == expected_x(STEPS)
+    (fail,), (rec,) = events(tmp_path, "failure"), events(tmp_path, "recovered")
+    assert (fail["rank"], fail["step"]) == (3, 5)
+    assert (rec["source"], rec["lost_steps"], rec["ranks"]) == ("replica", 0, [3])
+    assert metric_steps(tmp_path) == list(range(STEPS))
+
+
+@pytest.mark.parametrize("every, lost", [(1, 0), (2, 1)])
+def test_without_a_replica_everyone_rolls_back_to_the_snapshot(tmp_path, every, lost):
+    cluster = FakeCluster(slots=2)
+    cluster.kill_at(5, 1)  # survivors completed 5 steps; snapshots after 4 (every 2) or 5 (every 1)
+    fake_driver(cluster, fake_job(2, 1, recovery={"snapshot_every": every}), tmp_path).run_to_end()
+    assert x_saved(tmp_path) == expected_x(STEPS), "the replay did not restart from the right state"
+    (rec,) = events(tmp_path, "recovered")
+    assert (rec["source"], rec["lost_steps"]) == ("snapshot", lost)
+    assert metric_steps(tmp_path) == list(range(STEPS)), "one metrics line per step, none twice"
+
+
+def test_no_capacity_shrinks_an_elastic_job_and_it_grows_back(tmp_path):
+    cluster = FakeCluster(slots=4)
+    cluster.kill_at(5, 2, 3, slots=2)  # replica 1's node goes
+    cluster.give_at(8, 2)
+    fake_driver(cluster, fake_job(2, 2, min_dp=1), tmp_path).run_to_end()
+    assert x_saved(tmp_path) == expected_x(STEPS)
+    resized = events(tmp_path, "resized")
+    assert [(e["old"]["dp"], e["new"]["dp"]) for e in resized] == [(2, 1), (1, 2)]
+    assert resized[0]["reason"].startswith("lost capacity") and resized[1]["reason"] == "capacity returned"
+    (rec,) = events(tmp_path, "recovered")
+    assert rec["source"] == "shrink to DP=1"
+    assert metric_steps(tmp_path) == list(range(STEPS))
+
+
+def test_no_capacity_and_not_elastic_fails_with_a_checkpoint_of_the_newest_snapshot(tmp_path):
+    cluster = FakeCluster(slots=2)
+    cluster.kill_at(5, 1, slots=2)
+    d = fake_driver(cluster, fake_job(2, 1), tmp_path)
+    with pytest.raises(RecoveryFailed, match=r"no capacity to replace rank\(s\) \[1\].*saved the newest snapshot"):
+        d.run_to_end()
+    assert x_saved(tmp_path, 5) == expected_x(5)
+    assert events(tmp_path)[-1]["kind"] == "failed"
+    assert all(not w.alive for w in d.group.workers) and not cluster.pgs, "actors or groups left behind"
+
+
+def test_too_many_failures_give_up_and_an_error_of_the_job_fails_at_once(tmp_path):
+    cluster = FakeCluster(slots=2)
+    cluster.kill_at(5, 1)
+    with pytest.raises(RecoveryFailed, match="1 worker losses exceed recovery.max_failures=0"):
+        fake_driver(cluster, fake_job(2, 1, recovery={"max_failures": 0}), tmp_path / "a").run_to_end()
+    cluster = FakeCluster(slots=2)
+    cluster.failing_steps.add(3)
+    d = fake_driver(cluster, fake_job(2, 1), tmp_path / "b")
+    with pytest.raises(JobError, match="a step failed with every worker alive"):
+        d.run_to_end()
+    assert d.failures == 0 and not events(tmp_path / "b", "failure")
+
+
+def test_a_scale_request_trains_on_while_the_new_ranks_start_then_switches(tmp_path):
+    cluster = FakeCluster(slots=6, start_calls=2)  # a new process takes two step calls to come up
+    d = fake_driver(cluster, fake_job(2, 1), tmp_path)
+    try:
+        d.start()
+        d.train_loop(until=2)
+        bad = d.control.file("scale", tp=3, dp=1)
+        rid = d.control.file("scale", tp=4, dp=1)
+        d.train_loop(until=3)  # served at this boundary: ranks 2 and 3 start, no answer yet
+        assert "valid tp: 1, 2, 4" in d.control.outcomes[bad]["error"]
+        assert d.pending_resize is not None and rid not in d.control.outcomes
+        while d.pending_resize is not None:
+            d.train_loop(until=d.step + 1)
+        assert (d.layout.tp, d.layout.dp) == (4, 1) and d.control.outcomes[rid]["ok"]
+        assert d.step >= 4, "the old layout did not train while the new ranks started"
+        d.train_loop()
+    finally:
+        d.release()
+        d.log.close()
+    assert x_saved(tmp_path) == expected_x(STEPS)
+    (ev,) = events(tmp_path, "resized")
+    assert (ev["old"], ev["new"]) == ({"tp": 2, "dp": 1}, {"tp": 4, "dp": 1}) and 0 < ev["stall_s"] < ev["seconds"]
+    assert not cluster.pgs, "placement groups left after release"
+
+
+def test_a_stop_request_saves_and_answers(tmp_path):
+    d = fake_driver(FakeCluster(slots=2), fake_job(2, 1), tmp_path)
+    try:
+        d.start()
+        d.train_loop(until=3)
+        ctl = d.control
+        rid = ctl.file("stop")
+        d.train_loop()
+    finally:
+        d.release()
+        d.log.close()
+    answer = ctl.outcomes[rid]
+    assert answer["ok"] and answer["step"] == 3 and answer["checkpoint"].endswith("step-00000003")
+    assert events(tmp_path, "stopped")[0]["step"] == 3 and x_saved(tmp_path, 3) == expected_x(3)

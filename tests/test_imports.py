@@ -1,0 +1,100 @@
+"""No import cycles, and each layer imports only the layers below it (Ray's test_circular_imports.py
+does the first the same way: every module imported on its own, nothing of the package loaded before)."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "raytp"
+
+# Who may import whom: a module of a layer imports raytp modules of its own layer or of those listed.
+LAYERS = {
+    "raytp.names": set(), "raytp.seeds": set(),
+    "raytp.model": {"raytp.seeds"},
+    "raytp.parallel": {"raytp.model", "raytp.seeds"},
+    "raytp.train": {"raytp.model", "raytp.parallel", "raytp.seeds"},
+    "raytp.config": {"raytp.names", "raytp.model", "raytp.train"},
+    "raytp.runtime": {"raytp.names", "raytp.model", "raytp.parallel", "raytp.train", "raytp.config"},
+    "raytp.head": {"raytp.names", "raytp.runtime"},
+    "raytp.jobs": {"raytp.names", "raytp.runtime", "raytp.head"},
+    "raytp.cli": {"raytp.names", "raytp.config", "raytp.runtime", "raytp.train", "raytp.model", "raytp.head",
+                  "raytp.jobs"},
+}
+
+
+def modules() -> list[str]:
+    out = []
+    for f in sorted(PKG.rglob("*.py")):
+        if f.name == "__main__.py":  # runs the command line when imported
+            continue
+        parts = list(f.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out.append(".".join(parts))
+    return out
+
+
+def top_level_imports(module: str) -> set[str]:
+    """The raytp modules `module` imports when it is imported (module-level statements only)."""
+    path = PKG.parent / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = PKG.parent / module.replace(".", "/") / "__init__.py"
+    known, found = set(modules()), set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in found if m in known and m.startswith("raytp") and m != module}
+
+
+def layer(module: str) -> str:
+    return max((name for name in LAYERS if module == name or module.startswith(name + ".")), key=len)
+
+
+def test_no_import_cycles():
+    graph = {m: top_level_imports(m) for m in modules()}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(m, path):
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(n):] + [n]))
+            if n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [m])
+
+
+def test_each_layer_imports_only_those_below_it():
+    bad = []
+    for m in modules():
+        if m == "raytp":
+            continue
+        allowed = LAYERS[layer(m)] | {layer(m)}
+        bad += [f"{m} imports {n}" for n in top_level_imports(m) if n != "raytp" and layer(n) not in allowed]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_module_imports_on_its_own():
+    script = (
+        "import importlib, sys\n"
+        f"names = {modules()!r}\n"
+        "failed = []\n"
+        "for name in names:\n"
+        "    for loaded in [m for m in sys.modules if m == 'raytp' or m.startswith('raytp.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as e:\n"
+        "        failed.append(f'{name}: {type(e).__name__}: {e}')\n"
+        "print('\\n'.join(failed))\n"
+        "sys.exit(1 if failed else 0)\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       cwd=PKG.parent)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]

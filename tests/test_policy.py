@@ -1,0 +1,123 @@
+"""The runtime's decisions, as pure functions: no Ray, no processes, microseconds each."""
+import pytest
+
+from helpers import job
+from raytp.config import ConfigError
+from raytp.parallel.layout import Layout
+from raytp.runtime import policy
+
+TP2_DP2 = Layout(2, 2)
+
+
+# -- failures -----------------------------------------------------------------------------------
+def test_nobody_lost_is_an_error_of_the_job_and_too_many_losses_give_up():
+    assert policy.on_failure({}, 0, 3) == policy.JOB_ERROR
+    assert policy.on_failure({1: "died"}, 0, 3) == policy.RECOVER
+    assert policy.on_failure({1: "died", 2: "hung"}, 2, 3) == policy.GIVE_UP  # 4 losses > 3
+    assert policy.on_failure({1: "died"}, 0, 0) == policy.GIVE_UP
+
+
+def test_restore_prefers_a_replica_holding_the_lost_shard():
+    # rank 1 (replica 0, TP rank 1) lost; rank 3 holds the same shard; survivors all at step 7.
+    plan = policy.restore_plan(TP2_DP2, [1], {0: 7, 2: 7, 3: 7}, [("snapshot", 7)])
+    assert [r.source for r in plan] == ["replica", "snapshot", "checkpoint"]
+    assert plan[0].step == 7 and plan[0].targets == (1,) and dict(plan[0].donors) == {1: 3}
+
+
+def test_no_replica_when_a_shard_has_no_survivor_or_survivors_disagree():
+    # the whole of TP rank 1 is gone (ranks 1 and 3): no donor
+    plan = policy.restore_plan(TP2_DP2, [1, 3], {0: 7, 2: 7}, [("snapshot", 7)])
+    assert [r.source for r in plan] == ["snapshot", "checkpoint"]
+    assert plan[0].targets == (1, 3), "survivors at the snapshot's step keep their state"
+    # survivors at different steps: no replica, and everyone rolls back to the snapshot
+    plan = policy.restore_plan(TP2_DP2, [1], {0: 7, 2: 8, 3: 8}, [("snapshot", 7)])
+    assert [r.source for r in plan] == ["snapshot", "checkpoint"] and plan[0].targets == (0, 1, 2, 3)
+
+
+def test_survivors_ahead_of_the_snapshot_roll_back_to_it_and_the_copy_comes_after_it():
+    lay = Layout(4, 1)
+    plan = policy.restore_plan(lay, [2], {0: 9, 1: 9, 3: 9}, [("snapshot", 8), ("snapshot copy", 6)])
+    assert [(r.source, r.step, r.targets) for r in plan] == [
+        ("snapshot", 8, (0, 1, 2, 3)), ("snapshot copy", 6, (0, 1, 2, 3)), ("checkpoint", None, (0, 1, 2, 3))]
+    plan = policy.restore_plan(lay, [2], {0: 8, 1: 8, 3: 8}, [("snapshot", 8)])
+    assert plan[0].targets == (2,)
+    # re-planned after a load that failed midway (completed={}): everyone loads what comes next
+    assert policy.restore_plan(lay, [2], {}, [("snapshot copy", 6)])[0].targets == (0, 1, 2, 3)
+
+
+def test_shrink_keeps_whole_replicas_that_divide_the_batch():
+    lay = Layout(2, 3)
+    completed = {r: 5 for r in range(6) if r not in (2, 3)}
+    s = policy.shrink_decision(lay, [2], completed, min_dp=1, batch_size=8)  # replica 1 broken
+    assert s == policy.Shrink(new_dp=2, keep=(0, 2), step=5)
+    s = policy.shrink_decision(lay, [2], completed, min_dp=1, batch_size=9)  # 2 does not divide 9
+    assert s == policy.Shrink(new_dp=1, keep=(0,), step=5)
+    assert policy.shrink_decision(lay, [2], completed, min_dp=None, batch_size=8) is None  # not elastic
+    assert policy.shrink_decision(lay, [2], completed, min_dp=3, batch_size=8) is None  # floor too high
+    assert policy.shrink_decision(lay, [2], {**completed, 4: 6}, min_dp=1, batch_size=8) is None  # disagree
+
+
+def test_spares_go_to_the_lost_ranks_peers_node_and_a_lost_group_stays_on_one_node():
+    nodes = ["A", "A", "B", "B"]
+    ready = [("s0", "C"), ("s1", "B"), ("s2", "A")]
+    assert policy.choose_spares(TP2_DP2, [3], nodes, ready) == {3: "s1"}  # peer rank 2 is on B
+    assert policy.choose_spares(TP2_DP2, [1], nodes, [("s0", "C")]) == {}  # none on A: starts anew
+    # replica 1 lost whole: two spares of one node, never split over nodes
+    assert policy.choose_spares(TP2_DP2, [2, 3], nodes, [("s0", "C"), ("s1", "D"), ("s2", "D")]) == \
+        {2: "s1", 3: "s2"}
+    assert policy.choose_spares(TP2_DP2, [2, 3], nodes, [("s0", "C"), ("s1", "D")]) == {}
+
+
+# -- resizing -----------------------------------------------------------------------------------
+def test_resized_config_keeps_the_global_batch_and_the_micro_batch():
+    cfg = job(2, 2)  # batch 8: 4 per replica, micro-batch 4
+    new = policy.resized_config(cfg, 4, 1)
+    assert (new.parallel.tp, new.parallel.dp, new.train.batch_size, new.micro_batch) == (4, 1, 8, 4)
+    assert new.grad_accum_steps == 2  # one replica accumulates over the two micro-batches
+    with pytest.raises(ConfigError, match="parallel.tp: 3 does not divide model.n_head=4"):
+        policy.resized_config(cfg, 3, 1)
+
+
+def test_which_ranks_a_resize_keeps_and_starts():
+    tp = policy.tp_resize_ranks(Layout(2, 2), Layout(4, 2))
+    assert (tp.kept, tp.early, tp.late, tp.removed) == ((0, 1), (4, 5, 6, 7), (2, 3), (2, 3))
+    tp = policy.tp_resize_ranks(Layout(4, 1), Layout(1, 2))
+    assert (tp.kept, tp.early, tp.late, tp.removed) == ((0,), (), (1,), (1, 2, 3))
+    dp = policy.dp_resize_ranks(2, 1, 2)
+    assert (dp.kept, dp.early, dp.removed) == ((0, 1), (2, 3), ())
+    dp = policy.dp_resize_ranks(2, 2, 1)
+    assert (dp.kept, dp.early, dp.removed) == ((0, 1), (), (2, 3))
+
+
+def test_grow_back_requests_at_once_waits_while_pending_and_grows_when_placed():
+    assert policy.grow_back(2, 2, False, False) is None
+    assert policy.grow_back(1, 2, False, False) == policy.GROW_REQUEST
+    assert policy.grow_back(1, 2, True, False) == policy.GROW_WAIT
+    assert policy.grow_back(1, 2, True, True) == policy.GROW_NOW
+
+
+# -- the loop -----------------------------------------------------------------------------------
+def test_calls_are_cut_at_evaluations_checkpoints_and_the_end():
+    assert policy.call_length(0, 100, 10, warm=False, eval_every=0, save_every=0) == 1  # the first step shows
+    assert policy.call_length(3, 100, 10, warm=True, eval_every=0, save_every=0) == 10
+    assert policy.call_length(3, 100, 10, warm=True, eval_every=5, save_every=0) == 2
+    assert policy.call_length(3, 100, 10, warm=True, eval_every=0, save_every=4) == 1
+    assert policy.call_length(97, 100, 10, warm=True, eval_every=0, save_every=0) == 3
+
+
+def test_checkpoints_are_due_every_n_steps_and_at_the_end_once():
+    assert policy.checkpoint_due(10, 25, 10, None) and policy.checkpoint_due(25, 25, 10, 20)
+    assert not policy.checkpoint_due(10, 25, 10, 10)  # already saved
+    assert not policy.checkpoint_due(11, 25, 10, None) and not policy.checkpoint_due(0, 25, 10, None)
+    assert not policy.checkpoint_due(25, 25, 0, None)  # checkpoints off
+
+
+def test_the_snapshot_keeper_goes_where_replica_0_is_not():
+    one = Layout(2, 1)
+    assert policy.keeper_node(one, ["A", "A"], ["A", "H"], here="H", current=None) == ("H", None)
+    assert policy.keeper_node(one, ["A", "A"], ["A", "B", "H"], here="A", current=None) == ("B", None)
+    assert policy.keeper_node(one, ["A", "A"], ["A", "B", "H"], here="H", current="B") == ("B", None)
+    node, why = policy.keeper_node(one, ["A", "A"], ["A"], here="A", current=None)
+    assert node is None and "no other node" in why
+    node, why = policy.keeper_node(TP2_DP2, ["A", "A", "B", "B"], ["A", "B"], here="A", current=None)
+    assert node is None and "DP replicas" in why
