@@ -116,7 +116,7 @@ def round_raytp(job_dict: dict, warmup: int, plan: list[int], tag: str,
                     start = d.step
                     t0 = time.perf_counter()
                     if direct:
-                        recs = ray.get([w.train.remote(start, n) for w in d.workers])
+                        recs = ray.get([w.train.remote(start, n) for w in d.group.workers])
                         worker.update((r[0]["step"], max(x["step_time_s"] for x in r)) for r in zip(*recs))
                         d.step += n
                     else:

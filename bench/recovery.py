@@ -86,7 +86,7 @@ def raytp_once(p: dict, tp: int, dp: int, spares: int, run_dir: Path) -> dict:
     if spares:
         _wait(lambda: any(e["kind"] == "spares" and "ready" in e for e in jsonl(run_dir / "events.jsonl")), t)
         k = len(jsonl(run_dir / "metrics.jsonl"))
-    pid = next(w["pid"] for w in d.placement if w["rank"] == KILL_RANK)
+    pid = next(w["pid"] for w in d.group.placement if w["rank"] == KILL_RANK)
     killed = time.time()
     os.kill(pid, signal.SIGKILL)
     t.join(timeout=600)

@@ -139,7 +139,7 @@ def one_run(p: dict, first: int, run_dir: Path, tp: int = 2) -> list[dict]:
             d.train_loop(until=start + p["spc"])  # one streamed call of spc steps (the driver's code path)
             calls.append({"snap": snap, "wall_per_step_s": (time.perf_counter() - t0) / p["spc"], "start": start})
         t0 = time.perf_counter()
-        state = ray.get(d.workers[0].get_state.remote())  # one snapshot's worth, through the object store
+        state = ray.get(d.group.workers[0].get_state.remote())  # one snapshot's worth, through the object store
         get_state_s = time.perf_counter() - t0
     finally:
         close(d)

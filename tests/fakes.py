@@ -14,7 +14,8 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from raytp.runtime.errors import PlacementError
-from raytp.runtime.group import StepRecords, WorkerGroup
+from raytp.runtime.group import WorkerGroup
+from raytp.runtime.streaming import StepRecords
 
 _ids = itertools.count()
 NAME = "ln_f.weight"  # the fake state's one tensor, under a real parameter name (checkpoints read it)

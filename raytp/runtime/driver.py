@@ -23,21 +23,18 @@ from pathlib import Path
 
 from raytp.config import JobConfig
 from raytp.parallel.layout import Layout
-from raytp.runtime import policy, recovery, resize
+from raytp.runtime import policy, recovery, reporting, resize
 from raytp.runtime.checkpoints import Checkpoints
 from raytp.runtime.control import ControlChannel
+from raytp.runtime.elastic import Elastic
 from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
 from raytp.runtime.group import WorkerGroup
 from raytp.runtime.metrics import RunLog
 from raytp.runtime.progress import Progress
-from raytp.runtime.records import Outcome, PendingResize, State, StopRequest
+from raytp.runtime.records import Outcome, State, StopRequest
 from raytp.runtime.snapshots import OffNodeCopy, Snapshots
 from raytp.runtime.spares import Spares
 from raytp.runtime.worker import Worker
-
-
-def layout_dict(lay: Layout) -> dict:
-    return {"tp": lay.tp, "dp": lay.dp}
 
 
 class Driver:
@@ -68,13 +65,10 @@ class Driver:
         self.failures = 0
         self.healing = None            # records.Healing, until the next completed step
         self.resizing = None           # records.Resizing, until the next completed step
-        self.pending_resize: PendingResize | None = None
-        self.growing = None            # records.GrowBack
+        self.elastic = Elastic(cfg.parallel.dp, self._say, self.log)
         self.stop_request: StopRequest | None = None
         self.t_start = time.perf_counter()
-        self.target_dp = cfg.parallel.dp  # an elastic job grows back to this after a shrink
         self.saved_step: int | None = None
-        self.logged = 0  # steps below this have their metrics.jsonl line
         self.stream = None  # the streamed call in flight
 
     # -- the group and what follows from it ----------------------------------------------------
@@ -85,14 +79,6 @@ class Driver:
     @property
     def layout(self) -> Layout:
         return Layout(self.cfg.parallel.tp, self.cfg.parallel.dp)
-
-    @property
-    def workers(self) -> tuple:
-        return self.group.workers if self.group is not None else ()
-
-    @property
-    def placement(self) -> tuple:
-        return self.group.placement if self.group is not None else ()
 
     def adopt(self, group: WorkerGroup) -> None:
         """Switch the job to `group`: the one place the workers, their layout, config and placement change."""
@@ -137,22 +123,15 @@ class Driver:
         self.log.event("started", run=self.run, tp=lay.tp, dp=lay.dp, world_size=lay.world_size,
                        device=cfg.runtime.device, steps=cfg.train.steps)
         self._say(f"placing {lay.world_size} workers ({lay}) ...")
-        pgs = self.group_cls.reserve(cfg, self.run, list(range(lay.dp)))
-        try:
-            launcher = self.group_cls.launcher_cls(self.run, self.worker_cls, evict=self.spares.evict)
-            group = self.group_cls.create(launcher, cfg, pgs)
-        except BaseException:
-            self.group_cls.placer.release(pgs.values())
-            raise
-        self.adopt(group)
+        launcher = self.group_cls.launcher_cls(self.run, self.worker_cls, evict=self.spares.evict)
         # With a state to start from, every worker builds its shard from its slices of it: no seeded init.
-        self.adopt(group.join(setup=range(lay.world_size), state=self.init_state[1] if self.init_state else None))
+        self.adopt(self.group_cls.launch(launcher, cfg, self.init_state[1] if self.init_state else None))
         if cfg.recovery.snapshot_every:
             self.copy.update(self.group, self.snapshots, self.step)  # its keeper starts while the first step runs
         self.spares.start(self.group)  # in the background, like the keeper
         if self.init_state is not None:
             step, _, source = self.init_state
-            self.step = self.logged = step
+            self.step = self.log.next_step = step
             self.log.event("resumed", step=step, source=source)
             self._say(f"starting at step {step} from {source}")
             self.init_state = None  # free the driver's copy
@@ -171,13 +150,14 @@ class Driver:
         end = steps if until is None else min(until, steps)
         progress = Progress(steps, self.out)
         try:
-            while self.step < end or self._final_save_due():
+            while self.step < end or (self.step == steps and policy.checkpoint_due(
+                    steps, steps, self.cfg.checkpoint.every, self.saved_step)):
                 self.handle_requests()
                 self.advance_resize()
-                self._grow_back()
+                self._take(self.elastic.grow(self.group, self.step))
                 self.spares.refill(self.group)
                 if self.stop_request is not None:
-                    self._cancel_resize("the run was stopped")
+                    self._answer(*(self.elastic.cancel(self.group, "the run was stopped") or (None, None)))
                     self.stop()
                     return
                 try:
@@ -185,16 +165,12 @@ class Driver:
                         self._call(end, t_start, progress)
                     else:  # the last step's checkpoint, cut short by a failure: saved after recovery
                         self.save_checkpoint()
+                        self._report()
                 except FAILURES as e:
                     self._recover(e)
                 self.publish()
         finally:
             progress.close()
-
-    def _final_save_due(self) -> bool:
-        cfg = self.cfg
-        return self.step == cfg.train.steps and policy.checkpoint_due(self.step, cfg.train.steps,
-                                                                      cfg.checkpoint.every, self.saved_step)
 
     def _call(self, end: int, t_start: float, progress: Progress) -> None:
         """One streamed call of up to steps_per_call steps, then evaluation and checkpoint if due."""
@@ -210,22 +186,27 @@ class Driver:
             for tp_rank, ref in done.snapshot.items():
                 self.snapshots.add(done.step + 1, tp_rank, ref)
             self.step = done.step + 1
-            self.last = self._record(done.records[0], done.records)
+            self.last = reporting.step_record(done.records[0], done.records, self.cfg, self.layout)
             if self.step == steps or (every and self.step % every == 0):
                 self.last["val_loss"] = self.group.evaluate(self.step)
-            self.log_step(self.last)
+            self.log.metric(self.last)
             if snap:
                 self.copy.update(self.group, self.snapshots, self.step)
-            if self.healing is not None:
-                self._healed()
-            if self.resizing is not None:
-                self._resized()
+            self._report()
         if policy.checkpoint_due(self.step, steps, save_every, self.saved_step):
             self.save_checkpoint()
         if self.first_step is None:
             self.first_step = time.perf_counter() - t_start
             self.log.event("first_step", seconds=self.first_step)
         progress.update(self.last, time.perf_counter() - t_start)
+
+    def _report(self) -> None:
+        """The job went on after a recovery or a resize: log how long that took."""
+        if self.healing is not None:
+            reporting.recovered(self.log, self._say, self.healing, self.step)
+        if self.resizing is not None:
+            reporting.resized(self.log, self._say, self.resizing, self.step)
+        self.healing = self.resizing = None
 
     def _recover(self, error: BaseException) -> None:
         self.state = State.RECOVERING
@@ -240,89 +221,53 @@ class Driver:
             raise
         self.failures += r.failures
         if r.replayed is not None:  # the step the survivors finished as the rank died
-            self.log_step(self._record(r.replayed, [r.replayed]))
+            self.log.metric(reporting.step_record(r.replayed, [r.replayed], self.cfg, self.layout))
         self.adopt(r.group)
         self.step, self.healing = r.step, r.healing
         if r.resizing is not None:
             self.resizing = r.resizing
             self._say(f"no capacity for the lost workers: continuing at {self.layout} (grows back to "
-                      f"DP={self.target_dp} when capacity returns)")
+                      f"DP={self.elastic.target_dp} when capacity returns)")
         self.state = State.RUNNING
 
-    def _healed(self) -> None:
-        """The first completed step after a recovery: log how long it took and what was lost."""
-        h, self.healing = self.healing, None
-        seconds = time.perf_counter() - h.t0
-        self.log.event("recovered", seconds=seconds, lost_steps=h.lost_steps, source=h.source, ranks=list(h.ranks),
-                       step=self.step, spares=list(h.spares))
-        self._say(f"recovered in {seconds:.1f}s from {h.source}, {h.lost_steps} step(s) lost")
-
-    def _resized(self) -> None:
-        """The first completed step after a resize: log it."""
-        r, self.resizing = self.resizing, None
-        now = time.perf_counter()
-        self.log.event("resized", old=layout_dict(r.old), new=layout_dict(r.new), seconds=now - r.t0,
-                       stall_s=now - r.switch_t0, bytes=r.bytes, lost_steps=0, step=self.step, reason=r.reason)
-        if self.log.ray:
-            self.log.ray.set("world_size", self.layout.world_size)
-        self._say(f"resized to {self.layout} in {now - r.t0:.1f}s, training paused {now - r.switch_t0:.1f}s "
-                  f"({r.bytes / 1e6:.1f} MB moved)")
-
     # -- resizing --------------------------------------------------------------------------------
+    @property
+    def pending_resize(self):
+        return self.elastic.pending
+
     def resize(self, tp: int, dp: int) -> Outcome:
         """Move to layout tp x dp now: request, wait for the new ranks, switch (tests, benchmarks)."""
         outcome = self.request_resize(tp, dp)
-        if outcome is not None:
-            return outcome
-        self.group.answered(self.pending_resize.ready, timeout_s=self.cfg.runtime.placement_timeout_s)
-        return self.advance_resize(wait=True)
-
-    def request_resize(self, tp: int, dp: int, request_id: int | None = None) -> Outcome | None:
-        """Begin a resize (raytp.runtime.resize.request); its outcome, or None while its new ranks start
-        (answered to `request_id` when it finishes)."""
-        if self.pending_resize is not None:
-            new = self.pending_resize.new_cfg.parallel
-            return Outcome.refused(f"a resize to TP={new.tp} x DP={new.dp} is in progress")
-        got = resize.request(self.group, tp, dp, self.step, self._say, self.log, request_id)
-        if isinstance(got, resize.Switched):
-            return self._switched(got)
-        if isinstance(got, PendingResize):
-            self.pending_resize = got
-            return self.advance_resize(wait=True) if not got.early else None  # a shrink switches now
-        return got
-
-    def advance_resize(self, wait: bool = False) -> Outcome | None:
-        """At a step boundary: finish the pending resize if it is due (or now, with `wait`)."""
-        p = self.pending_resize
-        if p is None or not (wait or resize.due(self.group, p)):
-            return None
-        self.pending_resize = None
-        self.state = State.RESIZING
-        self.publish()
-        got = resize.finish(self.group, p, self.step)
-        outcome = self._switched(got) if isinstance(got, resize.Switched) else got
-        self.state = State.RUNNING
-        if self.control is not None:
-            self.control.answer(p.request_id, outcome)
+        if outcome is None:
+            self.group.answered(self.elastic.pending.ready, timeout_s=self.cfg.runtime.placement_timeout_s)
+            outcome = self.advance_resize(now=True)
         return outcome
 
-    def _switched(self, sw: "resize.Switched") -> Outcome:
-        self.adopt(sw.group)
-        if sw.resizing is not None:
-            self.resizing = sw.resizing
-        return sw.outcome
+    def request_resize(self, tp: int, dp: int, request_id: int | None = None) -> Outcome | None:
+        """Begin a resize; its outcome, or None while its new ranks start (`request_id` is answered when
+        it finishes). One with nothing to start (a shrink) switches at once."""
+        got = self._take(self.elastic.request(self.group, tp, dp, self.step, request_id))
+        return self.advance_resize() if got is None and self.elastic.due(self.group) else got
 
-    def _cancel_resize(self, why: str) -> None:
-        p, self.pending_resize = self.pending_resize, None
-        if p is not None:
-            outcome = resize.cancel(self.group, p, why)
-            if self.control is not None:
-                self.control.answer(p.request_id, outcome)
+    def advance_resize(self, now: bool = False) -> Outcome | None:
+        """At a step boundary: switch to the pending layout if it is due (or `now`)."""
+        if not self.elastic.due(self.group, now):
+            return None
+        self.state = State.RESIZING
+        self.publish()
+        request_id, got = self.elastic.finish(self.group, self.step)
+        outcome = self._take(got)
+        self.state = State.RUNNING
+        self._answer(request_id, outcome)
+        return outcome
 
-    def _grow_back(self) -> None:
-        self.growing, switched = resize.grow(self.group, self.growing, self.target_dp, self.step, self._say)
-        if switched is not None:
-            self._switched(switched)
+    def _take(self, got):
+        """Adopt the group of a switch (resize.Switched); the outcome."""
+        if isinstance(got, resize.Switched):
+            self.adopt(got.group)
+            self.resizing = got.resizing or self.resizing
+            return got.outcome
+        return got
 
     # -- control ---------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -347,12 +292,11 @@ class Driver:
             if req["kind"] == "stop":
                 self.request_stop(req["id"])
             elif req["kind"] == "scale":
-                outcome = self.request_resize(req["tp"], req["dp"], req["id"])
-                if outcome is not None:  # else answered when the new layout takes over (advance_resize)
-                    self.control.answer(req["id"], outcome)
+                # answered now, or when the new layout takes over (advance_resize)
+                self._answer(req["id"], self.request_resize(req["tp"], req["dp"], req["id"]))
                 self.publish()
             else:
-                self.control.answer(req["id"], Outcome.refused(f"unknown request {req['kind']!r}"))
+                self._answer(req["id"], Outcome.refused(f"unknown request {req['kind']!r}"))
 
     def request_stop(self, request_id: int | None = None, via: str = "control") -> None:
         """Stop at the next step boundary (`raytp stop`, or SIGTERM); answer `request_id` then."""
@@ -367,26 +311,9 @@ class Driver:
             path = self.save_checkpoint()
         self.state = State.STOPPED
         self.log.event("stopped", step=self.step, reason="requested", checkpoint=str(path) if path else None)
-        if self.control is not None:
-            for rid in self.stop_request.ids:
-                self.control.answer(rid, Outcome(ok=True, step=self.step, checkpoint=str(path) if path else None))
+        for rid in self.stop_request.ids:
+            self._answer(rid, Outcome(ok=True, step=self.step, checkpoint=str(path) if path else None))
         self._say(f"stopped at step {self.step} on request" + (f"; checkpoint {path}" if path else ""))
-
-    # -- records ---------------------------------------------------------------------------------
-    def log_step(self, rec: dict) -> None:
-        """One metrics.jsonl line per step: steps replayed after a rollback are not written again."""
-        if rec["step"] >= self.logged:
-            self.log.metric(rec)
-            self.logged = rec["step"] + 1
-
-    def _record(self, rec: dict, all_ranks: list[dict]) -> dict:
-        """metrics.jsonl's line for one step: rank 0's figures, the slowest rank's time."""
-        step_time = max(r["step_time_s"] for r in all_ranks)
-        tokens_per_step = self.cfg.train.batch_size * self.cfg.model.block_size
-        return {"step": rec["step"], "loss": rec["loss"], "lr": rec["lr"], "grad_norm": rec["grad_norm"],
-                "tokens": tokens_per_step * (rec["step"] + 1), "step_time_s": step_time,
-                "tokens_per_s": tokens_per_step / step_time, "comm_s": rec["comm_s"],
-                "tp": self.layout.tp, "dp": self.layout.dp, "time": time.time()}
 
     def logits(self, idx):
         """Full-vocabulary logits of a batch from replica 0 (for checks and tests)."""
@@ -396,15 +323,16 @@ class Driver:
         """Kill the actors and remove the placement groups (idempotent)."""
         if self.group is not None:
             self.group.release()
-            self._cancel_resize("the run ended")
-            if self.growing is not None:
-                self.group.placer.release(self.growing.pgs.values())
-                self.growing = None
+            self._answer(*(self.elastic.release(self.group) or (None, None)))
         self.copy.release()
         self.spares.release()
         if self.control is not None:
             self.control.close()
             self.control = None
+
+    def _answer(self, request_id: int | None, outcome: Outcome | None) -> None:
+        if self.control is not None and request_id is not None and outcome is not None:
+            self.control.answer(request_id, outcome)
 
     def _say(self, msg: str) -> None:
         print(f"[raytp] {msg}", file=self.out, flush=True)

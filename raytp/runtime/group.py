@@ -31,17 +31,9 @@ from ray.exceptions import RayActorError
 from raytp.config.adapters import gpt_config
 from raytp.parallel.layout import Layout
 from raytp.runtime import placement as placements
-from raytp.runtime.errors import StepDeadline
+from raytp.runtime.streaming import StepStream
 from raytp.runtime.launch import Launcher, actor_id
 from raytp.train import checkpoint
-
-
-@dataclass(frozen=True)
-class StepRecords:
-    """What one step of a streamed call brought: each rank's record, and replica 0's snapshot parts."""
-    step: int
-    records: list[dict]
-    snapshot: dict[int, object]  # tp_rank -> ObjectRef of its packed state after this step
 
 
 @dataclass(frozen=True)
@@ -65,6 +57,22 @@ class WorkerGroup:
             workers.append(actor)
             bundles[actor_id(actor)] = key
         return cls(cfg, dict(pgs), tuple(workers), bundles, launcher)
+
+    @classmethod
+    def launch(cls, launcher: Launcher, cfg, state=None) -> "WorkerGroup":
+        """Reserve the placement of `cfg`'s layout, start every rank and join them, each building its
+        shard from its slices of `state` (a one-device state) if given, else seeded. On a failure
+        nothing is left behind."""
+        pgs = cls.reserve(cfg, launcher.run, list(range(cfg.parallel.dp)))
+        group = None
+        try:
+            group = cls.create(launcher, cfg, pgs)
+            return group.join(setup=range(cfg.world_size), state=state)
+        except BaseException:
+            if group is not None:
+                group.kill(range(cfg.world_size))
+            cls.placer.release(pgs.values())
+            raise
 
     @classmethod
     def reserve(cls, cfg, run: str, dp_ranks: list[int], avoid_nodes=frozenset()) -> dict:
@@ -148,8 +156,9 @@ class WorkerGroup:
         return [p.get("node_id") for p in self.placement]
 
     # -- training --------------------------------------------------------------------------------
-    def run_steps(self, start: int, count: int, snapshot_every: int) -> "StepStream":
-        return StepStream(self, start, count, snapshot_every)
+    def run_steps(self, start: int, count: int, snapshot_every: int) -> StepStream:
+        """One streamed call of `count` steps on every worker (iterate it for each step's records)."""
+        return StepStream(self.workers, self.layout, start, count, snapshot_every, self.cfg.runtime.step_timeout_s)
 
     def evaluate(self, step: int) -> float:
         return ray.get([w.evaluate.remote(step) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)[0]
@@ -266,37 +275,3 @@ class WorkerGroup:
         """Kill every worker and remove every placement group of this group (idempotent)."""
         self.kill_actors(self.workers)
         self.placer.release(self.pgs.values())
-
-
-class StepStream:
-    """One streamed call of `count` steps on every worker: iterate for each step's StepRecords.
-    Raises StepDeadline if a step makes no progress within runtime.step_timeout_s, and Ray's
-    errors if a worker dies or aborts. ``partial``: rank 0's record of the step in progress."""
-
-    def __init__(self, group: WorkerGroup, start: int, count: int, snapshot_every: int):
-        self.group, self.start, self.count, self.snap = group, start, count, snapshot_every
-        self.partial: dict | None = None
-        self.streams = [w.run_steps.options(num_returns="streaming").remote(start, count, snapshot_every)
-                        for w in group.workers]
-
-    def __iter__(self):
-        lay, timeout = self.group.layout, self.group.cfg.runtime.step_timeout_s
-        for step in range(self.start, self.start + self.count):
-            recs, parts = [], {}
-            for rank, stream in enumerate(self.streams):
-                recs.append(ray.get(_next(stream, timeout)))
-                self.partial = recs[0]
-                dp_rank, tp_rank = lay.coords(rank)
-                if self.snap and dp_rank == 0 and (step + 1) % self.snap == 0:
-                    parts[tp_rank] = _next(stream, timeout)
-            yield StepRecords(step, recs, parts)
-
-
-def _next(stream, timeout: float):
-    """The next object of a streaming call, or StepDeadline if none comes within `timeout`. The object
-    stays where it was made: fetch_local=False, or every snapshot would be pulled to the driver's
-    node before the next step is taken (a full model's state per step, over the network)."""
-    ready, _ = ray.wait([stream], timeout=timeout, fetch_local=False)
-    if not ready:
-        raise StepDeadline(f"no progress within runtime.step_timeout_s={timeout:g}s")
-    return next(stream)

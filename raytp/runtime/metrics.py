@@ -2,7 +2,7 @@
 
 Every line is flushed as written, so `tail -f` and a crashed run both see
 everything up to the last step. Ray metrics carry the prefix ``raytp_`` and a
-``run`` tag (../shared/INTERFACES.md).
+``run`` tag (the README's "Metrics").
 """
 from __future__ import annotations
 
@@ -59,8 +59,13 @@ class RunLog:
         self._metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self._events = open(self.dir / "events.jsonl", "a", buffering=1)
         self.ray = RayMetrics(run) if ray_metrics else None
+        self.next_step = 0  # steps below this have their metrics.jsonl line (a resumed run starts later)
 
     def metric(self, rec: dict) -> None:
+        """One metrics.jsonl line per step: steps replayed after a rollback are not written again."""
+        if rec["step"] < self.next_step:
+            return
+        self.next_step = rec["step"] + 1
         self._metrics.write(json.dumps(rec) + "\n")
         if self.ray:
             for key, gauge in (("loss", "loss"), ("tokens_per_s", "tokens_per_second"),
