@@ -2,8 +2,7 @@
 (the same GPT under ``torch.distributed.tensor.parallel``), one training step of
 each implementation, and a counter of the collectives a step issues.
 
-Both implementations start from the same full initialisation (``GPT(cfg)``
-after ``torch.manual_seed(SEED)``) and see the same batches, so their losses
+Both implementations start from the same full initialisation (``GPT(cfg, seed=SEED)``) and see the same batches, so their losses
 agree up to float rounding. The one difference of layout: raytp slices the
 fused ``c_attn`` per q/k/v block (rank i holds [q_i; k_i; v_i]), while
 ``ColwiseParallel`` gives rank i a contiguous block of rows; the DTensor model's
@@ -99,8 +98,7 @@ def build_dtensor_gpt(cfg: GPTConfig, tp: int) -> GPT:
     if cfg.vocab_size % tp:
         raise ValueError(f"the DTensor peer needs vocab_size divisible by tp (got {cfg.vocab_size}, tp={tp})")
     mesh = init_device_mesh("cpu", (tp,))
-    torch.manual_seed(SEED)
-    model = GPT(cfg)
+    model = GPT(cfg, seed=SEED)
     _permute_qkv_rows(model, tp)
     # src_data_rank=None: every rank holds the same full init and keeps its slice (no scatter).
     parallelize_module(model, mesh, dtensor_plan(cfg), src_data_rank=None)

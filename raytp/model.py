@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from raytp.initialization import InitRule, no_init, values
 from raytp.seeds import derive_seed
 
 
@@ -164,32 +165,41 @@ class LMLoss(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
+def init_rule(name: str, cfg: GPTConfig) -> InitRule:
+    """GPT-2's initialisation of parameter `name`: N(0, 0.02) for embeddings and weights, scaled by
+    1/sqrt(2 n_layer) for the projections that write into the residual stream; zero biases; LayerNorms
+    at (1, 0). The values themselves come from raytp.initialization (a function of seed and position)."""
+    if ".ln_" in name or name.startswith("ln_f."):
+        return InitRule("ones" if name.endswith(".weight") else "zeros")
+    if name.endswith(".bias"):
+        return InitRule("zeros")
+    if name.endswith("c_proj.weight"):
+        return InitRule("normal", 0.02 / math.sqrt(2 * cfg.n_layer))
+    return InitRule("normal", 0.02)
+
+
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, seed: int | None = None):
+        """A GPT initialised from `seed` (default: a seed drawn from torch's global generator). Built on
+        the meta device (``with torch.device("meta")``), it is shapes only and initialises nothing."""
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = PositionEmbedding(cfg.block_size, cfg.n_embd)
-        self.drop = KeyedDropout(cfg.dropout, 1)
-        self.h = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=1e-5)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        with no_init():
+            self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+            self.wpe = PositionEmbedding(cfg.block_size, cfg.n_embd)
+            self.drop = KeyedDropout(cfg.dropout, 1)
+            self.h = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+            self.ln_f = nn.LayerNorm(cfg.n_embd, eps=1e-5)
+            self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
         self.criterion = LMLoss()
-        self.apply(self._init_weights)
-        # GPT-2's scaled init of the projections that write into the residual stream.
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if self.wte.weight.is_meta:
+            return
+        if seed is None:
+            seed = int(torch.randint(2**62, (1,), device="cpu"))
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(values(name, init_rule(name, cfg), seed, tuple(p.shape)))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx (B, T) token ids -> logits (B, T, V), or the mean loss when targets are given."""

@@ -10,8 +10,9 @@ PKG = Path(__file__).resolve().parents[1] / "raytp"
 # Who may import whom: a module of a layer imports raytp modules of its own layer or of those listed.
 LAYERS = {
     "raytp.names": set(), "raytp.seeds": set(),
-    "raytp.model": {"raytp.seeds"},
-    "raytp.parallel": {"raytp.model", "raytp.seeds"},
+    "raytp.initialization": {"raytp.seeds"},
+    "raytp.model": {"raytp.seeds", "raytp.initialization"},
+    "raytp.parallel": {"raytp.model", "raytp.seeds", "raytp.initialization"},
     "raytp.train": {"raytp.model", "raytp.parallel", "raytp.seeds"},
     "raytp.config": {"raytp.names", "raytp.model", "raytp.train"},
     "raytp.runtime": {"raytp.names", "raytp.model", "raytp.parallel", "raytp.train", "raytp.config"},

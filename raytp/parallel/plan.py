@@ -1,131 +1,79 @@
-"""apply_tp: turn a built one-device GPT into the local shard of one TP rank.
+"""apply_tp: turn a GPT into the local shard of one TP rank.
 
 The plan, in the order it is applied (torchtitan's "parallelize from outside"):
 
 1. token embedding -> VocabParallelEmbedding (rows by vocab, padded to a
    multiple of tp); the LM head becomes a ColumnParallelLinear over the *same*
    vocab shard, so the tie survives; the loss becomes vocab-parallel.
-2. per block: attention q/k/v -> column-parallel by whole heads (q, k and v
-   sliced separately, so rank i owns heads [i*nh/p, (i+1)*nh/p) of each), the
-   output projection -> row-parallel; MLP c_fc -> column-, c_proj -> row-parallel.
+2. per block: attention q/k/v -> column-parallel by whole heads, the output
+   projection -> row-parallel; MLP c_fc -> column-, c_proj -> row-parallel.
 3. with sequence parallelism: position embedding and dropout sites see the
    rank's slice of the sequence.
 
-Weights are *sliced* from the model's full initialisation, so every layout
-starts from the same numbers. ``SHARDING`` describes the slicing of every
-parameter; ``shard_tensor`` / ``unshard_tensors`` apply and invert it, for
-weights and for optimizer state alike (checkpoints and resharding use them).
+How each parameter splits is raytp.parallel.sharding's table. A shard is built
+from a model on the meta device (shapes only) and a *source* of this rank's
+slices: the seeded initialisation, which computes only those slices
+(``build_shard``), or empty storage to load into (``build_empty_shard``); so no
+process ever holds the whole model. Given a materialised one-device model
+instead, ``apply_tp`` cuts the slices out of it.
 """
 from __future__ import annotations
-
-import contextlib
-import math
-import re
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from raytp.model import GPT, GPTConfig
+from raytp.initialization import values
+from raytp.model import GPT, GPTConfig, init_rule
 from raytp.parallel import comm
 from raytp.parallel.layers import (ColumnParallelLinear, RowParallelLinear, SequenceShardedPositionEmbedding,
                                    VocabParallelCrossEntropy, VocabParallelEmbedding)
+from raytp.parallel.sharding import (REPLICATED, SHARDING, Sharding, check_tp, full_size_of, local_shape,  # noqa: F401
+                                     padded_vocab, shard_ranges, shard_tensor, sharding_of, unshard_tensors,
+                                     valid_tp_degrees)
 
 
-@dataclass(frozen=True)
-class Sharding:
-    """How one parameter is split over tp ranks: along `dim` (None = replicated),
-    as `parts` independent blocks (3 for fused q, k, v), padded along dim to a
-    multiple of tp when `pad` is set (the vocabulary)."""
+def apply_tp(model: GPT, group, sequence_parallel: bool = False, source=None) -> GPT:
+    """Make `model` this rank's TP shard, in place; returns it. `group`: the TP process group (None or
+    one rank: nothing is split).
 
-    dim: int | None = None
-    parts: int = 1
-    pad: bool = False
-
-
-REPLICATED = Sharding()
-SHARDING: list[tuple[str, Sharding]] = [  # (regex over parameter names, sharding)
-    (r"(wte|lm_head)\.weight", Sharding(dim=0, pad=True)),
-    (r"h\.\d+\.attn\.c_attn\.(weight|bias)", Sharding(dim=0, parts=3)),
-    (r"h\.\d+\.mlp\.c_fc\.(weight|bias)", Sharding(dim=0)),
-    (r"h\.\d+\.(attn|mlp)\.c_proj\.weight", Sharding(dim=1)),
-]
-
-
-def sharding_of(name: str) -> Sharding:
-    for pattern, s in SHARDING:
-        if re.fullmatch(pattern, name):
-            return s
-    return REPLICATED
-
-
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    return math.ceil(vocab_size / tp) * tp
-
-
-def valid_tp_degrees(cfg: GPTConfig) -> list[int]:
-    g = math.gcd(cfg.n_head, 4 * cfg.n_embd)
-    return [d for d in range(1, g + 1) if g % d == 0]
-
-
-def check_tp(cfg: GPTConfig, tp: int) -> None:
-    """Reject a TP degree that does not divide the heads or the MLP width, naming the valid ones."""
-    bad = [f"{what}={n}" for what, n in (("n_head", cfg.n_head), ("mlp width 4*n_embd", 4 * cfg.n_embd)) if n % tp]
-    if bad:
-        raise ValueError(f"tp={tp} does not divide {' and '.join(bad)}; valid tp degrees: "
-                         f"{', '.join(map(str, valid_tp_degrees(cfg)))}")
-
-
-def shard_tensor(full: torch.Tensor, s: Sharding, rank: int, tp: int) -> torch.Tensor:
-    """This rank's slice of a full tensor (a copy)."""
-    if s.dim is None or tp == 1:
-        return full.detach().clone()
-    if s.pad and full.shape[s.dim] % tp:
-        pad = [0, 0] * full.dim()
-        pad[2 * (full.dim() - 1 - s.dim) + 1] = padded_vocab(full.shape[s.dim], tp) - full.shape[s.dim]
-        full = nn.functional.pad(full, pad)
-    blocks = [b.chunk(tp, dim=s.dim)[rank] for b in full.chunk(s.parts, dim=s.dim)]
-    return torch.cat(blocks, dim=s.dim).detach().clone()
-
-
-def unshard_tensors(shards: list[torch.Tensor], s: Sharding, full_size: int | None = None) -> torch.Tensor:
-    """Inverse of shard_tensor over all ranks' slices, in one copy; `full_size` drops vocab padding."""
-    if s.dim is None or len(shards) == 1:
-        out = shards[0].detach().clone()
-    else:  # blocks in order: part 0 of every rank, part 1 of every rank, ...
-        per_rank = [sh.detach().chunk(s.parts, dim=s.dim) for sh in shards]
-        out = torch.cat([pr[p] for p in range(s.parts) for pr in per_rank], dim=s.dim)
-    if full_size is not None and s.dim is not None and out.shape[s.dim] != full_size:
-        out = out.narrow(s.dim, 0, full_size).clone()
-    return out
-
-
-def full_size_of(name: str, cfg: GPTConfig) -> int | None:
-    """The unpadded size along the sharded dim, for parameters that are padded."""
-    return cfg.vocab_size if sharding_of(name).pad else None
-
-
-def apply_tp(model: GPT, group, sequence_parallel: bool = False) -> GPT:
-    """Make `model` (a full, initialised GPT) this rank's TP shard, in place; returns it.
-
-    `group` is the TP process group (None or one rank: the model is left as is).
-    """
+    `source(name, full_shape, sharding, rank, tp)` gives this rank's slice of each parameter (a model
+    built on the meta device is shapes only: every parameter comes from the source, so nothing of the
+    whole model is ever allocated). Without a source the slices are cut from the model's own weights."""
     tp, rank = comm.group_size(group), comm.group_rank(group)
-    if tp == 1:
-        return model
-    cfg = model.cfg
-    check_tp(cfg, tp)
+    if tp > 1:
+        check_tp(model.cfg, tp)
+    full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
 
     def sliced(name: str, t: torch.Tensor | None):
-        return None if t is None else shard_tensor(t, sharding_of(name), rank, tp)
+        if t is None:
+            return None
+        if source is not None:
+            return source(name, full_shapes[name], sharding_of(name), rank, tp)
+        return shard_tensor(t, sharding_of(name), rank, tp)
 
+    if tp > 1:
+        _swap_parallel(model, group, sequence_parallel, sliced, rank, tp)
+    if source is not None:  # what is left on meta (the replicated parameters; all of them at tp=1)
+        made: dict[int, nn.Parameter] = {}  # a tied parameter is made once
+        for mod_name, mod in model.named_modules():
+            for leaf, p in list(mod.named_parameters(recurse=False)):
+                if p.is_meta:
+                    if id(p) not in made:
+                        made[id(p)] = nn.Parameter(sliced(f"{mod_name}.{leaf}" if mod_name else leaf, p))
+                    setattr(mod, leaf, made[id(p)])
+    if tp > 1 and sequence_parallel:
+        _sequence_parallel(model, group, rank, tp)
+    return model
+
+
+def _swap_parallel(model: GPT, group, sequence_parallel: bool, sliced, rank: int, tp: int) -> None:
+    cfg = model.cfg
     # 1. vocabulary: embedding, tied head, loss.
     wte = sliced("wte.weight", model.wte.weight)
     start = rank * wte.shape[0]
     model.wte = VocabParallelEmbedding(wte, start, group, sequence_parallel)
     model.lm_head = ColumnParallelLinear(model.wte.weight, None, group, sequence_parallel)
     model.criterion = VocabParallelCrossEntropy(start, cfg.vocab_size, group)
-
     # 2. blocks.
     for i, block in enumerate(model.h):
         for path, cls in (("attn.c_attn", ColumnParallelLinear), ("attn.c_proj", RowParallelLinear),
@@ -137,16 +85,16 @@ def apply_tp(model: GPT, group, sequence_parallel: bool = False) -> GPT:
                                      group, sequence_parallel))
         block.attn.head_offset = rank * cfg.n_head // tp
 
-    # 3. sequence parallelism: the residual stream is split along T.
-    if sequence_parallel:
-        model.wpe = SequenceShardedPositionEmbedding(model.wpe.weight.detach(), group)
-        for m in model.modules():
-            if isinstance(m, nn.LayerNorm):
-                for p in m.parameters():
-                    p.sequence_parallel = True
-        for d in [model.drop] + [b.attn.resid_dropout for b in model.h] + [b.mlp.dropout for b in model.h]:
-            d.shard = (comm.SEQ_DIM, rank, tp)
-    return model
+
+def _sequence_parallel(model: GPT, group, rank: int, tp: int) -> None:
+    """3. sequence parallelism: the residual stream is split along T."""
+    model.wpe = SequenceShardedPositionEmbedding(model.wpe.weight.detach(), group)
+    for m in model.modules():
+        if isinstance(m, nn.LayerNorm):
+            for p in m.parameters():
+                p.sequence_parallel = True
+    for d in [model.drop] + [b.attn.resid_dropout for b in model.h] + [b.mlp.dropout for b in model.h]:
+        d.shard = (comm.SEQ_DIM, rank, tp)
 
 
 def rebind_groups(model: nn.Module, group) -> None:
@@ -156,34 +104,36 @@ def rebind_groups(model: nn.Module, group) -> None:
             m.group = group
 
 
-def build_shard(cfg: GPTConfig, seed: int, group, sequence_parallel: bool = False) -> GPT:
-    """The local shard of a GPT initialised from `seed`: same numbers at every layout."""
-    torch.manual_seed(seed)
-    return apply_tp(GPT(cfg), group, sequence_parallel)
-
-
-@contextlib.contextmanager
-def _no_init():
-    """torch.nn.init's in-place initialisers as no-ops: modules built inside keep torch.empty storage."""
-    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
-    saved = {n: getattr(nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(nn.init, n, lambda t, *a, **k: t)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(nn.init, n, f)
+def build_shard(cfg: GPTConfig, seed: int, group, sequence_parallel: bool = False,
+                device: torch.device | str = "cpu") -> GPT:
+    """The local shard of a GPT initialised from `seed`, on `device`: only this rank's slices are
+    computed (raytp.initialization), and they are GPT(cfg, seed)'s numbers there, at every TP degree."""
+    def initial(name, full_shape, s, rank, tp):
+        rule = init_rule(name, cfg)
+        if s.dim is None or tp == 1:
+            return values(name, rule, seed, full_shape).to(device)
+        region = [slice(0, n) for n in full_shape]
+        parts = []
+        for r in shard_ranges(s, full_shape[s.dim], rank, tp):
+            region[s.dim] = slice(r.start, r.stop)
+            parts.append(values(name, rule, seed, full_shape, tuple(region)))
+        return torch.cat(parts, dim=s.dim).to(device)
+    return _shard_of_meta(cfg, group, sequence_parallel, initial)
 
 
 def build_empty_shard(cfg: GPTConfig, group, sequence_parallel: bool = False,
                       device: torch.device | str = "cpu") -> GPT:
     """The local shard as build_shard makes it, on `device`, with UNINITIALISED weights: for a shard
-    whose state is loaded right after (a resize). It skips the seeded initialisation of the whole
-    one-device model (the RNG work; the slicing copies remain, of uninitialised memory). Not the meta
-    device: its first use in a process loads torch's Python meta kernels, seconds under load."""
-    with torch.device(device), _no_init():
-        return apply_tp(GPT(cfg), group, sequence_parallel)
+    whose state is loaded right after (a resume, a resize)."""
+    def empty(name, full_shape, s, rank, tp):
+        return torch.empty(local_shape(s, full_shape, tp), device=device)
+    return _shard_of_meta(cfg, group, sequence_parallel, empty)
+
+
+def _shard_of_meta(cfg: GPTConfig, group, sequence_parallel: bool, source) -> GPT:
+    with torch.device("meta"):
+        model = GPT(cfg)  # shapes only: builds no tensor and runs no op
+    return apply_tp(model, group, sequence_parallel, source)
 
 
 @torch.no_grad()

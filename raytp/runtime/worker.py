@@ -86,7 +86,7 @@ class Worker:
                                           self.cfg.runtime.collective_timeout_s)
         if full is None:
             self.model = build_shard(gpt_config(self.cfg), self.cfg.train.seed, self.groups.tp,
-                                     self.cfg.parallel.sequence_parallel).to(self.device)
+                                     self.cfg.parallel.sequence_parallel, self.device)
             self.hyper = hyper(self.cfg)
             self.optimizer = make_optimizer(self.model, self.hyper)
         else:

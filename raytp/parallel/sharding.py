@@ -1,0 +1,116 @@
+"""How every parameter is split over TP ranks: one table for slicing, checkpoints, resharding and norms.
+
+``SHARDING`` maps parameter names to a ``Sharding``: the dim it is split along
+(None: replicated), in how many independent blocks (3 for fused q, k, v: rank i
+holds heads [i*nh/p, (i+1)*nh/p) of each), and whether that dim is padded to a
+multiple of tp (the vocabulary; padded rows get no probability). From it,
+``shard_ranges`` says which positions a rank holds, and ``shard_tensor`` /
+``unshard_tensors`` apply and invert the split, for weights and optimizer
+state alike. Pure: no process groups.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from raytp.model import GPTConfig
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How one parameter is split over tp ranks: along `dim` (None = replicated),
+    as `parts` independent blocks (3 for fused q, k, v), padded along dim to a
+    multiple of tp when `pad` is set (the vocabulary)."""
+
+    dim: int | None = None
+    parts: int = 1
+    pad: bool = False
+
+
+REPLICATED = Sharding()
+SHARDING: list[tuple[str, Sharding]] = [  # (regex over parameter names, sharding)
+    (r"(wte|lm_head)\.weight", Sharding(dim=0, pad=True)),
+    (r"h\.\d+\.attn\.c_attn\.(weight|bias)", Sharding(dim=0, parts=3)),
+    (r"h\.\d+\.mlp\.c_fc\.(weight|bias)", Sharding(dim=0)),
+    (r"h\.\d+\.(attn|mlp)\.c_proj\.weight", Sharding(dim=1)),
+]
+
+
+def sharding_of(name: str) -> Sharding:
+    for pattern, s in SHARDING:
+        if re.fullmatch(pattern, name):
+            return s
+    return REPLICATED
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    return math.ceil(vocab_size / tp) * tp
+
+
+def valid_tp_degrees(cfg: GPTConfig) -> list[int]:
+    g = math.gcd(cfg.n_head, 4 * cfg.n_embd)
+    return [d for d in range(1, g + 1) if g % d == 0]
+
+
+def check_tp(cfg: GPTConfig, tp: int) -> None:
+    """Reject a TP degree that does not divide the heads or the MLP width, naming the valid ones."""
+    bad = [f"{what}={n}" for what, n in (("n_head", cfg.n_head), ("mlp width 4*n_embd", 4 * cfg.n_embd)) if n % tp]
+    if bad:
+        raise ValueError(f"tp={tp} does not divide {' and '.join(bad)}; valid tp degrees: "
+                         f"{', '.join(map(str, valid_tp_degrees(cfg)))}")
+
+
+def full_size_of(name: str, cfg: GPTConfig) -> int | None:
+    """The unpadded size along the sharded dim, for parameters that are padded."""
+    return cfg.vocab_size if sharding_of(name).pad else None
+
+
+def shard_ranges(s: Sharding, size: int, rank: int, tp: int) -> list[range]:
+    """The positions along s.dim, of a parameter `size` long there, that TP rank `rank` of `tp` holds, in
+    its local order: one range, or one per part (q, k, v). With padding, positions >= size are padding."""
+    if s.dim is None or tp == 1:
+        return [range(size)]
+    if s.pad:
+        chunk = padded_vocab(size, tp) // tp
+        return [range(rank * chunk, (rank + 1) * chunk)]
+    block = size // s.parts
+    chunk = block // tp
+    return [range(p * block + rank * chunk, p * block + (rank + 1) * chunk) for p in range(s.parts)]
+
+
+def local_shape(s: Sharding, full_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The shape of one rank's shard of a parameter of `full_shape`."""
+    if s.dim is None or tp == 1:
+        return tuple(full_shape)
+    shape = list(full_shape)
+    shape[s.dim] = sum(len(r) for r in shard_ranges(s, full_shape[s.dim], 0, tp))
+    return tuple(shape)
+
+
+def shard_tensor(full: torch.Tensor, s: Sharding, rank: int, tp: int) -> torch.Tensor:
+    """This rank's slice of a full tensor (a copy; padding positions are zeros)."""
+    if s.dim is None or tp == 1:
+        return full.detach().clone()
+    n = full.shape[s.dim]
+    out = full.new_zeros(local_shape(s, tuple(full.shape), tp))
+    at = 0
+    for r in shard_ranges(s, n, rank, tp):
+        real = max(min(r.stop, n) - r.start, 0)
+        out.narrow(s.dim, at, real).copy_(full.detach().narrow(s.dim, r.start, real))
+        at += len(r)
+    return out
+
+
+def unshard_tensors(shards: list[torch.Tensor], s: Sharding, full_size: int | None = None) -> torch.Tensor:
+    """Inverse of shard_tensor over all ranks' slices, in one copy; `full_size` drops vocab padding."""
+    if s.dim is None or len(shards) == 1:
+        out = shards[0].detach().clone()
+    else:  # blocks in order: part 0 of every rank, part 1 of every rank, ...
+        per_rank = [sh.detach().chunk(s.parts, dim=s.dim) for sh in shards]
+        out = torch.cat([pr[p] for p in range(s.parts) for pr in per_rank], dim=s.dim)
+    if full_size is not None and s.dim is not None and out.shape[s.dim] != full_size:
+        out = out.narrow(s.dim, 0, full_size).clone()
+    return out
