@@ -20,6 +20,7 @@ at every TP degree and a replayed step reproduces bit for bit.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
 
@@ -31,7 +32,7 @@ from raytp.initialization import InitRule, no_init, values
 from raytp.seeds import derive_seed
 
 
-MODEL_FORMAT = "raytp-model/1"
+MODEL_FORMAT, MODEL_FORMAT_V1 = "raytp-model/2", "raytp-model/1"  # 2: safetensors; 1: a torch pickle
 
 
 @dataclass(frozen=True)
@@ -216,9 +217,20 @@ class GPT(nn.Module):
 
     @classmethod
     def load(cls, path, map_location="cpu") -> "GPT":
-        """A GPT from a file written by `raytp export` (one device, no Ray, no process group)."""
+        """A GPT from a file written by `raytp export` (one device, no Ray, no process group): a
+        safetensors file whose metadata holds the config (format 2), or a format-1 torch file."""
+        with open(path, "rb") as f:
+            head = f.read(9)
+        if len(head) == 9 and head[8:9] == b"{":  # safetensors: an 8-byte length, then the JSON header
+            from safetensors import safe_open
+            with safe_open(str(path), framework="pt", device=str(map_location)) as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != MODEL_FORMAT:
+                    raise ValueError(f"{path}: not a raytp model file (format {MODEL_FORMAT!r})")
+                state = {k: f.get_tensor(k) for k in f.keys()}
+            return cls.from_state_dict(GPTConfig(**json.loads(meta["config"])), state, where=str(path)).eval()
         blob = torch.load(path, map_location=map_location, weights_only=True)
-        if not isinstance(blob, dict) or blob.get("format") != MODEL_FORMAT:
+        if not isinstance(blob, dict) or blob.get("format") != MODEL_FORMAT_V1:
             raise ValueError(f"{path}: not a raytp model file (format {MODEL_FORMAT!r})")
         return cls.from_state_dict(GPTConfig(**blob["config"]), blob["model"], where=str(path)).eval()
 
@@ -236,9 +248,10 @@ class GPT(nn.Module):
         return model
 
     def save(self, path) -> None:
-        """Write this (one-device) model as a file `GPT.load` reads."""
-        state = {k: v for k, v in self.state_dict().items() if k != "lm_head.weight"}
-        torch.save({"format": MODEL_FORMAT, "config": asdict(self.cfg), "model": state}, path)
+        """Write this (one-device) model as a file `GPT.load` reads (safetensors)."""
+        from safetensors.torch import save_file
+        state = {k: v.contiguous() for k, v in self.state_dict().items() if k != "lm_head.weight"}
+        save_file(state, str(path), metadata={"format": MODEL_FORMAT, "config": json.dumps(asdict(self.cfg))})
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -212,7 +212,7 @@ class FakeGroup(WorkerGroup):
 
     @staticmethod
     def answered(refs, timeout_s=0.0):
-        return all(r.value.up for r in refs)
+        return all(r.value.up if isinstance(r.value, FakeActor) else r.done() for r in refs)
 
     def ready(self, ranks, timeout_s):
         return all(self.workers[r].up for r in ranks)
@@ -227,9 +227,26 @@ class FakeGroup(WorkerGroup):
     def fetch(self, refs):
         return [r.value for r in refs]
 
-    def set_state(self, full):
+    def begin_save(self, url, directory):
+        """Each rank of replica 0 writes its file (the fake state: one replicated tensor) at once."""
+        from raytp.train import checkpoint
+        from raytp.train.storage import Storage
+        ranks = range(self.layout.tp)
+        tensors = [checkpoint.state_tensors(state_of(self.workers[r].x)) for r in ranks]
+        results = [Ref(checkpoint.write_shard(Storage(url), directory, tensors[r], r)) for r in ranks]
+        return checkpoint.tensor_table(tensors[0], self.layout.tp, self.cfg.model.vocab_size), results
+
+    def load_source(self, source, step):
+        from raytp.train.checkpoint import open_checkpoint
+        from raytp.train.storage import Storage
+        x = open_checkpoint(Storage(source.url), source.directory, source.manifest).read(f"model/{NAME}", 0, 1)
         for w in self.workers:
-            w.x = full["model"][NAME].item()
+            w.x, w.completed = x.item(), step
+
+    def write_snapshot(self, url, directory, parts):
+        from raytp.runtime.checkpoints import write_part
+        return [write_part(url, directory, t, ref.value, self.layout.tp, self.cfg.model.vocab_size)
+                for t, ref in enumerate(parts)]
 
     def copy_shards(self, donors, step):
         for r, d in donors.items():

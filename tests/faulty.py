@@ -8,7 +8,7 @@ from raytp.runtime.worker import Worker
 
 
 class DiesInSave(Worker):
-    """Rank 1 exits inside its first get_state at step 8 (once per test, via a marker file)."""
+    """Rank 1 exits as it begins its file of the checkpoint of step 8 (once per test, via a marker file)."""
 
     marker = ""
 
@@ -16,11 +16,11 @@ class DiesInSave(Worker):
         super().__init__(job, rank)
         self.marker_path = type(self).marker
 
-    def get_state(self):
+    def begin_save(self, url, directory):
         if self.rank == 1 and self.completed == 8 and not os.path.exists(self.marker_path):
             open(self.marker_path, "w").close()
             os._exit(1)
-        return super().get_state()
+        return super().begin_save(url, directory)
 
 
 class DiesInResizeSetup(Worker):
@@ -32,11 +32,11 @@ class DiesInResizeSetup(Worker):
         super().__init__(job, rank)
         self.marker_path = type(self).marker
 
-    def setup(self, tp, dp, init_method, full=None):
-        if full is not None and self.rank == 2 and not os.path.exists(self.marker_path):
+    def setup(self, tp, dp, init_method, source=None):
+        if source is not None and self.rank == 2 and not os.path.exists(self.marker_path):
             open(self.marker_path, "w").close()
             os._exit(1)
-        return super().setup(tp, dp, init_method, full)
+        return super().setup(tp, dp, init_method, source)
 
 
 class Slow(Worker):

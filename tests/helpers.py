@@ -60,8 +60,22 @@ def steps_logged(run_dir):
         return 0
 
 
+def full_state(location) -> dict:
+    """The one-device state ({"model", "optim"}) of the checkpoint at `location` (or the newest under it)."""
+    ckpt = checkpoint.find(str(location))
+    out: dict = {"model": {}, "optim": {}}
+    for key in ckpt.keys():
+        section, name, *k = key.split("/")
+        t = ckpt.read(key, 0, 1)
+        if section == "model":
+            out["model"][name] = t
+        else:
+            out["optim"].setdefault(name, {})[k[0]] = t
+    return out
+
+
 def final_state(run_dir, steps=RECOVERY_STEPS):
-    return checkpoint.load(run_dir / "checkpoints" / f"step-{steps:08d}")[1]
+    return full_state(run_dir / "checkpoints" / checkpoint.step_dir(steps))
 
 
 def assert_bitwise_equal(a, b):
@@ -150,7 +164,47 @@ def gpu_cluster(gpu_nodes: int, system_config: dict | None = None):
         cluster.shutdown()
 
 
-# -- states without Ray -----------------------------------------------------------------------------
+# -- states and checkpoints without Ray -------------------------------------------------------------
+class Events:
+    def __init__(self):
+        self.seen = []
+
+    def event(self, kind, **fields):
+        self.seen.append({"kind": kind, **fields})
+
+
+class ShardsGroup:
+    """What raytp.runtime.checkpoints asks of a worker group, for shards held in this process: each
+    rank's file written at once (the tests of the format and of the commit need no Ray)."""
+
+    def __init__(self, shards: list[dict], model_cfg, dp: int = 1):
+        self.shards = shards
+        self.cfg = from_dict({"model": {k: v for k, v in model_cfg.__dict__.items()},
+                              "parallel": {"tp": len(shards), "dp": dp}})
+
+    def begin_save(self, url, directory):
+        from raytp.train.storage import Storage
+        tensors = [checkpoint.state_tensors(sh) for sh in self.shards]
+        results = [checkpoint.write_shard(Storage(url), directory, t, r) for r, t in enumerate(tensors)]
+        return checkpoint.tensor_table(tensors[0], len(self.shards), self.cfg.model.vocab_size), results
+
+    @staticmethod
+    def answered(refs, timeout_s=0.0):
+        return True
+
+    @staticmethod
+    def fetch(refs):
+        return list(refs)
+
+
+def save_shards(root, step, shards, model_cfg, dp=1, keep=3):
+    """Save per-rank shard states as the driver and its workers do; the checkpoint's path."""
+    from raytp.runtime.checkpoints import Checkpoints
+    ckpts = Checkpoints(str(root), keep, Events())
+    group = ShardsGroup(shards, model_cfg, dp)
+    ckpts.begin(group, step)
+    return ckpts.finish(group)
+
 def small_state(tp):
     """A trained-looking state as TP shards, without Ray: for the on-disk tests."""
     from raytp.model import GPT, GPTConfig
@@ -160,5 +214,6 @@ def small_state(tp):
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randint(37, (2, 8)), torch.randint(37, (2, 8))).backward()
     opt.step()
-    full = checkpoint.shard_state(model, opt)
-    return cfg, full, [checkpoint.slice_state(full, r, tp) for r in range(tp)]
+    from raytp.train.shard_state import shard_state, slice_state
+    full = shard_state(model, opt)
+    return cfg, full, [slice_state(full, r, tp) for r in range(tp)]

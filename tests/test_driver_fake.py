@@ -30,7 +30,7 @@ def fake_job(tp, dp, recovery=None, min_dp=None, **kw):
 
 
 def x_saved(run_dir, step=STEPS):
-    return checkpoint.load(run_dir / "checkpoints" / f"step-{step:08d}")[1]["model"][NAME].item()
+    return checkpoint.find(str(run_dir / "checkpoints" / checkpoint.step_dir(step))).read(f"model/{NAME}", 0, 1).item()
 
 
 def metric_steps(run_dir):

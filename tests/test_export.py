@@ -7,8 +7,7 @@ import torch
 
 from raytp.model import GPT
 from raytp.runtime.origin import starting_state
-from raytp.train import checkpoint
-from helpers import FIXED, close, drive, job
+from helpers import FIXED, close, drive, full_state, job
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,7 +43,7 @@ def test_hf_export_loads_in_transformers_with_same_logits_and_greedy_text(traine
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         assert float((hf(FIXED).logits - sharded_logits).abs().max()) < 1e-5
-        ours = GPT.from_state_dict(hf_cfg(tmp_path / "hf"), checkpoint.load_latest(run_dir)[2]["model"]).eval()
+        ours = GPT.from_state_dict(hf_cfg(tmp_path / "hf"), full_state(run_dir)["model"]).eval()
         prompt = FIXED[:1, :8]
         theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert torch.equal(ours.generate(prompt, 12, temperature=0.0), theirs)

@@ -112,27 +112,24 @@ def _stop_on_sigterm(driver) -> None:
 
 
 @main.command()
-@click.argument("source", type=click.Path(exists=True))
+@click.argument("source")
 @click.option("--out", required=True, type=click.Path(), help="Output file (raytp) or directory (hf).")
 @click.option("--format", "fmt", type=click.Choice(["raytp", "hf"]), default="raytp", show_default=True,
               help="raytp: one file raytp.model.GPT.load reads; hf: a GPT-2 directory for transformers.")
 def export(source, out, fmt):
-    """Write one unsharded model from SOURCE (a run dir or a checkpoint dir)."""
-    from raytp.model import GPT, GPTConfig
+    """Write one unsharded model from SOURCE (a run dir, a checkpoint dir, or a URL of either), tensor by tensor."""
     from raytp.train import checkpoint
     try:
-        ckpt, manifest, full = checkpoint.load_latest(
-            Path(source), warn=lambda m: click.echo(f"[raytp] warning: {m}", err=True))
+        ckpt = checkpoint.find(source, warn=lambda m: click.echo(f"[raytp] warning: {m}", err=True))
+        if fmt == "hf":
+            from raytp.train import hf
+            hf.save(ckpt, Path(out))
+        else:
+            from raytp.train.export import write_model
+            write_model(ckpt, Path(out))
     except checkpoint.CheckpointError as e:
         fail(e, 1)
-    cfg = GPTConfig(**manifest["model"])
-    if fmt == "hf":
-        from raytp.train import hf
-        hf.save_hf(full["model"], cfg, Path(out))
-    else:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        GPT.from_state_dict(cfg, full["model"], where=str(ckpt)).save(out)
-    click.echo(f"[raytp] exported step {manifest['step']} of {ckpt} ({fmt}) to {out}", err=True)
+    click.echo(f"[raytp] exported step {ckpt.step} of {ckpt.where} ({fmt}) to {out}", err=True)
 
 
 @main.command()

@@ -1,49 +1,144 @@
-"""A run's checkpoints, as the runtime sees them: saving one from a group, restoring a group from one.
+"""A run's checkpoints as the driver keeps them: where they go, the save in flight, committing it.
 
-The format (directories, manifest, atomic commit) is raytp.train.checkpoint's;
-this is where the runtime decides what goes in and where: the root
-(``checkpoint.dir``, default <run dir>/checkpoints), how many are kept, and
-the ``checkpoint`` event of each save.
+The workers write (raytp.runtime.background_save): at a step boundary the driver
+asks replica 0's ranks to ``begin_save`` into the checkpoint's directory and
+training goes on; at the next boundaries it looks whether every rank's file is
+written, and then commits: the manifest (from what each rank reports: its
+file's size, rank 0's tensor table) written last, then, on a filesystem, the
+rename of the hidden temporary directory into place. The driver never holds a
+tensor. A failure before the commit leaves no checkpoint of that step (a
+directory without a manifest, removed by the next save's pruning) and every
+earlier one whole. ``restore`` has every worker read its slices of the newest
+one; ``save_snapshot`` writes the newest in-memory snapshot from the object
+store by tasks of their own (when the workers are gone).
 """
 from __future__ import annotations
 
 import time
-from pathlib import Path
+import uuid
+from dataclasses import dataclass
+
+import ray
 
 from raytp.config.adapters import gpt_config
 from raytp.train import checkpoint
+from raytp.train.sources import CheckpointSource
+from raytp.train.storage import Storage
+
+
+@dataclass
+class PendingSave:
+    step: int
+    directory: str            # where the files go (a hidden temporary one on a filesystem)
+    table: dict               # tensor table reported by TP rank 0
+    results: list             # one ref per writing rank: {"file", "bytes"} once written
+    cfg: object               # the job at the layout that wrote it
+    t0: float
 
 
 class Checkpoints:
-    def __init__(self, root: Path, keep: int, log):
-        self.root, self.keep, self.log = Path(root), keep, log
+    def __init__(self, url: str, keep: int, log):
+        self.storage, self.keep, self.log = Storage(url), keep, log
+        self.pending: PendingSave | None = None
+        self.committed: int | None = None  # step of the newest checkpoint this run committed
 
-    def save(self, group, step: int, shards: list[dict] | None = None) -> Path:
-        """Write replica 0's shards (or the given ones) of `group` as the checkpoint of `step`."""
-        t0 = time.perf_counter()
-        lay = group.layout
-        path = checkpoint.save(self.root, step, shards or group.shard_states(), gpt_config(group.cfg), lay.tp,
-                               lay.dp, self.keep)
-        size = sum(f.stat().st_size for f in path.iterdir())
-        self.log.event("checkpoint", step=step, path=str(path), bytes=size, seconds=time.perf_counter() - t0)
+    @property
+    def last_step(self) -> int | None:
+        """The step last saved or being saved (no second save of it is due)."""
+        return self.pending.step if self.pending is not None else self.committed
+
+    def begin(self, group, step: int) -> None:
+        """Have replica 0's ranks start writing the checkpoint of `step` (returns at once)."""
+        if self.pending is not None:
+            self.finish(group)
+        name = checkpoint.step_dir(step)
+        directory = f".tmp-{name}-{uuid.uuid4().hex[:8]}" if self.storage.local else name
+        if not self.storage.local:
+            self.storage.remove(directory)  # what a save of this step cut short left
+        self.storage.makedirs(directory)
+        table, results = group.begin_save(self.storage.url, directory)
+        self.pending = PendingSave(step, directory, table, results, group.cfg, time.perf_counter())
+
+    def poll(self, group) -> None:
+        """Commit the save in flight if every rank has written its file (never waits)."""
+        if self.pending is not None and group.answered(self.pending.results):
+            self.finish(group)
+
+    def finish(self, group) -> str | None:
+        """Wait for the save in flight and commit it; its path."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return None
+        try:
+            written = group.fetch(p.results)
+        except BaseException:
+            self.storage.remove(p.directory)  # what was written of it: no checkpoint of that step
+            raise
+        files = {w["file"]: w["bytes"] for w in written}
+        lay = p.cfg.parallel
+        m = checkpoint.manifest(p.step, gpt_config(p.cfg), lay.tp, lay.dp, files, p.table)
+        path = self._commit(p.directory, p.step, m)
+        self.log.event("checkpoint", step=p.step, path=path, bytes=sum(files.values()),
+                       seconds=time.perf_counter() - p.t0)
         return path
 
-    def save_snapshot(self, group, step: int, parts: list) -> Path:
-        """Write a snapshot (one ref per TP rank of `group`'s layout) as the checkpoint of `step`."""
-        return self.save(group, step, [checkpoint.unpack_state(p) for p in group.fetch(parts)])
+    def drop(self) -> None:
+        """Forget the save in flight (a worker was lost): no checkpoint of that step."""
+        p, self.pending = self.pending, None
+        if p is not None:
+            try:
+                self.storage.remove(p.directory)
+            except Exception:  # noqa: BLE001 - the next save's pruning removes it too
+                pass
 
-    def newest_step(self) -> int | None:
-        """The step of the newest checkpoint that looks whole, if any."""
-        found = checkpoint.list_checkpoints(self.root)
-        return int(checkpoint.STEP_DIR.fullmatch(found[-1].name).group(1)) if found else None
+    def _commit(self, directory: str, step: int, m: dict) -> str:
+        import json
+        self.storage.write_bytes(f"{directory}/{checkpoint.MANIFEST}", json.dumps(m, indent=1).encode())
+        final = checkpoint.step_dir(step)
+        if self.storage.local:
+            self.storage.commit_dir(directory, final)
+        checkpoint.prune(self.storage, self.keep)
+        self.committed = step
+        return self.storage.path(final) if self.storage.local else f"{self.storage.url.rstrip('/')}/{final}"
 
-    def newest(self) -> Path | None:
-        found = checkpoint.list_checkpoints(self.root)
-        return found[-1] if found else None
+    # -- reading -------------------------------------------------------------------------------------
+    def newest(self):
+        """The newest whole checkpoint here (a Checkpoint), or None."""
+        try:
+            return checkpoint.find(self.storage.url)
+        except checkpoint.CheckpointError:
+            return None
 
-    def restore(self, group, warn) -> tuple[int, Path]:
-        """Give every worker of `group` its slices of the newest whole checkpoint: (its step, its path).
+    def restore(self, group, warn) -> tuple[int, str]:
+        """Every worker of `group` reads its slices of the newest whole checkpoint: (its step, where).
         Raises CheckpointError if there is none."""
-        path, manifest, full = checkpoint.load_latest(self.root, warn=warn)
-        group.set_state(full)
-        return manifest["step"], path
+        found = checkpoint.find(self.storage.url, warn=warn)
+        group.load_source(CheckpointSource.of(found), found.step)
+        return found.step, found.where
+
+    def save_snapshot(self, group, step: int, parts: list) -> str:
+        """Write a snapshot (one ref per TP rank of `group`'s layout, in the object store) as the checkpoint
+        of `step`, by a task per rank (the workers may be gone); its path."""
+        name = checkpoint.step_dir(step)
+        directory = f".tmp-{name}-{uuid.uuid4().hex[:8]}" if self.storage.local else name
+        self.storage.makedirs(directory)
+        cfg = group.cfg
+        done = group.write_snapshot(self.storage.url, directory, parts)
+        files = {d["file"]: d["bytes"] for d in done}
+        m = checkpoint.manifest(step, gpt_config(cfg), cfg.parallel.tp, cfg.parallel.dp, files, done[0]["table"])
+        path = self._commit(directory, step, m)
+        self.log.event("checkpoint", step=step, path=path, bytes=sum(files.values()), seconds=0.0,
+                       source="snapshot")
+        return path
+
+
+def write_part(url: str, directory: str, tp_rank: int, packed, tp: int, vocab_size: int) -> dict:
+    """TP rank `tp_rank`'s file of a checkpoint from its packed snapshot (run as a task: write_part_task)."""
+    from raytp.train.shard_state import unpack_state
+    tensors = checkpoint.state_tensors(unpack_state(packed))
+    out = checkpoint.write_shard(Storage(url), directory, tensors, tp_rank)
+    out["table"] = checkpoint.tensor_table(tensors, tp, vocab_size) if tp_rank == 0 else None
+    return out
+
+
+write_part_task = ray.remote(num_cpus=0, max_retries=0)(write_part)

@@ -35,6 +35,7 @@ from raytp.runtime.records import Outcome, State, StopRequest
 from raytp.runtime.snapshots import OffNodeCopy, Snapshots
 from raytp.runtime.spares import Spares
 from raytp.runtime.worker import Worker
+from raytp.train.checkpoint import CheckpointError
 
 
 class Driver:
@@ -45,8 +46,9 @@ class Driver:
 
     def __init__(self, cfg: JobConfig, run_dir: Path, run: str, out=sys.stderr, ray_metrics: bool = True,
                  init_state: tuple[int, dict, str] | None = None):
-        """`init_state`: (step, full one-device state, where from) to start from (a checkpoint or a
-        Hugging Face model) instead of the seeded initialisation."""
+        """`init_state`: (step, source, where from) to start from instead of the seeded initialisation:
+        a raytp.train.sources source (a checkpoint, a Hugging Face model) that every worker reads its
+        own slices of."""
         self.job, self.run_dir, self.run = cfg, Path(run_dir), run
         self.init_state = init_state
         self.log = RunLog(self.run_dir, run, ray_metrics)
@@ -60,15 +62,14 @@ class Driver:
         self.snapshots = Snapshots(cfg.parallel.tp)
         self.copy = self.copy_cls(run, self.log)
         self.spares = Spares(run, cfg.recovery.spares, self.log)
-        root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
-        self.checkpoints = Checkpoints(root, cfg.checkpoint.keep, self.log)
+        self.checkpoints = Checkpoints(cfg.checkpoint.dir or str(self.run_dir / "checkpoints"), cfg.checkpoint.keep,
+                                       self.log)
         self.failures = 0
         self.healing = None            # records.Healing, until the next completed step
         self.resizing = None           # records.Resizing, until the next completed step
         self.elastic = Elastic(cfg.parallel.dp, self._say, self.log)
         self.stop_request: StopRequest | None = None
         self.t_start = time.perf_counter()
-        self.saved_step: int | None = None
         self.stream = None  # the streamed call in flight
 
     # -- the group and what follows from it ----------------------------------------------------
@@ -131,16 +132,17 @@ class Driver:
         self.spares.start(self.group)  # in the background, like the keeper
         if self.init_state is not None:
             step, _, source = self.init_state
-            self.step = self.log.next_step = step
+            self.step = self.log.next_step = self.checkpoints.committed = step  # that state is saved already
             self.log.event("resumed", step=step, source=source)
             self._say(f"starting at step {step} from {source}")
             self.init_state = None  # free the driver's copy
         self.state = State.RUNNING
 
-    def save_checkpoint(self) -> Path:
-        path = self.checkpoints.save(self.group, self.step)
-        self.saved_step = self.step
-        return path
+    def save_checkpoint(self) -> str:
+        """Save the step reached and wait for it (in the loop, saves are begun and committed later)."""
+        if self.checkpoints.last_step != self.step:
+            self.checkpoints.begin(self.group, self.step)
+        return self.checkpoints.finish(self.group) or self.checkpoints.newest().where
 
     # -- training --------------------------------------------------------------------------------
     def train_loop(self, t_start: float | None = None, until: int | None = None) -> None:
@@ -151,7 +153,8 @@ class Driver:
         progress = Progress(steps, self.out)
         try:
             while self.step < end or (self.step == steps and policy.checkpoint_due(
-                    steps, steps, self.cfg.checkpoint.every, self.saved_step)):
+                    steps, steps, self.cfg.checkpoint.every, self.checkpoints.last_step)):
+                self.checkpoints.poll(self.group)
                 self.handle_requests()
                 self.advance_resize()
                 self._take(self.elastic.grow(self.group, self.step))
@@ -164,9 +167,11 @@ class Driver:
                     if self.step < end:
                         self._call(end, t_start, progress)
                     else:  # the last step's checkpoint, cut short by a failure: saved after recovery
-                        self.save_checkpoint()
+                        self.checkpoints.begin(self.group, self.step)
+                    if self.step == steps:
+                        self.checkpoints.finish(self.group)  # the run's last checkpoint is whole when it ends
                         self._report()
-                except FAILURES as e:
+                except FAILURES + (CheckpointError,) as e:
                     self._recover(e)
                 self.publish()
         finally:
@@ -179,8 +184,8 @@ class Driver:
         snap = cfg.recovery.snapshot_every
         warm = self.first_step is not None and self.pending_resize is None
         n = policy.call_length(self.step, end, cfg.train.steps_per_call, warm, every, save_every)
-        if policy.checkpoint_due(self.step, steps, save_every, self.saved_step):
-            self.save_checkpoint()  # a save interrupted by a failure, redone after recovery
+        if policy.checkpoint_due(self.step, steps, save_every, self.checkpoints.last_step):
+            self.checkpoints.begin(self.group, self.step)  # a save interrupted by a failure, redone after recovery
         self.stream = self.group.run_steps(self.step, n, snap)
         for done in self.stream:
             for tp_rank, ref in done.snapshot.items():
@@ -193,8 +198,8 @@ class Driver:
             if snap:
                 self.copy.update(self.group, self.snapshots, self.step)
             self._report()
-        if policy.checkpoint_due(self.step, steps, save_every, self.saved_step):
-            self.save_checkpoint()
+        if policy.checkpoint_due(self.step, steps, save_every, self.checkpoints.last_step):
+            self.checkpoints.begin(self.group, self.step)  # written while the next steps run
         if self.first_step is None:
             self.first_step = time.perf_counter() - t_start
             self.log.event("first_step", seconds=self.first_step)
@@ -211,6 +216,11 @@ class Driver:
     def _recover(self, error: BaseException) -> None:
         self.state = State.RECOVERING
         self.publish()
+        try:
+            self.checkpoints.poll(self.group)  # a save every rank finished is still committed
+        except FAILURES + (CheckpointError,):
+            pass
+        self.checkpoints.drop()
         ctx = recovery.RecoveryContext(self.log, self._say, self.spares, self.snapshots, self.copy, self.checkpoints)
         partial = self.stream.partial if self.stream is not None else None
         try:
@@ -306,9 +316,7 @@ class Driver:
     def stop(self) -> None:
         """Stop at this step boundary on request: a checkpoint of the step reached, then release."""
         self.handle_requests()  # a stop filed meanwhile (`raytp stop` sends SIGTERM too) is answered as well
-        path = None
-        if self.step > 0 and self.saved_step != self.step:
-            path = self.save_checkpoint()
+        path = self.save_checkpoint() if self.step > 0 else None
         self.state = State.STOPPED
         self.log.event("stopped", step=self.step, reason="requested", checkpoint=str(path) if path else None)
         for rid in self.stop_request.ids:

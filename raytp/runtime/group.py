@@ -32,8 +32,9 @@ from raytp.config.adapters import gpt_config
 from raytp.parallel.layout import Layout
 from raytp.runtime import placement as placements
 from raytp.runtime.streaming import StepStream
+from raytp.runtime.checkpoints import write_part_task
 from raytp.runtime.launch import Launcher, actor_id
-from raytp.train import checkpoint
+from raytp.train import shard_state
 
 
 @dataclass(frozen=True)
@@ -125,14 +126,15 @@ class WorkerGroup:
     # -- joining ---------------------------------------------------------------------------------
     def join(self, setup: Iterable[int] = (), reshape: Iterable[int] = (), state=None) -> "WorkerGroup":
         """Meet in torch.distributed at rank 0's node and build the TP and DP groups; returns this group
-        with where each rank runs. Ranks in `setup` build their shard (from their slices of `state`, a
-        one-device state or its ref, if given; else seeded), ranks in `reshape` rebuild theirs from
-        their slices of `state`, and every other rank rejoins with the shard it holds."""
+        with where each rank runs. Ranks in `setup` build their shard (from their slices of `state` if
+        given: a raytp.train.sources source, or a one-device state or its ref; else seeded), ranks in
+        `reshape` rebuild theirs from their slices of `state`, and every other rank rejoins with the
+        shard it holds."""
         setup, reshape = set(setup), set(reshape)
         lay, cfg = self.layout, self.cfg
         timeout = cfg.runtime.placement_timeout_s + cfg.runtime.collective_timeout_s
-        if state is not None and not isinstance(state, ray.ObjectRef):
-            state = ray.put(state)  # one copy in the object store, sliced by every worker
+        if isinstance(state, dict):
+            state = ray.put(state)  # a one-device state: one copy in the object store, sliced by every worker
         init_method = ray.get(self.workers[0].rendezvous_address.remote(), timeout=timeout)
         job = cfg.to_dict()
         calls = []
@@ -236,17 +238,29 @@ class WorkerGroup:
 
     def full_state_ref(self):
         """Replica 0's shards joined into the one-device state, put in the object store: (ref, bytes)."""
-        full = checkpoint.unshard_state(self.shard_states(), gpt_config(self.cfg))
-        return ray.put(full), checkpoint.state_bytes(full)
+        full = shard_state.unshard_state(self.shard_states(), gpt_config(self.cfg))
+        return ray.put(full), shard_state.state_bytes(full)
 
     def fetch(self, refs) -> list:
-        """The objects behind `refs`, in this process (e.g. a snapshot to save as a checkpoint)."""
+        """The (small) objects behind `refs`, in this process: what writers report, not tensors."""
         return ray.get(list(refs), timeout=self.cfg.runtime.step_timeout_s)
 
-    def set_state(self, full) -> None:
-        """Every worker takes its slices of a full one-device state (or its ref)."""
-        ref = full if isinstance(full, ray.ObjectRef) else ray.put(full)
-        ray.get([w.set_state.remote(ref) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)
+    def begin_save(self, url: str, directory: str) -> tuple[dict, list]:
+        """Replica 0's ranks start writing their files of a checkpoint (raytp.runtime.checkpoints):
+        (the tensor table, one ref per rank that resolves once its file is written)."""
+        ranks = self.workers[:self.layout.tp]
+        tables = ray.get([w.begin_save.remote(url, directory) for w in ranks], timeout=self.cfg.runtime.step_timeout_s)
+        return tables[0], [w.save_result.remote() for w in ranks]
+
+    def load_source(self, source, step: int) -> None:
+        """Every worker takes its slices of `source` (raytp.train.sources) as the state after `step`."""
+        ray.get([w.load.remote(source, step) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)
+
+    def write_snapshot(self, url: str, directory: str, parts: list) -> list[dict]:
+        """A snapshot's parts (refs, one per TP rank) written as a checkpoint's files, by tasks."""
+        cfg = self.cfg
+        return self.fetch([write_part_task.remote(url, directory, t, ref, cfg.parallel.tp, cfg.model.vocab_size)
+                           for t, ref in enumerate(parts)])
 
     def copy_shards(self, donors: Mapping[int, int], step: int) -> int:
         """Ranks take their shards from donors holding the same ones ({rank: donor rank}), worker to

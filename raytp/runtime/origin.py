@@ -1,6 +1,7 @@
-"""Where a run's first state comes from: a checkpoint (--resume), a GPT-2 directory
-(model.init_from), or the seeded initialisation. Resolved and checked in the
-driver's process before any actor starts, so a bad checkpoint costs nothing."""
+"""Where a run's first state comes from: a checkpoint (--resume), a GPT-2 directory (model.init_from),
+or the seeded initialisation. Resolved and checked in the driver's process before any actor starts
+(manifests and headers only: the driver reads no tensor), so a bad checkpoint costs nothing; every
+worker then reads its own slices (raytp.train.sources)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,29 +10,35 @@ from pathlib import Path
 from raytp import config as config_mod
 from raytp.config.adapters import gpt_config
 from raytp.train import checkpoint
+from raytp.train.sources import CheckpointSource, HFSource
+
+
+def from_checkpoint(location, cfg: config_mod.JobConfig | None = None, warn=None) -> tuple[int, CheckpointSource, str]:
+    """(step, source, where) of the checkpoint at `location` (see raytp.train.checkpoint.find)."""
+    found = checkpoint.find(location, gpt_config(cfg) if cfg is not None else None, warn=warn)
+    return found.step, CheckpointSource.of(found), found.where
 
 
 def starting_state(cfg: config_mod.JobConfig, resume: str | None, run_dir: Path, say=print):
-    """(cfg, init_state) where init_state is (step, full state, source) or None.
+    """(cfg, init_state) where init_state is (step, source, where) or None.
 
-    `resume` is None, "latest" (this run dir's newest whole checkpoint) or a path.
-    With model.init_from, the model's shape comes from the GPT-2 directory and the
-    job is validated again (e.g. tp against its head count). Raises CheckpointError,
-    ValueError or ConfigError.
+    `resume` is None, "latest" (this run's newest whole checkpoint: in checkpoint.dir, or the run dir)
+    or a path or URL. With model.init_from, the model's shape comes from the GPT-2 directory and the job
+    is validated again (e.g. tp against its head count). Raises CheckpointError, ValueError or ConfigError.
     """
     if resume is not None:
-        where = Path(run_dir) if resume == "latest" else Path(resume)
-        ckpt, manifest, full = checkpoint.load_latest(where, gpt_config(cfg), warn=lambda m: say(f"warning: {m}"))
-        lay = manifest["layout"]
-        say(f"resuming from {ckpt} (step {manifest['step']}, saved at TP={lay['tp']} x DP={lay['dp']})")
-        return cfg, (manifest["step"], full, str(ckpt))
+        where = (cfg.checkpoint.dir or str(run_dir)) if resume == "latest" else resume
+        step, source, found = from_checkpoint(where, cfg, warn=lambda m: say(f"warning: {m}"))
+        lay = source.manifest["layout"]
+        say(f"resuming from {found} (step {step}, saved at TP={lay['tp']} x DP={lay['dp']})")
+        return cfg, (step, source, found)
     if cfg.model.init_from:
         from raytp.train import hf
-        shape, state = hf.load_hf(Path(cfg.model.init_from))
+        shape = hf.inspect(Path(cfg.model.init_from))
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(
             cfg.model, n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd,
             block_size=shape.block_size, vocab_size=shape.vocab_size))
         config_mod.validate(cfg, f"{cfg.model.init_from}/config.json")
         say(f"starting from the GPT-2 in {cfg.model.init_from} ({shape})")
-        return cfg, (0, {"model": state}, str(cfg.model.init_from))
+        return cfg, (0, HFSource(str(Path(cfg.model.init_from).resolve())), str(cfg.model.init_from))
     return cfg, None

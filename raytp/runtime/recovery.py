@@ -192,12 +192,12 @@ def give_up(ctx: RecoveryContext, group, reason: str) -> None:
     """Fail with a clear message, leaving a whole checkpoint from the newest snapshot if it is newer."""
     note = ""
     snap = ctx.snapshots.latest()
-    newest = ctx.checkpoints.newest_step()
-    if snap is not None and snap[0] > (newest if newest is not None else -1):
+    newest = ctx.checkpoints.newest()
+    if snap is not None and snap[0] > (newest.step if newest is not None else -1):
         try:
             note = f"; saved the newest snapshot as {ctx.checkpoints.save_snapshot(group, snap[0], snap[1])}"
         except FAILURES + (CheckpointError,) as e:
             note = f"; the newest snapshot could not be saved ({type(e).__name__})"
     elif newest is not None:
-        note = f"; newest checkpoint: {ctx.checkpoints.newest()}"
+        note = f"; newest checkpoint: {newest.where}"
     raise RecoveryFailed(reason + note)

@@ -1,6 +1,6 @@
 """The two reused host buffers a worker packs its snapshots into (pinned on cuda).
 
-A snapshot is packed into one flat buffer (raytp.train.checkpoint.pack_state),
+A snapshot is packed into one flat buffer (raytp.train.shard_state.pack_state),
 which the worker's stream then writes to the object store. Fresh buffers each
 time cost page faults worth as much as the copy itself, so two are kept and
 reused: one may be written out while the next is packed. Each buffer says when
@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from raytp.train import checkpoint
+from raytp.train.shard_state import pack_state
 
 
 class SnapshotBuffer:
@@ -56,8 +56,8 @@ class SnapshotBuffers:
     def pack(self, state: dict, buf: SnapshotBuffer) -> dict:
         """A live_state packed into `buf` (on a side stream on cuda, finished when it returns)."""
         if self.device.type != "cuda":
-            return checkpoint.pack_state(state, out=buf.data)
+            return pack_state(state, out=buf.data)
         if self.copy_stream is None:
             self.copy_stream = torch.cuda.Stream()
         with torch.cuda.stream(self.copy_stream):  # the step synchronized the device: the state is final
-            return checkpoint.pack_state(state, out=buf.data)
+            return pack_state(state, out=buf.data)

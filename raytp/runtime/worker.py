@@ -27,9 +27,13 @@ from raytp.parallel import comm
 from raytp.parallel.groups import destroy_process_groups, free_port, init_process_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.plan import build_empty_shard, build_shard, rebind_groups
+from raytp.runtime.background_save import BackgroundSave
 from raytp.runtime.errors import WorkerAborted
 from raytp.runtime.snapshot_buffers import SnapshotBuffers
 from raytp.train import checkpoint
+from raytp.train.shard_state import live_state, load_shard_state, shard_state, state_bytes, unpack_state
+from raytp.train.sources import StateSource
+from raytp.train.storage import Storage
 from raytp.train.data import batch, load_corpus
 from raytp.train.step import eval_loss, make_optimizer, train_step
 
@@ -45,6 +49,7 @@ class Worker:
         self.groups = self.model = self.optimizer = None
         self.completed, self.running = 0, False
         self.snap_bufs = SnapshotBuffers(self.device)
+        self.saving: BackgroundSave | None = None  # this rank's file of the checkpoint being written
         # What building the first optimizer imports (~1 s), paid here: a spare, or a rank started ahead
         # of a resize, has it behind it when it is needed.
         importlib.import_module("torch._dynamo")
@@ -77,36 +82,39 @@ class Worker:
         """A warm spare takes rank `rank` of the job as it now is (its groups and shard come next)."""
         self.rank, self.cfg = rank, from_dict(job)
 
-    def setup(self, tp: int, dp: int, init_method: str, full: dict | None = None) -> dict:
-        """Join the process groups and build this rank's shard: from the seeded full initialisation, or,
-        given `full` (a one-device state), from its slices of it, with no initialisation at all."""
+    def setup(self, tp: int, dp: int, init_method: str, source=None) -> dict:
+        """Join the process groups and build this rank's shard: from the seeded initialisation (only its
+        own slices are computed), or, given a source (raytp.train.sources: a checkpoint, a Hugging Face
+        directory; or a one-device state), from its slices of it, with no initialisation at all."""
         t0 = time.perf_counter()
         layout = Layout(tp, dp)
         self.groups = init_process_groups(layout, self.rank, init_method, self.cfg.runtime.device,
                                           self.cfg.runtime.collective_timeout_s)
-        if full is None:
+        if source is None:
             self.model = build_shard(gpt_config(self.cfg), self.cfg.train.seed, self.groups.tp,
                                      self.cfg.parallel.sequence_parallel, self.device)
             self.hyper = hyper(self.cfg)
             self.optimizer = make_optimizer(self.model, self.hyper)
         else:
-            self._build_from(full)
+            self._build_from(source)
         n_local = sum(p.numel() for p in self.model.parameters())
         return {"rank": self.rank, "params_local": n_local, "setup_s": time.perf_counter() - t0}
 
-    def _build_from(self, full: dict) -> None:
-        """A new shard at this rank's current TP position (built empty) holding its slices of `full`."""
+    def _build_from(self, source) -> None:
+        """A new shard at this rank's current TP position (built empty) holding its slices of `source`."""
+        self._settle()
         g = self.groups
         self.model = self.optimizer = None
         self.model = build_empty_shard(gpt_config(self.cfg), g.tp, self.cfg.parallel.sequence_parallel, self.device)
         self.hyper = hyper(self.cfg)
         self.optimizer = make_optimizer(self.model, self.hyper)
-        checkpoint.load_shard_state(self.model, self.optimizer, checkpoint.slice_state(full, g.tp_rank, g.layout.tp))
+        (StateSource(source) if isinstance(source, dict) else source).fill(self.model, self.optimizer, g.tp_rank,
+                                                                            g.layout.tp)
 
-    def reshape(self, tp: int, dp: int, init_method: str, job: dict, rank: int, full: dict) -> dict:
+    def reshape(self, tp: int, dp: int, init_method: str, job: dict, rank: int, source) -> dict:
         """A TP resize that keeps this process: leave the old groups, join those of layout tp x dp as
         `rank` (with the job as it now is), and rebuild the shard at the new TP degree from its slices of
-        `full` (the one-device state), without the seeded initialisation."""
+        `source`, without the seeded initialisation."""
         t0 = time.perf_counter()
         self.cfg, self.rank = from_dict(job), rank
         # No gc.collect as in leave_groups: no peer is blocked on this rank's sockets (it costs ~0.3 s).
@@ -114,7 +122,7 @@ class Worker:
         self.groups = self.model = self.optimizer = None
         self.groups = init_process_groups(Layout(tp, dp), rank, init_method, self.cfg.runtime.device,
                                           self.cfg.runtime.collective_timeout_s)
-        self._build_from(full)
+        self._build_from(source)
         return {"rank": self.rank, "reshape_s": time.perf_counter() - t0}
 
     # -- training ------------------------------------------------------------------
@@ -165,14 +173,14 @@ class Worker:
             try:
                 for step in range(start, start + count):
                     try:
-                        rec = self._step(step, before_update=last.packed.wait if last else None)
+                        rec = self._step(step, before_update=lambda last=last: self._settle(last))
                     except Exception as e:  # noqa: BLE001 - every failure mid-step leaves the groups
                         failure = f"rank {self.rank} left step {step}: {type(e).__name__}: {e}"
                         break
                     out.put(rec)
                     if snapshot_every and self.groups.dp_rank == 0 and (step + 1) % snapshot_every == 0:
-                        state = checkpoint.live_state(self.model, self.optimizer)
-                        last = self.snap_bufs.take(checkpoint.state_bytes(state))
+                        state = live_state(self.model, self.optimizer)
+                        last = self.snap_bufs.take(state_bytes(state))
                         out.put((last, state))
                 if last is not None:
                     last.packed.wait()  # the state is the snapshot's until it is copied
@@ -219,14 +227,36 @@ class Worker:
 
     # -- state ---------------------------------------------------------------------
     def get_state(self) -> dict:
-        """This rank's weights and AdamW state (CPU tensors), for checkpoints and snapshots."""
-        return checkpoint.shard_state(self.model, self.optimizer)
+        """This rank's weights and AdamW state (CPU tensors), e.g. for a DP replica to copy."""
+        return shard_state(self.model, self.optimizer)
 
-    def set_state(self, full: dict) -> None:
-        """Take this rank's slices of a full one-device state (weights, and AdamW state if present)."""
+    def load(self, source, completed: int) -> None:
+        """Take this rank's slices of `source` (raytp.train.sources) into the shard it has, as the state
+        after `completed` steps (a recovery from a checkpoint)."""
+        self._settle()
         g = self.groups
-        checkpoint.load_shard_state(self.model, self.optimizer,
-                                    checkpoint.slice_state(full, g.tp_rank, g.layout.tp))
+        source.fill(self.model, self.optimizer, g.tp_rank, g.layout.tp)
+        self.completed = completed
+
+    def begin_save(self, url: str, directory: str) -> dict | None:
+        """Start writing this rank's file of a checkpoint into `directory` of storage `url`, in the background
+        (raytp.runtime.background_save); TP rank 0 returns the checkpoint's tensor table."""
+        self._settle()
+        g = self.groups
+        tensors = checkpoint.named_tensors(self.model, self.optimizer)
+        self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, self.device)
+        return checkpoint.tensor_table(tensors, g.layout.tp, self.cfg.model.vocab_size) if g.tp_rank == 0 else None
+
+    def save_result(self) -> dict:
+        """{"file", "bytes"} of the save begun last, once written (raises if the write failed)."""
+        return self.saving.wait()
+
+    def _settle(self, snapshot=None) -> None:
+        """Wait until nothing reads the live state any more: a snapshot being packed, a file being written."""
+        if snapshot is not None:
+            snapshot.packed.wait()
+        if self.saving is not None:
+            self.saving.done.wait()
 
     @torch.no_grad()
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
@@ -274,7 +304,8 @@ class Worker:
 
     def set_shard(self, state: dict, completed: int) -> None:
         """Take a shard_state (or a packed one) of this rank's own shape (from a DP replica or a snapshot)."""
-        checkpoint.load_shard_state(self.model, self.optimizer, checkpoint.unpack_state(state))
+        self._settle()
+        load_shard_state(self.model, self.optimizer, unpack_state(state))
         self.completed = completed
 
     def shutdown(self) -> None:

@@ -1,42 +1,43 @@
-"""Checkpoints that load at any layout.
+"""Checkpoints that load at any layout, written by the workers themselves and read slice by slice.
 
-A checkpoint is a directory ``step-00000100/`` holding one file per TP rank
-(``shard-tp<i>.pt``: that rank's slices of the weights and AdamW state; DP
-replicas hold the same slices, so only replica 0's are written) and
-``manifest.json``, which says how every tensor is split (raytp.parallel.plan's
-Sharding), the full shapes, the model shape, the layout and the step.
+A checkpoint is a directory ``step-00000100/`` in a Storage (raytp.train.storage):
+
+- ``tp000.safetensors``, ``tp001.safetensors``, ...: what TP rank i of DP
+  replica 0 holds (replicas hold the same): its slices of the weights
+  (``model/<name>``) and AdamW state (``optim/<name>/<key>``), each stored with
+  its split dim first (a row-parallel weight transposed), so that any slice
+  along it is one contiguous byte range. Replicated tensors are in tp000 only.
+  Plain safetensors: no pickle, readable by any tool.
+- ``manifest.json``, written last by the driver: the step, the model shape, the
+  layout, every file's size, and for every tensor how it is split and its full
+  shape. A directory without one is not a checkpoint (a save cut short).
+
+Each worker writes its own file (``write_shard``), all at once; a resume at any
+layout has each worker read only the byte ranges of its new slices
+(``Checkpoint.read``, through raytp.parallel.reshard_plan). A truncated,
+corrupt or missing file is refused by name. Format-1 checkpoints (one
+``torch.save`` pickle per rank, read with ``weights_only=True``) still load, whole.
 
 Exact resumption needs nothing more: data and dropout are pure functions of
 (seed, step), and the LR schedule is a function of the step.
-
-Atomic and bounded: everything is written into a hidden temporary directory
-beside the final one, fsynced, the manifest last, then renamed into place; a
-crash or a full disk mid-save leaves only a ``.tmp-*`` directory, which
-loaders ignore and the next save removes. ``keep`` newest are kept.
-
-Why not torch.distributed.checkpoint: DCP reshards DTensors at load time but
-needs every rank to see one shared filesystem and a live process group at
-both ends; raytp's driver reshards plain tensors in memory (resume, recovery
-and elastic resizing share that path), and this format is a few files that
-any tool can read with ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import time
-import uuid
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
 from raytp.model import GPTConfig
-from raytp.parallel.plan import shard_tensor, sharding_of, unshard_tensors
+from raytp.parallel.reshard_plan import pieces
+from raytp.parallel.sharding import Sharding, local_shape, sharding_of
+from raytp.train import safetensors_io
+from raytp.train.storage import Storage
 
-FORMAT = "raytp-checkpoint/1"
+FORMAT, FORMAT_V1 = "raytp-checkpoint/2", "raytp-checkpoint/1"
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"step-(\d{8})")
 
@@ -45,263 +46,221 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or for another model."""
 
 
-# -- one rank's state ----------------------------------------------------------------
-
-def shard_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, copy: bool = True) -> dict:
-    """This rank's weights and AdamW state, keyed by parameter name, on the CPU.
-
-    With copy=False, CPU tensors are the live ones: only for a caller that serializes them at once
-    (a yield to Ray copies them into the object store), which saves a copy per snapshot."""
-    params = dict(model.named_parameters())
-    by_param = {id(p): n for n, p in params.items()}
-
-    def out(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        return t.clone() if copy and t.device.type == "cpu" else t.cpu()
-
-    optim = {by_param[id(p)]: {k: out(v) for k, v in st.items()} for p, st in optimizer.state.items()}
-    return {"model": {n: out(p) for n, p in params.items()}, "optim": optim}
+def step_dir(step: int) -> str:
+    return f"step-{step:08d}"
 
 
-@torch.no_grad()
-def load_shard_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Copy a shard_state (of this rank's shapes) into the model and optimizer."""
-    params = dict(model.named_parameters())
-    missing = set(params) - set(state["model"])
-    if missing:
-        raise CheckpointError(f"state lacks parameters {sorted(missing)}")
-    for n, p in params.items():
-        src = state["model"][n]
-        if src.shape != p.shape:
-            raise CheckpointError(f"{n}: state has shape {tuple(src.shape)}, this shard needs {tuple(p.shape)}")
-        p.copy_(src)
-    optimizer.state.clear()
-    for n, st in state["optim"].items():
-        p = params[n]
-        # Copies: `state` may be a read-only view of Ray's object store.
-        optimizer.state[p] = {k: (v.to(p.device, copy=True) if k != "step" else v.clone()) for k, v in st.items()}
+def shard_file(tp_rank: int) -> str:
+    return f"tp{tp_rank:03d}.safetensors"
 
 
-def live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """shard_state's layout holding the live tensors themselves, on their device (no copy)."""
-    params = dict(model.named_parameters())
-    by_param = {id(p): n for n, p in params.items()}
-    optim = {by_param[id(p)]: {k: v.detach() for k, v in st.items()} for p, st in optimizer.state.items()}
-    return {"model": {n: p.detach() for n, p in params.items()}, "optim": optim}
-
-
-def state_bytes(state: dict) -> int:
-    """Bytes of a state's tensors (weights and optimizer state)."""
-    n = sum(t.numel() * t.element_size() for t in state["model"].values())
-    return n + sum(t.numel() * t.element_size() for st in state.get("optim", {}).values() for t in st.values())
-
-
-def pack_state(state: dict, out: torch.Tensor | None = None) -> dict:
-    """A shard_state as one flat byte buffer plus its layout: Ray stores one numpy buffer in a
-    single copy, where a dict of tensors costs a pickle per tensor (half the time, measured).
-    `out`: a CPU uint8 tensor of state_bytes(state) to pack into (reused, its pages are already
-    mapped: a fresh buffer each time cost page faults worth as much as the copy itself)."""
-    entries, tensors = [], []
-    for section in ("model", "optim"):
-        for name, value in state[section].items():
-            for key, t in ([(None, value)] if section == "model" else value.items()):
-                t = t.detach().contiguous()
-                entries.append((section, name, key, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.nbytes))
-                tensors.append(t.reshape(-1).view(torch.uint8))
-    if not tensors:
-        flat = torch.empty(0, dtype=torch.uint8)
-    elif out is None:
-        flat = torch.cat(tensors).cpu()
-    elif not any(t.is_cuda for t in tensors):
-        flat = torch.cat(tensors, out=out)
-    else:  # tensor by tensor from the device into `out` (pinned: the copies are asynchronous)
-        offset = 0
-        for t in tensors:
-            out[offset:offset + t.numel()].copy_(t, non_blocking=True)
-            offset += t.numel()
-        if any(t.is_cuda for t in tensors):
-            torch.cuda.current_stream().synchronize()
-        flat = out
-    return {"packed": entries, "data": flat.numpy()}
-
-
-def unpack_state(packed: dict) -> dict:
-    """Inverse of pack_state (tensors are copies, never views of the buffer)."""
-    if "packed" not in packed:
-        return packed
-    data = torch.from_numpy(packed["data"].copy()) if len(packed["data"]) else torch.empty(0, dtype=torch.uint8)
-    out: dict = {"model": {}, "optim": {}}
-    offset = 0
-    for section, name, key, shape, dtype, nbytes in packed["packed"]:
-        t = data[offset:offset + nbytes].view(getattr(torch, dtype)).reshape(shape)
-        offset += nbytes
-        if section == "model":
-            out["model"][name] = t
-        else:
-            out["optim"].setdefault(name, {})[key] = t
+# -- what a rank holds, as named tensors --------------------------------------------------------
+def named_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, tuple[str, torch.Tensor]]:
+    """key -> (parameter name, live tensor) for the weights and the optimizer state of a shard."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[f"model/{name}"] = (name, p.detach())
+        for k, v in (optimizer.state.get(p, {}) if optimizer is not None else {}).items():
+            if torch.is_tensor(v):
+                out[f"optim/{name}/{k}"] = (name, v.detach())
     return out
 
 
-# -- full (unsharded) state -------------------------------------------------------
-
-def unshard_state(shards: list[dict], cfg: GPTConfig) -> dict:
-    """Join the shard_states of all TP ranks (rank order) into the one-device state, padding dropped."""
-    def join(name, tensors):
-        s = sharding_of(name)
-        return unshard_tensors(tensors, s, cfg.vocab_size if s.pad else None)
-
-    model = {n: join(n, [sh["model"][n] for sh in shards]) for n in shards[0]["model"]}
-    optim = {}
-    for n, st in shards[0]["optim"].items():
-        optim[n] = {k: (v.clone() if v.dim() == 0 else join(n, [sh["optim"][n][k] for sh in shards]))
-                    for k, v in st.items()}
-    return {"model": model, "optim": optim}
+def state_tensors(state: dict) -> dict[str, tuple[str, torch.Tensor]]:
+    """The same keys for a shard_state ({"model": {name: t}, "optim": {name: {k: t}}})."""
+    out = {f"model/{n}": (n, t) for n, t in state["model"].items()}
+    out.update({f"optim/{n}/{k}": (n, t) for n, st in state.get("optim", {}).items() for k, t in st.items()})
+    return out
 
 
-def slice_state(full: dict, rank: int, tp: int) -> dict:
-    """The shard_state of TP rank `rank` out of a full state (weights, and AdamW state if any)."""
-    model = {n: shard_tensor(t, sharding_of(n), rank, tp) for n, t in full["model"].items()}
-    optim = {n: {k: (v.clone() if v.dim() == 0 else shard_tensor(v, sharding_of(n), rank, tp))
-                 for k, v in st.items()} for n, st in full.get("optim", {}).items()}
-    return {"model": model, "optim": optim}
+def _split(name: str, t: torch.Tensor) -> Sharding:
+    return sharding_of(name) if t.dim() else Sharding()
 
 
-# -- on disk --------------------------------------------------------------------------
+def tensor_table(tensors: dict[str, tuple[str, torch.Tensor]], tp: int, vocab_size: int) -> dict[str, dict]:
+    """For the manifest: every key's split and full shape (from the tensors of a shard at TP degree `tp`)."""
+    table = {}
+    for key, (name, t) in tensors.items():
+        s = _split(name, t)
+        shape = list(t.shape)
+        if s.dim is not None:
+            shape[s.dim] = vocab_size if s.pad else shape[s.dim] * tp
+        table[key] = {"dim": s.dim, "parts": s.parts, "pad": s.pad, "shape": shape,
+                      "dtype": safetensors_io.DTYPES[t.dtype], "transposed": s.dim == 1 and t.dim() == 2}
+    return table
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory: so that a rename in it is durable)."""
-    fd = os.open(path, os.O_RDONLY)
+
+def write_shard(storage: Storage, directory: str, tensors: dict[str, tuple[str, torch.Tensor]], tp_rank: int,
+                to_host=None) -> dict:
+    """Write TP rank `tp_rank`'s file of a checkpoint, one tensor at a time, each with its split dim first
+    (the caller keeps the tensors unchanged until this returns; a device tensor is copied to the host
+    one at a time, by `to_host(t)` if given). {"file", "bytes"}."""
+    to_host = to_host or (lambda t: t.cpu())
+    items = []
+    for key, (name, t) in tensors.items():
+        s = _split(name, t)
+        if s.dim is None and tp_rank != 0:
+            continue  # replicated: written once, by TP rank 0
+        stored = t.t() if s.dim == 1 and t.dim() == 2 else t
+        items.append((key, t.dtype, tuple(stored.shape), lambda stored=stored: to_host(stored).contiguous()))
+    name = shard_file(tp_rank)
+    with storage.open_write(f"{directory}/{name}") as f:
+        n = safetensors_io.write(f, items, {"format": FORMAT, "tp_rank": str(tp_rank)})
+        if storage.local:
+            f.flush()
+            os.fsync(f.fileno())
+    return {"file": name, "bytes": n}
+
+
+def manifest(step: int, cfg: GPTConfig, tp: int, dp: int, files: dict[str, int], tensors: dict) -> dict:
+    return {"format": FORMAT, "step": step, "time": time.time(), "model": asdict(cfg),
+            "layout": {"tp": tp, "dp": dp}, "files": files, "tensors": tensors}
+
+
+# -- finding and reading ----------------------------------------------------------------------------
+def list_checkpoints(storage: Storage) -> list[str]:
+    """Names of the checkpoint directories that have a manifest, oldest first."""
+    return [n for n in storage.listdir() if STEP_DIR.fullmatch(n) and storage.exists(n, MANIFEST)]
+
+
+def step_of(name: str) -> int:
+    return int(STEP_DIR.fullmatch(name).group(1))
+
+
+def read_manifest(storage: Storage, directory: str) -> dict:
+    where = f"{storage.url.rstrip('/')}/{directory}"
+    if not storage.exists(directory):
+        raise CheckpointError(f"{where}: no such checkpoint directory")
+    if not storage.exists(directory, MANIFEST):
+        raise CheckpointError(f"{where}/{MANIFEST}: missing; the checkpoint is incomplete (a save that did not "
+                              "finish?)")
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write(path: Path, write) -> int:
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    return path.stat().st_size
-
-
-def save(root: Path, step: int, shards: list[dict], cfg: GPTConfig, tp: int, dp: int, keep: int,
-         extra: dict | None = None) -> Path:
-    """Write the TP shards of step `step` as root/step-<step>; returns its path. Atomic; prunes to `keep`."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
-    tmp = root / f".tmp-step-{step:08d}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        files = {}
-        for i, sh in enumerate(shards):
-            name = f"shard-tp{i}.pt"
-            files[name] = _write(tmp / name, lambda f, sh=sh: torch.save(sh, f))
-        manifest = {
-            "format": FORMAT, "step": step, "time": time.time(), "model": asdict(cfg),
-            "layout": {"tp": tp, "dp": dp}, "files": files,
-            "tensors": {n: {**asdict(sharding_of(n)), "shape": _full_shape(n, t, tp, cfg)}
-                        for n, t in shards[0]["model"].items()},
-            **(extra or {}),
-        }
-        _write(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-        fsync_path(tmp)
-        if final.exists():  # a save of the same step (e.g. after recovery): replace it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_path(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    prune(root, keep)
-    return final
-
-
-def _full_shape(name: str, shard: torch.Tensor, tp: int, cfg: GPTConfig) -> list[int]:
-    shape, s = list(shard.shape), sharding_of(name)
-    if s.dim is not None:
-        shape[s.dim] = cfg.vocab_size if s.pad else shape[s.dim] * tp
-    return shape
-
-
-def list_checkpoints(root: Path) -> list[Path]:
-    """Complete-looking checkpoint dirs under root (temporaries excluded), oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name))
-
-
-def prune(root: Path, keep: int) -> None:
-    for p in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
-    for p in Path(root).glob(".tmp-step-*"):  # leftovers of a crashed save
-        shutil.rmtree(p, ignore_errors=True)
-
-
-def read_manifest(path: Path) -> dict:
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    mf = path / MANIFEST
-    if not mf.exists():
-        raise CheckpointError(f"{mf}: missing; the checkpoint is incomplete (a save that did not finish?)")
-    try:
-        manifest = json.loads(mf.read_text())
+        m = json.loads(storage.read_bytes(directory, MANIFEST))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{mf}: not valid JSON ({e})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{mf}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    return manifest
+        raise CheckpointError(f"{where}/{MANIFEST}: not valid JSON ({e})") from None
+    if m.get("format") not in (FORMAT, FORMAT_V1):
+        raise CheckpointError(f"{where}/{MANIFEST}: format {m.get('format')!r}, expected {FORMAT!r}")
+    return m
 
 
-def check_model(manifest: dict, cfg: GPTConfig, where: Path) -> None:
+def check_model(manifest_: dict, cfg: GPTConfig, where: str) -> None:
     """Refuse a checkpoint of another model shape, naming the keys that differ."""
-    saved = manifest["model"]
+    saved = manifest_["model"]
     diff = [f"{k} {saved.get(k)} (checkpoint) vs {v} (job)" for k, v in asdict(cfg).items()
             if k != "dropout" and saved.get(k) != v]
     if diff:
-        raise CheckpointError(f"{where / MANIFEST}: checkpoint is for another model shape: {'; '.join(diff)}")
+        raise CheckpointError(f"{where}/{MANIFEST}: checkpoint is for another model shape: {'; '.join(diff)}")
 
 
-def load(path: Path, cfg: GPTConfig | None = None) -> tuple[dict, dict]:
-    """(manifest, full one-device state) of a checkpoint dir; validates every file first."""
-    path = Path(path)
-    manifest = read_manifest(path)
-    if cfg is not None:
-        check_model(manifest, cfg, path)
-    shards = []
-    for name, size in manifest["files"].items():
-        f = path / name
-        if not f.exists():
-            raise CheckpointError(f"{f}: missing shard file")
-        if f.stat().st_size != size:
-            raise CheckpointError(f"{f}: truncated or altered ({f.stat().st_size} bytes, manifest says {size})")
+class Checkpoint:
+    """One checkpoint directory: validated against its manifest, read slice by slice."""
+
+    def __init__(self, storage: Storage, directory: str, manifest_: dict | None = None):
+        self.storage, self.dir = storage, directory
+        self.manifest = manifest_ or read_manifest(storage, directory)
+        self.where = f"{storage.url.rstrip('/')}/{directory}"
+        self.step, self.tp = self.manifest["step"], self.manifest["layout"]["tp"]
+        self._readers: dict[str, safetensors_io.Reader] = {}
+
+    def validate(self) -> "Checkpoint":
+        """Every file there at the size the manifest says (a stat per file; nothing read)."""
+        for name, size in self.manifest["files"].items():
+            if not self.storage.exists(self.dir, name):
+                raise CheckpointError(f"{self.where}/{name}: missing shard file")
+            have = self.storage.size(self.dir, name)
+            if have != size:
+                raise CheckpointError(f"{self.where}/{name}: truncated or altered ({have} bytes, manifest says {size})")
+        return self
+
+    def keys(self) -> list[str]:
+        return list(self.manifest["tensors"])
+
+    def _reader(self, name: str) -> safetensors_io.Reader:
+        if name not in self._readers:
+            try:
+                self._readers[name] = safetensors_io.Reader(self.storage, f"{self.dir}/{name}",
+                                                            self.manifest["files"][name])
+            except (safetensors_io.FormatError, OSError) as e:
+                raise CheckpointError(f"{self.where}/{name}: cannot be read ({e})") from None
+        return self._readers[name]
+
+    def read(self, key: str, rank: int, tp: int) -> torch.Tensor:
+        """TP rank `rank`'s slice (of TP degree `tp`) of tensor `key`, reading only its byte ranges."""
+        spec = self.manifest["tensors"][key]
+        s, shape = Sharding(spec["dim"], spec["parts"], spec["pad"]), tuple(spec["shape"])
+        dtype = safetensors_io.TORCH[spec["dtype"]]
+        if s.dim is None:
+            return self._rows(shard_file(0), key, None, None, dtype, shape)
+        out = torch.zeros(local_shape(s, shape, tp), dtype=dtype)
+        for p in pieces(s, shape[s.dim], self.tp, tp, rank):
+            rows = self._rows(shard_file(p.src), key, p.src_at, p.length, dtype, None)
+            out.narrow(s.dim, p.dst_at, p.length).copy_(rows.t() if spec["transposed"] else rows)
+        return out
+
+    def _rows(self, file: str, key: str, start, count, dtype, shape) -> torch.Tensor:
         try:
-            shards.append(torch.load(f, map_location="cpu", weights_only=True))
-        except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
-            raise CheckpointError(f"{f}: cannot be read ({type(e).__name__}: {e})") from None
-    full = unshard_state(shards, GPTConfig(**manifest["model"]))
-    for n, spec in manifest["tensors"].items():
-        if list(full["model"][n].shape) != spec["shape"]:
-            raise CheckpointError(f"{path}: tensor {n} has shape {list(full['model'][n].shape)}, "
-                                  f"manifest says {spec['shape']}")
-    return manifest, full
+            t = self._reader(file).rows(key, start or 0, count)
+        except safetensors_io.FormatError as e:
+            raise CheckpointError(f"{self.where}/{file}: {key}: {e}") from None
+        if t.dtype != dtype or (shape is not None and tuple(t.shape) != shape):
+            raise CheckpointError(f"{self.where}/{file}: {key} is {t.dtype} {tuple(t.shape)}, the manifest says "
+                                  f"{dtype} {shape}")
+        return t
 
 
-def load_latest(path: Path, cfg: GPTConfig | None = None, warn=None) -> tuple[Path, dict, dict]:
-    """(dir, manifest, full state) of the checkpoint at `path`, or, when `path` is a run dir or a
-    checkpoints dir, of the newest checkpoint in it that loads whole; broken ones are reported
-    through `warn` and skipped."""
-    path = Path(path)
-    if (path / MANIFEST).exists() or STEP_DIR.fullmatch(path.name):
-        return (path, *load(path, cfg))
-    candidates = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
-    for p in reversed(candidates):
-        try:
-            return (p, *load(p, cfg))
-        except CheckpointError as e:
-            if warn:
-                warn(f"skipping {p}: {e}")
-    raise CheckpointError(f"{path}: holds no whole checkpoint (looked in {path / 'checkpoints'} and {path})")
+def open_checkpoint(storage: Storage, directory: str, manifest_: dict | None = None):
+    """The checkpoint in `directory` (validated), of either format."""
+    m = manifest_ or read_manifest(storage, directory)
+    if m["format"] == FORMAT_V1:
+        from raytp.train.checkpoint_v1 import LegacyCheckpoint
+        return LegacyCheckpoint(storage, directory, m).validate()
+    return Checkpoint(storage, directory, m).validate()
+
+
+def load_into(ckpt, model, optimizer, rank: int, tp: int) -> None:
+    """Give a shard (built empty) its slices of the checkpoint's weights and, if it has any, AdamW state."""
+    keys = set(ckpt.keys())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if f"model/{name}" not in keys:
+                raise CheckpointError(f"{ckpt.where}: holds no model/{name}")
+            p.copy_(ckpt.read(f"model/{name}", rank, tp))
+            state = {k: ckpt.read(f"optim/{name}/{k}", rank, tp) for k in ("step", "exp_avg", "exp_avg_sq")
+                     if f"optim/{name}/{k}" in keys}
+            if state:
+                optimizer.state[p] = {k: (v if k == "step" else v.to(p.device)) for k, v in state.items()}
+
+
+def find(location: str, cfg: GPTConfig | None = None, warn=None):
+    """The checkpoint at `location` (a checkpoint dir, a checkpoints dir or a run dir; a path or URL), or
+    the newest whole one under it; a broken newest one is reported through `warn` and skipped. Its
+    model shape is checked against `cfg` if given. Raises CheckpointError."""
+    location = str(location).rstrip("/")
+    head, _, last = location.rpartition("/")
+    if STEP_DIR.fullmatch(last):
+        found = open_checkpoint(Storage(head or "."), last)
+        if cfg is not None:
+            check_model(found.manifest, cfg, found.where)
+        return found
+    for root in (f"{location}/checkpoints", location):
+        storage = Storage(root)
+        for name in reversed(list_checkpoints(storage)):
+            try:
+                found = open_checkpoint(storage, name)
+                if cfg is not None:
+                    check_model(found.manifest, cfg, found.where)
+                return found
+            except CheckpointError as e:
+                if warn:
+                    warn(f"skipping {storage.url}/{name}: {e}")
+    raise CheckpointError(f"{location}: holds no whole checkpoint (looked in {location}/checkpoints and {location})")
+
+
+def prune(storage: Storage, keep: int) -> None:
+    """Keep the `keep` newest checkpoints; remove older ones and what saves cut short left behind."""
+    done = list_checkpoints(storage)
+    for name in done[:-keep]:
+        storage.remove(name)
+    for name in storage.listdir():
+        if name.startswith(".tmp-step-") or (STEP_DIR.fullmatch(name) and name not in done):
+            storage.remove(name)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from raytp.model import GPTConfig
+from raytp.train.storage import Storage
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -47,18 +48,6 @@ def config_from_hf(d: dict, where: str = "config.json") -> GPTConfig:
                      vocab_size=d["vocab_size"], dropout=float(d.get("resid_pdrop", 0.0)))
 
 
-def to_hf_state(model_state: dict) -> dict:
-    """raytp names and Linear layout -> transformers' GPT2LMHeadModel state."""
-    out = {}
-    for k, v in model_state.items():
-        if k == "lm_head.weight":
-            continue  # tied to wte
-        if k.endswith(CONV1D):
-            v = v.t()
-        out[f"transformer.{k}"] = v.contiguous()
-    return out
-
-
 def from_hf_state(hf_state: dict) -> dict:
     out = {}
     for k, v in hf_state.items():
@@ -69,33 +58,110 @@ def from_hf_state(hf_state: dict) -> dict:
     return out
 
 
-def save_hf(model_state: dict, cfg: GPTConfig, out_dir: Path) -> None:
-    from safetensors.torch import save_file
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
-    save_file(to_hf_state(model_state), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+def _tensors_of(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF name -> (file, shape) from the safetensors headers (a single file, or a sharded one with its
+    index); {} when the directory holds only a pytorch_model.bin."""
+    from raytp.train.safetensors_io import FormatError, Reader
+    storage = Storage(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        return {}
+    out = {}
+    for f in files:
+        try:
+            r = Reader(storage, f, storage.size(f))
+        except (FormatError, OSError) as e:
+            raise ValueError(f"model.init_from: {model_dir / f}: cannot be read ({e})") from None
+        out.update({name: (f, tuple(v["shape"])) for name, v in r.tensors.items()})
+    return out
 
 
-def load_hf(model_dir: Path) -> tuple[GPTConfig, dict]:
-    """(config, raytp model state) of a GPT-2 directory (safetensors, or pytorch_model.bin read weights-only)."""
+def inspect(model_dir: Path) -> GPTConfig:
+    """The model shape of a GPT-2 directory, with its weights checked by name and shape (headers only)."""
     model_dir = Path(model_dir)
     cfg_file = model_dir / "config.json"
     if not cfg_file.exists():
         raise ValueError(f"model.init_from: {model_dir} has no config.json (expected a GPT-2 model directory)")
     cfg = config_from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
-    if (model_dir / "model.safetensors").exists():
-        from safetensors.torch import load_file
-        hf_state = load_file(str(model_dir / "model.safetensors"))
-    elif (model_dir / "pytorch_model.bin").exists():
-        hf_state = torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise ValueError(f"model.init_from: {model_dir} has neither model.safetensors nor pytorch_model.bin")
-    state = from_hf_state(hf_state)
+    found = _tensors_of(model_dir)
+    if not found:
+        if not (model_dir / "pytorch_model.bin").exists():
+            raise ValueError(f"model.init_from: {model_dir} has neither model.safetensors nor pytorch_model.bin")
+        return cfg
     from raytp.model import GPT
-    with torch.device("meta"):  # names only, no memory
-        expected = {k for k in GPT(cfg).state_dict() if k != "lm_head.weight"}
-    if set(state) != expected:
+    with torch.device("meta"):  # names and shapes only, no memory
+        expected = {n: tuple(p.shape) for n, p in GPT(cfg).named_parameters()}
+    have = {k.removeprefix("transformer."): v[1] for k, v in found.items()
+            if not k.startswith("lm_head.") and not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    wrong = [n for n in expected if n in have and have[n] != (expected[n][::-1] if n.endswith(CONV1D) else expected[n])]
+    if set(have) != set(expected) or wrong:
         raise ValueError(f"model.init_from: {model_dir}: weights do not match GPT-2 of config.json: missing "
-                         f"{sorted(expected - set(state))[:5]}, unexpected {sorted(set(state) - expected)[:5]}")
-    return cfg, {k: v.float() for k, v in state.items()}
+                         f"{sorted(set(expected) - set(have))[:5]}, unexpected {sorted(set(have) - set(expected))[:5]}"
+                         + (f", other shapes {wrong[:5]}" if wrong else ""))
+    return cfg
+
+
+def load_into(model_dir, model, rank: int, tp: int) -> None:
+    """Give a shard (built empty) its slices of a GPT-2 directory's weights, reading only those."""
+    from raytp.parallel.sharding import shard_ranges, sharding_of
+    from raytp.train.safetensors_io import Reader
+    model_dir = Path(model_dir)
+    found = _tensors_of(model_dir)
+    if not found:  # pytorch_model.bin: a pickle, read whole (weights_only)
+        from raytp.train.shard_state import slice_state
+        full = from_hf_state(torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True))
+        part = slice_state({"model": full}, rank, tp)["model"]
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(part[name])
+        return
+    storage, readers = Storage(model_dir), {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            hf_name = f"transformer.{name}"
+            file, shape = found[hf_name]
+            reader = readers.setdefault(file, Reader(storage, file))
+            s, conv = sharding_of(name), name.endswith(CONV1D)
+            if s.dim is None or tp == 1:
+                t = reader.rows(hf_name)
+                p.copy_(t.t() if conv else t)
+                continue
+            n, at = (shape[::-1] if conv else shape)[s.dim], 0
+            for r in shard_ranges(s, n, rank, tp):
+                real = range(r.start, min(r.stop, n))
+                if len(real):
+                    hf_dim = 1 - s.dim if conv else s.dim  # a Conv1D weight is the transpose of our Linear's
+                    if hf_dim == 0:
+                        block = reader.rows(hf_name, real.start, len(real))
+                    else:
+                        block = reader.block(hf_name, range(shape[0]), real)
+                    p.narrow(s.dim, at, len(real)).copy_(block.t() if conv else block)
+                at += len(r)
+
+
+def save(ckpt, out_dir: Path) -> None:
+    """Write a checkpoint as a GPT-2 directory, tensor by tensor (one whole tensor in memory at a time)."""
+    from raytp.train import safetensors_io
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = GPTConfig(**ckpt.manifest["model"])
+    (out_dir / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
+    items = []
+    for key in ckpt.keys():
+        if not key.startswith("model/"):
+            continue
+        name = key.removeprefix("model/")
+        spec = ckpt.manifest["tensors"][key] if "tensors" in ckpt.manifest and key in ckpt.manifest["tensors"] else None
+        shape = tuple(spec["shape"]) if spec and "shape" in spec else tuple(ckpt.read(key, 0, 1).shape)
+        conv = name.endswith(CONV1D)
+
+        def produce(key=key, conv=conv):
+            t = ckpt.read(key, 0, 1).float()
+            return t.t().contiguous() if conv else t
+        items.append((f"transformer.{name}", torch.float32, shape[::-1] if conv else shape, produce))
+    with open(out_dir / "model.safetensors", "wb") as f:
+        safetensors_io.write(f, items, {"format": "pt"})

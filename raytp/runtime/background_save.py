@@ -1,0 +1,51 @@
+"""A worker's file of one checkpoint, written by a thread of its own while training goes on.
+
+The thread writes straight from the live weights and AdamW state, one tensor
+at a time (on cuda through a side stream into host memory, a tensor at a
+time): no copy of the shard is made. Training pauses only where it must: the
+next step's forward and backward only read those tensors, and its optimizer
+update waits until the file is written (``Worker.run_steps`` passes ``wait``
+as the update's hook). So a write shorter than a forward and backward costs
+nothing, and memory does not grow by the shard.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from raytp.train import checkpoint
+from raytp.train.storage import Storage
+
+
+class BackgroundSave:
+    def __init__(self, storage: Storage, directory: str, tensors: dict, tp_rank: int, device: torch.device):
+        self.done = threading.Event()
+        self.result: dict | None = None
+        self.error: str | None = None
+        stream = torch.cuda.Stream() if device.type == "cuda" else None
+
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            if stream is None:
+                return t.cpu()
+            with torch.cuda.stream(stream):
+                out = t.to("cpu", non_blocking=True)
+            stream.synchronize()
+            return out
+
+        def write() -> None:
+            try:
+                self.result = checkpoint.write_shard(storage, directory, tensors, tp_rank, to_host)
+            except BaseException as e:  # noqa: BLE001 - reported to the driver by wait()
+                self.error = f"{storage.url}/{directory}: rank's file not written ({type(e).__name__}: {e})"
+            finally:
+                self.done.set()
+
+        threading.Thread(target=write, name="raytp-checkpoint-write", daemon=True).start()
+
+    def wait(self) -> dict:
+        """{"file", "bytes"} once written; raises CheckpointError if the write failed."""
+        self.done.wait()
+        if self.error is not None:
+            raise checkpoint.CheckpointError(self.error)
+        return self.result

@@ -1,0 +1,34 @@
+"""`raytp export`: one unsharded model from a checkpoint, written tensor by tensor.
+
+Each tensor is read whole from the checkpoint's slices (raytp.train.checkpoint,
+TP degree 1) and written to the output file at once, so the export holds one
+tensor at a time, never the model. The raytp format is a safetensors file with
+the model's config in its metadata (``raytp.model.GPT.load`` reads it); the
+Hugging Face format is raytp.train.hf.save.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from raytp.model import MODEL_FORMAT
+from raytp.train import safetensors_io
+
+
+def write_model(ckpt, out: Path) -> int:
+    """The weights of `ckpt` (a Checkpoint) as a raytp model file at `out`; bytes written."""
+    items = []
+    for key in ckpt.keys():
+        if not key.startswith("model/"):
+            continue
+        spec = ckpt.manifest.get("tensors", {}).get(key)
+        t_shape = tuple(spec["shape"]) if spec else None
+        if t_shape is None:  # a format-1 checkpoint: shapes from the tensors themselves
+            t_shape = tuple(ckpt.read(key, 0, 1).shape)
+        dtype = safetensors_io.TORCH[spec["dtype"]] if spec else torch.float32
+        items.append((key.removeprefix("model/"), dtype, t_shape, lambda key=key: ckpt.read(key, 0, 1)))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "wb") as f:
+        return safetensors_io.write(f, items, {"format": MODEL_FORMAT, "config": json.dumps(ckpt.manifest["model"])})

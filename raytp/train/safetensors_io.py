@@ -1,0 +1,123 @@
+"""safetensors files written tensor by tensor and read by byte range, over a Storage.
+
+The format (https://huggingface.co/docs/safetensors): 8 bytes of little-endian
+header length N, N bytes of JSON ``{name: {"dtype", "shape", "data_offsets":
+[begin, end]}, "__metadata__": {str: str}}``, then the raw little-endian data.
+No pickle anywhere. Writing needs only each tensor's dtype and shape up front,
+so a file is streamed one tensor at a time (the writer never holds more than
+one); reading parses the header once and fetches only the rows asked for: one
+ranged read for a run of rows, one per row for a block of columns.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Callable, Iterable
+
+import torch
+
+DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL"}
+TORCH = {v: k for k, v in DTYPES.items()}
+
+
+class FormatError(ValueError):
+    """Not a readable safetensors file (truncated, corrupt, or not one at all)."""
+
+
+def header_bytes(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
+    """The 8-byte length and the JSON header (padded to 8 bytes) for tensors in this order."""
+    head: dict = {"__metadata__": metadata}
+    at = 0
+    for name, dtype, shape in entries:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        head[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write(f, items: Iterable[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]],
+          metadata: dict[str, str] | None = None) -> int:
+    """Write a safetensors file to the binary file `f`: items are (name, dtype, shape, produce), and
+    produce() is called when its tensor's turn comes (a CPU tensor of that dtype and shape). Bytes written."""
+    items = list(items)
+    head = header_bytes([(n, d, s) for n, d, s, _ in items], metadata or {})
+    f.write(head)
+    total = len(head)
+    for name, dtype, shape, produce in items:
+        t = produce()
+        if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name}: produced {t.dtype} {tuple(t.shape)}, the header says {dtype} {tuple(shape)}")
+        data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        f.write(memoryview(data))
+        total += data.nbytes
+    return total
+
+
+class Reader:
+    """One safetensors file at `rel` in `storage`, read by range."""
+
+    def __init__(self, storage, rel: str, size: int | None = None):
+        self.storage, self.rel = storage, rel
+        head = storage.read_range(rel, 0, 8)
+        if len(head) < 8:
+            raise FormatError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if size is not None and 8 + n > size or n > 100_000_000:
+            raise FormatError(f"header length {n} does not fit the file")
+        try:
+            meta = json.loads(storage.read_range(rel, 8, n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise FormatError(f"header is not valid JSON ({e})") from None
+        if not isinstance(meta, dict):
+            raise FormatError("header is not a JSON object")
+        self.metadata = meta.pop("__metadata__", {}) or {}
+        self.tensors = meta
+        self.data_start = 8 + n
+        end = max((v["data_offsets"][1] for v in meta.values()), default=0)
+        if size is not None and self.data_start + end != size:
+            raise FormatError(f"{size} bytes, the header says {self.data_start + end}")
+
+    def info(self, name: str) -> tuple[torch.dtype, tuple[int, ...], int]:
+        """(dtype, shape, absolute offset of its data)."""
+        try:
+            v = self.tensors[name]
+        except KeyError:
+            raise FormatError(f"holds no tensor {name!r}") from None
+        return TORCH[v["dtype"]], tuple(v["shape"]), self.data_start + v["data_offsets"][0]
+
+    def rows(self, name: str, start: int = 0, count: int | None = None) -> torch.Tensor:
+        """Rows [start, start + count) along dim 0 (all of a 0-d tensor), in one read."""
+        dtype, shape, at = self.info(name)
+        if not shape:
+            return self._tensor(self.storage.read_range(self.rel, at, _nbytes(dtype, ())), dtype, ())
+        count = shape[0] - start if count is None else count
+        row = _nbytes(dtype, shape[1:])
+        return self._tensor(self.storage.read_range(self.rel, at + start * row, count * row), dtype,
+                            (count, *shape[1:]))
+
+    def block(self, name: str, rows: range, cols: range) -> torch.Tensor:
+        """A block of a matrix: whole rows in one read, a block of columns one read per row."""
+        dtype, shape, at = self.info(name)
+        if cols.start == 0 and cols.stop == shape[1]:
+            return self.rows(name, rows.start, len(rows))
+        item = _nbytes(dtype, ())
+        out = torch.empty((len(rows), len(cols)), dtype=dtype)
+        for i, r in enumerate(rows):
+            raw = self.storage.read_range(self.rel, at + (r * shape[1] + cols.start) * item, len(cols) * item)
+            out[i] = self._tensor(raw, dtype, (len(cols),))
+        return out
+
+    @staticmethod
+    def _tensor(raw: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
+        if len(raw) != _nbytes(dtype, shape):
+            raise FormatError(f"read {len(raw)} bytes where {_nbytes(dtype, shape)} were expected (truncated?)")
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
