@@ -236,6 +236,10 @@ class FakeGroup(WorkerGroup):
         results = [Ref(checkpoint.write_shard(Storage(url), directory, tensors[r], r)) for r in ranks]
         return checkpoint.tensor_table(tensors[0], self.layout.tp, self.cfg.model.vocab_size), results
 
+    def probe_storage(self, url, token):
+        from raytp.train.storage import Storage, answer_probe
+        return [answer_probe(Storage(url), token, r) for r in range(len(self.workers))]
+
     def load_source(self, source, step):
         from raytp.train.checkpoint import open_checkpoint
         from raytp.train.storage import Storage

@@ -25,6 +25,16 @@ def run_name_and_dir(job: str, cfg: config_mod.JobConfig, run_dir: str | None, n
     return name, Path("runs") / name
 
 
+def check_storage(cfg: config_mod.JobConfig, run_dir: Path) -> None:
+    """The checkpoint location must be reachable and writable from here, before Ray starts (the workers'
+    side is checked once they are up)."""
+    from raytp.train.storage import Storage, StorageError, check_writable
+    try:
+        check_writable(Storage(cfg.checkpoint.dir or str(run_dir / "checkpoints")))
+    except StorageError as e:
+        fail(f"checkpoint.dir: {e}")
+
+
 def connect_ray(address: str | None, cfg: config_mod.JobConfig) -> bool:
     """Join the cluster at `address` (or RAY_ADDRESS), else start an embedded local one. True if embedded."""
     address = address or os.environ.get("RAY_ADDRESS")
@@ -72,6 +82,7 @@ def train(job, sets, address, run_dir, name, resume):
         fail("\n".join(e.problems))
     if (path / "metrics.jsonl").exists() and resume != "latest":
         fail(f"run directory {path} already holds a run; pass --resume to continue it, or another --run-dir/--name")
+    check_storage(cfg, path)
     path.mkdir(parents=True, exist_ok=True)
     import yaml
     (path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -23,7 +23,7 @@ import ray
 from raytp.config.adapters import gpt_config
 from raytp.train import checkpoint
 from raytp.train.sources import CheckpointSource
-from raytp.train.storage import Storage
+from raytp.train.storage import Storage, StorageError, check_writable, probe_name
 
 
 @dataclass
@@ -41,6 +41,24 @@ class Checkpoints:
         self.storage, self.keep, self.log = Storage(url), keep, log
         self.pending: PendingSave | None = None
         self.committed: int | None = None  # step of the newest checkpoint this run committed
+
+    def check_reached(self, group) -> None:
+        """Before the first step: every worker must reach this location and see what the driver writes
+        there (a local directory of the driver's node is no place for workers on other nodes).
+        Raises StorageError naming the ranks that cannot."""
+        token = uuid.uuid4().hex[:12]
+        check_writable(self.storage)
+        self.storage.write_bytes(probe_name(token), token.encode())
+        try:
+            problems = [p for p in group.probe_storage(self.storage.url, token) if p]
+            missing = [r for r in range(group.layout.world_size) if not self.storage.exists(probe_name(token, r))]
+        finally:
+            for name in [probe_name(token)] + [probe_name(token, r) for r in range(group.layout.world_size)]:
+                self.storage.remove(name)
+        if problems or missing:
+            raise StorageError("checkpoint.dir: " + ("; ".join(problems) or
+                               f"the driver does not see the files ranks {missing} write at {self.storage.url}")
+                               + "; use a shared filesystem or an object store (s3://, gs://)")
 
     @property
     def last_step(self) -> int | None:

@@ -127,6 +127,7 @@ class Driver:
         launcher = self.group_cls.launcher_cls(self.run, self.worker_cls, evict=self.spares.evict)
         # With a state to start from, every worker builds its shard from its slices of it: no seeded init.
         self.adopt(self.group_cls.launch(launcher, cfg, self.init_state[1] if self.init_state else None))
+        self.checkpoints.check_reached(self.group)
         if cfg.recovery.snapshot_every:
             self.copy.update(self.group, self.snapshots, self.step)  # its keeper starts while the first step runs
         self.spares.start(self.group)  # in the background, like the keeper

@@ -252,6 +252,11 @@ class WorkerGroup:
         tables = ray.get([w.begin_save.remote(url, directory) for w in ranks], timeout=self.cfg.runtime.step_timeout_s)
         return tables[0], [w.save_result.remote() for w in ranks]
 
+    def probe_storage(self, url: str, token: str) -> list[str | None]:
+        """Each worker reads the driver's probe file at `url` and writes its own (raytp.train.storage)."""
+        return ray.get([w.probe_storage.remote(url, token) for w in self.workers],
+                       timeout=self.cfg.runtime.step_timeout_s)
+
     def load_source(self, source, step: int) -> None:
         """Every worker takes its slices of `source` (raytp.train.sources) as the state after `step`."""
         ray.get([w.load.remote(source, step) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)

@@ -33,7 +33,7 @@ from raytp.runtime.snapshot_buffers import SnapshotBuffers
 from raytp.train import checkpoint
 from raytp.train.shard_state import live_state, load_shard_state, shard_state, state_bytes, unpack_state
 from raytp.train.sources import StateSource
-from raytp.train.storage import Storage
+from raytp.train.storage import Storage, answer_probe
 from raytp.train.data import batch, load_corpus
 from raytp.train.step import eval_loss, make_optimizer, train_step
 
@@ -246,6 +246,10 @@ class Worker:
         tensors = checkpoint.named_tensors(self.model, self.optimizer)
         self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, self.device)
         return checkpoint.tensor_table(tensors, g.layout.tp, self.cfg.model.vocab_size) if g.tp_rank == 0 else None
+
+    def probe_storage(self, url: str, token: str) -> str | None:
+        """Whether this process reaches the checkpoint location as the driver does (None: it does)."""
+        return answer_probe(Storage(url), token, self.rank)
 
     def save_result(self) -> dict:
         """{"file", "bytes"} of the save begun last, once written (raises if the write failed)."""

@@ -31,6 +31,8 @@ class Storage:
     def __init__(self, url: str | Path):
         self.url = str(url)
         self.scheme = _scheme(self.url)
+        if self.scheme == "file" and "://" not in self.url:
+            self.url = os.path.abspath(os.path.expanduser(self.url))  # the same place seen from every process
         self._fs = None
         self.root = None
 
@@ -151,3 +153,19 @@ def check_writable(storage: Storage, probe: str = ".raytp-probe") -> None:
         raise
     except Exception as e:  # noqa: BLE001 - permissions, credentials, an unreachable endpoint: all say "no"
         raise StorageError(f"{storage.url}: cannot write there ({type(e).__name__}: {e})") from None
+
+
+def probe_name(token: str, rank: int | None = None) -> str:
+    return f".raytp-probe-{token}" + (f"-{rank}" if rank is not None else "")
+
+
+def answer_probe(storage: Storage, token: str, rank: int) -> str | None:
+    """A worker's side of the check that it reaches the same location as the driver: it must read the
+    driver's probe and write its own. None if it can, else why not."""
+    try:
+        if not storage.exists(probe_name(token)) or storage.read_bytes(probe_name(token)) != token.encode():
+            return f"rank {rank} does not see the files the driver writes at {storage.url} (not a shared location?)"
+        storage.write_bytes(probe_name(token, rank), token.encode())
+    except Exception as e:  # noqa: BLE001 - credentials, permissions, network: all mean "cannot"
+        return f"rank {rank} cannot write to {storage.url} ({type(e).__name__}: {e})"
+    return None
