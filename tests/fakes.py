@@ -172,15 +172,21 @@ class FakeGroup(WorkerGroup):
     placer: FakeCluster  # set by FakeCluster.group_class
 
     # -- joining
-    def join(self, setup=(), reshape=(), state=None):
+    def join(self, setup=(), reshape=(), state=None, states=None):
+        from raytp.runtime.transfer import PiecesSource, RebuildSource
         setup, reshape = set(setup), set(reshape)
         for r, w in enumerate(self.workers):
             if not (w.alive and w.pg.placed):
                 raise RayActorError()
             w.started = True  # a join waits for the process to come up
-            if r in setup or r in reshape:
-                w.x = state.value["model"][NAME].item() if isinstance(state, Ref) else \
-                    state["model"][NAME].item() if state is not None else 0.0
+            src = states.get(r, state) if states is not None else state
+            if isinstance(src, PiecesSource):  # the fake state is replicated: any piece is all of it
+                w.x = next((ref.value for ref in src.refs if ref is not None), w.x)
+            elif isinstance(src, RebuildSource):
+                w.x = src.refs[0].value
+            elif r in setup or r in reshape:
+                w.x = src.value["model"][NAME].item() if isinstance(src, Ref) else \
+                    src["model"][NAME].item() if src is not None else 0.0
             w.rank = r
         where = tuple({"rank": r, "node_id": "node", "pid": w._actor_id.n} for r, w in enumerate(self.workers))
         return self._with(placement=where)
@@ -221,8 +227,16 @@ class FakeGroup(WorkerGroup):
     def shard_states(self):
         return [state_of(w.x) for w in self.workers[:self.layout.tp]]
 
-    def full_state_ref(self):
-        return Ref(state_of(self.workers[0].x)), 8
+    def export_pieces(self, new_tp, skip=None):
+        old_tp = self.layout.tp
+        refs = [[Ref(self.workers[i].x) for _ in range(new_tp)] for i in range(old_tp)]
+        return refs, [Ref(self.workers[i].x) for i in range(old_tp)], [[8] * new_tp for _ in range(old_tp)]
+
+    def commit_reshape(self, ranks):
+        pass
+
+    def revert(self, ranks):
+        pass
 
     def fetch(self, refs):
         return [r.value for r in refs]

@@ -28,13 +28,11 @@ from typing import Iterable, Mapping
 import ray
 from ray.exceptions import RayActorError
 
-from raytp.config.adapters import gpt_config
 from raytp.parallel.layout import Layout
 from raytp.runtime import placement as placements
 from raytp.runtime.streaming import StepStream
 from raytp.runtime.checkpoints import write_part_task
 from raytp.runtime.launch import Launcher, actor_id
-from raytp.train import shard_state
 
 
 @dataclass(frozen=True)
@@ -124,12 +122,13 @@ class WorkerGroup:
         return {actor_id(w): keys[actor_id(w)] for w in workers if actor_id(w) in keys}
 
     # -- joining ---------------------------------------------------------------------------------
-    def join(self, setup: Iterable[int] = (), reshape: Iterable[int] = (), state=None) -> "WorkerGroup":
+    def join(self, setup: Iterable[int] = (), reshape: Iterable[int] = (), state=None,
+             states: Mapping[int, object] | None = None) -> "WorkerGroup":
         """Meet in torch.distributed at rank 0's node and build the TP and DP groups; returns this group
         with where each rank runs. Ranks in `setup` build their shard (from their slices of `state` if
         given: a raytp.train.sources source, or a one-device state or its ref; else seeded), ranks in
         `reshape` rebuild theirs from their slices of `state`, and every other rank rejoins with the
-        shard it holds."""
+        shard it holds. `states`: a source per rank instead of one for all."""
         setup, reshape = set(setup), set(reshape)
         lay, cfg = self.layout, self.cfg
         timeout = cfg.runtime.placement_timeout_s + cfg.runtime.collective_timeout_s
@@ -139,15 +138,36 @@ class WorkerGroup:
         job = cfg.to_dict()
         calls = []
         for r, w in enumerate(self.workers):
+            src = states.get(r, state) if states is not None else state
             if r in setup:
-                calls.append(w.setup.remote(lay.tp, lay.dp, init_method, state))
+                calls.append(w.setup.remote(lay.tp, lay.dp, init_method, src))
             elif r in reshape:
-                calls.append(w.reshape.remote(lay.tp, lay.dp, init_method, job, r, state))
+                calls.append(w.reshape.remote(lay.tp, lay.dp, init_method, job, r, src))
             else:
                 calls.append(w.rejoin.remote(lay.tp, lay.dp, init_method, job, r))
         ray.get(calls, timeout=timeout)
         where = ray.get([w.where.remote() for w in self.workers], timeout=timeout)
         return self._with(placement=tuple(where))
+
+    def export_pieces(self, new_tp: int, skip: Mapping[int, set] | None = None) -> tuple[list, list, list]:
+        """Replica 0's ranks cut their shards into bundles for the new TP ranks (raytp.runtime.transfer) and
+        keep them in the object store, owned here and never fetched: (refs[i][j] from old TP rank i to
+        new TP rank j, refs of each old rank's replicated tensors, bytes[i][j]). `skip`: {i: new ranks
+        that old rank i's own process becomes (it keeps those slices)}."""
+        refs, replicated, sizes = [], [], []
+        for i, w in enumerate(self.workers[:self.layout.tp]):
+            out = w.export_pieces.options(num_returns=new_tp + 2).remote(new_tp, sorted((skip or {}).get(i, ())))
+            refs.append(list(out[:new_tp]))
+            replicated.append(out[new_tp])
+            sizes.append(out[new_tp + 1])
+        return refs, replicated, self.fetch(sizes)  # the sizes only: small lists of ints
+
+    def commit_reshape(self, ranks: Iterable[int]) -> None:
+        ray.get([self.workers[r].commit_reshape.remote() for r in ranks], timeout=self.cfg.runtime.step_timeout_s)
+
+    def revert(self, ranks: Iterable[int]) -> None:
+        """Ranks that reshaped take back their old shards (a failed switch); a rejoin wires them again."""
+        ray.get([self.workers[r].revert.remote() for r in ranks], timeout=self.cfg.runtime.step_timeout_s)
 
     def leave(self) -> None:
         """Every worker leaves its process groups (keeping its shard), e.g. before a DP change."""
@@ -235,11 +255,6 @@ class WorkerGroup:
         """The TP shards of replica 0 (DP replicas hold the same), rank order, in this process."""
         return ray.get([w.get_state.remote() for w in self.workers[:self.layout.tp]],
                        timeout=self.cfg.runtime.step_timeout_s)
-
-    def full_state_ref(self):
-        """Replica 0's shards joined into the one-device state, put in the object store: (ref, bytes)."""
-        full = shard_state.unshard_state(self.shard_states(), gpt_config(self.cfg))
-        return ray.put(full), shard_state.state_bytes(full)
 
     def fetch(self, refs) -> list:
         """The (small) objects behind `refs`, in this process: what writers report, not tensors."""

@@ -20,7 +20,6 @@ a replica's placement as either a plain group or a ``Slots`` (``bundle_of``,
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -29,61 +28,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raytp import names
 from raytp.config import JobConfig
 from raytp.runtime.errors import PlacementError
+from raytp.runtime.slots import (Slots, bundle_of, carve, extended, groups_of, size_of, trimmed,  # noqa: F401
+                                 unused_groups)
 
 __all__ = ["PlacementError", "Slots"]  # and the functions below
 
 _GENERATION = itertools.count()  # group names must be unique while the old ones of a resize live
-
-
-@dataclass(frozen=True)
-class Slots:
-    """One replica's bundles over several placement groups on one node: ((group, bundles), ...) in rank
-    order (the replica's first group, then the extensions a TP grow added)."""
-
-    parts: tuple[tuple[PlacementGroup, int], ...]
-
-    def __len__(self) -> int:
-        return sum(n for _, n in self.parts)
-
-
-def groups_of(replica) -> list[PlacementGroup]:
-    """The placement groups of one replica (a plain group or a Slots)."""
-    return [pg for pg, _ in replica.parts] if isinstance(replica, Slots) else [replica]
-
-
-def size_of(replica) -> int:
-    """How many bundles (ranks) one replica's placement holds."""
-    return len(replica) if isinstance(replica, Slots) else replica.bundle_count
-
-
-def bundle_of(replica, tp_rank: int) -> tuple[PlacementGroup, int]:
-    """(group, bundle index) of TP rank `tp_rank` in one replica's placement."""
-    if not isinstance(replica, Slots):
-        return replica, tp_rank
-    i = tp_rank
-    for pg, n in replica.parts:
-        if i < n:
-            return pg, i
-        i -= n
-    raise IndexError(f"TP rank {tp_rank} outside a replica of {len(replica)} bundles")
-
-
-def extended(replica, ext: PlacementGroup, n: int):
-    """The replica's placement with `n` more bundles from the extension group `ext`."""
-    parts = replica.parts if isinstance(replica, Slots) else ((replica, replica.bundle_count),)
-    return Slots(parts + ((ext, n),))
-
-
-def trimmed(replica, n: int):
-    """(the replica's placement cut to its first `n` bundles, the groups no longer used). A group
-    partly used stays whole (Ray cannot shrink one): its bundles past `n` stay reserved, idle."""
-    if not isinstance(replica, Slots):
-        return replica, []
-    kept, spare, used = [], [], 0
-    for pg, k in replica.parts:
-        (kept if used < n else spare).append((pg, k))
-        used += k
-    return (kept[0][0] if len(kept) == 1 else Slots(tuple(kept))), [pg for pg, _ in spare]
 
 
 def worker_resources(cfg: JobConfig) -> dict[str, float]:

@@ -42,6 +42,7 @@ from ray.exceptions import ObjectLostError, OwnerDiedError, RayTaskError
 from raytp.runtime import policy
 from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
 from raytp.runtime.records import Healing, Resizing
+from raytp.runtime.slots import unused_groups
 from raytp.train.checkpoint import CheckpointError
 
 
@@ -178,7 +179,8 @@ def _shrink(ctx: RecoveryContext, attempt: _Attempt, shrink: policy.Shrink, lost
     group = attempt.group
     lay = group.layout
     group.kill(r for q in range(lay.dp) if q not in shrink.keep for r in lay.tp_group(q))
-    group.placer.release(group.pgs[q] for q in range(lay.dp) if q not in shrink.keep)
+    group.placer.release(unused_groups([group.pgs[q] for q in range(lay.dp) if q not in shrink.keep],
+                                       [group.pgs[q] for q in shrink.keep]))
     new_cfg = policy.resized_config(group.cfg, lay.tp, shrink.new_dp)
     workers = [group.workers[r] for q in shrink.keep for r in lay.tp_group(q)]
     pgs = {i: group.pgs[q] for i, q in enumerate(shrink.keep)}

@@ -24,6 +24,8 @@ from raytp.parallel.layout import Layout
 from raytp.runtime import policy
 from raytp.runtime.errors import FAILURES
 from raytp.runtime.launch import actor_id
+from raytp.runtime.slots import unused_groups
+from raytp.runtime.transfer import PiecesSource, RebuildSource
 
 
 class SwitchFailed(Exception):
@@ -59,61 +61,112 @@ def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: di
         group.placer.release(reserved.values())
         raise SwitchFailed(_rejoined(group), e) from e
     group.kill(plan.removed)
-    group.placer.release(group.pgs[q] for q in range(new_dp, old_dp))
+    group.placer.release(unused_groups([group.pgs[q] for q in range(new_dp, old_dp)], nxt.pgs.values()))
     return nxt, moved
 
 
 def switch_tp(group, new_cfg, reserved: tuple, early: dict):
-    """`group` at TP degree new_cfg.parallel.tp, keeping replica 0's first min(old, new) ranks'
-    processes: (new group, bytes moved). `reserved`: placement.reserve_tp's placement; `early`:
-    {rank: (actor, bundle)} of the ranks whose names were free, started ahead."""
+    """`group` at TP degree new_cfg.parallel.tp, keeping replica 0's first min(old, new) ranks' processes:
+    (new group, bytes moved). `reserved`: placement.reserve_tp's placement; `early`: {rank: (actor,
+    bundle)} of the ranks whose names were free, started ahead. The state moves worker to worker
+    (raytp.runtime.transfer); the driver passes references only."""
     old, new = group.layout, Layout(new_cfg.parallel.tp, new_cfg.parallel.dp)
     new_pgs, requested, unused = reserved
     plan = policy.tp_resize_ranks(old, new)
     started = [a for a, _ in early.values()]
-    ref = None
+    exported = reshaped = None
     try:
-        ref, nbytes = group.full_state_ref()
-        group.kill(plan.removed)  # their names and bundles go to the new layout
+        # A kept process keeps its own slices; they are exported too only for the other DP replicas.
+        exported = group.export_pieces(new.tp, skip={r: {r} for r in plan.kept} if new.dp == 1 else None)
+        refs, _, sizes = exported
+        group.kill(plan.removed)  # their names and bundles go to the new layout; their bundles stay in the store
         late = {r: group.start_worker(r, new_cfg, new_pgs) for r in plan.late}
         started += [a for a, _ in late.values()]
         news = {**late, **early}
         workers = list(group.workers[:len(plan.kept)]) + [news[r][0] for r in sorted(news)]
         nxt = group.successor(new_cfg, new_pgs, workers, bundles={actor_id(a): k for a, k in news.values()})
-        nxt = nxt.join(setup=range(len(plan.kept), new.world_size), reshape=plan.kept, state=ref)
+        sources = {r: PiecesSource(tuple(None if (r in plan.kept and i == r) else refs[i][new.coords(r)[1]]
+                                         for i in range(old.tp)), new_cfg.model.vocab_size)
+                   for r in range(new.world_size)}
+        reshaped = plan.kept
+        nxt = nxt.join(setup=range(len(plan.kept), new.world_size), reshape=plan.kept, states=sources)
+        nxt.commit_reshape(plan.kept)
     except FAILURES as e:
         group.kill_actors(started)
         group.placer.release(requested)
-        if ref is None:  # the old layout was not touched: it goes on as it was
+        if exported is None:  # the old layout was not touched: it goes on as it was
             raise SwitchFailed(group, e) from e
-        group.kill(plan.kept)  # they may be blocked in the failed rendezvous: the old layout starts anew
-        raise SwitchFailed(_restarted(group, group.cfg, group.pgs, ref), e) from e
-    group.placer.release(list(unused) + [group.pgs[q] for q in range(new.dp, old.dp)])
-    return nxt, nbytes
+        raise SwitchFailed(_rolled_back(group, plan, exported, reshaped), e) from e
+    group.placer.release(list(unused) + unused_groups([group.pgs[q] for q in range(new.dp, old.dp)],
+                                                      nxt.pgs.values()))
+    moved = sum(sizes[i][new.coords(r)[1]] for r in range(new.world_size) for i in range(old.tp)
+                if not (r in plan.kept and i == r))
+    return nxt, moved
+
+
+def _rolled_back(group, plan, exported, reshaped):
+    """The old layout again after a failed TP switch: the kept processes take back their old shards (or,
+    if they are gone, start anew), the removed ranks start anew and rebuild theirs from what they exported."""
+    refs, replicated, _ = exported
+    lay = group.layout
+    try:
+        if reshaped:
+            group.revert(reshaped)
+        fresh = group.started(plan.removed)
+        sources = {r: RebuildSource(tuple(refs[lay.coords(r)[1]]), replicated[0]) for r in plan.removed}
+        return fresh.join(setup=plan.removed, states=sources)
+    except FAILURES:  # a kept process is lost too: everything starts anew from the exported bundles
+        group.kill(range(lay.world_size))
+        fresh = type(group).create(group.launcher, group.cfg, group.pgs)
+        sources = {r: RebuildSource(tuple(refs[lay.coords(r)[1]]), replicated[0]) for r in range(lay.world_size)}
+        try:
+            return fresh.join(setup=range(lay.world_size), states=sources)
+        except FAILURES:
+            return fresh
 
 
 def restart_tp(group, new_cfg):
-    """`group` at another TP degree the plain way: new placement groups for every replica, every
-    worker started anew: (new group, bytes moved)."""
+    """`group` at another TP degree the plain way: new placement groups for every replica, every worker
+    started anew, the state moved worker to worker: (new group, bytes moved)."""
     new = Layout(new_cfg.parallel.tp, new_cfg.parallel.dp)
     new_pgs = group.reserve(new_cfg, group.launcher.run, list(range(new.dp)))
     try:
-        ref, nbytes = group.full_state_ref()
-    except FAILURES as e:
+        nxt, moved = restart_in(group, new_cfg, new_pgs)
+    except SwitchFailed:
         group.placer.release(new_pgs.values())
+        raise
+    group.placer.release(group.pgs.values())
+    return nxt, moved
+
+
+def restart_in(group, new_cfg, new_pgs: dict):
+    """Every worker of `group` cuts its shard into bundles for the new layout (in the object store), stops,
+    and the new layout's workers start in `new_pgs` and fill their shards from the bundles: (new group,
+    bytes moved). On a failure the old layout starts again, in its own placement, from the same bundles."""
+    old, new = group.layout, Layout(new_cfg.parallel.tp, new_cfg.parallel.dp)
+    try:
+        exported = group.export_pieces(new.tp)
+    except FAILURES as e:
         raise SwitchFailed(group, e) from e
-    group.kill(range(group.layout.world_size))  # the new ranks take the old names
+    refs, replicated, sizes = exported
+    group.kill(range(old.world_size))  # the new ranks take the old names (and, in place, the old bundles)
     nxt = None
     try:
         nxt = type(group).create(group.launcher, new_cfg, new_pgs)
-        nxt = nxt.join(setup=range(new.world_size), state=ref)
+        sources = {r: PiecesSource(tuple(refs[i][new.coords(r)[1]] for i in range(old.tp)), new_cfg.model.vocab_size)
+                   for r in range(new.world_size)}
+        nxt = nxt.join(setup=range(new.world_size), states=sources)
     except FAILURES as e:
         if nxt is not None:
             nxt.kill(range(new.world_size))
-        group.placer.release(new_pgs.values())
-        raise SwitchFailed(_restarted(group, group.cfg, group.pgs, ref), e) from e
-    group.placer.release(group.pgs.values())
-    return nxt, nbytes
+        fresh = type(group).create(group.launcher, group.cfg, group.pgs)
+        sources = {r: RebuildSource(tuple(refs[old.coords(r)[1]]), replicated[0]) for r in range(old.world_size)}
+        try:
+            fresh = fresh.join(setup=range(old.world_size), states=sources)
+        except FAILURES:
+            pass
+        raise SwitchFailed(fresh, e) from e
+    return nxt, sum(sizes[i][new.coords(r)[1]] for r in range(new.world_size) for i in range(old.tp))
 
 
 def _rejoined(group):
@@ -122,12 +175,3 @@ def _rejoined(group):
         return group.join()
     except FAILURES:
         return group  # the next step fails and recovers
-
-
-def _restarted(group, cfg, pgs, ref):
-    """The old layout started anew from the state at `ref`."""
-    fresh = type(group).create(group.launcher, cfg, pgs)
-    try:
-        return fresh.join(setup=range(fresh.layout.world_size), state=ref)
-    except FAILURES:
-        return fresh

@@ -27,6 +27,11 @@ replica's node and checks where it landed (raytp.runtime.placement.reserve_tp);
 if any landed on another node, the resize takes the full-restart path instead.
 A TP shrink asks for nothing: the bundles past the new degree stay reserved
 (idle) until the replica's group is released, and a later TP grow reuses them.
+When the capacity cannot be reserved ahead but the new layout fits in the
+bundles the job holds (each new replica inside one old replica's bundles), the
+resize switches in place: every worker exports its slices to the object store
+and stops, and the new layout starts in the freed bundles (a longer pause,
+nothing lost; raytp.runtime.reshard.restart_in).
 
 The global batch stays the job's ``train.batch_size``: each replica's
 micro-batch stays the same and a smaller DP degree accumulates over more of
@@ -43,7 +48,7 @@ from dataclasses import dataclass
 
 from raytp import config as config_mod
 from raytp.parallel.layout import Layout
-from raytp.runtime import policy, reshard
+from raytp.runtime import policy, reshard, slots
 from raytp.runtime.errors import FAILURES, PlacementError
 from raytp.runtime.records import GrowBack, Outcome, PendingResize, Resizing
 
@@ -92,8 +97,12 @@ def request(group, tp: int, dp: int, step: int, say, log, request_id: int | None
             requested, pgs = reserved[1], reserved[0]
         early = {r: group.start_worker(r, new_cfg, pgs) for r in plan.early}
     except PlacementError as e:
-        log.event("resize_refused", old={"tp": old.tp, "dp": old.dp}, new={"tp": tp, "dp": dp}, error=str(e))
-        return Outcome.refused(str(e))
+        carved = slots.carve(group.pgs, tp, dp)
+        if carved is None:
+            log.event("resize_refused", old={"tp": old.tp, "dp": old.dp}, new={"tp": tp, "dp": dp}, error=str(e))
+            return Outcome.refused(str(e))
+        say(f"no room to start TP={tp} x DP={dp} beside the job ({e}); switching inside its own bundles")
+        return carry_out(group, lambda: reshard.restart_in(group, new_cfg, carved), t0, "requested, in place", step)
     except FAILURES as e:
         return Outcome.refused(f"resize failed and was rolled back: {type(e).__name__}: {e}")
     return PendingResize(t0, new_cfg, kind, base(group), reserved, requested, early,

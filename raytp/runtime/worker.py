@@ -27,9 +27,11 @@ from raytp.parallel import comm
 from raytp.parallel.groups import destroy_process_groups, free_port, init_process_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.plan import build_empty_shard, build_shard, rebind_groups
+from raytp.runtime import transfer
 from raytp.runtime.background_save import BackgroundSave
 from raytp.runtime.errors import WorkerAborted
 from raytp.runtime.snapshot_buffers import SnapshotBuffers
+from raytp.runtime.transfer import PiecesSource
 from raytp.train import checkpoint
 from raytp.train.shard_state import live_state, load_shard_state, shard_state, state_bytes, unpack_state
 from raytp.train.sources import StateSource
@@ -50,6 +52,7 @@ class Worker:
         self.completed, self.running = 0, False
         self.snap_bufs = SnapshotBuffers(self.device)
         self.saving: BackgroundSave | None = None  # this rank's file of the checkpoint being written
+        self.previous = None  # the shard a reshape replaced, until the switch is committed or reverted
         # What building the first optimizer imports (~1 s), paid here: a spare, or a rank started ahead
         # of a resize, has it behind it when it is needed.
         importlib.import_module("torch._dynamo")
@@ -100,30 +103,58 @@ class Worker:
         n_local = sum(p.numel() for p in self.model.parameters())
         return {"rank": self.rank, "params_local": n_local, "setup_s": time.perf_counter() - t0}
 
-    def _build_from(self, source) -> None:
-        """A new shard at this rank's current TP position (built empty) holding its slices of `source`."""
+    def _build_from(self, source, own=None) -> None:
+        """A new shard at this rank's current TP position (built empty) holding its slices of `source`
+        (`own`: the old (model, optimizer, TP rank, TP degree) of a process that reshapes)."""
         self._settle()
         g = self.groups
         self.model = self.optimizer = None
         self.model = build_empty_shard(gpt_config(self.cfg), g.tp, self.cfg.parallel.sequence_parallel, self.device)
         self.hyper = hyper(self.cfg)
         self.optimizer = make_optimizer(self.model, self.hyper)
-        (StateSource(source) if isinstance(source, dict) else source).fill(self.model, self.optimizer, g.tp_rank,
-                                                                            g.layout.tp)
+        source = StateSource(source) if isinstance(source, dict) else source
+        extra = {"own": own} if own is not None and isinstance(source, PiecesSource) else {}
+        source.fill(self.model, self.optimizer, g.tp_rank, g.layout.tp, **extra)
 
     def reshape(self, tp: int, dp: int, init_method: str, job: dict, rank: int, source) -> dict:
         """A TP resize that keeps this process: leave the old groups, join those of layout tp x dp as
         `rank` (with the job as it now is), and rebuild the shard at the new TP degree from its slices of
         `source`, without the seeded initialisation."""
         t0 = time.perf_counter()
+        self._settle()
+        # The old shard is kept until the switch is committed (commit_reshape) or undone (revert).
+        self.previous = (self.cfg, self.rank, self.model, self.optimizer, self.hyper, self.groups.layout)
+        own = (self.model, self.optimizer, self.groups.tp_rank, self.groups.layout.tp)
         self.cfg, self.rank = from_dict(job), rank
         # No gc.collect as in leave_groups: no peer is blocked on this rank's sockets (it costs ~0.3 s).
         destroy_process_groups()
-        self.groups = self.model = self.optimizer = None
+        self.groups = None
         self.groups = init_process_groups(Layout(tp, dp), rank, init_method, self.cfg.runtime.device,
                                           self.cfg.runtime.collective_timeout_s)
-        self._build_from(source)
+        self._build_from(source, own)
         return {"rank": self.rank, "reshape_s": time.perf_counter() - t0}
+
+    def export_pieces(self, new_tp: int, skip: list[int]):
+        """For a live TP resize: one bundle per new TP rank j of the slices of this shard that go there
+        (none for j in `skip`: those this process keeps), then the replicated tensors alone, then the
+        bundles' sizes (raytp.runtime.transfer). Call with num_returns=new_tp + 2."""
+        g = self.groups
+        bundles = transfer.export_pieces(self.model, self.optimizer, g.tp_rank, g.layout.tp, new_tp,
+                                         self.cfg.model.vocab_size, set(skip))
+        return (*bundles, transfer.replicated(self.model, self.optimizer), [transfer.bundle_bytes(b) for b in bundles])
+
+    def commit_reshape(self) -> None:
+        """The switch took: the old shard kept by `reshape` goes."""
+        self.previous = None
+        gc.collect()
+
+    def revert(self) -> None:
+        """The switch failed: take back the shard `reshape` kept (its process groups come with a rejoin)."""
+        if self.previous is not None:
+            destroy_process_groups()
+            self.cfg, self.rank, self.model, self.optimizer, self.hyper, _ = self.previous
+            rebind_groups(self.model, None)
+            self.groups, self.previous = None, None
 
     # -- training ------------------------------------------------------------------
     def _micro_batches(self, split: str, step: int) -> list:

@@ -1,0 +1,95 @@
+"""A live TP resize moves the state worker to worker (the driver touches references only), and a resize
+that cannot reserve ahead on a cluster the job fills switches inside the job's own bundles."""
+import io
+import sys
+
+import numpy as np
+import ray
+import torch
+
+from helpers import FIXED, job, ray_actors
+from raytp.runtime.driver import Driver
+
+TENSOR_LIMIT = 4096  # bytes: what the driver may see of any one object (a rendezvous address, some sizes)
+
+
+def big_objects(obj, found, seen=None):
+    """Tensors and arrays over TENSOR_LIMIT bytes inside `obj` (lists, tuples, dicts, dataclasses)."""
+    seen = seen if seen is not None else set()
+    if id(obj) in seen:
+        return found
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor) and obj.numel() * obj.element_size() > TENSOR_LIMIT:
+        found.append(f"tensor {tuple(obj.shape)}")
+    elif isinstance(obj, np.ndarray) and obj.nbytes > TENSOR_LIMIT:
+        found.append(f"array of {obj.nbytes} bytes")
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            big_objects(v, found, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            big_objects(v, found, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        big_objects(vars(obj), found, seen)
+    return found
+
+
+def test_tp_2_4_1_moves_state_worker_to_worker_and_the_driver_never_fetches_a_shard(ray_local, tmp_path, monkeypatch):
+    d = Driver(job(2, 1, steps=12), tmp_path / "run", "p2p", out=io.StringIO())
+    try:
+        d.start()
+        d.train_loop(until=3)
+        fetched, put = [], []
+        real_get, real_put = ray.get, ray.put
+
+        def watched_get(refs, *a, **k):
+            out = real_get(refs, *a, **k)
+            fetched.extend(big_objects(out, []))
+            return out
+
+        def watched_put(value, *a, **k):
+            put.extend(big_objects(value, []) or ["an object"])
+            return real_put(value, *a, **k)
+
+        for tp in (4, 1):
+            before = d.logits(FIXED)
+            monkeypatch.setattr(ray, "get", watched_get)
+            monkeypatch.setattr(ray, "put", watched_put)
+            outcome = d.resize(tp, 1)
+            monkeypatch.setattr(ray, "get", real_get)
+            monkeypatch.setattr(ray, "put", real_put)
+            assert outcome.ok, outcome
+            assert not fetched and not put, f"the driver fetched {fetched} and put {put} during TP -> {tp}"
+            assert float((d.logits(FIXED) - before).abs().max()) < 1e-5, f"logits moved at TP -> {tp}"
+            assert outcome.bytes > 0
+            d.train_loop(until=d.step + 2)
+        assert (d.layout.tp, d.layout.dp) == (1, 1) and d.step == 7
+    finally:
+        d.release()
+        d.log.close()
+
+
+def test_a_reshape_on_a_cluster_the_job_fills_switches_in_its_own_bundles(ray_local, tmp_path):
+    """TP=4 x DP=1 on all 4 CPUs: TP=1 x DP=2 cannot be reserved beside it, and fits in its bundles."""
+    out = io.StringIO()
+    d = Driver(job(4, 1, steps=10, placement_timeout_s=3.0), tmp_path / "run", "inplace", out=out)
+    try:
+        d.start()
+        d.train_loop(until=3)
+        before = d.logits(FIXED)
+        outcome = d.resize(1, 2)
+        assert outcome.ok, outcome
+        assert "switching inside its own bundles" in out.getvalue()
+        assert (d.layout.tp, d.layout.dp) == (1, 2)
+        assert float((d.logits(FIXED) - before).abs().max()) < 1e-5
+        assert sorted(ray_actors("raytp.inplace.rank")) == ["raytp.inplace.rank0", "raytp.inplace.rank1"]
+        d.train_loop()
+        assert d.step == 10
+    finally:
+        d.release()
+        d.log.close()
+    import json
+    (ev,) = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl") if '"resized"' in line]
+    assert (ev["old"], ev["new"]) == ({"tp": 4, "dp": 1}, {"tp": 1, "dp": 2}) and ev["lost_steps"] == 0
+    assert "in place" in ev["reason"]
+    print(ev, file=sys.stderr)
