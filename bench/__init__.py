@@ -31,4 +31,5 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "recovery": lazy("bench.recovery:run"),
     "snapshots": lazy("bench.snapshots:run"),
     "resize": lazy("bench.resize:run"),
+    "memory_scale": lazy("bench.memory_scale:run"),
 }

@@ -23,6 +23,7 @@ class SnapshotBuffer:
         self.packed, self.free = threading.Event(), threading.Event()
         self.packed.set()
         self.free.set()
+        self.held = False  # a checkpoint's file is being written from it: free once that is done
 
 
 class SnapshotBuffers:
@@ -31,11 +32,29 @@ class SnapshotBuffers:
         self.bufs: list[SnapshotBuffer] = []
         self.next = 0
         self.copy_stream = None  # cuda: where snapshots are copied to the host
+        self.newest: tuple | None = None  # (step, packed, buffer) of the newest snapshot packed
+
+    def hold(self, step: int):
+        """The packed state of the snapshot after `step`, if it is the newest, kept from reuse until
+        `release` (a checkpoint written from it); else None."""
+        if self.newest is None or self.newest[0] != step:
+            return None
+        _, packed, buf = self.newest
+        buf.free.wait()  # written to the object store
+        buf.free.clear()
+        buf.held = True
+        return packed, buf
+
+    @staticmethod
+    def release(buf: SnapshotBuffer) -> None:
+        buf.held = False
+        buf.free.set()
 
     def reset(self) -> None:
         """Mark every buffer packed and free (a previous call that ended early may have left one in use)."""
         for buf in self.bufs:
-            buf.free.set()
+            if not buf.held:
+                buf.free.set()
             buf.packed.set()
 
     def take(self, nbytes: int) -> SnapshotBuffer:

@@ -26,21 +26,17 @@ from raytp.config.adapters import gpt_config, hyper
 from raytp.parallel import comm
 from raytp.parallel.groups import destroy_process_groups, free_port, init_process_groups
 from raytp.parallel.layout import Layout
-from raytp.parallel.plan import build_empty_shard, build_shard, rebind_groups
-from raytp.runtime import transfer
+from raytp.parallel.plan import build_shard, rebind_groups
 from raytp.runtime.background_save import BackgroundSave
 from raytp.runtime.errors import WorkerAborted
 from raytp.runtime.snapshot_buffers import SnapshotBuffers
-from raytp.runtime.transfer import PiecesSource
-from raytp.train import checkpoint
-from raytp.train.shard_state import live_state, load_shard_state, shard_state, state_bytes, unpack_state
-from raytp.train.sources import StateSource
-from raytp.train.storage import Storage, answer_probe
+from raytp.runtime.worker_state import WorkerState
+from raytp.train.shard_state import live_state, state_bytes
 from raytp.train.data import batch, load_corpus
 from raytp.train.step import eval_loss, make_optimizer, train_step
 
 
-class Worker:
+class Worker(WorkerState):
     def __init__(self, job: dict, rank: int):
         self.cfg = from_dict(job)
         self.rank = rank
@@ -103,19 +99,6 @@ class Worker:
         n_local = sum(p.numel() for p in self.model.parameters())
         return {"rank": self.rank, "params_local": n_local, "setup_s": time.perf_counter() - t0}
 
-    def _build_from(self, source, own=None) -> None:
-        """A new shard at this rank's current TP position (built empty) holding its slices of `source`
-        (`own`: the old (model, optimizer, TP rank, TP degree) of a process that reshapes)."""
-        self._settle()
-        g = self.groups
-        self.model = self.optimizer = None
-        self.model = build_empty_shard(gpt_config(self.cfg), g.tp, self.cfg.parallel.sequence_parallel, self.device)
-        self.hyper = hyper(self.cfg)
-        self.optimizer = make_optimizer(self.model, self.hyper)
-        source = StateSource(source) if isinstance(source, dict) else source
-        extra = {"own": own} if own is not None and isinstance(source, PiecesSource) else {}
-        source.fill(self.model, self.optimizer, g.tp_rank, g.layout.tp, **extra)
-
     def reshape(self, tp: int, dp: int, init_method: str, job: dict, rank: int, source) -> dict:
         """A TP resize that keeps this process: leave the old groups, join those of layout tp x dp as
         `rank` (with the job as it now is), and rebuild the shard at the new TP degree from its slices of
@@ -133,28 +116,6 @@ class Worker:
                                           self.cfg.runtime.collective_timeout_s)
         self._build_from(source, own)
         return {"rank": self.rank, "reshape_s": time.perf_counter() - t0}
-
-    def export_pieces(self, new_tp: int, skip: list[int]):
-        """For a live TP resize: one bundle per new TP rank j of the slices of this shard that go there
-        (none for j in `skip`: those this process keeps), then the replicated tensors alone, then the
-        bundles' sizes (raytp.runtime.transfer). Call with num_returns=new_tp + 2."""
-        g = self.groups
-        bundles = transfer.export_pieces(self.model, self.optimizer, g.tp_rank, g.layout.tp, new_tp,
-                                         self.cfg.model.vocab_size, set(skip))
-        return (*bundles, transfer.replicated(self.model, self.optimizer), [transfer.bundle_bytes(b) for b in bundles])
-
-    def commit_reshape(self) -> None:
-        """The switch took: the old shard kept by `reshape` goes."""
-        self.previous = None
-        gc.collect()
-
-    def revert(self) -> None:
-        """The switch failed: take back the shard `reshape` kept (its process groups come with a rejoin)."""
-        if self.previous is not None:
-            destroy_process_groups()
-            self.cfg, self.rank, self.model, self.optimizer, self.hyper, _ = self.previous
-            rebind_groups(self.model, None)
-            self.groups, self.previous = None, None
 
     # -- training ------------------------------------------------------------------
     def _micro_batches(self, split: str, step: int) -> list:
@@ -212,7 +173,7 @@ class Worker:
                     if snapshot_every and self.groups.dp_rank == 0 and (step + 1) % snapshot_every == 0:
                         state = live_state(self.model, self.optimizer)
                         last = self.snap_bufs.take(state_bytes(state))
-                        out.put((last, state))
+                        out.put((step + 1, last, state))
                 if last is not None:
                     last.packed.wait()  # the state is the snapshot's until it is copied
             except BaseException as e:  # noqa: BLE001 - reported through the stream, never lost
@@ -232,12 +193,13 @@ class Worker:
             if isinstance(item, WorkerAborted):
                 raise item
             if isinstance(item, tuple):  # (buffer, live state) of a snapshot
-                buf, state = item
+                after, buf, state = item
                 try:
                     packed = self.snap_bufs.pack(state, buf)
                 finally:
                     buf.packed.set()
                 del state
+                self.snap_bufs.newest = (after, packed, buf)
                 yield packed
                 buf.free.set()  # written to the object store: the buffer may be packed again
             else:
@@ -255,43 +217,6 @@ class Worker:
             failure = f"rank {self.rank} left evaluation: {type(e).__name__}: {e}"
         self.leave_groups()
         raise WorkerAborted(failure)
-
-    # -- state ---------------------------------------------------------------------
-    def get_state(self) -> dict:
-        """This rank's weights and AdamW state (CPU tensors), e.g. for a DP replica to copy."""
-        return shard_state(self.model, self.optimizer)
-
-    def load(self, source, completed: int) -> None:
-        """Take this rank's slices of `source` (raytp.train.sources) into the shard it has, as the state
-        after `completed` steps (a recovery from a checkpoint)."""
-        self._settle()
-        g = self.groups
-        source.fill(self.model, self.optimizer, g.tp_rank, g.layout.tp)
-        self.completed = completed
-
-    def begin_save(self, url: str, directory: str) -> dict | None:
-        """Start writing this rank's file of a checkpoint into `directory` of storage `url`, in the background
-        (raytp.runtime.background_save); TP rank 0 returns the checkpoint's tensor table."""
-        self._settle()
-        g = self.groups
-        tensors = checkpoint.named_tensors(self.model, self.optimizer)
-        self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, self.device)
-        return checkpoint.tensor_table(tensors, g.layout.tp, self.cfg.model.vocab_size) if g.tp_rank == 0 else None
-
-    def probe_storage(self, url: str, token: str) -> str | None:
-        """Whether this process reaches the checkpoint location as the driver does (None: it does)."""
-        return answer_probe(Storage(url), token, self.rank)
-
-    def save_result(self) -> dict:
-        """{"file", "bytes"} of the save begun last, once written (raises if the write failed)."""
-        return self.saving.wait()
-
-    def _settle(self, snapshot=None) -> None:
-        """Wait until nothing reads the live state any more: a snapshot being packed, a file being written."""
-        if snapshot is not None:
-            snapshot.packed.wait()
-        if self.saving is not None:
-            self.saving.done.wait()
 
     @torch.no_grad()
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
@@ -318,12 +243,6 @@ class Worker:
         self.groups = None
         gc.collect()
 
-    def state_nbytes(self) -> int:
-        """Bytes of this rank's weights and optimizer state."""
-        tensors = list(self.model.parameters()) + [t for st in self.optimizer.state.values()
-                                                   for t in st.values() if torch.is_tensor(t)]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
     def rejoin(self, tp: int, dp: int, init_method: str, job: dict | None = None, rank: int | None = None) -> None:
         """Build new process groups (after a failure or a DP resize) and rebind the model's layers to
         them; keeps the state. `job`: the job as it is now (a resize changes its layout and micro-batch);
@@ -336,12 +255,6 @@ class Worker:
         self.groups = init_process_groups(Layout(tp, dp), self.rank, init_method, self.cfg.runtime.device,
                                           self.cfg.runtime.collective_timeout_s)
         rebind_groups(self.model, self.groups.tp)
-
-    def set_shard(self, state: dict, completed: int) -> None:
-        """Take a shard_state (or a packed one) of this rank's own shape (from a DP replica or a snapshot)."""
-        self._settle()
-        load_shard_state(self.model, self.optimizer, unpack_state(state))
-        self.completed = completed
 
     def shutdown(self) -> None:
         destroy_process_groups()

@@ -91,10 +91,11 @@ def tensor_table(tensors: dict[str, tuple[str, torch.Tensor]], tp: int, vocab_si
 
 
 def write_shard(storage: Storage, directory: str, tensors: dict[str, tuple[str, torch.Tensor]], tp_rank: int,
-                to_host=None) -> dict:
+                to_host=None, written=None) -> dict:
     """Write TP rank `tp_rank`'s file of a checkpoint, one tensor at a time, each with its split dim first
-    (the caller keeps the tensors unchanged until this returns; a device tensor is copied to the host
-    one at a time, by `to_host(t)` if given). {"file", "bytes"}."""
+    (the caller keeps the tensors unchanged until `written()` is called, or until this returns: once
+    every byte is handed to the file the tensors may change while it is made durable; a device tensor
+    is copied to the host one at a time, by `to_host(t)` if given). {"file", "bytes"}."""
     to_host = to_host or (lambda t: t.cpu())
     items = []
     for key, (name, t) in tensors.items():
@@ -108,7 +109,11 @@ def write_shard(storage: Storage, directory: str, tensors: dict[str, tuple[str, 
         n = safetensors_io.write(f, items, {"format": FORMAT, "tp_rank": str(tp_rank)})
         if storage.local:
             f.flush()
+            if written:
+                written()  # the bytes are the kernel's now: only the fsync is left
             os.fsync(f.fileno())
+    if written:
+        written()
     return {"file": name, "bytes": n}
 
 
@@ -184,28 +189,37 @@ class Checkpoint:
                 raise CheckpointError(f"{self.where}/{name}: cannot be read ({e})") from None
         return self._readers[name]
 
-    def read(self, key: str, rank: int, tp: int) -> torch.Tensor:
-        """TP rank `rank`'s slice (of TP degree `tp`) of tensor `key`, reading only its byte ranges."""
+    def read(self, key: str, rank: int, tp: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """TP rank `rank`'s slice (of TP degree `tp`) of tensor `key`, reading only its byte ranges; into
+        `out` if given (a contiguous tensor of the slice's shape and dtype: no copy on a filesystem)."""
         spec = self.manifest["tensors"][key]
         s, shape = Sharding(spec["dim"], spec["parts"], spec["pad"]), tuple(spec["shape"])
         dtype = safetensors_io.TORCH[spec["dtype"]]
         if s.dim is None:
-            return self._rows(shard_file(0), key, None, None, dtype, shape)
-        out = torch.zeros(local_shape(s, shape, tp), dtype=dtype)
+            return self._rows(shard_file(0), key, None, None, dtype, shape, out)
+        if out is None:
+            out = torch.zeros(local_shape(s, shape, tp), dtype=dtype)
+        elif s.pad:
+            out.zero_()  # padding positions are read from nowhere
         for p in pieces(s, shape[s.dim], self.tp, tp, rank):
-            rows = self._rows(shard_file(p.src), key, p.src_at, p.length, dtype, None)
-            out.narrow(s.dim, p.dst_at, p.length).copy_(rows.t() if spec["transposed"] else rows)
+            if spec["transposed"]:
+                rows = self._rows(shard_file(p.src), key, p.src_at, p.length, dtype, None)
+                out.narrow(s.dim, p.dst_at, p.length).copy_(rows.t())
+            else:  # rows of `out` along dim 0: read straight into them
+                self._rows(shard_file(p.src), key, p.src_at, p.length, dtype, None, out.narrow(0, p.dst_at, p.length))
         return out
 
-    def _rows(self, file: str, key: str, start, count, dtype, shape) -> torch.Tensor:
+    def _rows(self, file: str, key: str, start, count, dtype, shape, into=None) -> torch.Tensor:
+        reader = self._reader(file)
         try:
-            t = self._reader(file).rows(key, start or 0, count)
+            have, saved, _ = reader.info(key)
+            if have != dtype:
+                raise safetensors_io.FormatError(f"is {have}, the manifest says {dtype}")
+            if shape is not None and tuple(saved) != shape:
+                raise safetensors_io.FormatError(f"has shape {tuple(saved)}, the manifest says {shape}")
+            return reader.rows(key, start or 0, count, out=into)
         except safetensors_io.FormatError as e:
             raise CheckpointError(f"{self.where}/{file}: {key}: {e}") from None
-        if t.dtype != dtype or (shape is not None and tuple(t.shape) != shape):
-            raise CheckpointError(f"{self.where}/{file}: {key} is {t.dtype} {tuple(t.shape)}, the manifest says "
-                                  f"{dtype} {shape}")
-        return t
 
 
 def open_checkpoint(storage: Storage, directory: str, manifest_: dict | None = None):
@@ -224,11 +238,23 @@ def load_into(ckpt, model, optimizer, rank: int, tp: int) -> None:
         for name, p in model.named_parameters():
             if f"model/{name}" not in keys:
                 raise CheckpointError(f"{ckpt.where}: holds no model/{name}")
-            p.copy_(ckpt.read(f"model/{name}", rank, tp))
-            state = {k: ckpt.read(f"optim/{name}/{k}", rank, tp) for k in ("step", "exp_avg", "exp_avg_sq")
-                     if f"optim/{name}/{k}" in keys}
+            direct = p.device.type == "cpu" and p.is_contiguous() and isinstance(ckpt, Checkpoint) \
+                and type(ckpt) is Checkpoint  # format 2 on the host: read straight into the tensors
+            if direct:
+                ckpt.read(f"model/{name}", rank, tp, out=p.data)
+            else:
+                p.copy_(ckpt.read(f"model/{name}", rank, tp))
+            state = {}
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                if f"optim/{name}/{k}" not in keys:
+                    continue
+                if direct and k != "step":
+                    state[k] = ckpt.read(f"optim/{name}/{k}", rank, tp, out=torch.empty_like(p.data))
+                else:
+                    v = ckpt.read(f"optim/{name}/{k}", rank, tp)
+                    state[k] = v if k == "step" else v.to(p.device)
             if state:
-                optimizer.state[p] = {k: (v if k == "step" else v.to(p.device)) for k, v in state.items()}
+                optimizer.state[p] = state
 
 
 def find(location: str, cfg: GPTConfig | None = None, warn=None):

@@ -90,15 +90,25 @@ class Reader:
             raise FormatError(f"holds no tensor {name!r}") from None
         return TORCH[v["dtype"]], tuple(v["shape"]), self.data_start + v["data_offsets"][0]
 
-    def rows(self, name: str, start: int = 0, count: int | None = None) -> torch.Tensor:
-        """Rows [start, start + count) along dim 0 (all of a 0-d tensor), in one read."""
+    def rows(self, name: str, start: int = 0, count: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, start + count) along dim 0 (all of a 0-d tensor), in one read: into `out` (a
+        contiguous tensor of that shape and dtype) if given, with no copy on a filesystem."""
         dtype, shape, at = self.info(name)
-        if not shape:
-            return self._tensor(self.storage.read_range(self.rel, at, _nbytes(dtype, ())), dtype, ())
-        count = shape[0] - start if count is None else count
-        row = _nbytes(dtype, shape[1:])
-        return self._tensor(self.storage.read_range(self.rel, at + start * row, count * row), dtype,
-                            (count, *shape[1:]))
+        count = (shape[0] - start if count is None else count) if shape else None
+        want = (count, *shape[1:]) if shape else ()
+        if out is None:
+            out = torch.empty(want, dtype=dtype)
+        elif out.dtype != dtype or tuple(out.shape) != want or not out.is_contiguous():
+            raise FormatError(f"{name}: cannot read {dtype} {want} into {out.dtype} {tuple(out.shape)}")
+        row = _nbytes(dtype, shape[1:]) if shape else _nbytes(dtype, ())
+        if count == 0:
+            return out
+        try:
+            self.storage.read_into(self.rel, at + (start * row if shape else 0),
+                                   memoryview(out.view(-1).view(torch.uint8).numpy()))
+        except EOFError as e:
+            raise FormatError(str(e)) from None
+        return out
 
     def block(self, name: str, rows: range, cols: range) -> torch.Tensor:
         """A block of a matrix: whole rows in one read, a block of columns one read per row."""
@@ -108,15 +118,12 @@ class Reader:
         item = _nbytes(dtype, ())
         out = torch.empty((len(rows), len(cols)), dtype=dtype)
         for i, r in enumerate(rows):
-            raw = self.storage.read_range(self.rel, at + (r * shape[1] + cols.start) * item, len(cols) * item)
-            out[i] = self._tensor(raw, dtype, (len(cols),))
+            try:
+                self.storage.read_into(self.rel, at + (r * shape[1] + cols.start) * item,
+                                       memoryview(out[i].view(torch.uint8).numpy()))
+            except EOFError as e:
+                raise FormatError(str(e)) from None
         return out
-
-    @staticmethod
-    def _tensor(raw: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
-        if len(raw) != _nbytes(dtype, shape):
-            raise FormatError(f"read {len(raw)} bytes where {_nbytes(dtype, shape)} were expected (truncated?)")
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 def _nbytes(dtype: torch.dtype, shape) -> int:

@@ -97,11 +97,12 @@ def pack_state(state: dict, out: torch.Tensor | None = None) -> dict:
     return {"packed": entries, "data": flat.numpy()}
 
 
-def unpack_state(packed: dict) -> dict:
-    """Inverse of pack_state (tensors are copies, never views of the buffer)."""
+def unpack_state(packed: dict, views: bool = False) -> dict:
+    """Inverse of pack_state: tensors are copies, or, with `views`, views of the packed buffer."""
     if "packed" not in packed:
         return packed
-    data = torch.from_numpy(packed["data"].copy()) if len(packed["data"]) else torch.empty(0, dtype=torch.uint8)
+    raw = packed["data"] if views else packed["data"].copy()
+    data = torch.from_numpy(raw) if len(raw) else torch.empty(0, dtype=torch.uint8)
     out: dict = {"model": {}, "optim": {}}
     offset = 0
     for section, name, key, shape, dtype, nbytes in packed["packed"]:

@@ -81,6 +81,20 @@ class Storage:
                 return os.pread(f.fileno(), length, start)
         return self.fs.cat_file(self.path(rel), start=start, end=start + length)
 
+    def read_into(self, rel: str, start: int, buf: memoryview) -> None:
+        """Fill `buf` (a writable byte buffer) with the file's bytes from `start`: straight into it on a
+        filesystem, through one ranged read elsewhere."""
+        n = len(buf)
+        if self.local:
+            with open(self.path(rel), "rb") as f:
+                got = os.preadv(f.fileno(), [buf], start)
+        else:
+            data = self.read_range(rel, start, n)
+            got = len(data)
+            buf[:got] = data
+        if got != n:
+            raise EOFError(f"{self.url}/{rel}: {got} bytes at {start}, {n} expected (truncated?)")
+
     def listdir(self, *parts: str) -> list[str]:
         """Names directly under a directory ([] if it does not exist)."""
         where = self.path(*parts)

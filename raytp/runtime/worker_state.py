@@ -1,0 +1,122 @@
+"""What a worker holds, and how it comes and goes: the state half of the Worker actor.
+
+A worker's shard (weights and AdamW state) is built empty and filled from a
+source (raytp.train.sources: a checkpoint, a Hugging Face directory; a live
+resize's bundles, raytp.runtime.transfer), copied from a DP replica or a
+snapshot (``set_shard``), cut into bundles for a new TP layout
+(``export_pieces``), and written to a checkpoint by a thread of its own
+(``begin_save``). ``_settle`` waits until nothing reads the live tensors any
+more (a snapshot being packed, a file being written) before they change.
+"""
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from raytp.config.adapters import gpt_config, hyper
+from raytp.parallel.groups import destroy_process_groups
+from raytp.parallel.plan import build_empty_shard, rebind_groups
+from raytp.runtime import transfer
+from raytp.runtime.background_save import BackgroundSave
+from raytp.runtime.transfer import PiecesSource
+from raytp.train import checkpoint
+from raytp.train.shard_state import load_shard_state, shard_state, unpack_state
+from raytp.train.sources import StateSource
+from raytp.train.step import make_optimizer
+from raytp.train.storage import Storage, answer_probe
+
+
+class WorkerState:
+    """The Worker's state methods (it sets model, optimizer, groups, cfg, device, saving and previous)."""
+
+    def _build_from(self, source, own=None) -> None:
+        """A new shard at this rank's current TP position (built empty) holding its slices of `source`
+        (`own`: the old (model, optimizer, TP rank, TP degree) of a process that reshapes)."""
+        self._settle()
+        g = self.groups
+        self.model = self.optimizer = None
+        self.model = build_empty_shard(gpt_config(self.cfg), g.tp, self.cfg.parallel.sequence_parallel, self.device)
+        self.hyper = hyper(self.cfg)
+        self.optimizer = make_optimizer(self.model, self.hyper)
+        source = StateSource(source) if isinstance(source, dict) else source
+        extra = {"own": own} if own is not None and isinstance(source, PiecesSource) else {}
+        source.fill(self.model, self.optimizer, g.tp_rank, g.layout.tp, **extra)
+
+    def export_pieces(self, new_tp: int, skip: list[int]):
+        """For a live TP resize: one bundle per new TP rank j of the slices of this shard that go there
+        (none for j in `skip`: those this process keeps), then the replicated tensors alone, then the
+        bundles' sizes (raytp.runtime.transfer). Call with num_returns=new_tp + 2."""
+        g = self.groups
+        bundles = transfer.export_pieces(self.model, self.optimizer, g.tp_rank, g.layout.tp, new_tp,
+                                         self.cfg.model.vocab_size, set(skip))
+        return (*bundles, transfer.replicated(self.model, self.optimizer), [transfer.bundle_bytes(b) for b in bundles])
+
+    def commit_reshape(self) -> None:
+        """The switch took: the old shard kept by `reshape` goes."""
+        self.previous = None
+        gc.collect()
+
+    def revert(self) -> None:
+        """The switch failed: take back the shard `reshape` kept (its process groups come with a rejoin)."""
+        if self.previous is not None:
+            destroy_process_groups()
+            self.cfg, self.rank, self.model, self.optimizer, self.hyper, _ = self.previous
+            rebind_groups(self.model, None)
+            self.groups, self.previous = None, None
+
+    def get_state(self) -> dict:
+        """This rank's weights and AdamW state (CPU tensors), e.g. for a DP replica to copy."""
+        return shard_state(self.model, self.optimizer)
+
+    def load(self, source, completed: int) -> None:
+        """Take this rank's slices of `source` (raytp.train.sources) into the shard it has, as the state
+        after `completed` steps (a recovery from a checkpoint)."""
+        self._settle()
+        g = self.groups
+        source.fill(self.model, self.optimizer, g.tp_rank, g.layout.tp)
+        self.completed = completed
+
+    def begin_save(self, url: str, directory: str) -> dict | None:
+        """Start writing this rank's file of a checkpoint into `directory` of storage `url`, in the background
+        (raytp.runtime.background_save): from the snapshot of this step if one is packed (training never
+        waits for it), else from the live tensors. TP rank 0 returns the checkpoint's tensor table."""
+        self._settle()
+        g = self.groups
+        held = self.snap_bufs.hold(self.completed)
+        if held is not None:
+            packed, buf = held
+            tensors = checkpoint.state_tensors(unpack_state(packed, views=True))
+            self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, torch.device("cpu"),
+                                         staged=True, then=lambda: self.snap_bufs.release(buf))
+        else:
+            tensors = checkpoint.named_tensors(self.model, self.optimizer)
+            self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, self.device)
+        return checkpoint.tensor_table(tensors, g.layout.tp, self.cfg.model.vocab_size) if g.tp_rank == 0 else None
+
+    def probe_storage(self, url: str, token: str) -> str | None:
+        """Whether this process reaches the checkpoint location as the driver does (None: it does)."""
+        return answer_probe(Storage(url), token, self.rank)
+
+    def save_result(self) -> dict:
+        """{"file", "bytes"} of the save begun last, once written (raises if the write failed)."""
+        return self.saving.wait()
+
+    def _settle(self, snapshot=None) -> None:
+        """Wait until nothing reads the live state any more: a snapshot being packed, a file being written."""
+        if snapshot is not None:
+            snapshot.packed.wait()
+        if self.saving is not None:
+            self.saving.copied.wait()
+
+    def state_nbytes(self) -> int:
+        """Bytes of this rank's weights and optimizer state."""
+        tensors = list(self.model.parameters()) + [t for st in self.optimizer.state.values()
+                                                   for t in st.values() if torch.is_tensor(t)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def set_shard(self, state: dict, completed: int) -> None:
+        """Take a shard_state (or a packed one) of this rank's own shape (from a DP replica or a snapshot)."""
+        self._settle()
+        load_shard_state(self.model, self.optimizer, unpack_state(state))
+        self.completed = completed
