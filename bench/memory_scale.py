@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PEER = "the model's own growth: state (weights, grads, AdamW moments) and its share per worker (state / tp)"
 SIZES = {  # name -> model keys
-    "FULL": {"small": {"n_layer": 4, "n_head": 12, "n_embd": 96}, "large": {"n_layer": 4, "n_head": 12, "n_embd": 768}},
+    "FULL": {"small": {"n_layer": 8, "n_head": 12, "n_embd": 96}, "large": {"n_layer": 8, "n_head": 12, "n_embd": 768}},
     "QUICK": {"small": {"n_layer": 2, "n_head": 4, "n_embd": 32}, "large": {"n_layer": 2, "n_head": 4, "n_embd": 128}},
 }
 GOALS = {"driver_over_state": 0.05, "worker_over_share": 1.3, "export_over_largest_tensor": 2.0}

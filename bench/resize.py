@@ -46,8 +46,8 @@ from pathlib import Path
 
 from bench.snapshots import MODEL, close, driver, job, jsonl, med, ray_session, say, warm_up
 
-PEER = ("stop + restart with the same code: Driver.save_checkpoint() to disk, release, new Driver at the new "
-        "layout with init_state from checkpoint.load_latest, start, one step")
+PEER = ("stop + restart with the same code: Driver.save_checkpoint() to disk (the workers write it), release, new "
+        "Driver at the new layout with init_state from that checkpoint (each worker reads its slices), start, one step")
 GOAL_RATIO = 0.3
 FULL = {"model": MODEL["FULL"], "batch_size": 8, "warmup": 3, "reps": 3}
 QUICK = {"model": MODEL["QUICK"], "batch_size": 4, "warmup": 2, "reps": 1}
@@ -112,7 +112,7 @@ def training_on(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
 
 def restart(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
     from raytp.runtime import policy
-    from raytp.train import checkpoint
+    from raytp.runtime.origin import from_checkpoint
     d = _started(p, *old, run_dir)
     try:
         t0 = time.perf_counter()
@@ -121,10 +121,9 @@ def restart(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
     finally:
         close(d)
     t1 = time.perf_counter()
-    path, manifest, full = checkpoint.load_latest(path)
+    init_state = from_checkpoint(path)  # the manifest: what the driver reads of a checkpoint
     t2 = time.perf_counter()
-    d2 = driver(new_job, run_dir.with_name(run_dir.name + "-restarted"),
-                init_state=(manifest["step"], full, f"checkpoint {path}"))
+    d2 = driver(new_job, run_dir.with_name(run_dir.name + "-restarted"), init_state=init_state)
     try:
         d2.start()
         t3 = time.perf_counter()
@@ -134,6 +133,36 @@ def restart(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
     return {"request_to_step_s": t4 - t0, "save_and_release_s": t1 - t0, "load_s": t2 - t1,
             "start_s": t3 - t2, "step_s": t4 - t3,
             "checkpoint_bytes": sum(f.stat().st_size for f in Path(path).iterdir())}
+
+
+def changing_owner_bytes(p: dict, old: tuple, new: tuple) -> int:
+    """From the reshard plan alone: bytes of weights and AdamW moments whose holder changes process (the
+    figure the resize's own count of bytes moved is held against). A DP change copies whole shards to
+    the added replicas; a shrink moves nothing."""
+    import torch
+
+    from raytp.model import GPT, GPTConfig
+    from raytp.parallel.reshard_plan import pieces
+    from raytp.parallel.sharding import sharding_of
+    (old_tp, old_dp), (new_tp, new_dp) = old, new
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**p["model"], dropout=0.0))
+    total = 0
+    for name, t in model.named_parameters():
+        s = sharding_of(name)
+        dim = s.dim if s.dim is not None else 0
+        row = t.numel() // t.shape[dim] * 4 * 3  # float32 weight + exp_avg + exp_avg_sq
+        for r in range(new_tp * new_dp):
+            q, j = divmod(r, new_tp)
+            if old_tp == new_tp:  # a DP change: added replicas copy their shard, kept ones hold theirs
+                if q >= old_dp:
+                    total += sum(pc.length for pc in pieces(s, t.shape[dim], old_tp, new_tp, j)
+                                 if pc.src == j) * row
+                continue
+            kept = q == 0 and j < min(old_tp, new_tp)  # the process of old rank j (raytp's tp_resize_ranks)
+            total += sum(pc.length for pc in pieces(s, t.shape[dim], old_tp, new_tp, j)
+                         if not (kept and pc.src == j)) * row
+    return total
 
 
 def run(quick: bool = False) -> dict:
@@ -166,7 +195,8 @@ def run(quick: bool = False) -> dict:
                      "raytp_resized_event_seconds": med([r["event_seconds"] for r in mem]),
                      "raytp_move_s": med([r["move_s"] for r in mem]),
                      "raytp_request_to_placed_s": med([r["request_to_placed_s"] for r in mem]),
-                     "raytp_bytes_moved": mem[0]["bytes"]}
+                     "raytp_bytes_moved": mem[0]["bytes"],
+                     "bytes_changing_owner": changing_owner_bytes(p, old, new)}
         for k in ("save_and_release_s", "load_s", "start_s", "step_s"):
             fig[case][f"restart_{k}"] = med([r[k] for r in rst])
         fig[case]["checkpoint_bytes"] = rst[0]["checkpoint_bytes"]

@@ -158,7 +158,7 @@ def shard_state_cost(p: dict, reps: int = 5) -> dict:
     import ray
     import torch
     from raytp.model import GPT, GPTConfig
-    from raytp.train import checkpoint
+    from raytp.train.shard_state import pack_state, shard_state
     from raytp.train.step import Hyper, make_optimizer
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -171,7 +171,7 @@ def shard_state_cost(p: dict, reps: int = 5) -> dict:
     copy, put = [], []
     for _ in range(reps):  # what Worker.run_steps does: the packed copy, then its write to the object store
         t0 = time.perf_counter()
-        packed = checkpoint.pack_state(checkpoint.shard_state(model, opt, copy=False))
+        packed = pack_state(shard_state(model, opt, copy=False))
         t1 = time.perf_counter()
         ref = ray.put(packed)
         copy.append(t1 - t0)

@@ -191,7 +191,7 @@ def test_one_device_model_is_gpt2_shaped():
 def empty_shard_matches(rank, world, init):
     """build_empty_shard + this rank's slices of the full state == build_shard, with and without SP."""
     from raytp.parallel.plan import build_empty_shard
-    from raytp.train.checkpoint import load_shard_state, slice_state
+    from raytp.train.shard_state import load_shard_state, slice_state
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     groups = build_groups(Layout(world, 1), rank)
     cfg = gpt_config(vocab=257)

@@ -189,20 +189,24 @@ class Checkpoint:
                 raise CheckpointError(f"{self.where}/{name}: cannot be read ({e})") from None
         return self._readers[name]
 
-    def read(self, key: str, rank: int, tp: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read(self, key: str, rank: int, tp: int, out: torch.Tensor | None = None, stored: bool = False) -> torch.Tensor:
         """TP rank `rank`'s slice (of TP degree `tp`) of tensor `key`, reading only its byte ranges; into
-        `out` if given (a contiguous tensor of the slice's shape and dtype: no copy on a filesystem)."""
+        `out` if given (a contiguous tensor of the slice's shape and dtype: no copy on a filesystem).
+        `stored`: in the orientation it is stored in (split dim first: a row-parallel weight transposed),
+        which reads every piece straight into place."""
         spec = self.manifest["tensors"][key]
         s, shape = Sharding(spec["dim"], spec["parts"], spec["pad"]), tuple(spec["shape"])
         dtype = safetensors_io.TORCH[spec["dtype"]]
         if s.dim is None:
             return self._rows(shard_file(0), key, None, None, dtype, shape, out)
+        local = local_shape(s, shape, tp)
+        flip = spec["transposed"] and stored
         if out is None:
-            out = torch.zeros(local_shape(s, shape, tp), dtype=dtype)
+            out = torch.zeros(local[::-1] if flip else local, dtype=dtype)
         elif s.pad:
             out.zero_()  # padding positions are read from nowhere
         for p in pieces(s, shape[s.dim], self.tp, tp, rank):
-            if spec["transposed"]:
+            if spec["transposed"] and not stored:
                 rows = self._rows(shard_file(p.src), key, p.src_at, p.length, dtype, None)
                 out.narrow(s.dim, p.dst_at, p.length).copy_(rows.t())
             else:  # rows of `out` along dim 0: read straight into them

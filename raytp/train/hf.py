@@ -160,8 +160,13 @@ def save(ckpt, out_dir: Path) -> None:
         conv = name.endswith(CONV1D)
 
         def produce(key=key, conv=conv):
+            spec = ckpt.manifest.get("tensors", {}).get(key, {})
+            if conv and spec.get("transposed"):  # stored (in, out): already the Conv1D layout
+                return ckpt.read(key, 0, 1, stored=True).float()
             t = ckpt.read(key, 0, 1).float()
-            return t.t().contiguous() if conv else t
+            if not conv:
+                return t
+            return (t[:, i:i + 64].t() for i in range(0, t.shape[1], 64))  # the transpose, 64 rows at a time
         items.append((f"transformer.{name}", torch.float32, shape[::-1] if conv else shape, produce))
     with open(out_dir / "model.safetensors", "wb") as f:
         safetensors_io.write(f, items, {"format": "pt"})

@@ -40,21 +40,30 @@ def header_bytes(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metada
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write(f, items: Iterable[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]],
+def write(f, items: Iterable[tuple[str, torch.dtype, tuple[int, ...], Callable]],
           metadata: dict[str, str] | None = None) -> int:
     """Write a safetensors file to the binary file `f`: items are (name, dtype, shape, produce), and
-    produce() is called when its tensor's turn comes (a CPU tensor of that dtype and shape). Bytes written."""
+    produce() is called when its tensor's turn comes: a CPU tensor of that dtype and shape, or an
+    iterable of tensors whose bytes, one after the other, are that tensor's (chunks of a transpose).
+    Bytes written."""
     items = list(items)
     head = header_bytes([(n, d, s) for n, d, s, _ in items], metadata or {})
     f.write(head)
     total = len(head)
     for name, dtype, shape, produce in items:
-        t = produce()
-        if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{name}: produced {t.dtype} {tuple(t.shape)}, the header says {dtype} {tuple(shape)}")
-        data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        f.write(memoryview(data))
-        total += data.nbytes
+        out = produce()
+        if isinstance(out, torch.Tensor) and (out.dtype != dtype or tuple(out.shape) != tuple(shape)):
+            raise ValueError(f"{name}: produced {out.dtype} {tuple(out.shape)}, the header says {dtype} {tuple(shape)}")
+        written = 0
+        for t in ([out] if isinstance(out, torch.Tensor) else out):
+            data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            f.write(memoryview(data))
+            written += data.nbytes
+            del t, data  # before the next one is made: one tensor (or chunk) in memory at a time
+        if written != _nbytes(dtype, shape):
+            raise ValueError(f"{name}: produced {written} bytes, the header says {_nbytes(dtype, shape)}")
+        total += written
+        del out
     return total
 
 
