@@ -133,15 +133,18 @@ class Submission:
 
 
 def make_submission(job_file: Path, sets: tuple[str, ...], run: str, run_dir: str | None,
-                    stop_wait_s: float, staging: Path) -> Submission:
+                    stop_wait_s: float, staging: Path, resume: str | None = None) -> Submission:
     """The Ray job of a run: `job_file` copied into `staging` (shipped as the working_dir), the
-    raytp package beside it (py_modules), and `raytp train` as the entrypoint."""
+    raytp package beside it (py_modules), and `raytp train` as the entrypoint (with `--resume`, as
+    train takes it: "latest" for the run dir's own checkpoints, or a path or URL on the cluster)."""
     import raytp
     shutil.copyfile(job_file, staging / job_file.name)
     run_dir = run_dir or f"{RUN_ROOT}/{run}"
     args = ["python", "-m", "raytp.cli", "train", job_file.name, "--name", run, "--run-dir", run_dir]
     for s in sets:
         args += ["--set", s]
+    if resume is not None:
+        args += ["--resume"] + ([] if resume == "latest" else [resume])
     return Submission(
         run=run, run_dir=run_dir, entrypoint=" ".join(shlex.quote(a) for a in args),
         runtime_env={

@@ -292,6 +292,9 @@ class FakeStream:
         self.partial = None
         group.placer.clock += 1
 
+    def drain(self, timeout=1.0):
+        pass
+
     def __iter__(self):
         cluster, lay, ws = self.group.placer, self.group.layout, self.group.workers
         for step in range(self.start, self.start + self.count):

@@ -211,8 +211,6 @@ def test_choices(key, value, valid):
      "jobs/x.yaml: model.n_head: 5 does not divide model.n_embd=128; valid n_head: 1, 2, 4"),
     ({"train": {"min_lr": 0.01, "lr": 0.001}},
      "jobs/x.yaml: train.min_lr: 0.01 exceeds train.lr=0.001"),
-    ({"train": {"warmup_steps": 300, "steps": 200}},
-     "jobs/x.yaml: train.warmup_steps: 300 exceeds train.steps=200"),
     ({"train": {"batch_size": 10}, "parallel": {"dp": 4}},
      "jobs/x.yaml: train.batch_size: 10 is not divisible by parallel.dp=4"),
     ({"train": {"batch_size": 16, "micro_batch_size": 3}, "parallel": {"dp": 2}},
@@ -221,7 +219,7 @@ def test_choices(key, value, valid):
     ({"parallel": {"tp": 4, "sequence_parallel": True}, "model": {"block_size": 130}},
      "jobs/x.yaml: parallel.sequence_parallel: needs model.block_size=130"),
     ({"name": "a/b"}, "jobs/x.yaml: name: 'a/b' is not a valid run name"),
-], ids=["tp-heads", "heads-embd", "min_lr", "warmup", "dp-batch",
+], ids=["tp-heads", "heads-embd", "min_lr", "dp-batch",
         "micro-batch", "sequence-parallel", "name"])
 def test_cross_field_rules(d, line):
     (got,) = problems_of(d)
@@ -294,3 +292,12 @@ def test_validate_rechecks_a_config_built_in_code():
     cfg = dataclasses.replace(JobConfig(), parallel=config.ParallelConfig(tp=3))
     with pytest.raises(ConfigError, match="parallel.tp: 3 does not divide"):
         config.validate(cfg, source="scale")
+
+
+def test_a_warmup_longer_than_the_run_is_shortened_with_a_note():
+    from raytp.config import adjusted
+    cfg, notes = adjusted(from_dict({"train": {"warmup_steps": 20, "steps": 10}}))
+    assert cfg.train.warmup_steps == 10 and len(notes) == 1
+    assert "train.warmup_steps=20 exceeds train.steps=10" in notes[0]
+    same, none = adjusted(from_dict({"train": {"warmup_steps": 5, "steps": 10}}))
+    assert same.train.warmup_steps == 5 and none == []

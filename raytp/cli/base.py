@@ -2,6 +2,9 @@
 
 A job file is loaded and checked before anything else happens: a bad file or
 override exits with status 2 and one line per problem, before Ray starts.
+Every failure ends with ``error: ...`` lines naming the key or the file: status
+2 for a bad job (nothing was started, or what was is released), 1 for a run
+that failed; a Python traceback only with ``raytp --debug``.
 """
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import click
 
 from raytp import config as config_mod
 
-EXIT_BAD_CONFIG = 2
+EXIT_BAD_CONFIG, EXIT_FAILED = 2, 1
+DEBUG = {"on": False}
 
 
 def keys_help() -> str:
@@ -23,29 +27,56 @@ def keys_help() -> str:
 
 
 def load_job(job: str, sets: tuple[str, ...]) -> config_mod.JobConfig:
+    """The job, checked (exit 2 with a line per problem) and adjusted where a short run needs it (a
+    warning per change)."""
     try:
-        return config_mod.load(job, sets)
+        cfg = config_mod.load(job, sets)
     except config_mod.ConfigError as e:
         for line in e.problems:
             click.echo(f"error: {line}", err=True)
         sys.exit(EXIT_BAD_CONFIG)
+    cfg, notes = config_mod.adjusted(cfg)
+    for note in notes:
+        click.echo(f"warning: {note}", err=True)
+    return cfg
 
 
 def check_data(cfg: config_mod.JobConfig) -> None:
+    """The data source exists and its token ids fit the model's vocabulary (exit 2 otherwise)."""
     src = cfg.data.source
     if src != "builtin" and not Path(src).expanduser().exists():
-        click.echo(f"error: data.source: {src} does not exist; valid: 'builtin', a directory of text files, "
-                   "or a .bin file of uint16 token ids", err=True)
-        sys.exit(EXIT_BAD_CONFIG)
+        fail(f"data.source: {src} does not exist; valid: 'builtin', a directory of text files, "
+             "or a .bin file of uint16 token ids")
+    from raytp.train.data import load_corpus
+    try:
+        corpus = load_corpus(src, cfg.data.val_fraction)
+    except ValueError as e:
+        fail(str(e))
+    if corpus.vocab_size > cfg.model.vocab_size:
+        fail(f"model.vocab_size: {cfg.model.vocab_size} is smaller than data.source's vocabulary: it has token ids "
+             f"up to {corpus.vocab_size - 1}; valid: model.vocab_size >= {corpus.vocab_size}")
 
 
 @click.group()
 @click.version_option(package_name="raytp")
-def main():
+@click.option("--debug", is_flag=True, help="Show Python tracebacks of failures (for bug reports).")
+def main(debug):
     """raytp: tensor-parallel GPT training on Ray that survives failures and rescales."""
+    DEBUG["on"] = debug
 
 
 def fail(msg: str, code: int = EXIT_BAD_CONFIG):
     for line in str(msg).splitlines():
         click.echo(f"error: {line}", err=True)
     sys.exit(code)
+
+
+def failed(e: BaseException, code: int = EXIT_FAILED):
+    """End a command on an exception: one `error:` line (its traceback too with --debug)."""
+    if DEBUG["on"]:
+        import traceback
+        traceback.print_exception(e)
+    if type(e).__module__.startswith("raytp"):  # raytp's own errors say what is wrong and where
+        fail(str(e).strip() or type(e).__name__, code)
+    first = (str(e).strip().splitlines() or [""])[0]
+    fail(f"{type(e).__name__}: {first}" + ("" if DEBUG["on"] else "  (raytp --debug shows the traceback)"), code)

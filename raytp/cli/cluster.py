@@ -57,8 +57,11 @@ def await_outcome(ctl, rid: int, timeout_s: float, what: str) -> dict:
               help="Override a job key, e.g. --set parallel.tp=4 (repeatable; beats the file).")
 @click.option("--name", default=None, help="Run name (default: the job's name, else <job>-<timestamp>).")
 @click.option("--run-dir", default=None, help="Run directory on the cluster (default: ~/raytp/runs/<name>).")
+@click.option("--resume", is_flag=False, flag_value="latest", default=None, metavar="[PATH]",
+              help="Resume from a checkpoint (a path or URL on the cluster), or alone from the newest whole "
+                   "checkpoint of --run-dir (or checkpoint.dir); any valid layout, as with train.")
 @_cluster_errors
-def submit(job, address, sets, name, run_dir):
+def submit(job, address, sets, name, run_dir, resume):
     """Run JOB on a Ray cluster as a Ray job, checked here first; returns once it is submitted."""
     import tempfile
     from raytp import jobs
@@ -69,12 +72,15 @@ def submit(job, address, sets, name, run_dir):
         fail(problem)
     head = _head(address)
     with tempfile.TemporaryDirectory(prefix="raytp-submit-") as staging:
-        sub = jobs.make_submission(Path(job), sets, run, run_dir, cfg.runtime.step_timeout_s + 120, Path(staging))
+        sub = jobs.make_submission(Path(job), sets, run, run_dir, cfg.runtime.step_timeout_s + 120, Path(staging),
+                                   resume)
         jobs.submit(head, sub)
     where = f" --address {address}" if address else ""
     click.echo(f"submitted run {run} as Ray job {sub.submission_id} to {head.dashboard}\n"
                f"  layout TP={cfg.parallel.tp} x DP={cfg.parallel.dp}, {cfg.train.steps} steps; "
-               f"run dir on the cluster: {sub.run_dir}\n"
+               f"run dir on the cluster: {sub.run_dir}"
+               + (f"; resuming from {resume if resume != 'latest' else 'its newest checkpoint'}" if resume else "")
+               + "\n"
                f"  follow it:  raytp status {run}{where}\n"
                f"              raytp logs {run} --follow{where}\n"
                f"  stop it:    raytp stop {run}{where}")

@@ -13,7 +13,7 @@ import click
 
 from raytp import config as config_mod
 from raytp import names
-from raytp.cli.base import check_data, fail, keys_help, load_job, main
+from raytp.cli.base import EXIT_BAD_CONFIG, EXIT_FAILED, check_data, fail, failed, keys_help, load_job, main
 
 
 def run_name_and_dir(job: str, cfg: config_mod.JobConfig, run_dir: str | None, name: str | None) -> tuple[str, Path]:
@@ -92,16 +92,18 @@ def train(job, sets, address, run_dir, name, resume):
     embedded = connect_ray(address, cfg)
     import ray
     from raytp.runtime.driver import Driver
-    from raytp.runtime.placement import PlacementError
+    from raytp.train.storage import StorageError
     try:
         driver = Driver(cfg, path, run, init_state=init_state)
         _stop_on_sigterm(driver)
         summary = driver.run_to_end(t_start=t0)
-    except PlacementError as e:
-        fail(e, 1)
     except KeyboardInterrupt:
         click.echo(f"[raytp] interrupted; workers released, run dir {path} kept", err=True)
         sys.exit(130)
+    except StorageError as e:  # the location is not one every worker reaches: a bad job
+        failed(e, EXIT_BAD_CONFIG)
+    except Exception as e:  # noqa: BLE001 - one line (and the run dir's events.jsonl) say what failed
+        failed(e, EXIT_FAILED)
     finally:
         if embedded:
             ray.shutdown()

@@ -8,9 +8,9 @@ whole job. What the rest of raytp needs of a job in its own terms (the model's
 shape, the optimiser's knobs) comes from raytp.config.adapters.
 """
 from raytp.config.parse import describe, from_dict, load
-from raytp.config.rules import validate
+from raytp.config.rules import adjusted, validate
 from raytp.config.schema import (CheckpointConfig, ConfigError, DataConfig, JobConfig, ModelConfig,
                                  ParallelConfig, Range, RecoveryConfig, RuntimeConfig, TrainConfig)
 
 __all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "JobConfig", "ModelConfig", "ParallelConfig", "Range",
-           "RecoveryConfig", "RuntimeConfig", "TrainConfig", "describe", "from_dict", "load", "validate"]
+           "RecoveryConfig", "RuntimeConfig", "TrainConfig", "adjusted", "describe", "from_dict", "load", "validate"]

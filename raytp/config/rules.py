@@ -27,10 +27,6 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
      lambda v: v["train.min_lr"] <= v["train.lr"],
      lambda v: f"{show(v['train.min_lr'])} exceeds train.lr={show(v['train.lr'])}; "
                "valid: 0 <= min_lr <= lr"),
-    (("train.warmup_steps", "train.steps"),
-     lambda v: v["train.warmup_steps"] <= v["train.steps"],
-     lambda v: f"{v['train.warmup_steps']} exceeds train.steps={v['train.steps']}; "
-               f"valid: 0 to {v['train.steps']}"),
     (("model.n_head", "model.n_embd"),
      lambda v: v["model.n_embd"] % v["model.n_head"] == 0,
      lambda v: f"{v['model.n_head']} does not divide model.n_embd={v['model.n_embd']}; "
@@ -92,3 +88,15 @@ def check(cfg: JobConfig, where, bad: set[str]) -> list[str]:
             problems.append(f"{at(where(keys[0]), keys[0])}: {message(v)}")
             bad.add(keys[0])  # and skip the rules that follow from it
     return problems
+
+
+def adjusted(cfg: JobConfig) -> tuple[JobConfig, list[str]]:
+    """A job made to run where it asks for something a short run cannot have, and what was changed (for a
+    warning each): a warmup longer than the run is shortened to the run (torchtitan does the same)."""
+    import dataclasses
+    notes = []
+    if cfg.train.warmup_steps > cfg.train.steps:
+        notes.append(f"train.warmup_steps={cfg.train.warmup_steps} exceeds train.steps={cfg.train.steps}; "
+                     f"warming up over all {cfg.train.steps} steps instead")
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, warmup_steps=cfg.train.steps))
+    return cfg, notes

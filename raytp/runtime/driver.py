@@ -230,6 +230,8 @@ class Driver:
             if getattr(e, "group", None) is not None:
                 self.adopt(e.group)  # so that release() finds every actor the recovery started
             raise
+        if self.stream is not None:
+            self.stream.drain()  # the aborted steps' errors: read, so that Ray does not report them
         self.failures += r.failures
         if r.replayed is not None:  # the step the survivors finished as the rank died
             self.log.metric(reporting.step_record(r.replayed, [r.replayed], self.cfg, self.layout))

@@ -49,6 +49,23 @@ class StepStream:
             yield StepRecords(step, recs, parts)
 
 
+    def drain(self, timeout: float = 1.0) -> None:
+        """After a failure: take what is left of every worker's stream (its records, its error), so that
+        nothing is left unread for Ray to report as an unhandled error; the failure has been dealt with."""
+        for stream in self.streams:
+            deadline = timeout
+            while True:
+                ready, _ = ray.wait([stream], timeout=deadline, fetch_local=False)
+                if not ready:
+                    break
+                try:
+                    ray.get(next(stream), timeout=deadline)
+                except StopIteration:
+                    break
+                except Exception:  # noqa: BLE001 - the error it ended with, expected and handled
+                    pass
+
+
 def _next(stream, timeout: float):
     """The next object of a streaming call, or StepDeadline if none comes within `timeout`. The object
     stays where it was made: fetch_local=False, or every snapshot would be pulled to the driver's
