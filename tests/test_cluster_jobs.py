@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -136,11 +137,39 @@ def test_submitted_run_runs_to_success_with_status_and_logs(head, tmp_path):
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 30  # the head is this machine
 
 
-def test_long_run_exports_metrics_scales_and_stops_cleanly(head, tmp_path):
+@pytest.fixture(scope="module")
+def prometheus(head, tmp_path_factory):
+    """A real Prometheus (Debian's package; .ci/run installs it) scraping the head's metrics endpoint every
+    second, on loopback. Yields a function: PromQL -> the result list of an instant query."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("no prometheus binary (apt-get install prometheus)")
+    d = tmp_path_factory.mktemp("prometheus")
+    (d / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: ray, static_configs: [{{targets: ['127.0.0.1:{head.metrics_port}']}}]}}]\n")
+    port = _free_port()
+    proc = subprocess.Popen([binary, f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                            stderr=open(d / "log", "w"))
+
+    def query(expr: str) -> list:
+        url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        return json.loads(urllib.request.urlopen(url, timeout=10).read())["data"]["result"]
+    try:
+        wait_for("prometheus", lambda: proc.poll() is not None or _answers(port), timeout=60)
+        assert proc.poll() is None, (d / "log").read_text()[-2000:]
+        yield query
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_long_run_exports_metrics_scales_and_stops_cleanly(head, prometheus, tmp_path):
     run_dir = tmp_path / "long"
     p = raytp("submit", "jobs/default.yaml", "--address", head.dashboard, "--name", "long", "--run-dir",
               str(run_dir), "--set", "train.steps=100000", "--set", "checkpoint.every=0",
-              "--set", "train.steps_per_call=5", *SMALL)
+              "--set", "train.steps_per_call=5", *SMALL, "--set", "train.eval_interval=5")
     assert p.returncode == 0, p.stderr[-3000:]
 
     running = wait_for("the run to train", lambda: (s := raytp("status", "long", "--address", head.gcs))
@@ -153,6 +182,21 @@ def test_long_run_exports_metrics_scales_and_stops_cleanly(head, tmp_path):
         found = {m.group(1) for m in re.finditer(r'^ray_(raytp_\w+)\{[^}]*run="long"', body, re.M)}
         return found if {"raytp_step", "raytp_loss", "raytp_steps_total", "raytp_world_size"} <= found else None
     assert "raytp_tokens_per_second" in wait_for("raytp_ metrics on the node's endpoint", series, timeout=60, every=2)
+
+    # Every query of the Grafana dashboard has series for this run, which has had no failure: its
+    # counters are exported at 0 from the start (a panel says 0, not "No data").
+    dash = json.loads((ROOT / "grafana" / "raytp.json").read_text())
+    exprs = [t["expr"].replace("$run", "long").replace("$__rate_interval", "30s")
+             for panel in dash["panels"] for t in panel["targets"]]
+
+    def empty_queries():
+        missing = [e for e in exprs if not prometheus(e)]
+        return None if missing else "all"
+    try:
+        wait_for("every Grafana query to return series", empty_queries, timeout=90, every=2)
+    except BaseException:
+        raise AssertionError(f"no series for {[e for e in exprs if not prometheus(e)]}") from None
+    assert [r["value"][1] for r in prometheus('sum by (run) (ray_raytp_failures_total{run="long"})')] == ["0"]
 
     scaled = raytp("scale", "long", "--tp", "1", "--address", head.dashboard, timeout=180)
     assert scaled.returncode == 0, scaled.stderr[-3000:]

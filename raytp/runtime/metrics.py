@@ -2,7 +2,8 @@
 
 Every line is flushed as written, so `tail -f` and a crashed run both see
 everything up to the last step. Ray metrics carry the prefix ``raytp_`` and a
-``run`` tag (the README's "Metrics").
+``run`` tag (the README's "Ray metrics"); counters are exported at 0 from the
+run's start.
 """
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ class RayMetrics:
         self.tags = {"run": run}
         self.gauges = {k: Gauge(f"raytp_{k}", description=d, tag_keys=tags) for k, d in GAUGES.items()}
         self.counters = {k: Counter(f"raytp_{k}_total", description=d, tag_keys=tags) for k, d in COUNTERS.items()}
+        # Every counter exists from the start, at 0: a series never recorded is never exported, and a
+        # dashboard panel of failures would say "No data" instead of 0. Counter.inc refuses 0, so the point
+        # is recorded the way inc records it.
+        for counter in self.counters.values():
+            counter._record(0.0, tags=self.tags)
 
     def set(self, name: str, value: float) -> None:
         self.gauges[name].set(float(value), tags=self.tags)
