@@ -54,7 +54,18 @@ def progress_of(logs: str) -> tuple[tuple[int, int] | None, str | None]:
     return ((int(steps[-1][0]), int(steps[-1][1])) if steps else None), (lines[-1] if lines else None)
 
 
-def describe(head: Head, run: str, job=None, known_job: bool = False) -> list[str]:
+def format_ranks(st: dict) -> list[str]:
+    """`raytp status RUN --ranks`: which process holds which rank (actor names cannot follow a rank that
+    moved to a warm spare or was renumbered by an elastic shrink; this table does)."""
+    rows = [("rank", "actor", "node", "pid", "gpu")]
+    for r in st.get("ranks", []):
+        rows.append((str(r.get("rank")), r.get("actor") or "-", (r.get("node_id") or "-")[:12], str(r.get("pid")),
+                     ",".join(map(str, r.get("gpu_ids") or [])) or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return ["  " + "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def describe(head: Head, run: str, job=None, known_job: bool = False, ranks: bool = False) -> list[str]:
     """Lines `raytp status RUN` prints: the control actor's view while the driver runs, and the Ray
     job's status for a submitted run (also after it ended, with the step its log reached)."""
     if not known_job:
@@ -69,7 +80,7 @@ def describe(head: Head, run: str, job=None, known_job: bool = False) -> list[st
     if job is None and live is None:
         raise NoSuchRun(f"no run named {run!r} in this cluster (no Ray job {submission_id(run)}, "
                         "and no running driver of that name); `raytp status` lists the runs it has")
-    lines = [format_live(live)] if live else []
+    lines = [format_live(live)] + (format_ranks(live) if ranks else []) if live else []
     if job is not None:
         status = job.status.value
         if live is None:

@@ -175,6 +175,9 @@ def test_long_run_exports_metrics_scales_and_stops_cleanly(head, prometheus, tmp
     running = wait_for("the run to train", lambda: (s := raytp("status", "long", "--address", head.gcs))
                        and re.search(r"long: running  step [1-9]", s.stdout) and s, timeout=120, every=2)
     assert "Ray job raytp-long: RUNNING" in running.stdout and "TP=2 x DP=1" in running.stdout
+    table = raytp("status", "long", "--ranks", "--address", head.gcs).stdout
+    assert re.search(r"^\s+0\s+raytp\.long\.rank0\s+\w+\s+\d+", table, re.M), table
+    assert re.search(r"^\s+1\s+raytp\.long\.rank1\s", table, re.M), table
     assert sorted(alive_actors(head, "raytp.long.rank")) == ["raytp.long.rank0", "raytp.long.rank1"]
 
     def series():

@@ -6,6 +6,7 @@ import random
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -68,6 +69,12 @@ def test_a_warm_spare_takes_the_place_of_a_killed_worker(reference, tmp_path):
     assert rec["spares"] == ["raytp.spare.spare0"] and rec["source"] == "snapshot" and rec["lost_steps"] <= 1
     placed = events(run_dir, "placed")[-1]["ranks"]
     assert placed[1]["pid"] == seen["raytp.spare.spare0"]["pid"], "rank 1 is not the spare's process"
+    assert placed[1]["actor"] == "raytp.spare.spare0"  # what `raytp status --ranks` shows for rank 1
+    # Ray cannot rename an actor: the spare tells Ray's log monitor its new role, so its log lines (as the
+    # dashboard and `ray logs` show them) carry its rank.
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    out = [f for f in logs.glob(f"worker-*-{placed[1]['pid']}.out")]
+    assert out and ":actor_name:Worker(rank 1, TP rank 1/2, DP rank 0/1)" in out[0].read_text(), out
     started = [s for e in events(run_dir, "spares") for s in e.get("started", [])]
     assert [s["name"] for s in started] == ["raytp.spare.spare0", "raytp.spare.spare1"]
     (replica0,) = [g for g, t in ray.util.placement_group_table().items()

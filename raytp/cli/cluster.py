@@ -89,15 +89,16 @@ def submit(job, address, sets, name, run_dir, resume):
 @main.command()
 @click.argument("run", required=False)
 @click.option("--address", default=None, help=ADDRESS_HELP)
+@click.option("--ranks", is_flag=True, help="Also list which process holds each rank: actor, node, pid, GPU.")
 @_cluster_errors
-def status(run, address):
+def status(run, address, ranks):
     """State, step, layout, loss and tokens/s of RUN; of every run without RUN.
 
     A submitted run also shows its Ray job's status (PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED),
     after it ended too."""
     from raytp import jobs
     head = _head(address)
-    lines = jobs.describe(head, run) if run else jobs.all_runs(head)
+    lines = jobs.describe(head, run, ranks=ranks) if run else jobs.all_runs(head)
     click.echo("\n".join(lines) if lines else "no raytp runs in this cluster")
 
 

@@ -291,7 +291,9 @@ class Driver:
                 "loss": self.last.get("loss"), "val_loss": self.last.get("val_loss"),
                 "tokens_per_s": self.last.get("tokens_per_s"), "step_time_s": self.last.get("step_time_s"),
                 "failures": self.failures, "spares": len(self.spares.pool),
-                "run_dir": str(self.run_dir.resolve()), "elapsed_s": time.perf_counter() - self.t_start}
+                "run_dir": str(self.run_dir.resolve()), "elapsed_s": time.perf_counter() - self.t_start,
+                "ranks": [{k: p.get(k) for k in ("rank", "actor", "node_id", "pid", "gpu_ids")}
+                          for p in (self.group.placement if self.group is not None else ())]}
 
     def publish(self) -> None:
         if self.control is not None:

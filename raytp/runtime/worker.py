@@ -82,11 +82,26 @@ class Worker(WorkerState):
         return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
 
     def where(self) -> dict:
-        """Node, pid and address, as Ray and the OS see them (for the driver's records)."""
+        """Node, pid, address and actor name, as Ray and the OS see them (for the driver's records)."""
         import ray
         ctx = ray.get_runtime_context()
-        return {"rank": self.rank, "node_id": ctx.get_node_id(), "pid": os.getpid(),
+        return {"rank": self.rank, "actor": ctx.get_actor_name(), "node_id": ctx.get_node_id(), "pid": os.getpid(),
                 "ip": self._node_ip(), "gpu_ids": ctx.get_accelerator_ids().get("GPU", [])}
+
+    def __repr__(self) -> str:
+        """Its current role (an actor's name cannot change: a promoted spare, a renumbered replica)."""
+        if self.rank < 0:
+            return "Worker(spare)"
+        g = self.groups
+        where = f", TP rank {g.tp_rank}/{g.layout.tp}, DP rank {g.dp_rank}/{g.layout.dp}" if g is not None else ""
+        return f"Worker(rank {self.rank}{where})"
+
+    def _announce(self) -> None:
+        """Tell Ray's log monitor the new role: the prefix of this worker's log lines follows it."""
+        import sys
+        line = f":actor_name:{self!r}"  # ray_constants.LOG_PREFIX_ACTOR_NAME
+        print(line, flush=True)
+        print(line, file=sys.stderr, flush=True)
 
     def rendezvous_address(self) -> str:
         """tcp://<this node's ip>:<a free port>, for rank 0 to host the store."""
@@ -96,6 +111,7 @@ class Worker(WorkerState):
     def assume(self, rank: int, job: dict) -> None:
         """A warm spare takes rank `rank` of the job as it now is (its groups and shard come next)."""
         self.rank, self.cfg = rank, from_dict(job)
+        self._announce()
 
     def setup(self, tp: int, dp: int, init_method: str, source=None) -> dict:
         """Join the process groups and build this rank's shard: from the seeded initialisation (only its
@@ -113,6 +129,7 @@ class Worker(WorkerState):
         else:
             self._build_from(source)
         n_local = sum(p.numel() for p in self.model.parameters())
+        self._announce()
         return {"rank": self.rank, "params_local": n_local, "setup_s": time.perf_counter() - t0}
 
     def reshape(self, tp: int, dp: int, init_method: str, job: dict, rank: int, source) -> dict:
@@ -131,6 +148,7 @@ class Worker(WorkerState):
         self.groups = init_process_groups(Layout(tp, dp), rank, init_method, self.cfg.runtime.device,
                                           self.cfg.runtime.collective_timeout_s)
         self._build_from(source, own)
+        self._announce()
         return {"rank": self.rank, "reshape_s": time.perf_counter() - t0}
 
     # -- training ------------------------------------------------------------------
@@ -271,6 +289,7 @@ class Worker(WorkerState):
         self.groups = init_process_groups(Layout(tp, dp), self.rank, init_method, self.cfg.runtime.device,
                                           self.cfg.runtime.collective_timeout_s)
         rebind_groups(self.model, self.groups.tp)
+        self._announce()
 
     def shutdown(self) -> None:
         destroy_process_groups()
