@@ -171,7 +171,7 @@ def nosnap_job(jd: dict) -> dict | None:
     """The job with in-memory snapshots off, or None where this raytp has no such setting."""
     from raytp.config import from_dict
     snap = getattr(getattr(from_dict(jd), "recovery", None), "snapshot_every", None)
-    return None if snap in (None, 0) else {**jd, "recovery": {"snapshot_every": 0}}
+    return None if snap == 0 else {**jd, "recovery": {"snapshot_every": 0}}
 
 
 def run(quick: bool = False) -> dict:

@@ -84,6 +84,7 @@ class FakeCluster:
         self.deaths: dict[int, tuple[list[int], int]] = {}  # step -> (ranks that die in it, slots lost with them)
         self.returns: dict[int, int] = {}     # step -> slots that come back before it
         self.failing_steps: set[int] = set()  # steps that raise on every rank (a bug of the job)
+        self.snapshot_s: float | None = None  # what a snapshot costs, as workers report it with each step
         self.released = []
 
     # -- what tests do to it
@@ -313,7 +314,7 @@ class FakeStream:
                 w.x += delta(step)
                 w.completed = step + 1
             recs = [{"step": step, "loss": 1.0 / (1.0 + w.x), "lr": 1e-3, "grad_norm": 1.0, "step_time_s": 0.001,
-                     "comm_s": 0.0} for w in ws]
+                     "comm_s": 0.0, "snapshot_s": cluster.snapshot_s} for w in ws]
             self.partial = recs[0]
             parts = {}
             if self.snap and (step + 1) % self.snap == 0:

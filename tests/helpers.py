@@ -39,8 +39,10 @@ def job(tp=1, dp=1, model=None, steps=None, checkpoint=None, recovery=None, **ru
 
 
 def recovery_job(tp, dp, **kw):
+    """A job for the recovery tests: a checkpoint at the end, a snapshot after every step (unless set)."""
     return job(tp, dp, steps=RECOVERY_STEPS, checkpoint={"every": RECOVERY_STEPS, "keep": 2},
-               recovery=kw.pop("recovery", {}), step_timeout_s=kw.pop("step_timeout_s", 30.0), **kw)
+               recovery={"snapshot_every": 1, **kw.pop("recovery", {})}, step_timeout_s=kw.pop("step_timeout_s", 30.0),
+               **kw)
 
 
 # -- a run dir --------------------------------------------------------------------------------------

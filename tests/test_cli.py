@@ -82,6 +82,7 @@ def test_a_short_try_shortens_the_warmup_with_one_warning(tmp_path):
     (["--set", "model.vocab_size=100"], "model.vocab_size", 2),             # the data has byte ids up to 255
     (["--set", "checkpoint.dir=/etc/passwd/ckpt"], "checkpoint.dir", 2),   # under a file: not writable
     (["--set", "checkpoint.dir=nosuch://x"], "checkpoint.dir", 2),
+    (["--set", "model.block_size=100000000"], "model.block_size", 2),   # no node can hold a worker
 ])
 def test_refusals_name_the_key_in_one_line_and_leave_nothing(args, key, code, tmp_path):
     p = raytp("train", "jobs/default.yaml", *args, "--run-dir", str(tmp_path / "r"))

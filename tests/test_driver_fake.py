@@ -144,3 +144,18 @@ def test_a_stop_request_saves_and_answers(tmp_path):
     answer = ctl.outcomes[rid]
     assert answer["ok"] and answer["step"] == 3 and answer["checkpoint"].endswith("step-00000003")
     assert events(tmp_path, "stopped")[0]["step"] == 3 and x_saved(tmp_path, 3) == expected_x(3)
+
+
+def test_snapshots_are_taken_as_often_as_their_budget_allows(tmp_path):
+    """A snapshot costing 0.3 ms against 1 ms steps and the default 3% budget: one every 10 steps, the
+    interval (and the lost-steps bound it implies) logged; a failure then replays from the last one."""
+    cluster = FakeCluster(slots=2)
+    cluster.snapshot_s = 0.0003
+    cluster.kill_at(15, 1)
+    cfg = job(2, 1, steps=24, checkpoint={"every": 24})
+    fake_driver(cluster, cfg, tmp_path).run_to_end()
+    (ev,) = events(tmp_path, "snapshot_interval")
+    assert (ev["every"], ev["lost_steps_bound"], ev["budget"]) == (10, 10, 0.03)
+    (rec,) = events(tmp_path, "recovered")
+    assert rec["source"] == "snapshot" and 0 < rec["lost_steps"] <= 10
+    assert x_saved(tmp_path, 24) == expected_x(24)

@@ -121,3 +121,20 @@ def test_the_snapshot_keeper_goes_where_replica_0_is_not():
     assert node is None and "no other node" in why
     node, why = policy.keeper_node(TP2_DP2, ["A", "A", "B", "B"], ["A", "B"], here="A", current=None)
     assert node is None and "DP replicas" in why
+
+
+def test_snapshot_interval_keeps_their_cost_within_the_budget():
+    assert policy.snapshot_interval(4, 0.03, 0.5, 0.1, False) == 4          # pinned by the job
+    assert policy.snapshot_interval(0, 0.03, 0.5, 0.1, False) == 0          # off
+    assert policy.snapshot_interval(None, 0.03, None, 0.1, False) == 1      # not measured yet: every step
+    assert policy.snapshot_interval(None, 0.03, 0.012, 0.1, False) == 4     # 0.012 s / (3% of 0.1 s) = 4
+    assert policy.snapshot_interval(None, 0.03, 0.001, 0.1, False) == 1
+    assert policy.snapshot_interval(None, 0.03, 0.012, 0.1, True) == 40     # a live copy on another node
+    assert policy.snapshot_interval(None, 0.01, 10.0, 0.1, False) == policy.MAX_SNAPSHOT_INTERVAL
+
+
+def test_a_replica_elsewhere_is_one_on_nodes_replica_0_does_not_use():
+    assert policy.replica_elsewhere(TP2_DP2, ["A", "A", "B", "B"])
+    assert not policy.replica_elsewhere(TP2_DP2, ["A", "A", "A", "A"])
+    assert not policy.replica_elsewhere(Layout(2, 1), ["A", "A"])
+    assert not policy.replica_elsewhere(TP2_DP2, ["A", "A"])  # not placed yet

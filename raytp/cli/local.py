@@ -35,6 +35,18 @@ def check_storage(cfg: config_mod.JobConfig, run_dir: Path) -> None:
         fail(f"checkpoint.dir: {e}")
 
 
+def check_cluster_memory(cfg: config_mod.JobConfig, memory) -> None:
+    """A joined cluster: some alive node must hold one TP group's workers (exit 2 before any placement)."""
+    import ray
+    from raytp.runtime import estimate
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    biggest = max((n["Resources"].get("memory", 0.0) for n in nodes), default=0.0)
+    problem = estimate.refusal(memory, cfg.parallel.tp, int(biggest), "the cluster's largest node")
+    if problem:
+        ray.shutdown()
+        fail(problem)
+
+
 def connect_ray(address: str | None, cfg: config_mod.JobConfig) -> bool:
     """Join the cluster at `address` (or RAY_ADDRESS), else start an embedded local one. True if embedded."""
     address = address or os.environ.get("RAY_ADDRESS")
@@ -82,14 +94,22 @@ def train(job, sets, address, run_dir, name, resume):
         fail("\n".join(e.problems))
     if (path / "metrics.jsonl").exists() and resume != "latest":
         fail(f"run directory {path} already holds a run; pass --resume to continue it, or another --run-dir/--name")
+    from raytp.runtime import estimate
+    memory = estimate.estimate(cfg)
+    if not address and not os.environ.get("RAY_ADDRESS"):  # an embedded Ray: every worker on this machine
+        problem = estimate.refusal(memory, cfg.world_size, estimate.available_here(), "this machine")
+        if problem:
+            fail(problem)
     check_storage(cfg, path)
     path.mkdir(parents=True, exist_ok=True)
     import yaml
     (path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     click.echo(f"[raytp] run {run}  dir {path}  layout TP={cfg.parallel.tp} x DP={cfg.parallel.dp}  "
-               f"device {cfg.runtime.device}", err=True)
+               f"device {cfg.runtime.device}  memory {memory.line()}", err=True)
 
     embedded = connect_ray(address, cfg)
+    if not embedded:
+        check_cluster_memory(cfg, memory)
     import ray
     from raytp.runtime.driver import Driver
     from raytp.train.storage import StorageError

@@ -142,7 +142,11 @@ class RuntimeConfig:
 class RecoveryConfig:
     max_failures: int = _f(3, "worker losses to recover from before the job fails; 0 = fail at the first",
                            NONNEG)
-    snapshot_every: int = _f(1, "steps between in-memory snapshots of every shard; 0 = off", NONNEG)
+    snapshot_every: Optional[int] = _f(
+        None, "steps between in-memory snapshots of every shard; null = chosen by the runtime so that snapshots "
+              "cost at most recovery.snapshot_budget of the step time; 0 = off", NONNEG)
+    snapshot_budget: float = _f(0.03, "the share of step time in-memory snapshots may cost when their interval "
+                                      "is chosen by the runtime (recovery.snapshot_every: null)", UNIT)
     spares: int = _f(0, "warm spare workers started ahead (torch imported, each holding a worker's "
                         "resources) that take a lost rank's place at once; 0 = none", NONNEG)
     replace_timeout_s: float = _f(120.0, "seconds to wait for a replacement worker to be placed", POSITIVE)

@@ -32,7 +32,7 @@ from raytp.runtime.group import WorkerGroup
 from raytp.runtime.metrics import RunLog
 from raytp.runtime.progress import Progress
 from raytp.runtime.records import Outcome, State, StopRequest
-from raytp.runtime.snapshots import OffNodeCopy, Snapshots
+from raytp.runtime.snapshots import Cadence, OffNodeCopy, Snapshots
 from raytp.runtime.spares import Spares
 from raytp.runtime.worker import Worker
 from raytp.train.checkpoint import CheckpointError
@@ -60,6 +60,7 @@ class Driver:
         self.last: dict = {}
         self.first_step: float | None = None  # seconds from the command to the first completed step
         self.snapshots = Snapshots(cfg.parallel.tp)
+        self.cadence = Cadence(cfg)  # how often replica 0 snapshots
         self.copy = self.copy_cls(run, self.log)
         self.spares = Spares(run, cfg.recovery.spares, self.log)
         self.checkpoints = Checkpoints(cfg.checkpoint.dir or str(self.run_dir / "checkpoints"), cfg.checkpoint.keep,
@@ -128,7 +129,7 @@ class Driver:
         # With a state to start from, every worker builds its shard from its slices of it: no seeded init.
         self.adopt(self.group_cls.launch(launcher, cfg, self.init_state[1] if self.init_state else None))
         self.checkpoints.check_reached(self.group)
-        if cfg.recovery.snapshot_every:
+        if self.cadence.every:
             self.copy.update(self.group, self.snapshots, self.step)  # its keeper starts while the first step runs
         self.spares.start(self.group)  # in the background, like the keeper
         if self.init_state is not None:
@@ -182,7 +183,8 @@ class Driver:
         """One streamed call of up to steps_per_call steps, then evaluation and checkpoint if due."""
         cfg = self.cfg
         steps, every, save_every = cfg.train.steps, cfg.train.eval_interval, cfg.checkpoint.every
-        snap = cfg.recovery.snapshot_every
+        pinned = cfg.recovery.snapshot_every
+        snap = pinned if pinned is not None else self.cadence.every
         warm = self.first_step is not None and self.pending_resize is None
         n = policy.call_length(self.step, end, cfg.train.steps_per_call, warm, every, save_every)
         if policy.checkpoint_due(self.step, steps, save_every, self.checkpoints.last_step):
@@ -193,6 +195,7 @@ class Driver:
                 self.snapshots.add(done.step + 1, tp_rank, ref)
             self.step = done.step + 1
             self.last = reporting.step_record(done.records[0], done.records, self.cfg, self.layout)
+            self.cadence.observe(done.records[0])
             if self.step == steps or (every and self.step % every == 0):
                 self.last["val_loss"] = self.group.evaluate(self.step)
             self.log.metric(self.last)
@@ -201,6 +204,12 @@ class Driver:
             self._report()
         if policy.checkpoint_due(self.step, steps, save_every, self.checkpoints.last_step):
             self.checkpoints.begin(self.group, self.step)  # written while the next steps run
+        changed = self.cadence.choose(cfg, self.layout, self.group.nodes())
+        if changed is not None:
+            self.log.event("snapshot_interval", every=changed, step=self.step, budget=self.cadence.budget,
+                           pinned=self.cadence.pinned is not None, lost_steps_bound=changed,
+                           copy_s=self.cadence.copy_s[-1] if self.cadence.copy_s else None,
+                           step_s=self.last.get("step_time_s"))
         if self.first_step is None:
             self.first_step = time.perf_counter() - t_start
             self.log.event("first_step", seconds=self.first_step)

@@ -186,6 +186,34 @@ def checkpoint_due(step: int, steps: int, every: int, saved_step: int | None) ->
     return bool(every) and step > 0 and saved_step != step and (step % every == 0 or step == steps)
 
 
+MAX_SNAPSHOT_INTERVAL = 50
+ELSEWHERE_FACTOR = 10
+
+
+def snapshot_interval(pinned: int | None, budget: float, copy_s: float | None, step_s: float | None,
+                      replica_elsewhere: bool) -> int:
+    """Steps between in-memory snapshots: `pinned` if the job sets one (0 = off); else as few as keep
+    their cost within `budget` of the step time: a snapshot costs `copy_s` (packing the shard and
+    writing it to the object store, measured), so one every ceil(copy_s / (budget * step_s)) steps;
+    every step until both are measured. Where a DP replica on another node holds the same shards (a
+    node loss leaves a live copy), ten times as seldom. At most MAX_SNAPSHOT_INTERVAL (x10) steps: a
+    failure without a replica replays at most that many."""
+    if pinned is not None:
+        return pinned
+    if not copy_s or not step_s or step_s <= 0:
+        return 1
+    every = min(max(1, math.ceil(copy_s / (budget * step_s))), MAX_SNAPSHOT_INTERVAL)
+    return every * ELSEWHERE_FACTOR if replica_elsewhere else every
+
+
+def replica_elsewhere(layout: Layout, nodes: Sequence[str | None]) -> bool:
+    """Whether some DP replica runs wholly on nodes that replica 0 does not use."""
+    if len(nodes) < layout.world_size:
+        return False
+    zero = {nodes[r] for r in layout.tp_group(0)}
+    return any(not ({nodes[r] for r in layout.tp_group(q)} & zero) for q in range(1, layout.dp))
+
+
 def keeper_node(layout: Layout, nodes: Sequence[str | None], alive: Sequence[str], here: str,
                 current: str | None) -> tuple[str | None, str | None]:
     """Where the off-node copy of replica 0's snapshots is kept: (node, None), or (None, why not).

@@ -32,6 +32,35 @@ from raytp import names
 from raytp.runtime import placement, policy
 
 
+class Cadence:
+    """How often replica 0 snapshots: pinned by the job, or chosen from what snapshots and steps cost
+    (raytp.runtime.policy.snapshot_interval), from the last few steps' records."""
+
+    WINDOW = 8
+
+    def __init__(self, cfg):
+        self.pinned, self.budget = cfg.recovery.snapshot_every, cfg.recovery.snapshot_budget
+        self.every = policy.snapshot_interval(self.pinned, self.budget, None, None, False)
+        self.copy_s: list[float] = []
+        self.step_s: list[float] = []
+
+    def observe(self, record: dict) -> None:
+        """A step's record (rank 0's): its step time, and the cost of the last snapshot it packed."""
+        self.step_s = (self.step_s + [record["step_time_s"]])[-self.WINDOW:]
+        if record.get("snapshot_s"):
+            self.copy_s = (self.copy_s + [record["snapshot_s"]])[-self.WINDOW:]
+
+    def choose(self, cfg, layout, nodes) -> int | None:
+        """The interval for the next call (of the job as it now is); returns it if it changed (else None)."""
+        def med(xs):
+            return sorted(xs)[len(xs) // 2] if xs else None
+        self.pinned, self.budget = cfg.recovery.snapshot_every, cfg.recovery.snapshot_budget
+        every = policy.snapshot_interval(self.pinned, self.budget, med(self.copy_s), med(self.step_s),
+                                         policy.replica_elsewhere(layout, nodes))
+        changed, self.every = every != self.every, every
+        return every if changed else None
+
+
 class Snapshots:
     def __init__(self, tp: int):
         self.tp = tp

@@ -65,6 +65,7 @@ class Worker(WorkerState):
         self.snap_bufs = SnapshotBuffers(self.device)
         self.saving: BackgroundSave | None = None  # this rank's file of the checkpoint being written
         self.previous = None  # the shard a reshape replaced, until the switch is committed or reverted
+        self.snapshot_s = None  # what the last snapshot cost (packing + object store), reported with each step
         # What building the first optimizer imports (~1 s), paid here: a spare, or a rank started ahead
         # of a resize, has it behind it when it is needed.
         importlib.import_module("torch._dynamo")
@@ -170,7 +171,7 @@ class Worker(WorkerState):
         elapsed = time.perf_counter() - t0
         self.completed = step + 1
         return {"step": step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
-                "step_time_s": elapsed, "comm_s": comm.STATS.take()[0]}
+                "step_time_s": elapsed, "comm_s": comm.STATS.take()[0], "snapshot_s": self.snapshot_s}
 
     def train(self, start: int, count: int) -> list[dict]:
         """Run optimizer steps start .. start+count-1; returns one record per step."""
@@ -228,6 +229,7 @@ class Worker(WorkerState):
                 raise item
             if isinstance(item, tuple):  # (buffer, live state) of a snapshot
                 after, buf, state = item
+                t0 = time.perf_counter()
                 try:
                     packed = self.snap_bufs.pack(state, buf)
                 finally:
@@ -235,6 +237,7 @@ class Worker(WorkerState):
                 del state
                 self.snap_bufs.newest = (after, packed, buf)
                 yield packed
+                self.snapshot_s = time.perf_counter() - t0  # packing and the write to the object store
                 buf.free.set()  # written to the object store: the buffer may be packed again
             else:
                 yield item

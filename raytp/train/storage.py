@@ -156,7 +156,14 @@ def fsync_path(path) -> None:
 
 
 def check_writable(storage: Storage, probe: str = ".raytp-probe") -> None:
-    """Write, read back and remove a small file at the location; StorageError saying why it cannot."""
+    """Write, read back and remove a small file at the location; StorageError saying why it cannot. On a
+    filesystem, directories it had to make for that are removed again (a check writes nothing)."""
+    made = []
+    if storage.local:
+        at = storage.path()
+        while at and not os.path.exists(at):
+            made.append(at)
+            at = os.path.dirname(at)
     try:
         storage.makedirs()
         storage.write_bytes(probe, b"raytp")
@@ -167,6 +174,12 @@ def check_writable(storage: Storage, probe: str = ".raytp-probe") -> None:
         raise
     except Exception as e:  # noqa: BLE001 - permissions, credentials, an unreachable endpoint: all say "no"
         raise StorageError(f"{storage.url}: cannot write there ({type(e).__name__}: {e})") from None
+    finally:
+        for d in made:  # deepest first
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
 
 
 def probe_name(token: str, rank: int | None = None) -> str:

@@ -1,0 +1,101 @@
+"""What one worker will need, estimated from the job before anything starts.
+
+Per rank: its slices of the weights, their gradients, AdamW's two moments (4,
+4 and 8 bytes a parameter in float32), the activations one micro-batch keeps
+for the backward pass (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", eq. 2 with tensor parallelism,
+doubled for float32: per layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in
+half precision, or s*b*h*(34/t + 5*a*s/(h*t)) with sequence parallelism; plus
+the vocabulary-parallel logits), the host buffers of in-memory snapshots (two
+copies of the weights and AdamW state on each rank of replica 0), and a fixed
+allowance for the process (Python, torch, Ray). On cpu all of it is host
+memory; on cuda the snapshot buffers and the allowance are host memory and the
+rest is the GPU's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GiB = 1 << 30
+PROCESS_BYTES = GiB // 2  # Python, torch, Ray: measured ~0.4 GiB per worker process on CPU
+
+
+@dataclass(frozen=True)
+class WorkerMemory:
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    snapshots: int
+    device: str
+
+    @property
+    def on_device(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+    @property
+    def on_host(self) -> int:
+        """Host memory of one worker process (all of it on cpu)."""
+        return self.snapshots + PROCESS_BYTES + (self.on_device if self.device == "cpu" else 0)
+
+    def parts(self) -> dict[str, int]:
+        return {"weights": self.weights, "grads": self.grads, "AdamW": self.optimizer,
+                "activations": self.activations, "snapshot buffers": self.snapshots}
+
+    def line(self) -> str:
+        detail = ", ".join(f"{k} {v / GiB:,.2f}" for k, v in self.parts().items() if v)
+        where = f"~{self.on_host / GiB:,.1f} GiB host" if self.device == "cpu" else \
+            f"~{self.on_device / GiB:,.1f} GiB GPU + ~{self.on_host / GiB:,.1f} GiB host"
+        return f"{where} per worker ({detail} GiB)"
+
+    def what_to_change(self) -> str:
+        """The keys that shrink the largest part."""
+        biggest = max(self.parts(), key=lambda k: self.parts()[k])
+        return {"activations": "lower model.block_size or train.micro_batch_size",
+                "snapshot buffers": "set recovery.snapshot_every: 0 (no in-memory snapshots)",
+                }.get(biggest, "raise parallel.tp (fewer parameters per worker) or use a smaller model")
+
+
+def estimate(cfg) -> WorkerMemory:
+    """The memory of one worker of job `cfg` (a JobConfig)."""
+    import torch
+
+    from raytp.config.adapters import gpt_config
+    from raytp.model import GPT
+    from raytp.parallel.sharding import local_shape, padded_vocab, sharding_of
+    m, tp = cfg.model, cfg.parallel.tp
+    with torch.device("meta"):
+        model = GPT(gpt_config(cfg))
+    local = sum(math.prod(local_shape(sharding_of(n), tuple(p.shape), tp)) for n, p in model.named_parameters())
+    s, b, h, a, layers = m.block_size, cfg.micro_batch, m.n_embd, m.n_head, m.n_layer
+    if cfg.parallel.sequence_parallel:
+        per_layer = s * b * h * (34 / tp + 5 * a * s / (h * tp))
+    else:
+        per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    logits = s * b * padded_vocab(m.vocab_size, tp) / tp * 4 * 3  # logits, their softmax, their gradient
+    activations = int(2 * layers * per_layer + logits + 2 * s * b * h * 4)
+    snapshots = 2 * 12 * local if cfg.recovery.snapshot_every != 0 else 0  # null: on, at some interval
+    return WorkerMemory(4 * local, 4 * local, 8 * local, activations, snapshots, cfg.runtime.device)
+
+
+def available_here() -> int:
+    """Memory this machine has available now (MemAvailable), bytes."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def refusal(est: WorkerMemory, workers_per_node: int, node_bytes: int, where: str) -> str | None:
+    """Why no node can hold the workers it must (None if one can): the estimate, the node's memory, the
+    key to change."""
+    need = est.on_host * workers_per_node
+    if need <= node_bytes:
+        return None
+    return (f"memory: {workers_per_node} worker(s) on {where} need {need / GiB:,.1f} GiB "
+            f"({est.line()}), {where} has {node_bytes / GiB:,.1f} GiB; {est.what_to_change()}")
