@@ -6,7 +6,7 @@ trained with AdamW so its optimizer state exists. Measured in one run:
 
 - training pause per save. raytp: every rank begins writing its own file
   (raytp.runtime.background_save) at a step boundary and trains on. With
-  snapshots on (the default) the file is written from the snapshot's in-memory
+  snapshots on (here every step, the most costly setting) the file is written from the snapshot's in-memory
   copy and nothing waits; with them off it is written from the live tensors and
   the next optimizer update waits until the bytes are handed to the file. The
   pause is the time of the steps the save spans minus as many plain steps. DCP: ``dcp.save`` of the same sharded
@@ -70,7 +70,8 @@ def _commit(root: str, step: int, cfg: GPTConfig, table: dict, files: dict) -> s
 
 
 def raytp_save(rank: int, world: int, init: str, p: dict, root: str, staged: bool) -> dict:
-    """Saves between plain steps. `staged`: as a worker does when it snapshots every step (the default):
+    """Saves between plain steps. `staged`: as a worker does when it snapshots every step
+    (recovery.snapshot_every: 1; the default budget snapshots every few steps):
     the file is written from that in-memory copy and training does not wait; else from the live tensors,
     the next update waiting until every byte is handed to the file. Per save: the time from its start
     to the end of the step during which it finished, and how many steps that was."""
@@ -88,7 +89,7 @@ def raytp_save(rank: int, world: int, init: str, p: dict, root: str, staged: boo
 
     def one_step(before_update=None):
         """A training step; staged: and the snapshot after it, packed into one of two reused buffers (what a
-        worker does every step by default), so that plain steps carry the snapshot's cost too. A buffer a
+        worker does with recovery.snapshot_every: 1), so that plain steps carry the snapshot's cost too. A buffer a
         file is written from is packed again only once that file is written (SnapshotBuffers.hold)."""
         nonlocal step, packed
         train_step(model, opt, [_batch(p, step)], groups, step, HYPER, before_update=before_update)
@@ -243,8 +244,8 @@ def run(quick: bool = False) -> dict:
             "raytp_files_gb": round(sizes["raytp"] / GB, 3), "dcp_files_gb": round(sizes["dcp"] / GB, 3),
             "saves_each": p["reps"] * order.count("raytp"),
             "raytp_pause_per_save_s": round(med["raytp_pause_s"], 4),
-            "raytp_pause_note": "written from the snapshot's in-memory copy (recovery.snapshot_every: 1, the "
-                                "default); the pause is the slowdown of the steps the write overlaps (every step packs a snapshot, as in a job)",
+            "raytp_pause_note": "written from the snapshot's in-memory copy (recovery.snapshot_every: 1, "
+                                "the most costly setting); the pause is the slowdown of the steps the write overlaps (every step packs a snapshot, as in a job)",
             "raytp_live_pause_per_save_s": round(med["raytp_live_pause_s"], 4) if saves["raytp_live"] else None,
             "raytp_live_note": "snapshots off: written from the live tensors, the next update waits for the bytes",
             "dcp_save_s": round(med["dcp_pause_s"], 4),

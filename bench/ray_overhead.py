@@ -208,8 +208,15 @@ def run(quick: bool = False) -> dict:
         for k in calls:
             if k != "no_ray":  # what a call costs beyond its steps' own time, per call
                 fig[f"spc{n}_{k}_call_overhead_s"] = round((per_step[k] - worker[k]) * n, 5)
+        if "raytp_nosnap" in per_step:  # the same quantity as bench/snapshots' overhead, across rounds
+            fig[f"spc{n}_snapshot_overhead"] = round(per_step["raytp"] / per_step["raytp_nosnap"] - 1, 4)
         if per_step["raytp"] / per_step["no_ray"] <= GOAL_RATIO:
             met.append(n)
+    fig["method"] = ("per step = median over the timed calls of one size of a call's wall time / its steps; "
+                     "each impl in rounds of its own (fresh processes), so the ratios hold round-to-round noise; "
+                     "raytp runs the job's default snapshot cadence (within recovery.snapshot_budget); "
+                     "snapshot_overhead = raytp / raytp_nosnap - 1 (bench/snapshots pairs adjacent calls of one "
+                     "job instead, which is the finer measure of the same quantity)")
     fig["ratio_goal"] = f"<= {GOAL_RATIO}"
     fig["ratio_goal_met_at_steps_per_call"] = met or "none"
 

@@ -118,21 +118,23 @@ def say(msg: str) -> None:
 
 # ---------------------------------------------------------------- the benchmark
 
-def one_run(p: dict, first: int, run_dir: Path, tp: int = 2) -> list[dict]:
-    """One fresh job; after the warm-up, calls of `spc` steps alternate snapshot_every 1/0 as ABBA
-    starting with `first`. Returns one dict per timed call."""
+def one_run(p: dict, first: int, run_dir: Path, tp: int = 2, on: int | None = 1) -> list[dict]:
+    """One fresh job; after the warm-up, calls of `spc` steps alternate snapshots on (recovery.snapshot_every
+    = `on`: 1, every step; None, the runtime's choice within the budget) and off (0) as ABBA, starting
+    with on if `first`. Returns one dict per timed call."""
     import dataclasses
     import ray
     jd = job(p["model"], p["batch_size"], tp, 1, p["warmup"] + p["calls"] * p["spc"] + 1,
-             train={"steps_per_call": p["spc"]}, recovery={"snapshot_every": first})
+             train={"steps_per_call": p["spc"]}, recovery={"snapshot_every": on if first else 0})
     d = driver(jd, run_dir)
     calls = []
     try:
         d.start()
         d.train_loop(until=p["warmup"])
         for i in range(p["calls"]):
-            snap = first if i % 4 in (0, 3) else 1 - first
-            cfg = dataclasses.replace(d.cfg, recovery=dataclasses.replace(d.cfg.recovery, snapshot_every=snap))
+            snap = bool(first) if i % 4 in (0, 3) else not first
+            cfg = dataclasses.replace(d.cfg, recovery=dataclasses.replace(d.cfg.recovery,
+                                                                          snapshot_every=on if snap else 0))
             d.adopt(dataclasses.replace(d.group, cfg=cfg))
             start = d.step
             t0 = time.perf_counter()
@@ -200,6 +202,12 @@ def run(quick: bool = False) -> dict:
         for i in range(p["runs"]):  # one core trains, the other is free for the write, as on a GPU node
             tp1 += one_run(p, 1 - i % 2, Path(tmp) / f"snapshots-tp1-{os.getpid()}-{i}", tp=1)
             say(f"snapshots: TP=1 run {i + 1}/{p['runs']} done")
+        budget: list[dict] = []
+        for i in range(p["runs"]):  # the default: the runtime's interval, within recovery.snapshot_budget
+            budget += one_run(p, 1 - i % 2, Path(tmp) / f"snapshots-budget-{os.getpid()}-{i}", on=None)
+            say(f"snapshots: budget run {i + 1}/{p['runs']} done")
+        chosen = [e["every"] for i in range(p["runs"]) for e in jsonl(Path(tmp) / f"snapshots-budget-{os.getpid()}-{i}"
+                                                                  / "events.jsonl") if e["kind"] == "snapshot_interval" and not e["pinned"]]
         cost = shard_state_cost(p)
     on, off = [c for c in calls if c["snap"]], [c for c in calls if not c["snap"]]
     m = p["model"]
@@ -222,6 +230,11 @@ def run(quick: bool = False) -> dict:
     scale = calls[0]["snapshot_bytes"] / cost["tp1_bytes"]  # the TP=1 timings scaled to one TP=2 shard
     fig["est_shard_state_s_per_rank"] = round(cost["tp1_shard_state_s"] * scale, 4)
     fig["est_ray_put_s_per_rank"] = round(cost["tp1_ray_put_s"] * scale, 4)
-    fig["goal"] = f"overhead of the wall time per step (paired median, TP=2: both cores training) <= {GOAL:.0%}"
-    fig["goal_met"] = fig["overhead_wall_paired_median"] <= GOAL
+    fig["budget_overhead_wall_paired_median"] = paired_overhead(budget)
+    fig["budget_intervals_chosen"] = chosen
+    fig["method"] = ("overhead = median over adjacent (on, off) calls of one job of their wall time per step's "
+                     "ratio, minus 1 (bench/ray_overhead's snapshot_overhead is the same ratio across its rounds)")
+    fig["goal"] = (f"overhead of the wall time per step with the default budget (paired median, TP=2: both cores "
+                   f"training) <= {GOAL:.0%}")
+    fig["goal_met"] = fig["budget_overhead_wall_paired_median"] <= GOAL
     return fig

@@ -159,3 +159,21 @@ def test_snapshots_are_taken_as_often_as_their_budget_allows(tmp_path):
     (rec,) = events(tmp_path, "recovered")
     assert rec["source"] == "snapshot" and 0 < rec["lost_steps"] <= 10
     assert x_saved(tmp_path, 24) == expected_x(24)
+
+
+def test_lifting_a_snapshot_pin_resumes_the_measured_interval():
+    """The interval chosen from measurements is kept while a pin (here 0, off) is in force, so a job whose
+    pin is lifted snapshots at it at once rather than not at all."""
+    import dataclasses
+    from raytp.parallel.layout import Layout
+    from raytp.runtime.snapshots import Cadence
+    cfg = job(2, 1, steps=24)
+    pinned = dataclasses.replace(cfg, recovery=dataclasses.replace(cfg.recovery, snapshot_every=0))
+    free = dataclasses.replace(cfg, recovery=dataclasses.replace(cfg.recovery, snapshot_every=None))
+    c = Cadence(free)
+    for _ in range(3):
+        c.observe({"step_time_s": 0.001, "snapshot_s": 0.0003})
+    assert c.choose(free, Layout(2, 1), ["n", "n"]) == 10
+    assert c.choose(pinned, Layout(2, 1), ["n", "n"]) == 0 and c.every == 0
+    c.follow(free)
+    assert c.every == 10

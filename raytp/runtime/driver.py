@@ -183,8 +183,8 @@ class Driver:
         """One streamed call of up to steps_per_call steps, then evaluation and checkpoint if due."""
         cfg = self.cfg
         steps, every, save_every = cfg.train.steps, cfg.train.eval_interval, cfg.checkpoint.every
-        pinned = cfg.recovery.snapshot_every
-        snap = pinned if pinned is not None else self.cadence.every
+        self.cadence.follow(cfg)
+        snap = self.cadence.every
         warm = self.first_step is not None and self.pending_resize is None
         n = policy.call_length(self.step, end, cfg.train.steps_per_call, warm, every, save_every)
         if policy.checkpoint_due(self.step, steps, save_every, self.checkpoints.last_step):

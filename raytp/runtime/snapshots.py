@@ -34,15 +34,21 @@ from raytp.runtime import placement, policy
 
 class Cadence:
     """How often replica 0 snapshots: pinned by the job, or chosen from what snapshots and steps cost
-    (raytp.runtime.policy.snapshot_interval), from the last few steps' records."""
+    (raytp.runtime.policy.snapshot_interval), from the last few steps' records. The chosen interval
+    is kept apart from the pin, so a job whose pin is lifted goes on at the measured interval."""
 
     WINDOW = 8
 
     def __init__(self, cfg):
         self.pinned, self.budget = cfg.recovery.snapshot_every, cfg.recovery.snapshot_budget
-        self.every = policy.snapshot_interval(self.pinned, self.budget, None, None, False)
+        self.chosen = policy.snapshot_interval(None, self.budget, None, None, False)
         self.copy_s: list[float] = []
         self.step_s: list[float] = []
+
+    @property
+    def every(self) -> int:
+        """The interval in force: the job's pin if it sets one, else the chosen one."""
+        return self.pinned if self.pinned is not None else self.chosen
 
     def observe(self, record: dict) -> None:
         """A step's record (rank 0's): its step time, and the cost of the last snapshot it packed."""
@@ -50,15 +56,20 @@ class Cadence:
         if record.get("snapshot_s"):
             self.copy_s = (self.copy_s + [record["snapshot_s"]])[-self.WINDOW:]
 
+    def follow(self, cfg) -> None:
+        """Take the pin and budget of the job as it now is."""
+        self.pinned, self.budget = cfg.recovery.snapshot_every, cfg.recovery.snapshot_budget
+
     def choose(self, cfg, layout, nodes) -> int | None:
-        """The interval for the next call (of the job as it now is); returns it if it changed (else None)."""
+        """Choose the interval for the next call (of the job as it now is); returns the interval in
+        force if it changed (else None)."""
         def med(xs):
             return sorted(xs)[len(xs) // 2] if xs else None
-        self.pinned, self.budget = cfg.recovery.snapshot_every, cfg.recovery.snapshot_budget
-        every = policy.snapshot_interval(self.pinned, self.budget, med(self.copy_s), med(self.step_s),
-                                         policy.replica_elsewhere(layout, nodes))
-        changed, self.every = every != self.every, every
-        return every if changed else None
+        before = self.every
+        self.follow(cfg)
+        self.chosen = policy.snapshot_interval(None, self.budget, med(self.copy_s), med(self.step_s),
+                                               policy.replica_elsewhere(layout, nodes))
+        return self.every if self.every != before else None
 
 
 class Snapshots:
