@@ -1,4 +1,4 @@
-"""A GPT-2 in plain PyTorch, with no distributed code in it.
+"""A GPT-2 in plain PyTorch, with no distributed code in it; and what raytp's models share.
 
 Architecturally GPT-2 (Radford et al. 2019): learned token + position
 embeddings, pre-LayerNorm blocks of causal self-attention and a tanh-GELU MLP,
@@ -20,33 +20,17 @@ at every TP degree and a replayed step reproduces bit for bit.
 """
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from raytp.initialization import InitRule, no_init, values
+from raytp.causal_lm import MODEL_FORMAT, MODEL_FORMAT_V1, CausalLM, GPTConfig, build_model, model_class  # noqa: F401
+from raytp.initialization import InitRule
 from raytp.seeds import derive_seed
 
 
-MODEL_FORMAT, MODEL_FORMAT_V1 = "raytp-model/2", "raytp-model/1"  # 2: safetensors; 1: a torch pickle
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 128
-    vocab_size: int = 256
-    dropout: float = 0.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
 
 
 class KeyedDropout(nn.Module):
@@ -179,34 +163,33 @@ def init_rule(name: str, cfg: GPTConfig) -> InitRule:
     return InitRule("normal", 0.02)
 
 
-class GPT(nn.Module):
+class GPT(CausalLM):
     def __init__(self, cfg: GPTConfig, seed: int | None = None):
         """A GPT initialised from `seed` (default: a seed drawn from torch's global generator). Built on
         the meta device (``with torch.device("meta")``), it is shapes only and initialises nothing."""
         super().__init__()
+        if cfg.arch != "gpt2":
+            raise ValueError(f"GPT is arch gpt2, not {cfg.arch!r}: use raytp.model.build_model")
         self.cfg = cfg
-        with no_init():
-            self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-            self.wpe = PositionEmbedding(cfg.block_size, cfg.n_embd)
-            self.drop = KeyedDropout(cfg.dropout, 1)
-            self.h = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-            self.ln_f = nn.LayerNorm(cfg.n_embd, eps=1e-5)
-            self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
+        self.build(seed, lambda: self._layers(cfg))
+
+    def _layers(self, cfg: GPTConfig) -> None:
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = PositionEmbedding(cfg.block_size, cfg.n_embd)
+        self.drop = KeyedDropout(cfg.dropout, 1)
+        self.h = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=1e-5)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # tied to wte, as in GPT-2
         self.criterion = LMLoss()
-        if self.wte.weight.is_meta:
-            return
-        if seed is None:
-            seed = int(torch.randint(2**62, (1,), device="cpu"))
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                p.copy_(values(name, init_rule(name, cfg), seed, tuple(p.shape)))
+
+    def input_embedding(self) -> nn.Module:
+        return self.wte
+
+    init_rule = staticmethod(init_rule)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx (B, T) token ids -> logits (B, T, V), or the mean loss when targets are given."""
-        B, T = idx.shape
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence of {T} tokens is longer than block_size={self.cfg.block_size}")
+        T = self.check_length(idx)
         x = self.drop(self.wte(idx) + self.wpe(T))  # (B, T, C)
         for block in self.h:
             x = block(x)
@@ -214,64 +197,6 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return self.criterion(logits, targets)
-
-    @classmethod
-    def load(cls, path, map_location="cpu") -> "GPT":
-        """A GPT from a file written by `raytp export` (one device, no Ray, no process group): a
-        safetensors file whose metadata holds the config (format 2), or a format-1 torch file."""
-        with open(path, "rb") as f:
-            head = f.read(9)
-        if len(head) == 9 and head[8:9] == b"{":  # safetensors: an 8-byte length, then the JSON header
-            from safetensors import safe_open
-            with safe_open(str(path), framework="pt", device=str(map_location)) as f:
-                meta = f.metadata() or {}
-                if meta.get("format") != MODEL_FORMAT:
-                    raise ValueError(f"{path}: not a raytp model file (format {MODEL_FORMAT!r})")
-                state = {k: f.get_tensor(k) for k in f.keys()}
-            return cls.from_state_dict(GPTConfig(**json.loads(meta["config"])), state, where=str(path)).eval()
-        blob = torch.load(path, map_location=map_location, weights_only=True)
-        if not isinstance(blob, dict) or blob.get("format") != MODEL_FORMAT_V1:
-            raise ValueError(f"{path}: not a raytp model file (format {MODEL_FORMAT!r})")
-        return cls.from_state_dict(GPTConfig(**blob["config"]), blob["model"], where=str(path)).eval()
-
-    @classmethod
-    def from_state_dict(cls, cfg: GPTConfig, state: dict, where: str = "state") -> "GPT":
-        """A GPT holding `state` (lm_head.weight may be absent: it is wte.weight), built without an init."""
-        with torch.device("meta"):
-            model = cls(cfg)
-        model = model.to_empty(device="cpu")
-        model.lm_head.weight = model.wte.weight  # to_empty made two tensors of the tied one
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k != "lm_head.weight"]
-        if missing or unexpected:
-            raise ValueError(f"{where}: weights do not fit the model: missing {missing}, unexpected {unexpected}")
-        return model
-
-    def save(self, path) -> None:
-        """Write this (one-device) model as a file `GPT.load` reads (safetensors)."""
-        from safetensors.torch import save_file
-        state = {k: v.contiguous() for k, v in self.state_dict().items() if k != "lm_head.weight"}
-        save_file(state, str(path), metadata={"format": MODEL_FORMAT, "config": json.dumps(asdict(self.cfg))})
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Append `tokens` sampled tokens to idx (B, T); temperature 0 is greedy."""
-        for _ in range(tokens):
-            logits = self(idx[:, -self.cfg.block_size:])[:, -1, :]  # (B, V)
-            if temperature == 0.0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
-        return idx
 
 
 def set_dropout_key(model: nn.Module, key: int | None) -> None:

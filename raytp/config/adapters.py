@@ -9,7 +9,9 @@ from raytp.train.step import Hyper
 def gpt_config(cfg: JobConfig) -> GPTConfig:
     m = cfg.model
     return GPTConfig(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=m.block_size,
-                     vocab_size=m.vocab_size, dropout=m.dropout)
+                     vocab_size=m.vocab_size, dropout=m.dropout, arch=m.arch, n_kv_head=m.n_kv_head,
+                     intermediate_size=m.intermediate_size, rope_theta=m.rope_theta,
+                     tie_embeddings=m.tie_embeddings, norm_eps=m.norm_eps)
 
 
 def hyper(cfg: JobConfig) -> Hyper:

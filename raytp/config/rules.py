@@ -19,6 +19,34 @@ def _divisors(n: int) -> str:
     return ", ".join(str(i) for i in range(1, n + 1) if n % i == 0)
 
 
+def _shape(v) -> tuple[int, int, int, str]:
+    """(query heads, KV heads, MLP width, the MLP width's name) of the model section."""
+    llama = v["model.arch"] == "llama"
+    kv = v["model.n_kv_head"] if llama and v["model.n_kv_head"] else v["model.n_head"]
+    if llama and v["model.intermediate_size"]:
+        return v["model.n_head"], kv, v["model.intermediate_size"], "model.intermediate_size"
+    return v["model.n_head"], kv, 4 * v["model.n_embd"], "4*model.n_embd"
+
+
+def _tp_degrees(v) -> list[int]:
+    """TP degrees the model splits over (raytp.parallel.sharding.valid_tp_degrees, without torch)."""
+    heads, kv, width, _ = _shape(v)
+    g = math.gcd(heads, width)
+    return [d for d in range(1, g + 1) if g % d == 0 and (kv % d == 0 or d % kv == 0)]
+
+
+def _tp_message(v) -> str:
+    heads, kv, width, width_name = _shape(v)
+    tp = v["parallel.tp"]
+    why = [f"does not divide {k}={n}" for k, n in (("model.n_head", heads), (width_name, width)) if n % tp]
+    if not why:
+        why = [f"neither divides nor is a multiple of model.n_kv_head={kv}"]
+    return f"{tp} {why[0]}; valid tp: {', '.join(map(str, _tp_degrees(v)))}"
+
+
+_MODEL = ("model.n_head", "model.n_embd", "model.arch", "model.n_kv_head", "model.intermediate_size")
+
+
 # Cross-field rules: (keys it reads, the first one named in the message; ok(v);
 # message(v)), v mapping dotted keys to values. A rule is skipped when any key
 # it reads already has a problem of its own.
@@ -31,14 +59,22 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
      lambda v: v["model.n_embd"] % v["model.n_head"] == 0,
      lambda v: f"{v['model.n_head']} does not divide model.n_embd={v['model.n_embd']}; "
                f"valid n_head: {_divisors(v['model.n_embd'])}"),
-    # Attention heads and the MLP's 4*n_embd hidden units are split over TP.
-    (("parallel.tp", "model.n_head", "model.n_embd"),
-     lambda v: math.gcd(v["model.n_head"], 4 * v["model.n_embd"]) % v["parallel.tp"] == 0,
-     lambda v: f"{v['parallel.tp']} does not divide "
-               + (f"model.n_head={v['model.n_head']}"
-                  if v["model.n_head"] % v["parallel.tp"]
-                  else f"4*model.n_embd={4 * v['model.n_embd']}")
-               + f"; valid tp: {_divisors(math.gcd(v['model.n_head'], 4 * v['model.n_embd']))}"),
+    (("model.n_kv_head", "model.n_head", "model.arch"),
+     lambda v: v["model.arch"] != "llama" or v["model.n_kv_head"] is None
+     or v["model.n_head"] % v["model.n_kv_head"] == 0,
+     lambda v: f"{v['model.n_kv_head']} does not divide model.n_head={v['model.n_head']} (each KV head serves "
+               f"a group of query heads); valid: {_divisors(v['model.n_head'])}"),
+    (("model.dropout", "model.arch"),
+     lambda v: v["model.arch"] != "llama" or v["model.dropout"] == 0,
+     lambda v: f"{show(v['model.dropout'])}, but the llama architecture has no dropout; set it to 0"),
+    (("model.n_head", "model.n_embd", "model.arch"),
+     lambda v: v["model.arch"] != "llama" or (v["model.n_embd"] // v["model.n_head"]) % 2 == 0,
+     lambda v: f"{v['model.n_head']} heads make a head width of {v['model.n_embd'] // v['model.n_head']}; "
+               "rotary position embedding needs an even head width (model.n_embd / model.n_head)"),
+    # Attention heads (query, and key/value) and the MLP's hidden units are split over TP.
+    (("parallel.tp", *_MODEL),
+     lambda v: v["parallel.tp"] in _tp_degrees(v),
+     _tp_message),
     # Sequence parallelism splits each sequence into tp equal pieces.
     (("parallel.sequence_parallel", "parallel.tp", "model.block_size"),
      lambda v: not v["parallel.sequence_parallel"]

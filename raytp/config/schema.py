@@ -64,10 +64,19 @@ class ModelConfig:
     n_embd: int = _f(128, "embedding width", POSITIVE)
     block_size: int = _f(128, "context length in tokens", POSITIVE)
     vocab_size: int = _f(256, "vocabulary size (padded for TP elsewhere)", POSITIVE)
-    dropout: float = _f(0.0, "dropout probability", UNIT)
+    dropout: float = _f(0.0, "dropout probability (gpt2 only)", UNIT)
     init_from: Optional[str] = _f(
         None, "GPT-2 directory in Hugging Face format to start from; "
               "its config overrides the shape keys")
+    arch: str = _f("gpt2", "architecture: gpt2 (learned positions, GELU MLP, tied head) or llama (rotary "
+                           "positions, SwiGLU MLP, RMSNorm, grouped-query attention, no biases)", ("gpt2", "llama"))
+    n_kv_head: Optional[int] = _f(None, "llama: key/value heads (grouped-query attention); null = n_head",
+                                  POSITIVE)
+    intermediate_size: Optional[int] = _f(None, "llama: SwiGLU hidden width; null = 4*n_embd", POSITIVE)
+    rope_theta: float = _f(10000.0, "llama: base of the rotary position embedding", POSITIVE)
+    tie_embeddings: bool = _f(False, "llama: the output head shares the token embedding's weight "
+                                     "(gpt2 always ties)")
+    norm_eps: float = _f(1e-5, "llama: RMSNorm epsilon", POSITIVE)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,32 @@ class ColumnParallelLinear(nn.Module):
         return f"in={self.weight.shape[1]}, out_local={self.weight.shape[0]}, sp={self.sequence_parallel}"
 
 
+class ParallelInput(nn.Module):
+    """The entry collective that several column-parallel projections of one input share (Llama's q, k, v;
+    gate, up): Megatron's f, or the sequence all-gather under SP. One per block, not one per projection."""
+
+    def __init__(self, group, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return comm.gather_seq(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
+
+
+class ShardedLinear(nn.Module):
+    """Y_i = X A_i: a column-parallel projection whose input a ParallelInput already made whole."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"in={self.weight.shape[1]}, out_local={self.weight.shape[0]}"
+
+
 class RowParallelLinear(nn.Module):
     """Y = sum_i X_i A_i + b; input sharded by columns, output replicated (or sequence-sharded under SP)."""
 

@@ -1,6 +1,7 @@
-"""apply_tp: turn a GPT into the local shard of one TP rank.
+"""apply_tp: turn a model into the local shard of one TP rank.
 
-The plan, in the order it is applied (torchtitan's "parallelize from outside"):
+The plan for GPT-2, in the order it is applied (torchtitan's "parallelize from
+outside"; Llama's is raytp.parallel.plan_llama):
 
 1. token embedding -> VocabParallelEmbedding (rows by vocab, padded to a
    multiple of tp); the LM head becomes a ColumnParallelLinear over the *same*
@@ -23,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from raytp.initialization import values
-from raytp.model import GPT, GPTConfig, init_rule
+from raytp.model import GPT, CausalLM, GPTConfig, model_class
 from raytp.parallel import comm
 from raytp.parallel.layers import (ColumnParallelLinear, RowParallelLinear, SequenceShardedPositionEmbedding,
                                    VocabParallelCrossEntropy, VocabParallelEmbedding)
@@ -32,7 +33,7 @@ from raytp.parallel.sharding import (REPLICATED, SHARDING, Sharding, check_tp, f
                                      valid_tp_degrees)
 
 
-def apply_tp(model: GPT, group, sequence_parallel: bool = False, source=None) -> GPT:
+def apply_tp(model: CausalLM, group, sequence_parallel: bool = False, source=None) -> CausalLM:
     """Make `model` this rank's TP shard, in place; returns it. `group`: the TP process group (None or
     one rank: nothing is split).
 
@@ -47,12 +48,17 @@ def apply_tp(model: GPT, group, sequence_parallel: bool = False, source=None) ->
     def sliced(name: str, t: torch.Tensor | None):
         if t is None:
             return None
+        s = sharding_of(name, model.cfg)
         if source is not None:
-            return source(name, full_shapes[name], sharding_of(name), rank, tp)
-        return shard_tensor(t, sharding_of(name), rank, tp)
+            return source(name, full_shapes[name], s, rank, tp)
+        return shard_tensor(t, s, rank, tp)
 
     if tp > 1:
-        _swap_parallel(model, group, sequence_parallel, sliced, rank, tp)
+        if isinstance(model, GPT):
+            _swap_parallel(model, group, sequence_parallel, sliced, rank, tp)
+        else:
+            from raytp.parallel import plan_llama
+            plan_llama.swap_parallel(model, group, sequence_parallel, sliced, rank, tp)
     if source is not None:  # what is left on meta (the replicated parameters; all of them at tp=1)
         made: dict[int, nn.Parameter] = {}  # a tied parameter is made once
         for mod_name, mod in model.named_modules():
@@ -61,8 +67,11 @@ def apply_tp(model: GPT, group, sequence_parallel: bool = False, source=None) ->
                     if id(p) not in made:
                         made[id(p)] = nn.Parameter(sliced(f"{mod_name}.{leaf}" if mod_name else leaf, p))
                     setattr(mod, leaf, made[id(p)])
-    if tp > 1 and sequence_parallel:
+    if tp > 1 and isinstance(model, GPT) and sequence_parallel:
         _sequence_parallel(model, group, rank, tp)
+    elif tp > 1 and not isinstance(model, GPT):
+        from raytp.parallel import plan_llama
+        plan_llama.tag(model, sequence_parallel, rank, tp)
     return model
 
 
@@ -105,11 +114,12 @@ def rebind_groups(model: nn.Module, group) -> None:
 
 
 def build_shard(cfg: GPTConfig, seed: int, group, sequence_parallel: bool = False,
-                device: torch.device | str = "cpu") -> GPT:
-    """The local shard of a GPT initialised from `seed`, on `device`: only this rank's slices are
-    computed (raytp.initialization), and they are GPT(cfg, seed)'s numbers there, at every TP degree."""
+                device: torch.device | str = "cpu") -> CausalLM:
+    """The local shard of a model initialised from `seed`, on `device`: only this rank's slices are
+    computed (raytp.initialization), and they are build_model(cfg, seed)'s numbers there, at every TP
+    degree."""
     def initial(name, full_shape, s, rank, tp):
-        rule = init_rule(name, cfg)
+        rule = model_class(cfg).init_rule(name, cfg)
         if s.dim is None or tp == 1:
             return values(name, rule, seed, full_shape).to(device)
         region = [slice(0, n) for n in full_shape]
@@ -122,7 +132,7 @@ def build_shard(cfg: GPTConfig, seed: int, group, sequence_parallel: bool = Fals
 
 
 def build_empty_shard(cfg: GPTConfig, group, sequence_parallel: bool = False,
-                      device: torch.device | str = "cpu") -> GPT:
+                      device: torch.device | str = "cpu") -> CausalLM:
     """The local shard as build_shard makes it, on `device`, with UNINITIALISED weights: for a shard
     whose state is loaded right after (a resume, a resize)."""
     def empty(name, full_shape, s, rank, tp):
@@ -130,19 +140,19 @@ def build_empty_shard(cfg: GPTConfig, group, sequence_parallel: bool = False,
     return _shard_of_meta(cfg, group, sequence_parallel, empty)
 
 
-def _shard_of_meta(cfg: GPTConfig, group, sequence_parallel: bool, source) -> GPT:
+def _shard_of_meta(cfg: GPTConfig, group, sequence_parallel: bool, source) -> CausalLM:
     with torch.device("meta"):
-        model = GPT(cfg)  # shapes only: builds no tensor and runs no op
+        model = model_class(cfg)(cfg)  # shapes only: builds no tensor and runs no op
     return apply_tp(model, group, sequence_parallel, source)
 
 
 @torch.no_grad()
-def gather_full_state(model: GPT, group) -> dict[str, torch.Tensor]:
+def gather_full_state(model: CausalLM, group) -> dict[str, torch.Tensor]:
     """The one-device state_dict of a TP-sharded model (every rank of `group` must call it)."""
     tp = comm.group_size(group)
     out = {}
     for name, p in model.named_parameters():  # the tied head appears once, as wte.weight
-        s = sharding_of(name)
+        s = sharding_of(name, model.cfg)
         if tp == 1 or s.dim is None:
             out[name] = p.detach().clone()
             continue

@@ -7,7 +7,7 @@ holds some ranges of positions there (``shard_ranges``). Moving from TP degree
 dim) land at rows [dst_at, dst_at + length) of j's. Positions that are padding
 at the new layout (past the vocabulary) come from nowhere and stay zero;
 padding at the old layout is never read. A replicated tensor is one piece of
-old rank 0, whole. The same plan serves a resume at another layout (pieces are
+old rank 0, whole; a KV head that several old ranks share comes from its owner. The same plan serves a resume at another layout (pieces are
 byte ranges of the saved files), a live TP resize (pieces travel from the old
 ranks to the new) and an export (new_tp = 1).
 """
@@ -41,7 +41,7 @@ def pieces(s: Sharding, size: int, old_tp: int, new_tp: int, dst: int) -> list[P
     """The pieces of new TP rank `dst`'s shard of a tensor `size` long along s.dim (see the module doc)."""
     if s.dim is None:
         return [Piece(0, 0, 0, size)]
-    old = [(i, span) for i in range(old_tp) for span in _spans(s, size, i, old_tp)]
+    old = [(i, span) for i in range(old_tp) if s.owns(i, old_tp) for span in _spans(s, size, i, old_tp)]
     out = []
     for lo, hi, dst_local in _spans(s, size, dst, new_tp):
         for i, (olo, ohi, src_local) in old:

@@ -3,7 +3,12 @@
 ``SHARDING`` maps parameter names to a ``Sharding``: the dim it is split along
 (None: replicated), in how many independent blocks (3 for fused q, k, v: rank i
 holds heads [i*nh/p, (i+1)*nh/p) of each), and whether that dim is padded to a
-multiple of tp (the vocabulary; padded rows get no probability). From it,
+multiple of tp (the vocabulary; padded rows get no probability), and, for the
+key/value projections of grouped-query attention, how many whole heads the dim
+holds: split by KV head while tp divides them; past that (tp a multiple of the
+KV heads) each rank holds a copy of the one KV head its query heads use, and the
+first rank of those sharing it is its owner (it writes it; reshards read it).
+From it,
 ``shard_ranges`` says which positions a rank holds, and ``shard_tensor`` /
 ``unshard_tensors`` apply and invert the split, for weights and optimizer
 state alike. Pure: no process groups.
@@ -28,20 +33,47 @@ class Sharding:
     dim: int | None = None
     parts: int = 1
     pad: bool = False
+    heads: int = 0  # > 0: the dim is `heads` whole heads (GQA keys/values), shared by ranks when tp > heads
+
+    def holders(self, tp: int) -> int:
+        """How many TP ranks hold each position (1 unless KV heads are shared)."""
+        return tp // self.heads if self.heads and tp > self.heads else 1
+
+    def owns(self, rank: int, tp: int) -> bool:
+        """Whether TP rank `rank` is the owner of what it holds (the first of the ranks sharing it)."""
+        return rank % self.holders(tp) == 0
+
+    def full_size(self, local: int, tp: int) -> int:
+        """The size along dim of a parameter whose shard is `local` long there (unpadded dims)."""
+        return local * (tp // self.holders(tp))
 
 
 REPLICATED = Sharding()
+KV_HEADS = Sharding(dim=0, heads=-1)  # placeholder: sharding_of fills in the model's n_kv_head
 SHARDING: list[tuple[str, Sharding]] = [  # (regex over parameter names, sharding)
+    # GPT-2
     (r"(wte|lm_head)\.weight", Sharding(dim=0, pad=True)),
     (r"h\.\d+\.attn\.c_attn\.(weight|bias)", Sharding(dim=0, parts=3)),
     (r"h\.\d+\.mlp\.c_fc\.(weight|bias)", Sharding(dim=0)),
     (r"h\.\d+\.(attn|mlp)\.c_proj\.weight", Sharding(dim=1)),
+    # Llama
+    (r"embed_tokens\.weight", Sharding(dim=0, pad=True)),
+    (r"layers\.\d+\.self_attn\.q_proj\.weight", Sharding(dim=0)),
+    (r"layers\.\d+\.self_attn\.[kv]_proj\.weight", KV_HEADS),
+    (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight", Sharding(dim=0)),
+    (r"layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight", Sharding(dim=1)),
 ]
 
 
-def sharding_of(name: str) -> Sharding:
+def sharding_of(name: str, cfg: GPTConfig | None = None) -> Sharding:
+    """How parameter `name` splits. The key/value projections of a Llama need the model's `cfg` (their
+    split depends on n_kv_head); asking for them without it is an error, not a guess."""
     for pattern, s in SHARDING:
         if re.fullmatch(pattern, name):
+            if s is KV_HEADS:
+                if cfg is None:
+                    raise ValueError(f"{name}: its sharding depends on n_kv_head; pass the model config")
+                return Sharding(dim=0, heads=cfg.kv_heads)
             return s
     return REPLICATED
 
@@ -50,22 +82,30 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return math.ceil(vocab_size / tp) * tp
 
 
+def _kv_fits(kv: int, tp: int) -> bool:
+    return kv % tp == 0 or tp % kv == 0
+
+
 def valid_tp_degrees(cfg: GPTConfig) -> list[int]:
-    g = math.gcd(cfg.n_head, 4 * cfg.n_embd)
-    return [d for d in range(1, g + 1) if g % d == 0]
+    g = math.gcd(cfg.n_head, cfg.mlp_width)
+    return [d for d in range(1, g + 1) if g % d == 0 and _kv_fits(cfg.kv_heads, d)]
 
 
 def check_tp(cfg: GPTConfig, tp: int) -> None:
-    """Reject a TP degree that does not divide the heads or the MLP width, naming the valid ones."""
-    bad = [f"{what}={n}" for what, n in (("n_head", cfg.n_head), ("mlp width 4*n_embd", 4 * cfg.n_embd)) if n % tp]
+    """Reject a TP degree that does not divide the heads or the MLP width (or, with grouped-query
+    attention, neither divides nor is a multiple of the KV heads), naming the valid ones."""
+    width = "mlp width 4*n_embd" if cfg.arch == "gpt2" else "intermediate_size"
+    bad = [f"does not divide {what}={n}" for what, n in (("n_head", cfg.n_head), (width, cfg.mlp_width)) if n % tp]
+    if cfg.kv_heads != cfg.n_head and not _kv_fits(cfg.kv_heads, tp):
+        bad.append(f"neither divides nor is a multiple of n_kv_head={cfg.kv_heads}")
     if bad:
-        raise ValueError(f"tp={tp} does not divide {' and '.join(bad)}; valid tp degrees: "
+        raise ValueError(f"tp={tp} {' and '.join(bad)}; valid tp degrees: "
                          f"{', '.join(map(str, valid_tp_degrees(cfg)))}")
 
 
 def full_size_of(name: str, cfg: GPTConfig) -> int | None:
     """The unpadded size along the sharded dim, for parameters that are padded."""
-    return cfg.vocab_size if sharding_of(name).pad else None
+    return cfg.vocab_size if sharding_of(name, cfg).pad else None
 
 
 def shard_ranges(s: Sharding, size: int, rank: int, tp: int) -> list[range]:
@@ -76,6 +116,9 @@ def shard_ranges(s: Sharding, size: int, rank: int, tp: int) -> list[range]:
     if s.pad:
         chunk = padded_vocab(size, tp) // tp
         return [range(rank * chunk, (rank + 1) * chunk)]
+    if s.holders(tp) > 1:  # a copy of one whole KV head, that of this rank's query heads
+        head, width = rank // s.holders(tp), size // s.heads
+        return [range(head * width, (head + 1) * width)]
     block = size // s.parts
     chunk = block // tp
     return [range(p * block + rank * chunk, p * block + (rank + 1) * chunk) for p in range(s.parts)]
@@ -106,6 +149,8 @@ def shard_tensor(full: torch.Tensor, s: Sharding, rank: int, tp: int) -> torch.T
 
 def unshard_tensors(shards: list[torch.Tensor], s: Sharding, full_size: int | None = None) -> torch.Tensor:
     """Inverse of shard_tensor over all ranks' slices, in one copy; `full_size` drops vocab padding."""
+    if s.holders(len(shards)) > 1:
+        shards = shards[::s.holders(len(shards))]  # the owners' copies
     if s.dim is None or len(shards) == 1:
         out = shards[0].detach().clone()
     else:  # blocks in order: part 0 of every rank, part 1 of every rank, ...

@@ -150,12 +150,13 @@ class Checkpoints:
         return path
 
 
-def write_part(url: str, directory: str, tp_rank: int, packed, tp: int, vocab_size: int) -> dict:
-    """TP rank `tp_rank`'s file of a checkpoint from its packed snapshot (run as a task: write_part_task)."""
+def write_part(url: str, directory: str, tp_rank: int, packed, tp: int, model_cfg) -> dict:
+    """TP rank `tp_rank`'s file of a checkpoint from its packed snapshot (run as a task: write_part_task);
+    `model_cfg`: the model's GPTConfig."""
     from raytp.train.shard_state import unpack_state
-    tensors = checkpoint.state_tensors(unpack_state(packed))
-    out = checkpoint.write_shard(Storage(url), directory, tensors, tp_rank)
-    out["table"] = checkpoint.tensor_table(tensors, tp, vocab_size) if tp_rank == 0 else None
+    tensors = checkpoint.state_tensors(unpack_state(packed), model_cfg)
+    out = checkpoint.write_shard(Storage(url), directory, tensors, tp_rank, tp=tp)
+    out["table"] = checkpoint.tensor_table(tensors, tp, model_cfg.vocab_size) if tp_rank == 0 else None
     return out
 
 

@@ -62,12 +62,13 @@ def estimate(cfg) -> WorkerMemory:
     import torch
 
     from raytp.config.adapters import gpt_config
-    from raytp.model import GPT
+    from raytp.model import build_model
     from raytp.parallel.sharding import local_shape, padded_vocab, sharding_of
-    m, tp = cfg.model, cfg.parallel.tp
+    m, tp, model_cfg = cfg.model, cfg.parallel.tp, gpt_config(cfg)
     with torch.device("meta"):
-        model = GPT(gpt_config(cfg))
-    local = sum(math.prod(local_shape(sharding_of(n), tuple(p.shape), tp)) for n, p in model.named_parameters())
+        model = build_model(model_cfg)
+    local = sum(math.prod(local_shape(sharding_of(n, model_cfg), tuple(p.shape), tp))
+                for n, p in model.named_parameters())
     s, b, h, a, layers = m.block_size, cfg.micro_batch, m.n_embd, m.n_head, m.n_layer
     if cfg.parallel.sequence_parallel:
         per_layer = s * b * h * (34 / tp + 5 * a * s / (h * tp))

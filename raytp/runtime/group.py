@@ -28,6 +28,7 @@ from typing import Iterable, Mapping
 import ray
 from ray.exceptions import RayActorError
 
+from raytp.config.adapters import gpt_config
 from raytp.parallel.layout import Layout
 from raytp.runtime import placement as placements
 from raytp.runtime.streaming import StepStream
@@ -279,7 +280,7 @@ class WorkerGroup:
     def write_snapshot(self, url: str, directory: str, parts: list) -> list[dict]:
         """A snapshot's parts (refs, one per TP rank) written as a checkpoint's files, by tasks."""
         cfg = self.cfg
-        return self.fetch([write_part_task.remote(url, directory, t, ref, cfg.parallel.tp, cfg.model.vocab_size)
+        return self.fetch([write_part_task.remote(url, directory, t, ref, cfg.parallel.tp, gpt_config(cfg))
                            for t, ref in enumerate(parts)])
 
     def copy_shards(self, donors: Mapping[int, int], step: int) -> int:

@@ -25,14 +25,14 @@ from raytp.parallel.sharding import Sharding, sharding_of
 from raytp.train.checkpoint import named_tensors
 
 
-def _split(name: str, t: torch.Tensor) -> Sharding:
-    return sharding_of(name) if t.dim() else Sharding()
+def _split(name: str, t: torch.Tensor, cfg) -> Sharding:
+    return sharding_of(name, cfg) if t.dim() else Sharding()
 
 
 def _full_size(s: Sharding, t: torch.Tensor, tp: int, vocab_size: int) -> int:
     if s.dim is None:
         return t.shape[0] if t.dim() else 1
-    return vocab_size if s.pad else t.shape[s.dim] * tp
+    return vocab_size if s.pad else s.full_size(t.shape[s.dim], tp)
 
 
 def export_pieces(model, optimizer, tp_rank: int, old_tp: int, new_tp: int, vocab_size: int,
@@ -44,8 +44,7 @@ def export_pieces(model, optimizer, tp_rank: int, old_tp: int, new_tp: int, voca
     for j in range(new_tp):
         entries = []
         if j not in skip and (only is None or j == only):
-            for key, (name, t) in tensors.items():
-                s = _split(name, t)
+            for key, (s, t) in tensors.items():
                 for p in pieces(s, _full_size(s, t, old_tp, vocab_size), old_tp, new_tp, j):
                     if p.src == tp_rank:
                         part = t if s.dim is None else t.narrow(s.dim, p.src_at, p.length)
@@ -56,8 +55,7 @@ def export_pieces(model, optimizer, tp_rank: int, old_tp: int, new_tp: int, voca
 
 def replicated(model, optimizer) -> dict:
     """A bundle of this rank's replicated tensors alone (what a rebuild of any old rank needs)."""
-    return pack([(key, 0, 0, t) for key, (name, t) in named_tensors(model, optimizer).items()
-                 if _split(name, t).dim is None])
+    return pack([(key, 0, 0, t) for key, (s, t) in named_tensors(model, optimizer).items() if s.dim is None])
 
 
 def pack(entries: list[tuple[str, int, int, torch.Tensor]]) -> dict:
@@ -95,12 +93,12 @@ class _Targets:
         section, name, *k = key.split("/")
         p = self.params[name]
         if section == "model":
-            return p.data, sharding_of(name)
+            return p.data, sharding_of(name, self.model.cfg)
         state = self.optimizer.state.setdefault(p, {})
         if k[0] not in state:
             state[k[0]] = torch.zeros((), dtype=like.dtype) if like.dim() == 0 else torch.zeros_like(p.data)
         t = state[k[0]]
-        return t, (sharding_of(name) if t.dim() else Sharding())
+        return t, _split(name, t, self.model.cfg)
 
 
 def _copy(targets: _Targets, key: str, at: int, t: torch.Tensor) -> None:
@@ -147,5 +145,5 @@ class RebuildSource:
         targets = _Targets(model, optimizer)
         for ref in (self.replicated, *self.refs):
             for key, src_at, _, t in unpack(ray.get(ref)):
-                if ref is self.replicated or _split(key.split("/")[1], t).dim is not None:
+                if ref is self.replicated or _split(key.split("/")[1], t, model.cfg).dim is not None:
                     _copy(targets, key, src_at, t)

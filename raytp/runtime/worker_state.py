@@ -86,12 +86,12 @@ class WorkerState:
         held = self.snap_bufs.hold(self.completed)
         if held is not None:
             packed, buf = held
-            tensors = checkpoint.state_tensors(unpack_state(packed, views=True))
+            tensors = checkpoint.state_tensors(unpack_state(packed, views=True), gpt_config(self.cfg))
             self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, torch.device("cpu"),
-                                         staged=True, then=lambda: self.snap_bufs.release(buf))
+                                         staged=True, then=lambda: self.snap_bufs.release(buf), tp=g.layout.tp)
         else:
             tensors = checkpoint.named_tensors(self.model, self.optimizer)
-            self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, self.device)
+            self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, self.device, tp=g.layout.tp)
         return checkpoint.tensor_table(tensors, g.layout.tp, self.cfg.model.vocab_size) if g.tp_rank == 0 else None
 
     def probe_storage(self, url: str, token: str) -> str | None:

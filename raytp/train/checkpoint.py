@@ -55,53 +55,56 @@ def shard_file(tp_rank: int) -> str:
 
 
 # -- what a rank holds, as named tensors --------------------------------------------------------
-def named_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, tuple[str, torch.Tensor]]:
-    """key -> (parameter name, live tensor) for the weights and the optimizer state of a shard."""
+def named_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, tuple[Sharding, torch.Tensor]]:
+    """key -> (how it splits, live tensor) for the weights and the optimizer state of a shard."""
     out = {}
     for name, p in model.named_parameters():
-        out[f"model/{name}"] = (name, p.detach())
+        s = sharding_of(name, model.cfg)
+        out[f"model/{name}"] = (s, p.detach())
         for k, v in (optimizer.state.get(p, {}) if optimizer is not None else {}).items():
             if torch.is_tensor(v):
-                out[f"optim/{name}/{k}"] = (name, v.detach())
+                out[f"optim/{name}/{k}"] = (_split(s, v), v.detach())
     return out
 
 
-def state_tensors(state: dict) -> dict[str, tuple[str, torch.Tensor]]:
-    """The same keys for a shard_state ({"model": {name: t}, "optim": {name: {k: t}}})."""
-    out = {f"model/{n}": (n, t) for n, t in state["model"].items()}
-    out.update({f"optim/{n}/{k}": (n, t) for n, st in state.get("optim", {}).items() for k, t in st.items()})
+def state_tensors(state: dict, cfg: GPTConfig | None = None) -> dict[str, tuple[Sharding, torch.Tensor]]:
+    """The same keys for a shard_state ({"model": {name: t}, "optim": {name: {k: t}}}) of a model of
+    `cfg` (needed for a Llama's key/value projections)."""
+    out = {f"model/{n}": (sharding_of(n, cfg), t) for n, t in state["model"].items()}
+    out.update({f"optim/{n}/{k}": (_split(sharding_of(n, cfg), t), t)
+                for n, st in state.get("optim", {}).items() for k, t in st.items()})
     return out
 
 
-def _split(name: str, t: torch.Tensor) -> Sharding:
-    return sharding_of(name) if t.dim() else Sharding()
+def _split(s: Sharding, t: torch.Tensor) -> Sharding:
+    return s if t.dim() else Sharding()  # a scalar (AdamW's step) is replicated
 
 
-def tensor_table(tensors: dict[str, tuple[str, torch.Tensor]], tp: int, vocab_size: int) -> dict[str, dict]:
+def tensor_table(tensors: dict[str, tuple[Sharding, torch.Tensor]], tp: int, vocab_size: int) -> dict[str, dict]:
     """For the manifest: every key's split and full shape (from the tensors of a shard at TP degree `tp`)."""
     table = {}
-    for key, (name, t) in tensors.items():
-        s = _split(name, t)
+    for key, (s, t) in tensors.items():
         shape = list(t.shape)
         if s.dim is not None:
-            shape[s.dim] = vocab_size if s.pad else shape[s.dim] * tp
+            shape[s.dim] = vocab_size if s.pad else s.full_size(shape[s.dim], tp)
         table[key] = {"dim": s.dim, "parts": s.parts, "pad": s.pad, "shape": shape,
                       "dtype": safetensors_io.DTYPES[t.dtype], "transposed": s.dim == 1 and t.dim() == 2}
+        if s.heads:
+            table[key]["heads"] = s.heads
     return table
 
 
-def write_shard(storage: Storage, directory: str, tensors: dict[str, tuple[str, torch.Tensor]], tp_rank: int,
-                to_host=None, written=None) -> dict:
+def write_shard(storage: Storage, directory: str, tensors: dict[str, tuple[Sharding, torch.Tensor]], tp_rank: int,
+                to_host=None, written=None, tp: int = 1) -> dict:
     """Write TP rank `tp_rank`'s file of a checkpoint, one tensor at a time, each with its split dim first
     (the caller keeps the tensors unchanged until `written()` is called, or until this returns: once
     every byte is handed to the file the tensors may change while it is made durable; a device tensor
     is copied to the host one at a time, by `to_host(t)` if given). {"file", "bytes"}."""
     to_host = to_host or (lambda t: t.cpu())
     items = []
-    for key, (name, t) in tensors.items():
-        s = _split(name, t)
-        if s.dim is None and tp_rank != 0:
-            continue  # replicated: written once, by TP rank 0
+    for key, (s, t) in tensors.items():
+        if (s.dim is None and tp_rank != 0) or not s.owns(tp_rank, tp):
+            continue  # replicated: written once, by TP rank 0; a shared KV head by its owner
         stored = t.t() if s.dim == 1 and t.dim() == 2 else t
         items.append((key, t.dtype, tuple(stored.shape), lambda stored=stored: to_host(stored).contiguous()))
     name = shard_file(tp_rank)
@@ -150,7 +153,7 @@ def read_manifest(storage: Storage, directory: str) -> dict:
 
 def check_model(manifest_: dict, cfg: GPTConfig, where: str) -> None:
     """Refuse a checkpoint of another model shape, naming the keys that differ."""
-    saved = manifest_["model"]
+    saved = asdict(GPTConfig(**manifest_["model"]))  # keys a checkpoint predates take their defaults
     diff = [f"{k} {saved.get(k)} (checkpoint) vs {v} (job)" for k, v in asdict(cfg).items()
             if k != "dropout" and saved.get(k) != v]
     if diff:
@@ -195,7 +198,7 @@ class Checkpoint:
         `stored`: in the orientation it is stored in (split dim first: a row-parallel weight transposed),
         which reads every piece straight into place."""
         spec = self.manifest["tensors"][key]
-        s, shape = Sharding(spec["dim"], spec["parts"], spec["pad"]), tuple(spec["shape"])
+        s, shape = Sharding(spec["dim"], spec["parts"], spec["pad"], spec.get("heads", 0)), tuple(spec["shape"])
         dtype = safetensors_io.TORCH[spec["dtype"]]
         if s.dim is None:
             return self._rows(shard_file(0), key, None, None, dtype, shape, out)

@@ -118,7 +118,7 @@ def unpack_state(packed: dict, views: bool = False) -> dict:
 def unshard_state(shards: list[dict], cfg: GPTConfig) -> dict:
     """Join the shard_states of all TP ranks (rank order) into the one-device state, padding dropped."""
     def join(name, tensors):
-        s = sharding_of(name)
+        s = sharding_of(name, cfg)
         return unshard_tensors(tensors, s, cfg.vocab_size if s.pad else None)
 
     model = {n: join(n, [sh["model"][n] for sh in shards]) for n in shards[0]["model"]}
@@ -129,9 +129,10 @@ def unshard_state(shards: list[dict], cfg: GPTConfig) -> dict:
     return {"model": model, "optim": optim}
 
 
-def slice_state(full: dict, rank: int, tp: int) -> dict:
-    """The shard_state of TP rank `rank` out of a full state (weights, and AdamW state if any)."""
-    model = {n: shard_tensor(t, sharding_of(n), rank, tp) for n, t in full["model"].items()}
-    optim = {n: {k: (v.clone() if v.dim() == 0 else shard_tensor(v, sharding_of(n), rank, tp))
+def slice_state(full: dict, rank: int, tp: int, cfg: GPTConfig | None = None) -> dict:
+    """The shard_state of TP rank `rank` out of a full state (weights, and AdamW state if any) of a model
+    of `cfg` (needed for a Llama's key/value projections)."""
+    model = {n: shard_tensor(t, sharding_of(n, cfg), rank, tp) for n, t in full["model"].items()}
+    optim = {n: {k: (v.clone() if v.dim() == 0 else shard_tensor(v, sharding_of(n, cfg), rank, tp))
                  for k, v in st.items()} for n, st in full.get("optim", {}).items()}
     return {"model": model, "optim": optim}

@@ -5,9 +5,13 @@ Gradient synchronisation happens once per step, after all micro-batches:
   averaged over the DP group in one flat all-reduce;
 - SP: replicated parameters that saw only this rank's slice of the sequence
   (LayerNorms, row-parallel biases, position embedding; tagged
-  ``sequence_parallel`` by the TP plan) have their gradients summed over TP.
+  ``sequence_parallel`` by the TP plan) have their gradients summed over TP;
+- shared KV heads (grouped-query attention at tp > n_kv_head; tagged
+  ``shared_head``): each rank's copy saw only its own query heads, so the
+  copies of a head have their gradients summed over the ranks sharing it
+  (in the same all-reduce as SP's).
 Clipping uses the global norm: sharded parameters' squares are summed over
-TP, replicated ones counted once.
+TP (a shared head's once), replicated ones counted once.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import torch
 from raytp.model import set_dropout_key
 from raytp.parallel import comm
 from raytp.parallel.groups import ProcessGroups
-from raytp.parallel.plan import sharding_of
+from raytp.parallel.sharding import sharding_of
 from raytp.seeds import derive_seed
 
 
@@ -71,11 +75,34 @@ def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float = 1.0) -> 
         t.copy_(chunk.view_as(t))
 
 
+def _sum_over_tp(params: list, group) -> None:
+    """Sum over TP, in one all-reduce, the gradients TP ranks each hold a part of: SP-tagged ones, and
+    shared KV-head copies (each placed at its head's slot of a buffer of all heads, so the sum adds up
+    the copies of each head and nothing else)."""
+    sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+    shared = []
+    for p in params:
+        if hasattr(p, "shared_head"):
+            head, heads, _ = p.shared_head
+            buf = p.grad.new_zeros((heads, *p.grad.shape))
+            buf[head] = p.grad
+            shared.append((p, head, buf))
+    _flat_all_reduce(sp + [buf for _, _, buf in shared], group)
+    for p, head, buf in shared:
+        p.grad.copy_(buf[head])
+
+
 def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups) -> torch.Tensor:
     sharded, replicated = [], []
     for name, p in model.named_parameters():
         if p.grad is not None:
-            (sharded if sharding_of(name).dim is not None else replicated).append(p.grad.float().pow(2).sum())
+            sq = p.grad.float().pow(2).sum()
+            if hasattr(p, "shared_head"):
+                sharded.append(sq / p.shared_head[2])  # held by that many ranks: counted once in the sum
+            elif sharding_of(name, model.cfg).dim is not None:
+                sharded.append(sq)
+            else:
+                replicated.append(sq)
     zero = torch.zeros((), device=next(model.parameters()).device)
     sq_sharded = torch.stack(sharded).sum() if sharded else zero
     if groups.tp is not None:
@@ -108,8 +135,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     params = [p for p in model.parameters() if p.grad is not None]
 
     if groups.tp is not None:
-        sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
-        _flat_all_reduce(sp, groups.tp)
+        _sum_over_tp(params, groups.tp)
     mean_loss = (loss_sum / n).reshape(1)
     if groups.dp is not None:
         dp = groups.layout.dp

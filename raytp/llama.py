@@ -1,0 +1,142 @@
+"""A Llama in plain PyTorch, with no distributed code in it (Llama 2/3, Mistral, Qwen, SmolLM shapes).
+
+Architecturally Touvron et al. 2023: a token embedding, pre-RMSNorm blocks of
+causal self-attention with rotary position embedding (Su et al. 2021, base
+``rope_theta``) and grouped-query attention (``n_kv_head`` key/value heads,
+each shared by n_head / n_kv_head query heads; Ainslie et al. 2023), a SwiGLU
+MLP (down(silu(gate(x)) * up(x))), no biases, a final RMSNorm and an output
+head, untied from the embedding unless ``tie_embeddings``. Parameter names and
+numerics follow Hugging Face's LlamaForCausalLM (minus the ``model.`` prefix),
+so its checkpoints load as they are.
+
+As in raytp.model, tensor parallelism is applied from outside: head counts
+are read off tensor shapes, and each attention and MLP block passes its input
+through ``tp_in`` (an identity here) before its projections, where the TP plan
+puts the one collective the three (or two) column-parallel projections share.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from raytp.initialization import InitRule
+from raytp.causal_lm import CausalLM, GPTConfig
+from raytp.model import LMLoss
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 (as transformers' LlamaRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotary(T: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, head_dim) of positions 0..T-1 (the two halves of head_dim rotate together)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    freqs = torch.outer(torch.arange(T, device=device).float(), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        hd = self.head_dim = cfg.head_dim
+        self.tp_in = nn.Identity()
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = self.tp_in(x)  # (B, T, C), the full sequence even under sequence parallelism
+        B, T, _ = x.shape
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, heads, T, hd); local heads
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        group = q.shape[1] // k.shape[1]  # query heads per KV head
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.tp_in = nn.Identity()
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.mlp_width, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.mlp_width, bias=False)
+        self.down_proj = nn.Linear(cfg.mlp_width, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tp_in(x)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(CausalLM):
+    """A Llama initialised from `seed` (see raytp.model.GPT for seeds and the meta device)."""
+
+    def __init__(self, cfg: GPTConfig, seed: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.build(seed, lambda: self._layers(cfg))
+
+    def _layers(self, cfg: GPTConfig) -> None:
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.criterion = LMLoss()
+
+    def input_embedding(self) -> nn.Module:
+        return self.embed_tokens
+
+    @staticmethod
+    def init_rule(name: str, cfg: GPTConfig) -> InitRule:
+        """N(0, 0.02) for embeddings and projections (transformers' initializer_range), scaled by
+        1/sqrt(2 n_layer) for the two that write into the residual stream; RMSNorms at 1."""
+        if name.endswith("norm.weight"):
+            return InitRule("ones")
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return InitRule("normal", 0.02 / math.sqrt(2 * cfg.n_layer))
+        return InitRule("normal", 0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx (B, T) token ids -> logits (B, T, V), or the mean loss when targets are given."""
+        T = self.check_length(idx)
+        cos, sin = rotary(T, self.cfg.head_dim, self.cfg.rope_theta, idx.device)
+        x = self.embed_tokens(idx)  # (B, T, C); (B, T/tp, C) under sequence parallelism
+        for block in self.layers:
+            x = block(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        return logits if targets is None else self.criterion(logits, targets)

@@ -1,0 +1,59 @@
+"""The TP plan of a Llama (raytp.llama), applied by raytp.parallel.plan.apply_tp.
+
+1. vocabulary: the token embedding -> VocabParallelEmbedding; the output head
+   -> a ColumnParallelLinear over the same vocabulary shard (the embedding's
+   own weight when tied); the loss -> vocab-parallel.
+2. per block, attention: one ParallelInput (Megatron's f, or the sequence
+   all-gather under SP) feeds q, k and v, each a ShardedLinear: query heads
+   split by head; key/value heads split by KV head while tp divides n_kv_head,
+   else each rank holds a copy of the one KV head its query heads use, the
+   copies' gradients summed over the ranks sharing them (raytp.train.step);
+   o_proj row-parallel (g, or the reduce-scatter under SP).
+3. per block, MLP: one ParallelInput feeds gate and up (column-parallel); down
+   is row-parallel.
+So each block costs two all-reduces forward and two backward, as Megatron's.
+4. with sequence parallelism, the RMSNorm weights see only this rank's slice
+   of the sequence: their gradients are summed over TP by the step.
+"""
+from __future__ import annotations
+
+from raytp.parallel.layers import (ColumnParallelLinear, ParallelInput, RowParallelLinear, ShardedLinear,
+                                   VocabParallelCrossEntropy, VocabParallelEmbedding)
+from raytp.parallel.sharding import sharding_of
+
+BLOCK_PARTS = (("self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj"),
+               ("mlp", ("gate_proj", "up_proj"), "down_proj"))
+
+
+def swap_parallel(model, group, sequence_parallel: bool, sliced, rank: int, tp: int) -> None:
+    cfg = model.cfg
+    emb = sliced("embed_tokens.weight", model.embed_tokens.weight)
+    start = rank * emb.shape[0]
+    model.embed_tokens = VocabParallelEmbedding(emb, start, group, sequence_parallel)
+    head = model.embed_tokens.weight if cfg.tied else sliced("lm_head.weight", model.lm_head.weight)
+    model.lm_head = ColumnParallelLinear(head, None, group, sequence_parallel)
+    model.criterion = VocabParallelCrossEntropy(start, cfg.vocab_size, group)
+    for i, block in enumerate(model.layers):
+        for part, columns, row in BLOCK_PARTS:
+            mod, prefix = getattr(block, part), f"layers.{i}.{part}"
+            mod.tp_in = ParallelInput(group, sequence_parallel)
+            for leaf in columns:
+                setattr(mod, leaf, ShardedLinear(sliced(f"{prefix}.{leaf}.weight", getattr(mod, leaf).weight)))
+            setattr(mod, row, RowParallelLinear(sliced(f"{prefix}.{row}.weight", getattr(mod, row).weight), None,
+                                                group, sequence_parallel))
+
+
+
+def tag(model, sequence_parallel: bool, rank: int, tp: int) -> None:
+    """Mark the parameters whose gradients the step must sum over TP ranks (once every one is made):
+    shared KV-head copies, and, under SP, the RMSNorm weights."""
+    kv = sharding_of("layers.0.self_attn.k_proj.weight", model.cfg)
+    for block in model.layers:
+        if kv.holders(tp) > 1:
+            for proj in (block.self_attn.k_proj, block.self_attn.v_proj):
+                proj.weight.shared_head = (rank // kv.holders(tp), kv.heads, kv.holders(tp))
+        if sequence_parallel:
+            for norm in (block.input_layernorm, block.post_attention_layernorm):
+                norm.weight.sequence_parallel = True
+    if sequence_parallel:
+        model.norm.weight.sequence_parallel = True

@@ -1,0 +1,142 @@
+"""The Llama (grouped-query attention: 8 query heads, 2 KV heads) at TP=1, 2, 4, with and without
+sequence parallelism, and at TP=2 x DP=2 trains like the same model on one device: 20 AdamW steps,
+per-step loss within 1e-5 relative, final gathered weights within 1e-5. TP=4 exceeds the KV heads:
+each rank holds a copy of its KV head and the copies' gradients are summed over the ranks sharing it."""
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_gpt_tp import COLLECTIVES, _per_layer, corpus
+
+from raytp.model import GPTConfig, build_model
+from raytp.parallel.groups import ProcessGroups, build_groups
+from raytp.parallel.layout import Layout
+from raytp.parallel.plan import build_shard, check_tp, gather_full_state, valid_tp_degrees
+from raytp.parallel.sharding import sharding_of
+from raytp.parallel.spawn import run_ranks
+from raytp.train.data import batch
+from raytp.train.step import Hyper, make_optimizer, train_step
+
+STEPS, BATCH, SEED = 20, 8, 1
+HYPER = Hyper(lr=1e-2, min_lr=3e-4, warmup_steps=5, steps=STEPS, grad_clip=1.0, seed=SEED)
+
+
+def llama_config(tied=False, n_layer=2):
+    return GPTConfig(arch="llama", n_layer=n_layer, n_head=8, n_kv_head=2, n_embd=32, intermediate_size=48,
+                     block_size=16, vocab_size=256, tie_embeddings=tied, rope_theta=500.0)
+
+
+def train(cfg, groups, sp, plain=False):
+    """Train for STEPS; `plain`: the one-device model itself (build_model, no TP plan applied)."""
+    model = build_model(cfg, SEED) if plain else build_shard(cfg, SEED, groups.tp, sp)
+    opt = make_optimizer(model, HYPER)
+    data = corpus(cfg.vocab_size)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(data, "train", SEED, step, groups.dp_rank, groups.layout.dp, BATCH, cfg.block_size)
+        losses.append(train_step(model, opt, [(x, y)], groups, step, HYPER).loss)
+    return losses, gather_full_state(model, groups.tp)
+
+
+def train_runs(rank, world, init, runs):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    out = []
+    for tp, dp, sp, tied in runs:
+        losses, state = train(llama_config(tied), build_groups(Layout(tp, dp), rank), sp)
+        out.append((losses, state if rank == 0 else None))
+    return out
+
+
+def one_device_runs(rank, world, init, keys):
+    return {tied: train(llama_config(tied), ProcessGroups(Layout(1, 1), 0, None, None), False, plain=True)
+            for tied in keys}
+
+
+RUNS = {  # (tp, dp, sequence_parallel, tied) per world size: one spawn each
+    1: [(1, 1, False, False)],
+    2: [(2, 1, False, False), (2, 1, True, False), (2, 1, False, True)],
+    4: [(4, 1, False, False), (4, 1, True, False), (2, 2, False, False), (2, 2, True, True)],
+}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return run_ranks(1, one_device_runs, [False, True])[0]
+
+
+@pytest.mark.parametrize("world", sorted(RUNS))
+def test_llama_trains_like_one_device(world, references):
+    results = run_ranks(world, train_runs, RUNS[world])[0]
+    for (tp, dp, sp, tied), (losses, state) in zip(RUNS[world], results):
+        name = f"TP={tp} x DP={dp} sp={sp} tied={tied}"
+        ref_losses, ref_state = references[tied]
+        assert ref_losses[-1] < ref_losses[0] - 0.5, "the reference itself did not learn"
+        rel = np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses)
+        assert rel.max() < 1e-5, f"{name}: loss differs from one device by {rel.max():.2e} relative"
+        assert state.keys() == ref_state.keys()
+        for k in ref_state:
+            assert state[k].shape == ref_state[k].shape, f"{name}: {k}"
+            diff = float((state[k] - ref_state[k]).abs().max())
+            assert diff < 1e-5, f"{name}: final {k} differs by {diff:.2e}"
+
+
+def count_collectives(rank, world, init, sp):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    groups = build_groups(Layout(world, 1), rank)
+    counts, phase = Counter(), [None]
+    originals = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
+
+    def counting(name, fn):
+        def wrapper(*a, **k):
+            counts[(phase[0], name)] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    for n, fn in originals.items():
+        setattr(dist, n, counting(n, fn))
+    try:
+        out = {}
+        for n_layer in (1, 2):
+            counts.clear()
+            model = build_shard(llama_config(n_layer=n_layer), SEED, groups.tp, sp)
+            x = torch.randint(256, (2, 16))
+            phase[0] = "forward"
+            loss = model(x, x)
+            phase[0] = "backward"
+            loss.backward()
+            out[n_layer] = dict(counts)
+        return out
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+
+
+def test_collectives_per_layer_with_shared_kv_heads():
+    """TP=4 > 2 KV heads: still 2 all-reduces forward and 2 backward per layer (SP: their halves)."""
+    assert _per_layer(run_ranks(4, count_collectives, False)[0]) == {"forward.all_reduce": 2,
+                                                                      "backward.all_reduce": 2}
+    assert _per_layer(run_ranks(4, count_collectives, True)[0]) == {
+        "forward.all_gather": 2, "forward.reduce_scatter": 2, "backward.all_gather": 2, "backward.reduce_scatter": 2}
+
+
+def test_kv_heads_split_then_shared():
+    cfg = llama_config()
+    kv = sharding_of("layers.0.self_attn.k_proj.weight", cfg)
+    from raytp.parallel.sharding import local_shape, shard_ranges
+    assert local_shape(kv, (8, 32), 2) == (4, 32)  # 2 ranks, one KV head (4 rows) each
+    assert local_shape(kv, (8, 32), 4) == (4, 32)  # 4 ranks: ranks 0, 1 share head 0; 2, 3 head 1
+    assert [shard_ranges(kv, 8, r, 4) for r in range(4)] == [[range(0, 4)]] * 2 + [[range(4, 8)]] * 2
+    assert [kv.owns(r, 4) for r in range(4)] == [True, False, True, False]
+    with pytest.raises(ValueError, match="needs|pass the model config"):
+        sharding_of("layers.0.self_attn.v_proj.weight")
+
+
+def test_invalid_tp_names_the_kv_heads_and_the_valid_degrees():
+    cfg = GPTConfig(arch="llama", n_head=12, n_kv_head=4, n_embd=48, intermediate_size=96)
+    with pytest.raises(ValueError, match=r"tp=6 neither divides nor is a multiple of n_kv_head=4; "
+                                         r"valid tp degrees: 1, 2, 4, 12"):
+        check_tp(cfg, 6)
+    assert valid_tp_degrees(cfg) == [1, 2, 4, 12]
