@@ -73,6 +73,7 @@ class CausalLM(nn.Module):
 
     cfg: GPTConfig
     lm_head: nn.Linear
+    activation_checkpointing = False  # recompute each block in backward (train.activation_checkpointing)
 
     @staticmethod
     def init_rule(name: str, cfg: GPTConfig) -> InitRule:
@@ -95,6 +96,14 @@ class CausalLM(nn.Module):
         with torch.no_grad():
             for name, p in self.named_parameters():
                 p.copy_(values(name, self.init_rule(name, self.cfg), seed, tuple(p.shape)))
+
+    def run_block(self, block: nn.Module, *args) -> torch.Tensor:
+        """block(*args), its activations recomputed in backward when activation checkpointing is on
+        (the recomputation draws the same keyed dropout masks, so results are bitwise the same)."""
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+            return checkpoint(block, *args, use_reentrant=False)
+        return block(*args)
 
     def check_length(self, idx: torch.Tensor) -> int:
         T = idx.shape[1]

@@ -137,6 +137,6 @@ class Llama(CausalLM):
         cos, sin = rotary(T, self.cfg.head_dim, self.cfg.rope_theta, idx.device)
         x = self.embed_tokens(idx)  # (B, T, C); (B, T/tp, C) under sequence parallelism
         for block in self.layers:
-            x = block(x, cos, sin)
+            x = self.run_block(block, x, cos, sin)
         logits = self.lm_head(self.norm(x))
         return logits if targets is None else self.criterion(logits, targets)

@@ -192,7 +192,7 @@ class GPT(CausalLM):
         T = self.check_length(idx)
         x = self.drop(self.wte(idx) + self.wpe(T))  # (B, T, C)
         for block in self.h:
-            x = block(x)
+            x = self.run_block(block, x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         if targets is None:
             return logits

@@ -11,7 +11,9 @@ PKG = Path(__file__).resolve().parents[1] / "raytp"
 LAYERS = {
     "raytp.names": set(), "raytp.seeds": set(),
     "raytp.initialization": {"raytp.seeds"},
-    "raytp.model": {"raytp.seeds", "raytp.initialization"},
+    "raytp.causal_lm": {"raytp.seeds", "raytp.initialization"},
+    "raytp.model": {"raytp.seeds", "raytp.initialization", "raytp.causal_lm"},
+    "raytp.llama": {"raytp.seeds", "raytp.initialization", "raytp.causal_lm", "raytp.model"},
     "raytp.parallel": {"raytp.model", "raytp.seeds", "raytp.initialization"},
     "raytp.train": {"raytp.model", "raytp.parallel", "raytp.seeds"},
     "raytp.config": {"raytp.names", "raytp.model", "raytp.train"},

@@ -49,7 +49,7 @@ def check_data(cfg: config_mod.JobConfig) -> None:
              "or a .bin file of uint16 token ids")
     from raytp.train.data import load_corpus
     try:
-        corpus = load_corpus(src, cfg.data.val_fraction)
+        corpus = load_corpus(src, cfg.data.val_fraction, cfg.data.tokenizer, progress=True)
     except ValueError as e:
         fail(str(e))
     if corpus.vocab_size > cfg.model.vocab_size:

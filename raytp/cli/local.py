@@ -148,41 +148,74 @@ def _stop_on_sigterm(driver) -> None:
 @click.argument("source")
 @click.option("--out", required=True, type=click.Path(), help="Output file (raytp) or directory (hf).")
 @click.option("--format", "fmt", type=click.Choice(["raytp", "hf"]), default="raytp", show_default=True,
-              help="raytp: one file raytp.model.GPT.load reads; hf: a GPT-2 directory for transformers.")
-def export(source, out, fmt):
+              help="raytp: one file raytp.model.GPT.load reads; hf: a GPT-2 or Llama directory for transformers.")
+@click.option("--tokenizer", default=None, type=click.Path(exists=True),
+              help="tokenizer.json (or a directory holding one) to ship with the model; default: the run's "
+                   "data.tokenizer when SOURCE is a run dir.")
+def export(source, out, fmt, tokenizer):
     """Write one unsharded model from SOURCE (a run dir, a checkpoint dir, or a URL of either), tensor by tensor."""
     from raytp.train import checkpoint
+    from raytp.train.tokens import tokenizer_file
     try:
+        spec = tokenizer or _run_tokenizer(source)
+        tok = tokenizer_file(spec) if spec else None
         ckpt = checkpoint.find(source, warn=lambda m: click.echo(f"[raytp] warning: {m}", err=True))
         if fmt == "hf":
             from raytp.train import hf
             hf.save(ckpt, Path(out))
+            if tok is not None:
+                import shutil
+                shutil.copyfile(tok, Path(out) / "tokenizer.json")
         else:
             from raytp.train.export import write_model
-            write_model(ckpt, Path(out))
+            write_model(ckpt, Path(out), tok)
     except checkpoint.CheckpointError as e:
         fail(e, 1)
+    except ValueError as e:
+        fail(str(e).replace("data.tokenizer: ", "--tokenizer: "), 2)
     click.echo(f"[raytp] exported step {ckpt.step} of {ckpt.where} ({fmt}) to {out}", err=True)
+
+
+def _run_tokenizer(source: str) -> str | None:
+    """data.tokenizer of the run whose run dir is `source`, if it is one and names a tokenizer."""
+    job = Path(source) / "config.yaml"
+    if not job.is_file():
+        return None
+    import yaml
+    try:
+        tok = ((yaml.safe_load(job.read_text()) or {}).get("data") or {}).get("tokenizer")
+    except yaml.YAMLError:
+        return None
+    return tok if isinstance(tok, str) else None
 
 
 @main.command()
 @click.argument("model_file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--prompt", default="\n", show_default=True, help="Text to continue (byte-level models).")
+@click.option("--prompt", default="\n", show_default=True, help="Text to continue.")
 @click.option("--tokens", default=200, show_default=True, help="Tokens to generate.")
 @click.option("--temperature", default=0.8, show_default=True, help="0 = greedy.")
 @click.option("--top-k", default=None, type=int, help="Sample among the k likeliest tokens only.")
 @click.option("--seed", default=0, show_default=True)
-def sample(model_file, prompt, tokens, temperature, top_k, seed):
-    """Generate text from MODEL_FILE (written by `raytp export`)."""
+@click.option("--tokenizer", default=None, type=click.Path(exists=True),
+              help="tokenizer.json (or a directory holding one); default: the one the file carries, else bytes.")
+def sample(model_file, prompt, tokens, temperature, top_k, seed, tokenizer):
+    """Generate text from MODEL_FILE (written by `raytp export`), encoded and decoded with its tokenizer."""
     import torch
     from raytp.model import GPT
+    from raytp.train import tokens as tok_mod
+    from raytp.train.export import embedded_tokenizer
     try:
         model = GPT.load(model_file)
+        tok = tok_mod.load(tokenizer) if tokenizer else None
     except ValueError as e:
-        fail(e, 1)
-    if model.cfg.vocab_size > 256:
-        fail(f"{model_file}: vocabulary of {model.cfg.vocab_size} is not byte level; sample decodes bytes only", 1)
-    idx = torch.tensor([list(prompt.encode())], dtype=torch.long)
+        fail(str(e).replace("data.tokenizer: ", "--tokenizer: "), 1)
+    if tok is None and (text := embedded_tokenizer(model_file)) is not None:
+        tok = tok_mod.from_json(text)
+    if tok is None and model.cfg.vocab_size > 256:
+        fail(f"{model_file}: vocabulary of {model.cfg.vocab_size} is not byte level and the file carries no "
+             "tokenizer; pass --tokenizer", 1)
+    ids = tok.encode(prompt, add_special_tokens=False).ids if tok is not None else list(prompt.encode())
     g = torch.Generator().manual_seed(seed)
-    out = model.generate(idx, tokens, temperature=temperature, top_k=top_k, generator=g)
-    click.echo(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
+    out = model.generate(torch.tensor([ids], dtype=torch.long), tokens, temperature=temperature, top_k=top_k,
+                         generator=g)[0].tolist()
+    click.echo(tok.decode(out) if tok is not None else bytes(out).decode("utf-8", errors="replace"))

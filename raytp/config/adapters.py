@@ -17,4 +17,5 @@ def gpt_config(cfg: JobConfig) -> GPTConfig:
 def hyper(cfg: JobConfig) -> Hyper:
     t = cfg.train
     return Hyper(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, steps=t.steps, lr_schedule=t.lr_schedule,
-                 weight_decay=t.weight_decay, beta1=t.beta1, beta2=t.beta2, grad_clip=t.grad_clip, seed=t.seed)
+                 weight_decay=t.weight_decay, beta1=t.beta1, beta2=t.beta2, grad_clip=t.grad_clip, seed=t.seed,
+                 precision=t.precision)

@@ -66,8 +66,9 @@ class ModelConfig:
     vocab_size: int = _f(256, "vocabulary size (padded for TP elsewhere)", POSITIVE)
     dropout: float = _f(0.0, "dropout probability (gpt2 only)", UNIT)
     init_from: Optional[str] = _f(
-        None, "GPT-2 directory in Hugging Face format to start from; "
-              "its config overrides the shape keys")
+        None, "a Hugging Face GPT-2 or Llama directory (config.json and safetensors, one file or sharded with "
+              "an index) to start from; its config sets the shape keys (a Llama keeps the job's block_size, up "
+              "to its max_position_embeddings)")
     arch: str = _f("gpt2", "architecture: gpt2 (learned positions, GELU MLP, tied head) or llama (rotary "
                            "positions, SwiGLU MLP, RMSNorm, grouped-query attention, no biases)", ("gpt2", "llama"))
     n_kv_head: Optional[int] = _f(None, "llama: key/value heads (grouped-query attention); null = n_head",
@@ -112,6 +113,12 @@ class TrainConfig:
     eval_steps: int = _f(4, "batches per validation run", POSITIVE)
     steps_per_call: int = _f(10, "optimizer steps each worker runs per driver call",
                              POSITIVE)
+    precision: str = _f("fp32", "fp32, or bf16: bfloat16 compute (and TP activation collectives) with float32 "
+                                "master weights, AdamW state, gradient reduction, softmax, loss and norms",
+                        ("fp32", "bf16"))
+    activation_checkpointing: bool = _f(
+        False, "recompute each block's activations in the backward pass instead of keeping them "
+               "(less memory, about one more forward of compute)")
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,9 @@ class DataConfig:
                    "of text files, or a nanoGPT .bin of uint16 token ids")
     val_fraction: float = _f(0.1, "fraction of the data held out for validation",
                              Range(0, 1, lo_open=True, hi_open=True))
+    tokenizer: Optional[str] = _f(
+        None, "a Hugging Face tokenizer.json, or a directory holding one (e.g. model.init_from's), that "
+              "text sources are encoded with (once, cached beside the data); null = byte level")
 
 
 @dataclass(frozen=True)

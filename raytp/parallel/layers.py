@@ -29,6 +29,15 @@ import torch.nn.functional as F
 from raytp.parallel import comm
 
 
+def compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x in autocast's compute dtype when autocast is on (bf16: the TP collective that follows moves half
+    the bytes; the matmul after it would cast x anyway, so the numbers are the same as one device's)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev) and x.is_floating_point():
+        return x.to(torch.get_autocast_dtype(dev))
+    return x
+
+
 def _mark_sequence_parallel(p: nn.Parameter | None) -> None:
     """Tag a replicated parameter whose gradient is partial under SP (summed over TP by the step)."""
     if p is not None:
@@ -45,6 +54,7 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = compute_dtype(x)
         x = comm.gather_seq(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
         return F.linear(x, self.weight, self.bias)  # (B, T, out/p)
 
@@ -61,6 +71,7 @@ class ParallelInput(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = compute_dtype(x)
         return comm.gather_seq(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
 
 

@@ -1,4 +1,4 @@
-"""Where a run's first state comes from: a checkpoint (--resume), a GPT-2 directory (model.init_from),
+"""Where a run's first state comes from: a checkpoint (--resume), a Hugging Face directory (model.init_from),
 or the seeded initialisation. Resolved and checked in the driver's process before any actor starts
 (manifests and headers only: the driver reads no tensor), so a bad checkpoint costs nothing; every
 worker then reads its own slices (raytp.train.sources)."""
@@ -35,10 +35,20 @@ def starting_state(cfg: config_mod.JobConfig, resume: str | None, run_dir: Path,
     if cfg.model.init_from:
         from raytp.train import hf
         shape = hf.inspect(Path(cfg.model.init_from))
+        block = shape.block_size  # GPT-2: the position table's length; Llama: the job's, up to the model's
+        if shape.arch == "llama":
+            if cfg.model.block_size > shape.block_size:
+                raise ValueError(f"model.block_size: {cfg.model.block_size} exceeds the max_position_embeddings="
+                                 f"{shape.block_size} of {cfg.model.init_from}/config.json")
+            block = cfg.model.block_size
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(
             cfg.model, n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd,
-            block_size=shape.block_size, vocab_size=shape.vocab_size))
+            block_size=block, vocab_size=shape.vocab_size, arch=shape.arch, n_kv_head=shape.n_kv_head,
+            intermediate_size=shape.intermediate_size, rope_theta=shape.rope_theta,
+            tie_embeddings=shape.tie_embeddings, norm_eps=shape.norm_eps))
         config_mod.validate(cfg, f"{cfg.model.init_from}/config.json")
-        say(f"starting from the GPT-2 in {cfg.model.init_from} ({shape})")
+        what = "GPT-2" if shape.arch == "gpt2" else "Llama"
+        say(f"starting from the {what} in {cfg.model.init_from} ({shape.n_layer} layers x {shape.n_embd} wide, "
+            f"{shape.n_head} heads, {shape.kv_heads} KV heads, vocabulary {shape.vocab_size})")
         return cfg, (0, HFSource(str(Path(cfg.model.init_from).resolve())), str(cfg.model.init_from))
     return cfg, None

@@ -34,7 +34,7 @@ from raytp.runtime.snapshot_buffers import SnapshotBuffers
 from raytp.runtime.worker_state import WorkerState
 from raytp.train.shard_state import live_state, state_bytes
 from raytp.train.data import batch, load_corpus
-from raytp.train.step import eval_loss, make_optimizer, train_step
+from raytp.train.step import compute_precision, eval_loss, make_optimizer, train_step
 
 
 def tune_malloc() -> None:
@@ -69,7 +69,7 @@ class Worker(WorkerState):
         # What building the first optimizer imports (~1 s), paid here: a spare, or a rank started ahead
         # of a resize, has it behind it when it is needed.
         importlib.import_module("torch._dynamo")
-        self.corpus = load_corpus(self.cfg.data.source, self.cfg.data.val_fraction)
+        self.corpus = load_corpus(self.cfg.data.source, self.cfg.data.val_fraction, self.cfg.data.tokenizer)
         if self.corpus.vocab_size > self.cfg.model.vocab_size:
             raise ValueError(f"data.source has token ids up to {self.corpus.vocab_size - 1} but "
                              f"model.vocab_size={self.cfg.model.vocab_size}; raise model.vocab_size")
@@ -125,6 +125,7 @@ class Worker(WorkerState):
         if source is None:
             self.model = build_shard(gpt_config(self.cfg), self.cfg.train.seed, self.groups.tp,
                                      self.cfg.parallel.sequence_parallel, self.device)
+            self.model.activation_checkpointing = self.cfg.train.activation_checkpointing
             self.hyper = hyper(self.cfg)
             self.optimizer = make_optimizer(self.model, self.hyper)
         else:
@@ -249,7 +250,7 @@ class Worker(WorkerState):
         for i in range(cfg.train.eval_steps):
             batches += self._micro_batches("val", step * cfg.train.eval_steps + i)
         try:
-            return eval_loss(self.model, batches, self.groups)
+            return eval_loss(self.model, batches, self.groups, self.hyper)
         except Exception as e:  # noqa: BLE001 - as in run_steps: leave, so that peers get out too
             failure = f"rank {self.rank} left evaluation: {type(e).__name__}: {e}"
         self.leave_groups()
@@ -259,7 +260,8 @@ class Worker(WorkerState):
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (B, T, V) of a batch, gathered over TP (every TP rank must be called)."""
         self.model.eval()
-        local = self.model(idx.to(self.device))  # (B, T, V_pad/tp)
+        with compute_precision(self.hyper, self.device):
+            local = self.model(idx.to(self.device)).float()  # (B, T, V_pad/tp)
         self.model.train()
         return comm.gather_last(local, self.groups.tp)[..., :self.cfg.model.vocab_size].cpu()
 

@@ -37,6 +37,7 @@ class WorkerState:
         g = self.groups
         self.model = self.optimizer = None
         self.model = build_empty_shard(gpt_config(self.cfg), g.tp, self.cfg.parallel.sequence_parallel, self.device)
+        self.model.activation_checkpointing = self.cfg.train.activation_checkpointing
         self.hyper = hyper(self.cfg)
         self.optimizer = make_optimizer(self.model, self.hyper)
         source = StateSource(source) if isinstance(source, dict) else source

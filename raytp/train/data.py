@@ -12,6 +12,8 @@ Sources:
 - a directory: every ``*.txt``/``*.py``/``*.md`` file under it, byte level.
 - a ``.bin`` file of uint16 token ids (nanoGPT's format); a ``val.bin``
   beside a ``train.bin`` is used for validation.
+With ``data.tokenizer`` set, the text sources are encoded by that Hugging Face
+tokenizer instead of taken as bytes (once, cached: raytp.train.tokens).
 """
 from __future__ import annotations
 
@@ -49,6 +51,12 @@ def _read_text_files(files: list[Path], max_bytes: int | None) -> np.ndarray:
     return np.frombuffer(b"\n".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
+def _builtin_files(stdlib: Path) -> list[Path]:
+    files = sorted(stdlib.glob("*.py"))  # top level first: stable across installs of one version
+    return files + sorted(p for p in stdlib.glob("*/*.py")
+                          if not p.parts[-2].startswith(("test", "site-packages", "idlelib")))
+
+
 def _builtin_tokens(stdlib: Path) -> np.ndarray:
     """The stdlib's source as bytes; cached as one file (memory-mapped) so that a worker starts fast."""
     cache = Path(os.environ.get("RAYTP_CACHE", Path.home() / ".cache" / "raytp"))
@@ -56,10 +64,7 @@ def _builtin_tokens(stdlib: Path) -> np.ndarray:
     path = cache / name
     if path.exists():
         return np.memmap(path, dtype=np.uint8, mode="r")
-    files = sorted(stdlib.glob("*.py"))  # top level first: stable across installs of one version
-    files += sorted(p for p in stdlib.glob("*/*.py")
-                    if not p.parts[-2].startswith(("test", "site-packages", "idlelib")))
-    tokens = _read_text_files(files, BUILTIN_MAX_BYTES)
+    tokens = _read_text_files(_builtin_files(stdlib), BUILTIN_MAX_BYTES)
     try:  # written whole elsewhere, then renamed: concurrent workers never read half a file
         cache.mkdir(parents=True, exist_ok=True)
         tmp = cache / f".{name}.{os.getpid()}"
@@ -75,8 +80,13 @@ def _split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndar
     return tokens[:-n_val], tokens[-n_val:]
 
 
-def load_corpus(source: str, val_fraction: float = 0.1) -> Corpus:
-    """Load a corpus named by a job's `data.source`; raises ValueError naming the problem."""
+def load_corpus(source: str, val_fraction: float = 0.1, tokenizer: str | None = None,
+                progress: bool = False) -> Corpus:
+    """Load a corpus named by a job's `data.source` (text encoded by `tokenizer`, a job's data.tokenizer,
+    when given; `progress`: show a progress bar if it must be encoded now); raises ValueError naming the
+    problem."""
+    if tokenizer is not None and (source == "builtin" or Path(source).expanduser().is_dir()):
+        return _tokenized_corpus(source, val_fraction, tokenizer, progress)
     if source == "builtin":
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         tokens = _builtin_tokens(stdlib)
@@ -102,6 +112,23 @@ def load_corpus(source: str, val_fraction: float = 0.1) -> Corpus:
         vocab = int(max(train.max(initial=0), val.max(initial=0))) + 1 if len(tokens) < (64 << 20) else 65536
         return Corpus(train, val, vocab, f"uint16 tokens in {path} ({len(tokens):,} tokens)")
     raise ValueError(f"data.source: {source} is neither a directory nor a .bin file of uint16 token ids")
+
+
+def _tokenized_corpus(source: str, val_fraction: float, tokenizer: str, progress: bool) -> Corpus:
+    from raytp.train import tokens as tok
+    if source == "builtin":
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        files, near, limit, what = _builtin_files(stdlib), None, BUILTIN_MAX_BYTES, f"builtin: Python stdlib at {stdlib}"
+    else:
+        path = Path(source).expanduser()
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()
+                       and ".raytp" not in p.parts)
+        if not files:
+            raise ValueError(f"data.source: no {'/'.join(TEXT_SUFFIXES)} files under {path}")
+        near, limit, what = path, None, f"{len(files)} text files under {path}"
+    ids, vocab, where = tok.tokenized(tokenizer, files, near, limit, progress)
+    train, val = _split(ids, val_fraction)
+    return Corpus(train, val, vocab, f"{what}, {len(ids):,} tokens of {tokenizer} (cached at {where})")
 
 
 SPLITS = {"train": 0, "val": 1}

@@ -17,8 +17,9 @@ from raytp.model import MODEL_FORMAT
 from raytp.train import safetensors_io
 
 
-def write_model(ckpt, out: Path) -> int:
-    """The weights of `ckpt` (a Checkpoint) as a raytp model file at `out`; bytes written."""
+def write_model(ckpt, out: Path, tokenizer: Path | None = None) -> int:
+    """The weights of `ckpt` (a Checkpoint) as a raytp model file at `out`, with the text of `tokenizer`
+    (a tokenizer.json) in its metadata so that `raytp sample` finds it; bytes written."""
     items = []
     for key in ckpt.keys():
         if not key.startswith("model/"):
@@ -30,5 +31,18 @@ def write_model(ckpt, out: Path) -> int:
         dtype = safetensors_io.TORCH[spec["dtype"]] if spec else torch.float32
         items.append((key.removeprefix("model/"), dtype, t_shape, lambda key=key: ckpt.read(key, 0, 1)))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
+    meta = {"format": MODEL_FORMAT, "config": json.dumps(ckpt.manifest["model"])}
+    if tokenizer is not None:
+        meta["tokenizer"] = Path(tokenizer).read_text()
     with open(out, "wb") as f:
-        return safetensors_io.write(f, items, {"format": MODEL_FORMAT, "config": json.dumps(ckpt.manifest["model"])})
+        return safetensors_io.write(f, items, meta)
+
+
+def embedded_tokenizer(model_file) -> str | None:
+    """The tokenizer.json text a raytp model file carries, if any."""
+    with open(model_file, "rb") as f:
+        if f.read(9)[8:9] != b"{":
+            return None  # a format-1 torch file: byte level
+    from safetensors import safe_open
+    with safe_open(str(model_file), framework="pt") as f:
+        return (f.metadata() or {}).get("tokenizer")

@@ -1,11 +1,14 @@
-"""The Hugging Face bridge: raytp's GPT <-> a GPT-2 model directory.
+"""The Hugging Face bridge: raytp's models <-> Hugging Face model directories (GPT-2 and Llama).
 
 raytp's GPT is GPT-2, with two differences of spelling: Hugging Face's GPT-2
 keeps its projections as Conv1D, whose weight is the transpose of an
-nn.Linear's, and prefixes the trunk with ``transformer.``. A directory written
-here (config.json + model.safetensors) loads with
-``GPT2LMHeadModel.from_pretrained(DIR)`` and no raytp installed; one written
-by transformers loads into raytp (``model.init_from: DIR``).
+nn.Linear's, and prefixes the trunk with ``transformer.``. raytp's Llama is
+LlamaForCausalLM with the trunk's ``model.`` prefix dropped
+(raytp.train.hf_llama). A directory written here (config.json +
+model.safetensors) loads with ``GPT2LMHeadModel`` / ``LlamaForCausalLM``
+``.from_pretrained(DIR)`` and no raytp installed; one written by transformers
+(one safetensors file, or several with their index) loads into raytp
+(``model.init_from: DIR``), each rank reading only the byte ranges of its slices.
 """
 from __future__ import annotations
 
@@ -48,6 +51,36 @@ def config_from_hf(d: dict, where: str = "config.json") -> GPTConfig:
                      vocab_size=d["vocab_size"], dropout=float(d.get("resid_pdrop", 0.0)))
 
 
+def _is_llama(d: dict) -> bool:
+    from raytp.train.hf_llama import MODEL_TYPES
+    return d.get("model_type") in MODEL_TYPES
+
+
+def _config(d: dict, where: str) -> GPTConfig:
+    if _is_llama(d):
+        from raytp.train import hf_llama
+        return hf_llama.config_from_hf(d, where)
+    return config_from_hf(d, where)
+
+
+def to_hf(name: str, cfg: GPTConfig) -> tuple[str, bool]:
+    """The directory's name of raytp weight `name`, and whether it is stored transposed (GPT-2's Conv1D)."""
+    if cfg.arch == "llama":
+        from raytp.train.hf_llama import to_hf as llama_name
+        return llama_name(name), False
+    return f"transformer.{name}", name.endswith(CONV1D)
+
+
+def from_hf_name(hf_name: str, cfg: GPTConfig) -> str | None:
+    """raytp's name of a directory's weight; None for what raytp does not keep."""
+    if cfg.arch == "llama":
+        from raytp.train.hf_llama import from_hf
+        return from_hf(hf_name, cfg)
+    if hf_name.startswith("lm_head.") or hf_name.endswith((".attn.bias", ".attn.masked_bias")):
+        return None  # the tied head, and causal-mask buffers of older transformers
+    return hf_name.removeprefix("transformer.")
+
+
 def from_hf_state(hf_state: dict) -> dict:
     out = {}
     for k, v in hf_state.items():
@@ -81,32 +114,34 @@ def _tensors_of(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 def inspect(model_dir: Path) -> GPTConfig:
-    """The model shape of a GPT-2 directory, with its weights checked by name and shape (headers only)."""
+    """The model shape of a GPT-2 or Llama directory, its weights checked by name and shape (headers only)."""
     model_dir = Path(model_dir)
     cfg_file = model_dir / "config.json"
     if not cfg_file.exists():
-        raise ValueError(f"model.init_from: {model_dir} has no config.json (expected a GPT-2 model directory)")
-    cfg = config_from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
+        raise ValueError(f"model.init_from: {model_dir} has no config.json (expected a Hugging Face GPT-2 or "
+                         "Llama model directory)")
+    cfg = _config(json.loads(cfg_file.read_text()), str(cfg_file))
     found = _tensors_of(model_dir)
     if not found:
-        if not (model_dir / "pytorch_model.bin").exists():
-            raise ValueError(f"model.init_from: {model_dir} has neither model.safetensors nor pytorch_model.bin")
+        if cfg.arch != "gpt2" or not (model_dir / "pytorch_model.bin").exists():
+            raise ValueError(f"model.init_from: {model_dir} has no model.safetensors"
+                             + (" nor pytorch_model.bin" if cfg.arch == "gpt2" else ""))
         return cfg
-    from raytp.model import GPT
+    from raytp.model import build_model
     with torch.device("meta"):  # names and shapes only, no memory
-        expected = {n: tuple(p.shape) for n, p in GPT(cfg).named_parameters()}
-    have = {k.removeprefix("transformer."): v[1] for k, v in found.items()
-            if not k.startswith("lm_head.") and not k.endswith((".attn.bias", ".attn.masked_bias"))}
-    wrong = [n for n in expected if n in have and have[n] != (expected[n][::-1] if n.endswith(CONV1D) else expected[n])]
+        expected = {n: tuple(p.shape) for n, p in build_model(cfg).named_parameters()}
+    have = {from_hf_name(k, cfg): v[1] for k, v in found.items()}
+    have.pop(None, None)
+    wrong = [n for n in expected if n in have and have[n] != (expected[n][::-1] if to_hf(n, cfg)[1] else expected[n])]
     if set(have) != set(expected) or wrong:
-        raise ValueError(f"model.init_from: {model_dir}: weights do not match GPT-2 of config.json: missing "
+        raise ValueError(f"model.init_from: {model_dir}: weights do not match the {cfg.arch} of config.json: missing "
                          f"{sorted(set(expected) - set(have))[:5]}, unexpected {sorted(set(have) - set(expected))[:5]}"
                          + (f", other shapes {wrong[:5]}" if wrong else ""))
     return cfg
 
 
 def load_into(model_dir, model, rank: int, tp: int) -> None:
-    """Give a shard (built empty) its slices of a GPT-2 directory's weights, reading only those."""
+    """Give a shard (built empty) its slices of a GPT-2 or Llama directory's weights, reading only those."""
     from raytp.parallel.sharding import shard_ranges, sharding_of
     from raytp.train.safetensors_io import Reader
     model_dir = Path(model_dir)
@@ -122,10 +157,10 @@ def load_into(model_dir, model, rank: int, tp: int) -> None:
     storage, readers = Storage(model_dir), {}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            hf_name = f"transformer.{name}"
+            hf_name, conv = to_hf(name, model.cfg)
             file, shape = found[hf_name]
             reader = readers.setdefault(file, Reader(storage, file))
-            s, conv = sharding_of(name), name.endswith(CONV1D)
+            s = sharding_of(name, model.cfg)
             if s.dim is None or tp == 1:
                 t = reader.rows(hf_name)
                 p.copy_(t.t() if conv else t)
@@ -144,12 +179,14 @@ def load_into(model_dir, model, rank: int, tp: int) -> None:
 
 
 def save(ckpt, out_dir: Path) -> None:
-    """Write a checkpoint as a GPT-2 directory, tensor by tensor (one whole tensor in memory at a time)."""
-    from raytp.train import safetensors_io
+    """Write a checkpoint as a GPT-2 or Llama directory, tensor by tensor (one whole tensor in memory at a
+    time)."""
+    from raytp.train import hf_llama, safetensors_io
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = GPTConfig(**ckpt.manifest["model"])
-    (out_dir / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
+    config = hf_llama.hf_config(cfg) if cfg.arch == "llama" else hf_config(cfg)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     items = []
     for key in ckpt.keys():
         if not key.startswith("model/"):
@@ -157,7 +194,7 @@ def save(ckpt, out_dir: Path) -> None:
         name = key.removeprefix("model/")
         spec = ckpt.manifest["tensors"][key] if "tensors" in ckpt.manifest and key in ckpt.manifest["tensors"] else None
         shape = tuple(spec["shape"]) if spec and "shape" in spec else tuple(ckpt.read(key, 0, 1).shape)
-        conv = name.endswith(CONV1D)
+        hf_name, conv = to_hf(name, cfg)
 
         def produce(key=key, conv=conv):
             spec = ckpt.manifest.get("tensors", {}).get(key, {})
@@ -167,6 +204,6 @@ def save(ckpt, out_dir: Path) -> None:
             if not conv:
                 return t
             return (t[:, i:i + 64].t() for i in range(0, t.shape[1], 64))  # the transpose, 64 rows at a time
-        items.append((f"transformer.{name}", torch.float32, shape[::-1] if conv else shape, produce))
+        items.append((hf_name, torch.float32, shape[::-1] if conv else shape, produce))
     with open(out_dir / "model.safetensors", "wb") as f:
         safetensors_io.write(f, items, {"format": "pt"})

@@ -41,6 +41,16 @@ class Hyper:
     beta2: float = 0.95
     grad_clip: float = 1.0
     seed: int = 1337
+    precision: str = "fp32"  # or "bf16": autocast compute, float32 masters (see compute_precision)
+
+
+def compute_precision(h: Hyper, device: torch.device):
+    """The context a forward runs in: nothing for fp32; for bf16, autocast to bfloat16 (matmuls and
+    attention in bf16; parameters, their gradients and AdamW state stay float32, the masters)."""
+    import contextlib
+    if h.precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def lr_at(step: int, h: Hyper) -> float:
@@ -58,9 +68,10 @@ def make_optimizer(model: torch.nn.Module, h: Hyper) -> torch.optim.AdamW:
     params = list(dict(model.named_parameters()).items())
     decay = [p for _, p in params if p.dim() >= 2]
     no_decay = [p for _, p in params if p.dim() < 2]
+    cuda = params[0][1].is_cuda  # fused: one kernel for the whole update on a GPU
     return torch.optim.AdamW([{"params": decay, "weight_decay": h.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
-                             lr=h.lr, betas=(h.beta1, h.beta2), foreach=False)
+                             lr=h.lr, betas=(h.beta1, h.beta2), foreach=False, fused=cuda or None)
 
 
 def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float = 1.0) -> None:
@@ -129,7 +140,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     loss_sum = torch.zeros((), device=next(model.parameters()).device)
     for i, (x, y) in enumerate(micro_batches):
         set_dropout_key(model, derive_seed(h.seed, step, groups.dp_rank * n + i))
-        loss = model(x, y)
+        with compute_precision(h, x.device):
+            loss = model(x, y)
         (loss / n).backward()
         loss_sum += loss.detach()
     params = [p for p in model.parameters() if p.grad is not None]
@@ -156,10 +168,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
 
 
 @torch.no_grad()
-def eval_loss(model: torch.nn.Module, micro_batches, groups: ProcessGroups) -> float:
-    """Mean loss over this rank's batches, averaged over DP."""
+def eval_loss(model: torch.nn.Module, micro_batches, groups: ProcessGroups, h: Hyper | None = None) -> float:
+    """Mean loss over this rank's batches, averaged over DP (in the precision of `h`, if given)."""
     model.eval()
-    total = torch.stack([model(x, y).float() for x, y in micro_batches]).mean().reshape(1)
+    with compute_precision(h or Hyper(), micro_batches[0][0].device):
+        total = torch.stack([model(x, y).float() for x, y in micro_batches]).mean().reshape(1)
     if groups.dp is not None:
         comm.all_reduce(total, groups.dp)
         total /= groups.layout.dp

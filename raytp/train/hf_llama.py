@@ -1,0 +1,68 @@
+"""The Hugging Face spelling of raytp's Llama: LlamaForCausalLM's config.json and weight names.
+
+raytp's Llama names its weights as transformers' LlamaForCausalLM does, minus
+the trunk's ``model.`` prefix; the layouts are the same (nn.Linear), so only
+names and the config move. raytp.train.hf reads and writes the directories
+(slice by slice) for both architectures; this file says what differs.
+"""
+from __future__ import annotations
+
+from raytp.model import GPTConfig
+
+MODEL_TYPES = ("llama", "mistral")  # Mistral is a Llama with (optionally) sliding-window attention
+
+
+def hf_config(cfg: GPTConfig) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_width,
+        "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
+        # transformers >= 5 reads rope_parameters, older releases rope_theta and rope_scaling
+        "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": 0.02,
+        "torch_dtype": "float32",
+    }
+
+
+def config_from_hf(d: dict, where: str = "config.json") -> GPTConfig:
+    """The shape of a LlamaForCausalLM (or Mistral) config.json; what raytp's Llama cannot be is refused,
+    every such key named at once."""
+    problems = []
+    if d.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {d['hidden_act']!r}; raytp's Llama uses silu (SwiGLU)")
+    for key in ("attention_bias", "mlp_bias"):
+        if d.get(key):
+            problems.append(f"{key} is true; raytp's Llama has no biases")
+    rope = d.get("rope_parameters") or {}  # transformers >= 5; older: rope_theta and rope_scaling
+    scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling:
+        problems.append(f"rope_scaling {scaling!r}; only unscaled rotary embedding is supported")
+    theta = d.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    heads, width = d["num_attention_heads"], d["hidden_size"]
+    if d.get("head_dim") not in (None, width // heads):
+        problems.append(f"head_dim={d['head_dim']} differs from hidden_size/num_attention_heads={width // heads}")
+    window = d.get("sliding_window")
+    if d.get("model_type") == "mistral" and window is not None and window < d.get("max_position_embeddings", 0):
+        problems.append(f"sliding_window={window} attention; raytp attends over the whole context")
+    if problems:
+        raise ValueError(f"{where}: " + "; ".join(problems))
+    return GPTConfig(arch="llama", n_layer=d["num_hidden_layers"], n_head=heads, n_embd=width,
+                     n_kv_head=d.get("num_key_value_heads") or heads, intermediate_size=d["intermediate_size"],
+                     block_size=d["max_position_embeddings"], vocab_size=d["vocab_size"],
+                     rope_theta=float(theta), norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                     tie_embeddings=bool(d.get("tie_word_embeddings", False)))
+
+
+def to_hf(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def from_hf(hf_name: str, cfg: GPTConfig) -> str | None:
+    """raytp's name of a weight in the directory, or None for what raytp does not keep (the tied head,
+    rotary frequency buffers older transformers saved)."""
+    if hf_name.endswith("rotary_emb.inv_freq") or (cfg.tied and hf_name == "lm_head.weight"):
+        return None
+    return hf_name.removeprefix("model.")
