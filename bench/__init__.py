@@ -32,4 +32,5 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "snapshots": lazy("bench.snapshots:run"),
     "resize": lazy("bench.resize:run"),
     "memory_scale": lazy("bench.memory_scale:run"),
+    "llama_tp": lazy("bench.llama_tp:run"),
 }

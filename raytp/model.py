@@ -144,10 +144,10 @@ class PositionEmbedding(nn.Embedding):
 
 
 class LMLoss(nn.Module):
-    """Mean cross entropy over all tokens; targets of -1 are ignored."""
+    """Mean cross entropy over all tokens, in float32 (bf16 logits are upcast); targets of -1 are ignored."""
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
 def init_rule(name: str, cfg: GPTConfig) -> InitRule:

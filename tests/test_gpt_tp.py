@@ -123,8 +123,9 @@ COLLECTIVES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "red
                "all_to_all_single", "send", "recv", "isend", "irecv", "gather", "scatter", "reduce")
 
 
-def count_collectives(rank, world, init, sp):
-    """Collectives issued by forward and by backward, for 1- and 2-layer models."""
+def count_collectives(rank, world, init, config=gpt_config):
+    """Collectives issued by forward and by backward, for 1- and 2-layer models (`config(n_layer=...)`),
+    without and with sequence parallelism: {sp: {n_layer: counts}}."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     groups = build_groups(Layout(world, 1), rank)
     counts = Counter()
@@ -140,16 +141,17 @@ def count_collectives(rank, world, init, sp):
     for n, fn in originals.items():
         setattr(dist, n, counting(n, fn))
     try:
-        out = {}
-        for n_layer in (1, 2):
-            counts.clear()
-            model = build_shard(gpt_config(n_layer=n_layer), SEED, groups.tp, sp)
-            x = torch.randint(256, (2, 16))
-            phase[0] = "forward"
-            loss = model(x, x)
-            phase[0] = "backward"
-            loss.backward()
-            out[n_layer] = dict(counts)
+        out = {False: {}, True: {}}
+        for sp in out:
+            for n_layer in (1, 2):
+                counts.clear()
+                model = build_shard(config(n_layer=n_layer), SEED, groups.tp, sp)
+                x = torch.randint(256, (2, 16))
+                phase[0] = "forward"
+                loss = model(x, x)
+                phase[0] = "backward"
+                loss.backward()
+                out[sp][n_layer] = dict(counts)
         return out
     finally:
         for n, fn in originals.items():
@@ -165,11 +167,14 @@ def _per_layer(counts):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_collectives_per_layer(tp):
-    plain = _per_layer(run_ranks(tp, count_collectives, False)[0])
-    assert plain == {"forward.all_reduce": 2, "backward.all_reduce": 2}
-    sp = _per_layer(run_ranks(tp, count_collectives, True)[0])
-    assert sp == {"forward.all_gather": 2, "forward.reduce_scatter": 2,
-                  "backward.all_gather": 2, "backward.reduce_scatter": 2}
+    counts = run_ranks(tp, count_collectives)[0]
+    assert _per_layer(counts[False]) == PER_LAYER
+    assert _per_layer(counts[True]) == PER_LAYER_SP
+
+
+PER_LAYER = {"forward.all_reduce": 2, "backward.all_reduce": 2}
+PER_LAYER_SP = {"forward.all_gather": 2, "forward.reduce_scatter": 2,
+                "backward.all_gather": 2, "backward.reduce_scatter": 2}
 
 
 def test_indivisible_sizes_are_rejected_with_valid_degrees():

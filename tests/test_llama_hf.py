@@ -124,3 +124,20 @@ def test_import_train_export_round_trips_to_transformers(ray_local, llama_dir, t
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         assert float((back(FIXED).logits - end_logits).abs().max()) < 1e-4
+
+
+def test_a_bf16_directory_loads_into_float32_masters(llama_dir, tmp_path):
+    """Checkpoints on the Hub are mostly bf16: read as stored, upcast into the fp32 shard."""
+    _, model = llama_dir
+    bf16 = transformers.LlamaForCausalLM(model.config).to(torch.bfloat16)
+    bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+    bf16.save_pretrained(tmp_path / "bf16")
+    from safetensors import safe_open
+    with safe_open(str(next((tmp_path / "bf16").glob("*.safetensors"))), "pt") as f:
+        assert f.get_slice("model.norm.weight").get_dtype() == "BF16"  # stored as bf16 indeed
+    cfg = hf.inspect(tmp_path / "bf16")
+    ours = build_model(cfg, seed=0)
+    hf.load_into(tmp_path / "bf16", ours, 0, 1)
+    for name, p in ours.named_parameters():
+        assert p.dtype == torch.float32
+        assert torch.equal(p, bf16.state_dict()[hf.to_hf(name, cfg)[0]].float()), name

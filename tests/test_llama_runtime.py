@@ -10,16 +10,18 @@ import pytest
 import ray
 import torch
 
-from helpers import FIXED, RECOVERY_STEPS, assert_bitwise_equal, events, final_state, losses, recovery_job, \
-    run, signal_rank
+from helpers import FIXED, assert_bitwise_equal, events, final_state, job, losses, run, signal_rank
 from raytp.runtime.driver import Driver
 from raytp.train import checkpoint
 
 LLAMA = {"arch": "llama", "n_head": 4, "n_kv_head": 2, "intermediate_size": 96}
+STEPS = 8
 
 
 def llama_job(tp, dp):
-    return recovery_job(tp, dp, model=LLAMA)
+    """A checkpoint at the end, a snapshot after every step."""
+    return job(tp, dp, steps=STEPS, checkpoint={"every": STEPS, "keep": 2}, recovery={"snapshot_every": 1},
+               step_timeout_s=30.0, model=LLAMA)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +40,8 @@ def reference(ray_eight, tmp_path_factory):
 
 
 def test_sigkill_on_llama_with_shared_kv_heads_loses_nothing(reference, tmp_path):
-    run(llama_job(4, 1), tmp_path / "run", "llamakill", faults=[(5, signal_rank(1, signal.SIGKILL))])
-    assert_bitwise_equal(final_state(tmp_path / "run"), final_state(reference))
+    run(llama_job(4, 1), tmp_path / "run", "llamakill", faults=[(3, signal_rank(1, signal.SIGKILL))])
+    assert_bitwise_equal(final_state(tmp_path / "run", STEPS), final_state(reference, STEPS))
     (fail,), (rec,) = events(tmp_path / "run", "failure"), events(tmp_path / "run", "recovered")
     assert fail["rank"] == 1 and rec["source"] == "snapshot"
 
@@ -57,7 +59,7 @@ def test_checkpoint_with_shared_kv_heads_reads_at_every_tp(reference):
 
 def test_live_tp_resize_on_llama(reference, tmp_path):
     phases = [(4, 1), (2, 1), (4, 1), (2, 1)]
-    per = RECOVERY_STEPS // len(phases)
+    per = STEPS // len(phases)
     d = Driver(llama_job(4, 1), tmp_path / "run", "llamaresize", out=io.StringIO())
     try:
         d.start()
@@ -72,6 +74,6 @@ def test_live_tp_resize_on_llama(reference, tmp_path):
         d.release()
         d.log.close()
     ours, theirs = np.array(losses(tmp_path / "run")), np.array(losses(reference))
-    assert len(ours) == RECOVERY_STEPS and (np.abs(ours - theirs) / theirs).max() < 1e-4
+    assert len(ours) == STEPS and (np.abs(ours - theirs) / theirs).max() < 1e-4
     resized = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl")]
     assert [e["new"]["tp"] for e in resized if e["kind"] == "resized"] == [2, 4, 2]

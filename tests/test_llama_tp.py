@@ -2,14 +2,11 @@
 sequence parallelism, and at TP=2 x DP=2 trains like the same model on one device: 20 AdamW steps,
 per-step loss within 1e-5 relative, final gathered weights within 1e-5. TP=4 exceeds the KV heads:
 each rank holds a copy of its KV head and the copies' gradients are summed over the ranks sharing it."""
-from collections import Counter
-
 import numpy as np
 import pytest
-import torch
 import torch.distributed as dist
 
-from test_gpt_tp import COLLECTIVES, _per_layer, corpus
+from test_gpt_tp import PER_LAYER, PER_LAYER_SP, _per_layer, corpus, count_collectives
 
 from raytp.model import GPTConfig, build_model
 from raytp.parallel.groups import ProcessGroups, build_groups
@@ -83,43 +80,11 @@ def test_llama_trains_like_one_device(world, references):
             assert diff < 1e-5, f"{name}: final {k} differs by {diff:.2e}"
 
 
-def count_collectives(rank, world, init, sp):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    groups = build_groups(Layout(world, 1), rank)
-    counts, phase = Counter(), [None]
-    originals = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
-
-    def counting(name, fn):
-        def wrapper(*a, **k):
-            counts[(phase[0], name)] += 1
-            return fn(*a, **k)
-        return wrapper
-
-    for n, fn in originals.items():
-        setattr(dist, n, counting(n, fn))
-    try:
-        out = {}
-        for n_layer in (1, 2):
-            counts.clear()
-            model = build_shard(llama_config(n_layer=n_layer), SEED, groups.tp, sp)
-            x = torch.randint(256, (2, 16))
-            phase[0] = "forward"
-            loss = model(x, x)
-            phase[0] = "backward"
-            loss.backward()
-            out[n_layer] = dict(counts)
-        return out
-    finally:
-        for n, fn in originals.items():
-            setattr(dist, n, fn)
-
-
 def test_collectives_per_layer_with_shared_kv_heads():
     """TP=4 > 2 KV heads: still 2 all-reduces forward and 2 backward per layer (SP: their halves)."""
-    assert _per_layer(run_ranks(4, count_collectives, False)[0]) == {"forward.all_reduce": 2,
-                                                                      "backward.all_reduce": 2}
-    assert _per_layer(run_ranks(4, count_collectives, True)[0]) == {
-        "forward.all_gather": 2, "forward.reduce_scatter": 2, "backward.all_gather": 2, "backward.reduce_scatter": 2}
+    counts = run_ranks(4, count_collectives, llama_config)[0]
+    assert _per_layer(counts[False]) == PER_LAYER
+    assert _per_layer(counts[True]) == PER_LAYER_SP
 
 
 def test_kv_heads_split_then_shared():

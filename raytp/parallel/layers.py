@@ -194,7 +194,7 @@ class VocabParallelCrossEntropy(nn.Module):
 
 
 def vocab_parallel_cross_entropy(logits, targets, start: int, vocab_size: int, group) -> torch.Tensor:
-    """Mean cross entropy of (..., V/p) vocab-sharded logits against (...) targets; -1 is ignored."""
-    loss = _VocabParallelCrossEntropy.apply(
+    """Mean cross entropy of (..., V/p) vocab-sharded logits against (...) targets; -1 is ignored. In float32
+    whatever the logits' dtype (bf16 logits are upcast inside; the loss is never rounded to bf16)."""
+    return _VocabParallelCrossEntropy.apply(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), start, vocab_size, group)
-    return loss.to(logits.dtype)

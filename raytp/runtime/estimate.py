@@ -74,8 +74,13 @@ def estimate(cfg) -> WorkerMemory:
         per_layer = s * b * h * (34 / tp + 5 * a * s / (h * tp))
     else:
         per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    per_layer *= 2 if cfg.train.precision == "fp32" else 1  # the formula counts 2-byte activations
     logits = s * b * padded_vocab(m.vocab_size, tp) / tp * 4 * 3  # logits, their softmax, their gradient
-    activations = int(2 * layers * per_layer + logits + 2 * s * b * h * 4)
+    if cfg.train.activation_checkpointing:  # kept: each block's fp32 input; one block's worth recomputed
+        kept = layers * s * b * h * 4 / (tp if cfg.parallel.sequence_parallel else 1) + per_layer
+    else:
+        kept = layers * per_layer
+    activations = int(kept + logits + 2 * s * b * h * 4)
     snapshots = 2 * 12 * local if cfg.recovery.snapshot_every != 0 else 0  # null: on, at some interval
     return WorkerMemory(4 * local, 4 * local, 8 * local, activations, snapshots, cfg.runtime.device)
 
