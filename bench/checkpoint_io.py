@@ -245,7 +245,7 @@ def run(quick: bool = False) -> dict:
             "saves_each": p["reps"] * order.count("raytp"),
             "raytp_pause_per_save_s": round(med["raytp_pause_s"], 4),
             "raytp_pause_note": "written from the snapshot's in-memory copy (recovery.snapshot_every: 1, "
-                                "the most costly setting); the pause is the slowdown of the steps the write overlaps (every step packs a snapshot, as in a job)",
+                                "the most costly setting); the pause is the slowdown of the steps the write overlaps (every step packs a snapshot)",
             "raytp_live_pause_per_save_s": round(med["raytp_live_pause_s"], 4) if saves["raytp_live"] else None,
             "raytp_live_note": "snapshots off: written from the live tensors, the next update waits for the bytes",
             "dcp_save_s": round(med["dcp_pause_s"], 4),
