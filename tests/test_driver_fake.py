@@ -177,3 +177,21 @@ def test_lifting_a_snapshot_pin_resumes_the_measured_interval():
     assert c.choose(pinned, Layout(2, 1), ["n", "n"]) == 0 and c.every == 0
     c.follow(free)
     assert c.every == 10
+
+
+def test_a_snapshot_that_slows_the_step_it_overlaps_costs_that_slowdown():
+    """On busy cores a snapshot's packing slows the step it overlaps by more than its own measured time:
+    measured alone (3 ms against 100 ms steps, the 3% budget) one every step would fit; the steps that
+    carry one are 9 ms slower, so one every 3."""
+    from raytp.parallel.layout import Layout
+    from raytp.runtime.snapshots import Cadence
+    cfg = job(2, 1, steps=24)
+    c = Cadence(cfg)
+    c.observe({"step": 0, "step_time_s": 0.1, "snapshot_s": 0.003})
+    assert c.choose(cfg, Layout(2, 1), ["n", "n"]) is None and c.every == 1  # 3 ms = 3% of 100 ms
+    c.pinned = None
+    c.chosen = 2  # as if chosen before: steps 2, 4, ... carry a snapshot
+    for step in range(1, 9):
+        c.observe({"step": step, "step_time_s": 0.109 if step % 2 == 0 else 0.1, "snapshot_s": 0.003})
+    assert abs(c.cost() - 0.009) < 1e-9
+    assert c.choose(cfg, Layout(2, 1), ["n", "n"]) == 3 and c.every == 3

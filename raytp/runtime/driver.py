@@ -209,7 +209,7 @@ class Driver(DriverControl):
         if changed is not None:
             self.log.event("snapshot_interval", every=changed, step=self.step, budget=self.cadence.budget,
                            pinned=self.cadence.pinned is not None, lost_steps_bound=changed,
-                           copy_s=self.cadence.copy_s[-1] if self.cadence.copy_s else None,
+                           copy_s=self.cadence.cost(),
                            step_s=self.last.get("step_time_s"))
         if self.first_step is None:
             self.first_step = time.perf_counter() - t_start

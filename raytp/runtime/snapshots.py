@@ -32,10 +32,20 @@ from raytp import names
 from raytp.runtime import placement, policy
 
 
+def _median(xs: list[float]) -> float | None:
+    return sorted(xs)[len(xs) // 2] if xs else None
+
+
 class Cadence:
     """How often replica 0 snapshots: pinned by the job, or chosen from what snapshots and steps cost
     (raytp.runtime.policy.snapshot_interval), from the last few steps' records. The chosen interval
-    is kept apart from the pin, so a job whose pin is lifted goes on at the measured interval."""
+    is kept apart from the pin, so a job whose pin is lifted goes on at the measured interval.
+
+    What a snapshot costs is what it adds to the wall time: the worker packs it while the next step
+    runs (that step's update waits for it) and writes it out after, so where the cores are busy (CPU
+    ranks) it slows the step it overlaps more than its own measured time says. So the cost is the
+    larger of the two: the snapshot's measured time, and the median step that carried one less the
+    median step that did not (once both kinds are seen)."""
 
     WINDOW = 8
 
@@ -43,7 +53,8 @@ class Cadence:
         self.pinned, self.budget = cfg.recovery.snapshot_every, cfg.recovery.snapshot_budget
         self.chosen = policy.snapshot_interval(None, self.budget, None, None, False)
         self.copy_s: list[float] = []
-        self.step_s: list[float] = []
+        self.step_s: list[float] = []     # steps that carried no snapshot
+        self.carrying: list[float] = []   # steps that overlapped a snapshot's packing and write
 
     @property
     def every(self) -> int:
@@ -51,10 +62,22 @@ class Cadence:
         return self.pinned if self.pinned is not None else self.chosen
 
     def observe(self, record: dict) -> None:
-        """A step's record (rank 0's): its step time, and the cost of the last snapshot it packed."""
-        self.step_s = (self.step_s + [record["step_time_s"]])[-self.WINDOW:]
+        """A step's record (rank 0's): its step time, and the cost of the last snapshot it packed. The
+        snapshot after step s-1 (every `every` steps) is packed while step s runs."""
+        step = record.get("step", 0)
+        if self.every and step > 0 and step % self.every == 0:
+            self.carrying = (self.carrying + [record["step_time_s"]])[-self.WINDOW:]
+        else:
+            self.step_s = (self.step_s + [record["step_time_s"]])[-self.WINDOW:]
         if record.get("snapshot_s"):
             self.copy_s = (self.copy_s + [record["snapshot_s"]])[-self.WINDOW:]
+
+    def cost(self) -> float | None:
+        """What one snapshot adds to the wall time (see the class doc); None until measured."""
+        copy = _median(self.copy_s)
+        if copy is None or not self.carrying or not self.step_s:
+            return copy
+        return max(copy, _median(self.carrying) - _median(self.step_s))
 
     def follow(self, cfg) -> None:
         """Take the pin and budget of the job as it now is."""
@@ -63,11 +86,10 @@ class Cadence:
     def choose(self, cfg, layout, nodes) -> int | None:
         """Choose the interval for the next call (of the job as it now is); returns the interval in
         force if it changed (else None)."""
-        def med(xs):
-            return sorted(xs)[len(xs) // 2] if xs else None
         before = self.every
         self.follow(cfg)
-        self.chosen = policy.snapshot_interval(None, self.budget, med(self.copy_s), med(self.step_s),
+        step_s = _median(self.step_s) or _median(self.carrying)
+        self.chosen = policy.snapshot_interval(None, self.budget, self.cost(), step_s,
                                                policy.replica_elsewhere(layout, nodes))
         return self.every if self.every != before else None
 
