@@ -182,6 +182,8 @@ def save(ckpt, out_dir: Path) -> None:
     """Write a checkpoint as a GPT-2 or Llama directory, tensor by tensor (one whole tensor in memory at a
     time)."""
     from raytp.train import hf_llama, safetensors_io
+    from raytp.train.export import unmap_large_frees
+    unmap_large_frees()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = GPTConfig(**ckpt.manifest["model"])
