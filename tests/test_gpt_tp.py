@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raytp.model import GPT, GPTConfig
+from raytp.model import GPT, GPTConfig, build_model
 from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.plan import build_shard, check_tp, gather_full_state, padded_vocab, valid_tp_degrees
@@ -37,9 +37,10 @@ def corpus(vocab):
     return Corpus(text, text[:500], vocab, "synthetic")
 
 
-def train(cfg, groups, sp, steps=STEPS):
-    """Train a shard for `steps`; returns (losses, full state dict gathered over TP)."""
-    model = build_shard(cfg, SEED, groups.tp, sp)
+def train(cfg, groups, sp, steps=STEPS, plain=False):
+    """Train a shard for `steps`; returns (losses, full state dict gathered over TP). `plain`: the
+    one-device model itself (build_model, no TP plan applied)."""
+    model = build_model(cfg, SEED) if plain else build_shard(cfg, SEED, groups.tp, sp)
     opt = make_optimizer(model, HYPER)
     data = corpus(cfg.vocab_size)
     losses = []

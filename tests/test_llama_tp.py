@@ -1,41 +1,25 @@
 """The Llama (grouped-query attention: 8 query heads, 2 KV heads) at TP=1, 2, 4, with and without
 sequence parallelism, and at TP=2 x DP=2 trains like the same model on one device: 20 AdamW steps,
 per-step loss within 1e-5 relative, final gathered weights within 1e-5. TP=4 exceeds the KV heads:
-each rank holds a copy of its KV head and the copies' gradients are summed over the ranks sharing it."""
+each rank holds a copy of its KV head and the copies' gradients are summed over the ranks sharing it.
+Training and counting collectives are test_gpt_tp's, given this model's config."""
 import numpy as np
 import pytest
 import torch.distributed as dist
 
-from test_gpt_tp import PER_LAYER, PER_LAYER_SP, _per_layer, corpus, count_collectives
+from test_gpt_tp import PER_LAYER, PER_LAYER_SP, _per_layer, count_collectives, train
 
-from raytp.model import GPTConfig, build_model
+from raytp.model import GPTConfig
 from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
-from raytp.parallel.plan import build_shard, check_tp, gather_full_state, valid_tp_degrees
+from raytp.parallel.plan import check_tp, valid_tp_degrees
 from raytp.parallel.sharding import sharding_of
 from raytp.parallel.spawn import run_ranks
-from raytp.train.data import batch
-from raytp.train.step import Hyper, make_optimizer, train_step
-
-STEPS, BATCH, SEED = 20, 8, 1
-HYPER = Hyper(lr=1e-2, min_lr=3e-4, warmup_steps=5, steps=STEPS, grad_clip=1.0, seed=SEED)
 
 
 def llama_config(tied=False, n_layer=2):
     return GPTConfig(arch="llama", n_layer=n_layer, n_head=8, n_kv_head=2, n_embd=32, intermediate_size=48,
                      block_size=16, vocab_size=256, tie_embeddings=tied, rope_theta=500.0)
-
-
-def train(cfg, groups, sp, plain=False):
-    """Train for STEPS; `plain`: the one-device model itself (build_model, no TP plan applied)."""
-    model = build_model(cfg, SEED) if plain else build_shard(cfg, SEED, groups.tp, sp)
-    opt = make_optimizer(model, HYPER)
-    data = corpus(cfg.vocab_size)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(data, "train", SEED, step, groups.dp_rank, groups.layout.dp, BATCH, cfg.block_size)
-        losses.append(train_step(model, opt, [(x, y)], groups, step, HYPER).loss)
-    return losses, gather_full_state(model, groups.tp)
 
 
 def train_runs(rank, world, init, runs):

@@ -70,12 +70,22 @@ def test_elastic_job_shrinks_without_capacity_and_grows_back(three_gpu_nodes, tm
     assert sorted(ray_actors("raytp.elastic.rank")) == []  # released at the end
 
 
+# The copy is placed about half a second into the run (its keeper actor starts first) and the node is
+# removed after that: enough steps must be left (at ~0.05 s each) for the loss to land mid-run.
+COPY_STEPS = 48
+
+
+def copy_job():
+    return job(2, 1, steps=COPY_STEPS, checkpoint={"every": COPY_STEPS, "keep": 2},
+               recovery={"snapshot_every": 1}, step_timeout_s=30.0, gpus_per_worker=1.0)
+
+
 def test_lost_node_of_a_dp1_job_restores_from_the_snapshot_copy_on_another_node(three_gpu_nodes, tmp_path):
     """TP=2 x DP=1: no DP replica anywhere, and the node that holds the snapshots goes. The copy the
     keeper pulled to the driver's node (the head, no GPUs) brings the job back, bitwise."""
     cluster, _ = three_gpu_nodes
     ref_dir = tmp_path / "ref"
-    run(recovery_job(2, 1, gpus_per_worker=1.0), ref_dir, "cref")
+    run(copy_job(), ref_dir, "cref")
     head = ray.get_runtime_context().get_node_id()
 
     def remove_workers_node(run_name):
@@ -88,8 +98,8 @@ def test_lost_node_of_a_dp1_job_restores_from_the_snapshot_copy_on_another_node(
         remove_workers_node.node_id = node_id
 
     run_dir = tmp_path / "run"
-    run(recovery_job(2, 1, gpus_per_worker=1.0), run_dir, "ncopy", faults=[(6, remove_workers_node)])
-    assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
+    run(copy_job(), run_dir, "ncopy", faults=[(6, remove_workers_node)])
+    assert_bitwise_equal(final_state(run_dir, COPY_STEPS), final_state(ref_dir, COPY_STEPS))
     assert events(run_dir, "snapshot_copy")[0]["node"] == head
     assert sorted(f["rank"] for f in events(run_dir, "failure")) == [0, 1]
     (rec,) = events(run_dir, "recovered")

@@ -53,12 +53,9 @@ def apply_tp(model: CausalLM, group, sequence_parallel: bool = False, source=Non
             return source(name, full_shapes[name], s, rank, tp)
         return shard_tensor(t, s, rank, tp)
 
+    swap, tag = _plan_of(model)
     if tp > 1:
-        if isinstance(model, GPT):
-            _swap_parallel(model, group, sequence_parallel, sliced, rank, tp)
-        else:
-            from raytp.parallel import plan_llama
-            plan_llama.swap_parallel(model, group, sequence_parallel, sliced, rank, tp)
+        swap(model, group, sequence_parallel, sliced, rank, tp)
     if source is not None:  # what is left on meta (the replicated parameters; all of them at tp=1)
         made: dict[int, nn.Parameter] = {}  # a tied parameter is made once
         for mod_name, mod in model.named_modules():
@@ -67,12 +64,17 @@ def apply_tp(model: CausalLM, group, sequence_parallel: bool = False, source=Non
                     if id(p) not in made:
                         made[id(p)] = nn.Parameter(sliced(f"{mod_name}.{leaf}" if mod_name else leaf, p))
                     setattr(mod, leaf, made[id(p)])
-    if tp > 1 and isinstance(model, GPT) and sequence_parallel:
-        _sequence_parallel(model, group, rank, tp)
-    elif tp > 1 and not isinstance(model, GPT):
-        from raytp.parallel import plan_llama
-        plan_llama.tag(model, sequence_parallel, rank, tp)
+    if tp > 1:  # once every parameter is made: what the step must sum over TP, and SP's slices
+        tag(model, group, sequence_parallel, rank, tp)
     return model
+
+
+def _plan_of(model: CausalLM):
+    """(swap, tag) of the model's architecture: GPT-2's below, Llama's in raytp.parallel.plan_llama."""
+    if isinstance(model, GPT):
+        return _swap_parallel, _sequence_parallel
+    from raytp.parallel import plan_llama
+    return plan_llama.swap_parallel, plan_llama.tag
 
 
 def _swap_parallel(model: GPT, group, sequence_parallel: bool, sliced, rank: int, tp: int) -> None:
@@ -95,8 +97,10 @@ def _swap_parallel(model: GPT, group, sequence_parallel: bool, sliced, rank: int
         block.attn.head_offset = rank * cfg.n_head // tp
 
 
-def _sequence_parallel(model: GPT, group, rank: int, tp: int) -> None:
+def _sequence_parallel(model: GPT, group, sequence_parallel: bool, rank: int, tp: int) -> None:
     """3. sequence parallelism: the residual stream is split along T."""
+    if not sequence_parallel:
+        return
     model.wpe = SequenceShardedPositionEmbedding(model.wpe.weight.detach(), group)
     for m in model.modules():
         if isinstance(m, nn.LayerNorm):

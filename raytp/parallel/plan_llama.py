@@ -44,7 +44,7 @@ def swap_parallel(model, group, sequence_parallel: bool, sliced, rank: int, tp: 
 
 
 
-def tag(model, sequence_parallel: bool, rank: int, tp: int) -> None:
+def tag(model, group, sequence_parallel: bool, rank: int, tp: int) -> None:
     """Mark the parameters whose gradients the step must sum over TP ranks (once every one is made):
     shared KV-head copies, and, under SP, the RMSNorm weights."""
     kv = sharding_of("layers.0.self_attn.k_proj.weight", model.cfg)
