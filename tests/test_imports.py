@@ -9,14 +9,14 @@ PKG = Path(__file__).resolve().parents[1] / "raytp"
 
 # Who may import whom: a module of a layer imports raytp modules of its own layer or of those listed.
 LAYERS = {
-    "raytp.names": set(), "raytp.seeds": set(),
+    "raytp.names": set(), "raytp.seeds": set(), "raytp.tp_degrees": set(),
     "raytp.initialization": {"raytp.seeds"},
     "raytp.causal_lm": {"raytp.seeds", "raytp.initialization"},
     "raytp.model": {"raytp.seeds", "raytp.initialization", "raytp.causal_lm"},
     "raytp.llama": {"raytp.seeds", "raytp.initialization", "raytp.causal_lm", "raytp.model"},
-    "raytp.parallel": {"raytp.model", "raytp.seeds", "raytp.initialization"},
+    "raytp.parallel": {"raytp.model", "raytp.seeds", "raytp.initialization", "raytp.tp_degrees"},
     "raytp.train": {"raytp.model", "raytp.parallel", "raytp.seeds"},
-    "raytp.config": {"raytp.names", "raytp.model", "raytp.train"},
+    "raytp.config": {"raytp.names", "raytp.model", "raytp.train", "raytp.tp_degrees"},
     "raytp.runtime": {"raytp.names", "raytp.model", "raytp.parallel", "raytp.train", "raytp.config"},
     "raytp.head": {"raytp.names", "raytp.runtime"},
     "raytp.jobs": {"raytp.names", "raytp.runtime", "raytp.head"},

@@ -157,8 +157,9 @@ def export(source, out, fmt, tokenizer):
     from raytp.train import checkpoint
     from raytp.train.tokens import tokenizer_file
     try:
-        spec = tokenizer or _run_tokenizer(source)
-        tok = tokenizer_file(spec) if spec else None
+        tok = tokenizer_file(tokenizer, "--tokenizer") if tokenizer else None
+        if tok is None and (spec := _run_tokenizer(source)):
+            tok = tokenizer_file(spec)
         ckpt = checkpoint.find(source, warn=lambda m: click.echo(f"[raytp] warning: {m}", err=True))
         if fmt == "hf":
             from raytp.train import hf
@@ -172,7 +173,7 @@ def export(source, out, fmt, tokenizer):
     except checkpoint.CheckpointError as e:
         fail(e, 1)
     except ValueError as e:
-        fail(str(e).replace("data.tokenizer: ", "--tokenizer: "), 2)
+        fail(str(e), 2)
     click.echo(f"[raytp] exported step {ckpt.step} of {ckpt.where} ({fmt}) to {out}", err=True)
 
 
@@ -206,9 +207,12 @@ def sample(model_file, prompt, tokens, temperature, top_k, seed, tokenizer):
     from raytp.train.export import embedded_tokenizer
     try:
         model = GPT.load(model_file)
-        tok = tok_mod.load(tokenizer) if tokenizer else None
     except ValueError as e:
-        fail(str(e).replace("data.tokenizer: ", "--tokenizer: "), 1)
+        fail(e, 1)
+    try:
+        tok = tok_mod.load(tokenizer, "--tokenizer") if tokenizer else None
+    except ValueError as e:
+        fail(str(e), 2)  # a bad argument, as export's
     if tok is None and (text := embedded_tokenizer(model_file)) is not None:
         tok = tok_mod.from_json(text)
     if tok is None and model.cfg.vocab_size > 256:

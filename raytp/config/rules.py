@@ -1,11 +1,11 @@
 """Checks of a whole job: ranges, choices, and the rules between keys (tp divides the heads, ...)."""
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from raytp.config.schema import LEAVES, ConfigError, JobConfig, Range, at, show
 from raytp.names import RUN_NAME
+from raytp.tp_degrees import tp_degrees
 
 
 def validate(cfg: JobConfig, source: str = "<config>") -> None:
@@ -29,10 +29,8 @@ def _shape(v) -> tuple[int, int, int, str]:
 
 
 def _tp_degrees(v) -> list[int]:
-    """TP degrees the model splits over (raytp.parallel.sharding.valid_tp_degrees, without torch)."""
     heads, kv, width, _ = _shape(v)
-    g = math.gcd(heads, width)
-    return [d for d in range(1, g + 1) if g % d == 0 and (kv % d == 0 or d % kv == 0)]
+    return tp_degrees(heads, kv, width)
 
 
 def _tp_message(v) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from raytp.model import GPTConfig
+from raytp.tp_degrees import kv_fits, tp_degrees
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,10 @@ class Sharding:
         """Whether TP rank `rank` is the owner of what it holds (the first of the ranks sharing it)."""
         return rank % self.holders(tp) == 0
 
-    def full_size(self, local: int, tp: int) -> int:
-        """The size along dim of a parameter whose shard is `local` long there (unpadded dims)."""
-        return local * (tp // self.holders(tp))
+    def full_size(self, local: int, tp: int, vocab_size: int) -> int:
+        """The size along dim of a parameter whose shard at TP degree `tp` is `local` long there (a padded
+        dim is the vocabulary's)."""
+        return vocab_size if self.pad else local * (tp // self.holders(tp))
 
 
 REPLICATED = Sharding()
@@ -78,17 +80,18 @@ def sharding_of(name: str, cfg: GPTConfig | None = None) -> Sharding:
     return REPLICATED
 
 
+def tensor_sharding(name: str, t: torch.Tensor, cfg: GPTConfig | None = None) -> Sharding:
+    """How tensor `t` of parameter `name` (its weight, or an AdamW state of it) splits: a scalar (AdamW's
+    step count) is replicated."""
+    return sharding_of(name, cfg) if t.dim() else REPLICATED
+
+
 def padded_vocab(vocab_size: int, tp: int) -> int:
     return math.ceil(vocab_size / tp) * tp
 
 
-def _kv_fits(kv: int, tp: int) -> bool:
-    return kv % tp == 0 or tp % kv == 0
-
-
 def valid_tp_degrees(cfg: GPTConfig) -> list[int]:
-    g = math.gcd(cfg.n_head, cfg.mlp_width)
-    return [d for d in range(1, g + 1) if g % d == 0 and _kv_fits(cfg.kv_heads, d)]
+    return tp_degrees(cfg.n_head, cfg.kv_heads, cfg.mlp_width)
 
 
 def check_tp(cfg: GPTConfig, tp: int) -> None:
@@ -96,7 +99,7 @@ def check_tp(cfg: GPTConfig, tp: int) -> None:
     attention, neither divides nor is a multiple of the KV heads), naming the valid ones."""
     width = "mlp width 4*n_embd" if cfg.arch == "gpt2" else "intermediate_size"
     bad = [f"does not divide {what}={n}" for what, n in (("n_head", cfg.n_head), (width, cfg.mlp_width)) if n % tp]
-    if cfg.kv_heads != cfg.n_head and not _kv_fits(cfg.kv_heads, tp):
+    if cfg.kv_heads != cfg.n_head and not kv_fits(cfg.kv_heads, tp):
         bad.append(f"neither divides nor is a multiple of n_kv_head={cfg.kv_heads}")
     if bad:
         raise ValueError(f"tp={tp} {' and '.join(bad)}; valid tp degrees: "

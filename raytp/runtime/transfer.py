@@ -21,18 +21,14 @@ import numpy as np
 import torch
 
 from raytp.parallel.reshard_plan import pieces
-from raytp.parallel.sharding import Sharding, sharding_of
+from raytp.parallel.sharding import Sharding, sharding_of, tensor_sharding
 from raytp.train.checkpoint import named_tensors
-
-
-def _split(name: str, t: torch.Tensor, cfg) -> Sharding:
-    return sharding_of(name, cfg) if t.dim() else Sharding()
 
 
 def _full_size(s: Sharding, t: torch.Tensor, tp: int, vocab_size: int) -> int:
     if s.dim is None:
         return t.shape[0] if t.dim() else 1
-    return vocab_size if s.pad else s.full_size(t.shape[s.dim], tp)
+    return s.full_size(t.shape[s.dim], tp, vocab_size)
 
 
 def export_pieces(model, optimizer, tp_rank: int, old_tp: int, new_tp: int, vocab_size: int,
@@ -98,7 +94,7 @@ class _Targets:
         if k[0] not in state:
             state[k[0]] = torch.zeros((), dtype=like.dtype) if like.dim() == 0 else torch.zeros_like(p.data)
         t = state[k[0]]
-        return t, _split(name, t, self.model.cfg)
+        return t, tensor_sharding(name, t, self.model.cfg)
 
 
 def _copy(targets: _Targets, key: str, at: int, t: torch.Tensor) -> None:
@@ -145,5 +141,5 @@ class RebuildSource:
         targets = _Targets(model, optimizer)
         for ref in (self.replicated, *self.refs):
             for key, src_at, _, t in unpack(ray.get(ref)):
-                if ref is self.replicated or _split(key.split("/")[1], t, model.cfg).dim is not None:
+                if ref is self.replicated or tensor_sharding(key.split("/")[1], t, model.cfg).dim is not None:
                     _copy(targets, key, src_at, t)

@@ -33,7 +33,7 @@ import torch
 
 from raytp.model import GPTConfig
 from raytp.parallel.reshard_plan import pieces
-from raytp.parallel.sharding import Sharding, local_shape, sharding_of
+from raytp.parallel.sharding import Sharding, local_shape, sharding_of, tensor_sharding
 from raytp.train import safetensors_io
 from raytp.train.storage import Storage
 
@@ -63,7 +63,7 @@ def named_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         out[f"model/{name}"] = (s, p.detach())
         for k, v in (optimizer.state.get(p, {}) if optimizer is not None else {}).items():
             if torch.is_tensor(v):
-                out[f"optim/{name}/{k}"] = (_split(s, v), v.detach())
+                out[f"optim/{name}/{k}"] = (s if v.dim() else Sharding(), v.detach())
     return out
 
 
@@ -71,13 +71,9 @@ def state_tensors(state: dict, cfg: GPTConfig | None = None) -> dict[str, tuple[
     """The same keys for a shard_state ({"model": {name: t}, "optim": {name: {k: t}}}) of a model of
     `cfg` (needed for a Llama's key/value projections)."""
     out = {f"model/{n}": (sharding_of(n, cfg), t) for n, t in state["model"].items()}
-    out.update({f"optim/{n}/{k}": (_split(sharding_of(n, cfg), t), t)
+    out.update({f"optim/{n}/{k}": (tensor_sharding(n, t, cfg), t)
                 for n, st in state.get("optim", {}).items() for k, t in st.items()})
     return out
-
-
-def _split(s: Sharding, t: torch.Tensor) -> Sharding:
-    return s if t.dim() else Sharding()  # a scalar (AdamW's step) is replicated
 
 
 def tensor_table(tensors: dict[str, tuple[Sharding, torch.Tensor]], tp: int, vocab_size: int) -> dict[str, dict]:
@@ -86,7 +82,7 @@ def tensor_table(tensors: dict[str, tuple[Sharding, torch.Tensor]], tp: int, voc
     for key, (s, t) in tensors.items():
         shape = list(t.shape)
         if s.dim is not None:
-            shape[s.dim] = vocab_size if s.pad else s.full_size(shape[s.dim], tp)
+            shape[s.dim] = s.full_size(shape[s.dim], tp, vocab_size)
         table[key] = {"dim": s.dim, "parts": s.parts, "pad": s.pad, "shape": shape,
                       "dtype": safetensors_io.DTYPES[t.dtype], "transposed": s.dim == 1 and t.dim() == 2}
         if s.heads:

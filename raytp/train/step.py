@@ -15,6 +15,7 @@ TP (a shared head's once), replicated ones counted once.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -47,7 +48,6 @@ class Hyper:
 def compute_precision(h: Hyper, device: torch.device):
     """The context a forward runs in: nothing for fp32; for bf16, autocast to bfloat16 (matmuls and
     attention in bf16; parameters, their gradients and AdamW state stay float32, the masters)."""
-    import contextlib
     if h.precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)

@@ -22,25 +22,26 @@ import numpy as np
 ENCODE_BATCH = 64  # documents per encode_batch call (the library spreads a batch over its threads)
 
 
-def tokenizer_file(spec: str) -> Path:
-    """The tokenizer.json that `spec` (a file, or a directory holding one) names; ValueError if none."""
+def tokenizer_file(spec: str, key: str = "data.tokenizer") -> Path:
+    """The tokenizer.json that `spec` (a file, or a directory holding one) names; ValueError naming `key`
+    (where the user gave it) if none."""
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise ValueError(f"data.tokenizer: {spec}: no such tokenizer.json (give a Hugging Face tokenizer.json "
+        raise ValueError(f"{key}: {spec}: no such tokenizer.json (give a Hugging Face tokenizer.json "
                          "or a directory that holds one)")
     return path
 
 
-def load(spec: str):
+def load(spec: str, key: str = "data.tokenizer"):
     """The tokenizers.Tokenizer of `spec`; ValueError naming the file if it cannot be read."""
     from tokenizers import Tokenizer
-    path = tokenizer_file(spec)
+    path = tokenizer_file(spec, key)
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 - the library raises a bare Exception on a malformed file
-        raise ValueError(f"data.tokenizer: {path}: not a Hugging Face tokenizer.json ({e})") from None
+        raise ValueError(f"{key}: {path}: not a Hugging Face tokenizer.json ({e})") from None
 
 
 def from_json(text: str):
