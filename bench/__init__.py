@@ -33,4 +33,5 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "resize": lazy("bench.resize:run"),
     "memory_scale": lazy("bench.memory_scale:run"),
     "llama_tp": lazy("bench.llama_tp:run"),
+    "driver_scale": lazy("bench.driver_scale:run"),
 }

@@ -37,16 +37,17 @@ import torch
 import torch.distributed as dist
 
 from bench.common import SEED, build_dtensor_gpt, dtensor_step, spawn
-from raytp.model import GPTConfig
+from raytp.models.args import ModelArgs
 from raytp.parallel.groups import build_groups
 from raytp.parallel.layout import Layout
-from raytp.train.step import Hyper, make_optimizer, train_step
+from raytp.train.hyper import Hyper
+from raytp.train.step import make_optimizer, train_step
 
 PEER = ("PyTorch Distributed Checkpoint: dcp.save (synchronous) / dcp.load of the same sharded model + AdamW "
         "state (DTensor TP), resharding TP=4 -> TP=2 on load")
-FULL = {"cfg": GPTConfig(n_layer=8, n_head=8, n_embd=512, block_size=64, vocab_size=256, dropout=0.0),
+FULL = {"cfg": ModelArgs(n_layer=8, n_head=8, n_embd=512, block_size=64, vocab_size=256, dropout=0.0),
         "batch": 4, "reps": 3, "steps_between": 2}
-QUICK = {"cfg": GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=256, dropout=0.0),
+QUICK = {"cfg": ModelArgs(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=256, dropout=0.0),
          "batch": 2, "reps": 1, "steps_between": 1}
 TP_SAVED, TP_LOADED = 4, 2
 HYPER = Hyper(lr=1e-3, lr_schedule="constant", warmup_steps=0, weight_decay=0.1, grad_clip=1.0, seed=SEED)
@@ -59,7 +60,7 @@ def _batch(p: dict, step: int):
     return x, torch.roll(x, -1, 1)
 
 
-def _commit(root: str, step: int, cfg: GPTConfig, table: dict, files: dict) -> str:
+def _commit(root: str, step: int, cfg: ModelArgs, table: dict, files: dict) -> str:
     """Rank 0 does what the driver does: the manifest last (no Ray here)."""
     import json
     from raytp.train import checkpoint
@@ -75,14 +76,14 @@ def raytp_save(rank: int, world: int, init: str, p: dict, root: str, staged: boo
     the file is written from that in-memory copy and training does not wait; else from the live tensors,
     the next update waiting until every byte is handed to the file. Per save: the time from its start
     to the end of the step during which it finished, and how many steps that was."""
-    from raytp.parallel.plan import build_shard
+    from raytp.models.shard import build_shard
     from raytp.runtime.background_save import BackgroundSave
     from raytp.train import checkpoint
     from raytp.train.shard_state import live_state, pack_state, state_bytes, unpack_state
     from raytp.train.storage import Storage
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    groups = build_groups(Layout(world, 1), rank)
+    groups = build_groups(Layout(world, dp=1), rank)
     model = build_shard(p["cfg"], SEED, groups.tp)
     opt = make_optimizer(model, HYPER)
     plain, saving, step, bufs, packed, holder = [], [], 0, [], None, {}
@@ -137,13 +138,13 @@ def raytp_save(rank: int, world: int, init: str, p: dict, root: str, staged: boo
 
 
 def raytp_load(rank: int, world: int, init: str, p: dict, directory: str) -> dict:
-    from raytp.parallel.plan import build_empty_shard
+    from raytp.models.shard import build_empty_shard
     from raytp.train import checkpoint
     from raytp.train.storage import Storage
     torch.set_num_threads(1)
     importlib.import_module("torch._dynamo")  # what the first optimizer imports, paid by a worker at its start
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    groups = build_groups(Layout(world, 1), rank)
+    groups = build_groups(Layout(world, dp=1), rank)
     dist.barrier()
     t0 = time.perf_counter()
     model = build_empty_shard(p["cfg"], groups.tp)
@@ -235,7 +236,7 @@ def run(quick: bool = False) -> dict:
         med = {f"{k}_{what}": statistics.median(v) for what, d in (("pause_s", saves), ("load_s", loads))
                for k, v in d.items() if v}
         with torch.device("meta"):
-            from raytp.model import GPT
+            from raytp.models.gpt2.model import GPT
             n_params = GPT(p["cfg"]).num_params()
         return {
             "peer": PEER,

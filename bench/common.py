@@ -22,10 +22,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from raytp.model import GPT, GPTConfig
-from raytp.parallel.plan import Sharding, shard_tensor
+from raytp.models.args import ModelArgs
+from raytp.models.gpt2.model import GPT
+from raytp.parallel.sharding import shard_tensor, Sharding
 from raytp.train.data import Corpus, batch, load_corpus
-from raytp.train.step import Hyper, lr_at
+from raytp.train.hyper import Hyper, lr_at
 
 SEED = 1337
 
@@ -34,16 +35,16 @@ SEED = 1337
 class Size:
     """A benchmark size: the model, the batch, and how many steps to run."""
 
-    cfg: GPTConfig
+    cfg: ModelArgs
     batch_size: int
     warmup: int        # untimed steps per implementation (their losses are compared)
     timed: int         # timed steps per implementation
     tps: tuple[int, ...]
 
 
-FULL = Size(GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=128, vocab_size=256, dropout=0.0),
+FULL = Size(ModelArgs(n_layer=4, n_head=4, n_embd=256, block_size=128, vocab_size=256, dropout=0.0),
             batch_size=8, warmup=3, timed=40, tps=(2, 4))
-QUICK = Size(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=256, dropout=0.0),
+QUICK = Size(ModelArgs(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=256, dropout=0.0),
              batch_size=4, warmup=2, timed=4, tps=(2,))
 HYPER = Hyper(lr=1e-3, lr_schedule="constant", warmup_steps=0, weight_decay=0.1, grad_clip=1.0, seed=SEED)
 
@@ -67,7 +68,7 @@ def batches(data: Corpus, s: Size, n: int) -> list[tuple[torch.Tensor, torch.Ten
 
 # ---------------------------------------------------------------- DTensor peer
 
-def dtensor_plan(cfg: GPTConfig) -> dict:
+def dtensor_plan(cfg: ModelArgs) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     plan = {
@@ -91,8 +92,8 @@ def _permute_qkv_rows(model: GPT, tp: int) -> None:
             p.copy_(torch.cat([shard_tensor(p, qkv, r, tp) for r in range(tp)]))
 
 
-def build_dtensor_gpt(cfg: GPTConfig, tp: int) -> GPT:
-    """The same GPT as raytp.parallel.plan.build_shard, parallelized by torch's native TP on the world."""
+def build_dtensor_gpt(cfg: ModelArgs, tp: int) -> GPT:
+    """The same GPT as raytp.models.shard.build_shard, parallelized by torch's native TP on the world."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
     if cfg.vocab_size % tp:

@@ -35,10 +35,11 @@ import torch.nn.functional as F
 from bench.common import HYPER, collective_counter, spawn, timed
 from raytp.parallel.groups import build_groups
 from raytp.parallel.layout import Layout
-from raytp.parallel.plan import build_empty_shard
+from raytp.models.shard import build_empty_shard
 from raytp.train import hf
 from raytp.train.data import batch
-from raytp.train.step import lr_at, make_optimizer, train_step
+from raytp.train.hyper import lr_at
+from raytp.train.step import make_optimizer, train_step
 
 IMPLS = ("raytp", "transformers", "raytp_bf16")
 PEER = "transformers' tensor parallelism (LlamaForCausalLM.from_pretrained(tp_plan='auto'), DTensor), gloo, 1 thread/rank"
@@ -86,7 +87,7 @@ def _rank(rank: int, world: int, init: str, d: str, s: dict, data) -> dict:
     import transformers
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    groups = build_groups(Layout(world, 1), rank)
+    groups = build_groups(Layout(world, dp=1), rank)
     models, opts = {}, {}
     for impl, h in (("raytp", HYPER), ("raytp_bf16", replace(HYPER, precision="bf16"))):
         m = build_empty_shard(hf.inspect(d), groups.tp)

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from bench.common import HYPER, SEED, batches, build_dtensor_gpt, corpus, dtensor_step, size, spawn
-from raytp.model import GPT
+from raytp.models.gpt2.model import GPT
 from raytp.parallel.groups import build_groups
 from raytp.parallel.layout import Layout
-from raytp.parallel.plan import build_shard
+from raytp.models.shard import build_shard
 from raytp.train.step import make_optimizer, train_step
 
 PEER = "ideal (split tensors / tp + replicated ones); DTensor model's bytes for reference"
@@ -75,7 +75,7 @@ def ideal_bytes(cfg, tp: int) -> dict[str, float]:
 def _rank(rank: int, world: int, init: str, quick: bool) -> dict:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     s = size(quick)
-    groups = build_groups(Layout(world, 1), rank)
+    groups = build_groups(Layout(world, dp=1), rank)
     x, y = batches(corpus(quick=True), s, 1)[0]
     x, y = x[:2], y[:2]  # the bytes measured do not depend on the batch
 

@@ -144,9 +144,10 @@ def model_numbers(model: dict) -> dict:
     """State bytes (16 a parameter) and the largest tensor's bytes, from a meta-device model."""
     import torch
 
-    from raytp.model import GPT, GPTConfig
+    from raytp.models.args import ModelArgs
+    from raytp.models.gpt2.model import GPT
     with torch.device("meta"):
-        m = GPT(GPTConfig(**model, block_size=64, vocab_size=256))
+        m = GPT(ModelArgs(**model, block_size=64, vocab_size=256))
     params = m.num_params()
     return {"params": params, "state_bytes": 16 * params,
             "largest_tensor_bytes": max(p.numel() for p in m.parameters()) * 4}

@@ -111,15 +111,17 @@ def train_loop(c: dict) -> None:
     import torch
     import ray.train
     import ray.train.torch
-    from raytp.model import GPT, GPTConfig
+    from raytp.models.args import ModelArgs
+    from raytp.models.gpt2.model import GPT
     from raytp.train.data import batch, load_corpus
-    from raytp.train.step import Hyper, lr_at, make_optimizer
+    from raytp.train.hyper import Hyper, lr_at
+    from raytp.train.step import make_optimizer
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     h = Hyper(lr=3e-3, min_lr=3e-4, warmup_steps=2, steps=c["steps"], seed=1337)
     torch.manual_seed(h.seed)
-    model = GPT(GPTConfig(**c["model"], dropout=0.0))
+    model = GPT(ModelArgs(**c["model"], dropout=0.0))
     opt = make_optimizer(model, h)
     start, ckpt = 0, ray.train.get_checkpoint()
     if ckpt is not None:

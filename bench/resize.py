@@ -141,12 +141,13 @@ def changing_owner_bytes(p: dict, old: tuple, new: tuple) -> int:
     the added replicas; a shrink moves nothing."""
     import torch
 
-    from raytp.model import GPT, GPTConfig
+    from raytp.models.args import ModelArgs
+    from raytp.models.gpt2.model import GPT
     from raytp.parallel.reshard_plan import pieces
-    from raytp.parallel.sharding import sharding_of
+    from raytp.models.registry import sharding_of
     (old_tp, old_dp), (new_tp, new_dp) = old, new
     with torch.device("meta"):
-        model = GPT(GPTConfig(**p["model"], dropout=0.0))
+        model = GPT(ModelArgs(**p["model"], dropout=0.0))
     total = 0
     for name, t in model.named_parameters():
         s = sharding_of(name)

@@ -159,12 +159,14 @@ def shard_state_cost(p: dict, reps: int = 5) -> dict:
     the bytes of a TP=2 shard), in this process."""
     import ray
     import torch
-    from raytp.model import GPT, GPTConfig
+    from raytp.models.args import ModelArgs
+    from raytp.models.gpt2.model import GPT
     from raytp.train.shard_state import pack_state, shard_state
-    from raytp.train.step import Hyper, make_optimizer
+    from raytp.train.hyper import Hyper
+    from raytp.train.step import make_optimizer
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = GPTConfig(**p["model"], dropout=0.0)
+    cfg = ModelArgs(**p["model"], dropout=0.0)
     model = GPT(cfg)
     opt = make_optimizer(model, Hyper())
     x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))

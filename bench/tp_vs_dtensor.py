@@ -31,7 +31,7 @@ from bench.common import (HYPER, SEED, DistApiCounter, NoCollectives, batches, b
                           collective_counter, corpus, dtensor_step, size, spawn, timed)
 from raytp.parallel.groups import build_groups
 from raytp.parallel.layout import Layout
-from raytp.parallel.plan import build_shard
+from raytp.models.shard import build_shard
 from raytp.train.step import make_optimizer, train_step
 
 IMPLS = ("raytp", "dtensor")  # trained side by side; their losses are compared
@@ -42,7 +42,7 @@ PEER = "torch.distributed.tensor.parallel (DTensor, parallelize_module + loss_pa
 def _rank(rank: int, world: int, init: str, quick: bool) -> dict:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     s = size(quick)
-    groups = build_groups(Layout(world, 1), rank)
+    groups = build_groups(Layout(world, dp=1), rank)
     total = s.warmup + 1 + s.timed
     data = batches(corpus(quick), s, total)
 

@@ -86,6 +86,8 @@ class FakeCluster:
         self.returns: dict[int, int] = {}     # step -> slots that come back before it
         self.failing_steps: set[int] = set()  # steps that raise on every rank (a bug of the job)
         self.snapshot_s: float | None = None  # what a snapshot costs, as workers report it with each step
+        self.during: dict[int, object] = {}   # step -> a function called while that step runs (a request filed)
+        self.calls: list[tuple] = []          # (start, count, submitted behind another call) of each call run
         self.released = []
 
     # -- what tests do to it
@@ -275,7 +277,7 @@ class FakeGroup(WorkerGroup):
 
     def load_parts(self, ranks, parts, step):
         for r in ranks:
-            part = parts[self.layout.coords(r)[1]]
+            part = parts[self.layout.coords(r).tp]
             self.workers[r].x, self.workers[r].completed = part.value["model"][NAME].item(), step
 
     @staticmethod
@@ -289,17 +291,32 @@ class FakeGroup(WorkerGroup):
 
 
 class FakeStream:
-    def __init__(self, group, start, count, snap):
-        self.group, self.start, self.count, self.snap = group, start, count, snap
+    """A streamed call; `after`: the call it was submitted behind (StepStream.then), which it starts
+    after only if that one ran to its end and it was not cancelled (as Ray's gate does)."""
+
+    def __init__(self, group, start, count, snap, after=None):
+        self.group, self.start, self.count, self.snap, self.after = group, start, count, snap, after
         self.partial = None
-        group.placer.clock += 1
+        self.ended = self.cancelled = False
+
+    def then(self, count, snap):
+        return FakeStream(self.group, self.start + self.count, count, snap, after=self)
+
+    def cancel(self):
+        self.cancelled = True
 
     def drain(self, timeout=1.0):
         pass
 
     def __iter__(self):
+        if self.after is not None and (self.cancelled or not self.after.ended):
+            raise RayTaskError("run_steps", "(fake)", RuntimeError("its gate failed: never started"))
         cluster, lay, ws = self.group.placer, self.group.layout, self.group.workers
+        cluster.clock += 1
+        cluster.calls.append((self.start, self.count, self.after is not None))
         for step in range(self.start, self.start + self.count):
+            if step in cluster.during:
+                cluster.during.pop(step)()
             if not all(w.alive for w in ws):
                 raise RayActorError()
             if step in cluster.failing_steps:
@@ -319,7 +336,9 @@ class FakeStream:
             self.partial = recs[0]
             parts = {}
             if self.snap and (step + 1) % self.snap == 0:
-                parts = {t: Ref(state_of(ws[lay.rank(0, t)].x)) for t in range(lay.tp)}
+                parts = {t: Ref(state_of(ws[lay.rank(tp=t)].x)) for t in range(lay.tp)}
+            if step == self.start + self.count - 1:
+                self.ended = True  # the workers are done with it (before the driver reads its last step)
             yield StepRecords(step, recs, parts)
 
 
@@ -328,14 +347,16 @@ class LocalControl:
 
     def __init__(self, run, say=None):
         self.requests, self.outcomes, self.status, self.ids = [], {}, {}, itertools.count(1)
+        self.published = 0
 
     def file(self, kind, **args) -> int:
         rid = next(self.ids)
         self.requests.append({"id": rid, "kind": kind, **args})
         return rid
 
-    def publish(self, status):
-        self.status = status
+    def publish(self, status, ranks=None):
+        self.published += 1
+        self.status = {**status, "ranks": self.status.get("ranks", []) if ranks is None else ranks}
 
     def take_requests(self):
         out, self.requests = self.requests, []

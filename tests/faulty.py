@@ -1,7 +1,9 @@
 """Workers with injected faults, shipped to Ray by value (tests/ is not on the workers' path)."""
 import os
 import sys
+import time
 
+import ray
 import ray.cloudpickle
 
 from raytp.runtime.worker import Worker
@@ -39,15 +41,59 @@ class DiesInResizeSetup(Worker):
         return super().setup(tp, dp, init_method, source)
 
 
-class Slow(Worker):
-    """Takes at least 0.4 s per step, so that a short job outlives the start of a spare process."""
+HOLD_S = 240.0  # a hold this long means that what it waits for never came (not that it came slowly)
+
+
+def hold_until(ready, what):
+    """Wait until `ready()` is true; RuntimeError naming `what` past HOLD_S."""
+    deadline = time.monotonic() + HOLD_S
+    while not ready():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} within {HOLD_S:g}s")
+        time.sleep(0.05)
+
+
+def _answers(name_prefix, method):
+    """What `method` of each live actor of this namespace whose name starts with `name_prefix` answers."""
+    out = []
+    for a in ray.util.list_named_actors():
+        if a.startswith(name_prefix):
+            try:
+                out.append(ray.get(getattr(ray.get_actor(a), method).remote(), timeout=5))
+            except (ValueError, ray.exceptions.RayError):  # gone, or not up yet
+                pass
+    return out
+
+
+class WaitsForSpare(Worker):
+    """Rank 0 holds its step 2 until the warm spare `spare` (an actor name) is up; then every step takes
+    at least 0.4 s. The job outlives the spare's start however loaded the machine is, and the steps
+    after it leave time to kill a rank."""
+
+    spare = ""
 
     def _step(self, step, before_update=None):
-        import time
         t0 = time.perf_counter()
+        if self.rank == 0 and step == 2:
+            hold_until(lambda: _answers(type(self).spare, "where"), f"the spare {type(self).spare} did not start")
         rec = super()._step(step, before_update)
         time.sleep(max(0.0, 0.4 - (time.perf_counter() - t0)))
         return rec
+
+
+class WaitsForSnapshotCopy(Worker):
+    """Rank 0 holds its step 4 until a snapshot keeper of run `run` holds a snapshot (once per test, via
+    a marker file): the copy is in place early in the job however loaded the machine is."""
+
+    run = marker = ""
+
+    def _step(self, step, before_update=None):
+        cls = type(self)
+        if self.rank == 0 and step == 4 and not os.path.exists(cls.marker):
+            hold_until(lambda: [s for s, _ in _answers(f"raytp.{cls.run}.snapshots", "holding") if s is not None],
+                       f"no snapshot keeper of {cls.run} held a snapshot")
+            open(cls.marker, "w").close()
+        return super()._step(step, before_update)
 
 
 class Buggy(Worker):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import close, drive, full_state, job, losses, save_shards, small_state
-from raytp.model import GPTConfig
+from raytp.models.args import ModelArgs
 from raytp.runtime.origin import from_checkpoint
 from raytp.train import checkpoint, safetensors_io
 from raytp.train.checkpoint import CheckpointError
@@ -199,7 +199,7 @@ def test_missing_file_and_missing_manifest_are_named(two_checkpoints):
 
 def test_checkpoint_of_another_model_shape_is_refused(two_checkpoints):
     cfg, _, newest = two_checkpoints
-    other = GPTConfig(**{**cfg.__dict__, "n_embd": 32})
+    other = ModelArgs(**{**cfg.__dict__, "n_embd": 32})
     with pytest.raises(CheckpointError, match=r"another model shape: n_embd 16 \(checkpoint\) vs 32 \(job\)"):
         checkpoint.find(str(newest), other)
     with pytest.raises(CheckpointError, match="holds no whole checkpoint"):
@@ -209,7 +209,7 @@ def test_checkpoint_of_another_model_shape_is_refused(two_checkpoints):
 def write_format_1(root, step, cfg, shards):
     """A checkpoint as raytp wrote them before format 2: a torch pickle per TP rank and a manifest."""
     from dataclasses import asdict
-    from raytp.parallel.sharding import sharding_of
+    from raytp.models.registry import sharding_of
     d = root / checkpoint.step_dir(step)
     d.mkdir(parents=True)
     files = {}
@@ -248,3 +248,18 @@ def test_packed_snapshot_round_trips_exactly():
     back = unpack_state(packed)
     assert_states_equal(back, full)
     assert unpack_state(full) is full  # an unpacked state passes through
+
+
+def test_a_checkpoint_is_the_directory_holding_its_manifest_whatever_its_name(two_checkpoints, tmp_path):
+    """`cp -r .../step-00000020 best/` then `--resume best`: a copy under any name is a checkpoint."""
+    import shutil
+    cfg, _, newest = two_checkpoints
+    best = tmp_path / "copies" / "best"
+    shutil.copytree(newest, best)
+    found = checkpoint.find(str(best), cfg)
+    assert found.step == 20 and found.where.endswith("copies/best")
+    assert torch.equal(found.read("model/wte.weight", 0, 1), checkpoint.find(str(newest)).read("model/wte.weight", 0, 1))
+    # A directory without a manifest is no checkpoint, and is not taken for one.
+    (best / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="holds no whole checkpoint"):
+        checkpoint.find(str(best), cfg)

@@ -50,7 +50,7 @@ def test_bad_job_exits_before_ray_starts(args, key, tmp_path):
     assert p.returncode == 2
     assert key in p.stderr
     assert "Ray" not in p.stderr and not (tmp_path / "r").exists()
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 60  # before Ray: a loaded machine's python start, no Ray start
 
 
 def test_help_documents_every_job_key():
@@ -116,13 +116,13 @@ def test_a_run_healing_a_killed_worker_prints_no_unhandled_error(tmp_path):
                             cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # a ceiling for "never", far past a loaded machine
         while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 8:
             assert time.monotonic() < deadline and proc.poll() is None, "the run did not train"
             time.sleep(0.1)
         placed = [json.loads(line) for line in open(run_dir / "events.jsonl") if '"placed"' in line][-1]
         os.kill(placed["ranks"][1]["pid"], signal.SIGKILL)
-        _, err = proc.communicate(timeout=240)
+        _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()

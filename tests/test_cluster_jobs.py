@@ -46,25 +46,31 @@ def _env(**extra) -> dict:
     return env
 
 
-def raytp(*args, timeout=120):
+# The ceiling of a command or of a wait for an event: far past a slow, loaded machine, so that a test
+# fails when the event never comes, not when it comes slowly.
+NEVER_S = 300
+
+
+def raytp(*args):
     return subprocess.run([sys.executable, "-m", "raytp.cli", *args], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=NEVER_S)
 
 
-def wait_for(what, fn, timeout, every=1.0):
-    deadline = time.monotonic() + timeout
+def wait_for(what, fn, every=1.0):
+    deadline = time.monotonic() + NEVER_S
     while time.monotonic() < deadline:
         out = fn()
         if out:
             return out
         time.sleep(every)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+    pytest.fail(f"timed out after {NEVER_S}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
 def head():
     # Keep token auth on: make sure a token exists (as ray.init would), and tell the head to use it.
-    subprocess.run([RAY, "get-auth-token", "--generate"], capture_output=True, env=_env(), timeout=60, check=True)
+    subprocess.run([RAY, "get-auth-token", "--generate"], capture_output=True, env=_env(), timeout=NEVER_S,
+                   check=True)
     gcs, dash, metrics, client, agent = (_free_port() for _ in range(5))
     temp = tempfile.mkdtemp(prefix="rtp", dir="/tmp")  # short: Ray's socket paths live under it
     log = open(Path(temp) / "head.log", "w")
@@ -77,8 +83,7 @@ def head():
                  RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"),
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for("the head", lambda: proc.poll() is not None or (_answers(gcs) and _answers(dash) and _answers(agent)),
-                 timeout=120)
+        wait_for("the head", lambda: proc.poll() is not None or (_answers(gcs) and _answers(dash) and _answers(agent)))
         assert proc.poll() is None, (Path(temp) / "head.log").read_text()[-3000:]
         yield SimpleNamespace(gcs=f"127.0.0.1:{gcs}", dashboard=f"http://127.0.0.1:{dash}", metrics_port=metrics,
                               temp=temp)
@@ -98,7 +103,7 @@ def alive_actors(head, prefix: str) -> list[str]:
             "print(json.dumps([a['Name'] for a in state.actors().values() "
             f"if a.get('Name', '').startswith({prefix!r}) and a['State'] == 'ALIVE']))")
     p = subprocess.run([sys.executable, "-c", code], env=_env(RAY_AUTH_MODE="token"), capture_output=True,
-                       text=True, timeout=60)
+                       text=True, timeout=NEVER_S)
     assert p.returncode == 0, p.stderr[-2000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -119,13 +124,13 @@ def test_submitted_run_runs_to_success_with_status_and_logs(head, tmp_path):
     assert seen.returncode == 0, seen.stderr[-2000:]
     assert re.search(r"Ray job raytp-short: (PENDING|RUNNING)", seen.stdout), seen.stdout
 
-    follow = raytp("logs", "short", "--follow", "--address", head.dashboard, timeout=150)
+    follow = raytp("logs", "short", "--follow", "--address", head.dashboard)
     assert follow.returncode == 0, follow.stderr[-2000:]
     assert "[raytp] step 1/30" in follow.stdout and "[raytp] step 30/30" in follow.stdout
     assert "[raytp] finished 30 steps" in follow.stdout
 
     done = wait_for("SUCCEEDED", lambda: (s := raytp("status", "short", "--address", head.dashboard))
-                    and "SUCCEEDED" in s.stdout and s, timeout=30)
+                    and "SUCCEEDED" in s.stdout and s)
     assert "short: SUCCEEDED  step 30/30" in done.stdout
     assert "Ray job raytp-short: SUCCEEDED" in done.stdout
     by_gcs = raytp("status", "short", "--address", head.gcs)  # the other door gives the same answer
@@ -157,7 +162,7 @@ def prometheus(head, tmp_path_factory):
         url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
         return json.loads(urllib.request.urlopen(url, timeout=10).read())["data"]["result"]
     try:
-        wait_for("prometheus", lambda: proc.poll() is not None or _answers(port), timeout=60)
+        wait_for("prometheus", lambda: proc.poll() is not None or _answers(port))
         assert proc.poll() is None, (d / "log").read_text()[-2000:]
         yield query
     finally:
@@ -173,7 +178,7 @@ def test_long_run_exports_metrics_scales_and_stops_cleanly(head, prometheus, tmp
     assert p.returncode == 0, p.stderr[-3000:]
 
     running = wait_for("the run to train", lambda: (s := raytp("status", "long", "--address", head.gcs))
-                       and re.search(r"long: running  step [1-9]", s.stdout) and s, timeout=120, every=2)
+                       and re.search(r"long: running  step [1-9]", s.stdout) and s, every=2)
     assert "Ray job raytp-long: RUNNING" in running.stdout and "TP=2 x DP=1" in running.stdout
     table = raytp("status", "long", "--ranks", "--address", head.gcs).stdout
     assert re.search(r"^\s+0\s+raytp\.long\.rank0\s+\w+\s+\d+", table, re.M), table
@@ -184,7 +189,7 @@ def test_long_run_exports_metrics_scales_and_stops_cleanly(head, prometheus, tmp
         body = urllib.request.urlopen(f"http://127.0.0.1:{head.metrics_port}/metrics", timeout=10).read().decode()
         found = {m.group(1) for m in re.finditer(r'^ray_(raytp_\w+)\{[^}]*run="long"', body, re.M)}
         return found if {"raytp_step", "raytp_loss", "raytp_steps_total", "raytp_world_size"} <= found else None
-    assert "raytp_tokens_per_second" in wait_for("raytp_ metrics on the node's endpoint", series, timeout=60, every=2)
+    assert "raytp_tokens_per_second" in wait_for("raytp_ metrics on the node's endpoint", series, every=2)
 
     # Every query of the Grafana dashboard has series for this run, which has had no failure: its
     # counters are exported at 0 from the start (a panel says 0, not "No data").
@@ -196,26 +201,26 @@ def test_long_run_exports_metrics_scales_and_stops_cleanly(head, prometheus, tmp
         missing = [e for e in exprs if not prometheus(e)]
         return None if missing else "all"
     try:
-        wait_for("every Grafana query to return series", empty_queries, timeout=90, every=2)
+        wait_for("every Grafana query to return series", empty_queries, every=2)
     except BaseException:
         raise AssertionError(f"no series for {[e for e in exprs if not prometheus(e)]}") from None
     assert [r["value"][1] for r in prometheus('sum by (run) (ray_raytp_failures_total{run="long"})')] == ["0"]
 
-    scaled = raytp("scale", "long", "--tp", "1", "--address", head.dashboard, timeout=180)
+    scaled = raytp("scale", "long", "--tp", "1", "--address", head.dashboard)
     assert scaled.returncode == 0, scaled.stderr[-3000:]
     assert "now runs at" in scaled.stdout
     assert "TP=1 x DP=1" in raytp("status", "long", "--address", head.dashboard).stdout
     assert wait_for("Ray to show the new layout's one worker",
-                    lambda: alive_actors(head, "raytp.long.rank") == ["raytp.long.rank0"] or None, timeout=30)
+                    lambda: alive_actors(head, "raytp.long.rank") == ["raytp.long.rank0"] or None)
 
-    stopped = raytp("stop", "long", "--address", head.dashboard, timeout=180)
+    stopped = raytp("stop", "long", "--address", head.dashboard)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     assert re.search(r"long stopped at step \d+; checkpoint \S+; Ray job raytp-long STOPPED", stopped.stdout), \
         stopped.stdout
     after = raytp("status", "long", "--address", head.dashboard)
     assert "long: STOPPED" in after.stdout and "Ray job raytp-long: STOPPED" in after.stdout
     assert any((run_dir / "checkpoints").iterdir())
-    assert wait_for("the run's actors to go", lambda: alive_actors(head, "raytp.long.") == [] or None, timeout=30)
+    assert wait_for("the run's actors to go", lambda: alive_actors(head, "raytp.long.") == [] or None)
 
 
 @pytest.mark.parametrize("command", [["status", "nope"], ["logs", "nope"], ["stop", "nope"],
@@ -245,7 +250,7 @@ def test_unreachable_head_fails_fast():
         p = raytp(*command)
         assert p.returncode == 1, (command, p.stderr)
         assert len(p.stderr.strip().splitlines()) == 1 and "answers at" in p.stderr, p.stderr
-        assert time.monotonic() - t0 < 15
+        assert time.monotonic() - t0 < 60  # not Ray's own retries (minutes); 60: a loaded machine's start
     # A bad job is reported as such even when no head is there: it is checked first.
     p = raytp("submit", "jobs/default.yaml", "--address", f"http://127.0.0.1:{port}", "--set", "train.lr=abc")
     assert p.returncode == 2 and "train.lr" in p.stderr

@@ -173,8 +173,8 @@ def test_lifting_a_snapshot_pin_resumes_the_measured_interval():
     c = Cadence(free)
     for _ in range(3):
         c.observe({"step_time_s": 0.001, "snapshot_s": 0.0003})
-    assert c.choose(free, Layout(2, 1), ["n", "n"]) == 10
-    assert c.choose(pinned, Layout(2, 1), ["n", "n"]) == 0 and c.every == 0
+    assert c.choose(free, Layout(2, dp=1), ["n", "n"]) == 10
+    assert c.choose(pinned, Layout(2, dp=1), ["n", "n"]) == 0 and c.every == 0
     c.follow(free)
     assert c.every == 10
 
@@ -188,10 +188,87 @@ def test_a_snapshot_that_slows_the_step_it_overlaps_costs_that_slowdown():
     cfg = job(2, 1, steps=24)
     c = Cadence(cfg)
     c.observe({"step": 0, "step_time_s": 0.1, "snapshot_s": 0.003})
-    assert c.choose(cfg, Layout(2, 1), ["n", "n"]) is None and c.every == 1  # 3 ms = 3% of 100 ms
+    assert c.choose(cfg, Layout(2, dp=1), ["n", "n"]) is None and c.every == 1  # 3 ms = 3% of 100 ms
     c.pinned = None
     c.chosen = 2  # as if chosen before: steps 2, 4, ... carry a snapshot
     for step in range(1, 9):
         c.observe({"step": step, "step_time_s": 0.109 if step % 2 == 0 else 0.1, "snapshot_s": 0.003})
     assert abs(c.cost() - 0.009) < 1e-9
-    assert c.choose(cfg, Layout(2, 1), ["n", "n"]) == 3 and c.every == 3
+    assert c.choose(cfg, Layout(2, dp=1), ["n", "n"]) == 3 and c.every == 3
+
+
+def planned_calls(steps, steps_per_call, eval_every, save_every):
+    """(start, count) of each call the driver makes without pipelining: raytp.runtime.policy's plan."""
+    from raytp.runtime import policy
+    out, step = [], 0
+    while step < steps:
+        n = policy.call_length(step, steps, steps_per_call, bool(out), eval_every, save_every)
+        out.append((step, n))
+        step += n
+    return out
+
+
+def test_calls_submitted_behind_the_running_one_change_nothing(tmp_path):
+    """The next call is submitted while the current one runs wherever nothing happens between them (no
+    evaluation, checkpoint or request): the same calls as the plan, the same state at the end."""
+    cluster = FakeCluster(slots=4)
+    fake_driver(cluster, fake_job(2, 2), tmp_path).run_to_end()
+    assert [c[:2] for c in cluster.calls] == planned_calls(STEPS, 4, 6, STEPS)
+    gated = {c[0] for c in cluster.calls if c[2]}
+    assert gated == {1, 5, 10}, "6 follows an evaluation: submitted after it"
+    assert x_saved(tmp_path) == expected_x(STEPS) and metric_steps(tmp_path) == list(range(STEPS))
+
+
+def test_a_failure_cancels_the_call_behind_and_recovers_at_the_right_step(tmp_path):
+    """A rank dies in step 3, inside the call 1..4 with 5 submitted behind it: that call never runs, the
+    rank is restored from its replica at step 3, training goes on from there, and the run ends at the
+    state of an uninterrupted one."""
+    cluster = FakeCluster(slots=4)
+    cluster.kill_at(3, 1)
+    fake_driver(cluster, fake_job(2, 2), tmp_path).run_to_end()
+    assert cluster.calls[:3] == [(0, 1, False), (1, 4, True), (3, 3, False)]
+    assert all(start != 5 for start, _, _ in cluster.calls)
+    (fail,), (rec,) = events(tmp_path, "failure"), events(tmp_path, "recovered")
+    assert (fail["step"], rec["source"], rec["lost_steps"]) == (3, "replica", 0)
+    assert x_saved(tmp_path) == expected_x(STEPS) and metric_steps(tmp_path) == list(range(STEPS))
+
+
+def test_a_request_filed_while_a_call_runs_behind_another_is_served_after_it(tmp_path):
+    """`raytp stop` filed during step 2 (call 1..4; call 5 was submitted behind it before): the stop
+    lands at step 6, after the call already submitted, with a checkpoint of that step."""
+    cluster = FakeCluster(slots=2)
+    d = fake_driver(cluster, fake_job(2, 1), tmp_path)
+    filed = []
+    cluster.during[2] = lambda: filed.append((d.control, d.control.file("stop")))
+    d.run_to_end()
+    assert cluster.calls == [(0, 1, False), (1, 4, True), (5, 1, True)]
+    (ctl, rid), = filed
+    assert ctl.outcomes[rid]["step"] == 6 and events(tmp_path, "stopped")[0]["step"] == 6
+    assert x_saved(tmp_path, 6) == expected_x(6)
+
+
+def test_follow_on_only_where_the_boundary_needs_nothing():
+    from raytp.runtime.pipeline import follow_on
+    assert follow_on(1, 12, 12, 4, 6, 12, None, quiet=True) == 4
+    assert follow_on(1, 12, 12, 4, 6, 12, None, quiet=False) is None   # a request or resize waits
+    assert follow_on(6, 12, 12, 4, 6, 12, None, quiet=True) is None    # an evaluation at 6
+    assert follow_on(4, 12, 12, 4, 0, 4, None, quiet=True) is None     # a checkpoint begins at 4
+    assert follow_on(4, 12, 12, 4, 0, 4, 4, quiet=True) == 4           # ... unless saved already
+    assert follow_on(3, 3, 12, 4, 0, 0, None, quiet=True) is None      # the loop ends at 3
+
+
+def test_status_is_published_when_it_changes_and_the_ranks_when_placed(tmp_path):
+    d = fake_driver(FakeCluster(slots=4), fake_job(2, 2), tmp_path)
+    try:
+        d.start()
+        ctl = d.control
+        d.publish()  # the state is "running" now
+        n = ctl.published
+        d.publish()
+        assert ctl.published == n, "nothing changed: nothing published"
+        assert [r["rank"] for r in ctl.status["ranks"]] == [0, 1, 2, 3]
+        d.train_loop(until=1)
+        assert ctl.published > n and ctl.status["step"] == 1 and len(ctl.status["ranks"]) == 4
+    finally:
+        d.release()
+        d.log.close()

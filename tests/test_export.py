@@ -1,13 +1,11 @@
 """Export to one file and to a GPT-2 directory; start from a GPT-2 directory; sample."""
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from raytp.model import GPT
+from raytp.models.files import load_model
+from raytp.models.gpt2.model import GPT
 from raytp.runtime.origin import starting_state
-from helpers import FIXED, close, drive, full_state, job
+from helpers import FIXED, close, drive, full_state, job, raytp_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,16 +19,10 @@ def trained_tp2(ray_local, tmp_path_factory):
     return run_dir, logits
 
 
-def raytp_cli(*args):
-    p = subprocess.run([sys.executable, "-m", "raytp.cli", *args], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    return p
-
-
 def test_exported_file_loads_on_one_device_with_the_same_logits(trained_tp2, tmp_path):
     run_dir, sharded_logits = trained_tp2
     raytp_cli("export", str(run_dir), "--out", str(tmp_path / "model.pt"))
-    model = GPT.load(tmp_path / "model.pt")
+    model = load_model(tmp_path / "model.pt")
     assert model.lm_head.weight is model.wte.weight
     with torch.no_grad():
         logits = model(FIXED)
@@ -51,7 +43,7 @@ def test_hf_export_loads_in_transformers_with_same_logits_and_greedy_text(traine
 
 def hf_cfg(path):
     import json
-    from raytp.train.hf import config_from_hf
+    from raytp.models.gpt2.hf import config_from_hf
     return config_from_hf(json.loads((path / "config.json").read_text()))
 
 
@@ -78,6 +70,6 @@ def test_sample_greedy_is_deterministic_and_decodes_bytes(trained_tp2, tmp_path)
     a = raytp_cli("sample", str(tmp_path / "m.pt"), "--prompt", "def ", "--tokens", "20", "--temperature", "0").stdout
     b = raytp_cli("sample", str(tmp_path / "m.pt"), "--prompt", "def ", "--tokens", "20", "--temperature", "0").stdout
     assert a == b and a.startswith("def ")
-    model = GPT.load(tmp_path / "m.pt")
+    model = load_model(tmp_path / "m.pt")
     expect = model.generate(torch.tensor([list(b"def ")]), 20, temperature=0.0)[0].tolist()
     assert a.rstrip("\n") == bytes(expect).decode("utf-8", errors="replace")

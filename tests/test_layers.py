@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from raytp.parallel import comm
 from raytp.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    vocab_parallel_cross_entropy)
-from raytp.parallel.plan import Sharding, shard_tensor
+from raytp.parallel.sharding import shard_tensor, Sharding
 from raytp.parallel.spawn import run_ranks
 
 B, T, C, H, V = 2, 8, 16, 24, 257  # V=257 divides neither 2 nor 4: padding is exercised

@@ -10,11 +10,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from raytp.model import build_model
+from raytp.models.registry import build_model
 from raytp.parallel import comm
 from raytp.parallel.groups import build_groups
 from raytp.parallel.layout import Layout
-from raytp.parallel.plan import build_empty_shard, full_size_of, sharding_of, unshard_tensors
+from raytp.models.registry import full_size_of, sharding_of
+from raytp.models.shard import build_empty_shard
+from raytp.parallel.sharding import unshard_tensors
 from raytp.parallel.spawn import run_ranks
 from raytp.train import hf
 from raytp.train.step import _sum_over_tp
@@ -54,7 +56,7 @@ def theirs(model):
 
 def ours_at_tp(rank, world, init, model_dir):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    groups = build_groups(Layout(world, 1), rank)
+    groups = build_groups(Layout(world, dp=1), rank)
     cfg = hf.inspect(model_dir)
     model = build_empty_shard(cfg, groups.tp)
     hf.load_into(model_dir, model, groups.tp_rank, world)
@@ -107,8 +109,7 @@ def test_unsupported_llama_configs_are_refused_by_name(tmp_path):
 def test_import_train_export_round_trips_to_transformers(ray_local, llama_dir, tmp_path):
     """model.init_from a Llama directory at TP=4 (shared KV heads) with SP, train, checkpoint; export
     --format hf; transformers loads it and gives the runtime's logits."""
-    from helpers import FIXED, close, drive, job
-    from test_export import raytp_cli
+    from helpers import FIXED, close, drive, job, raytp_cli
 
     from raytp.runtime.origin import starting_state
     d, _ = llama_dir
@@ -141,3 +142,21 @@ def test_a_bf16_directory_loads_into_float32_masters(llama_dir, tmp_path):
     for name, p in ours.named_parameters():
         assert p.dtype == torch.float32
         assert torch.equal(p, bf16.state_dict()[hf.to_hf(name, cfg)[0]].float()), name
+
+
+def test_job_checks_run_on_the_shape_of_the_model_init_from_names(tmp_path):
+    """A Llama of 6 query heads (2 KV heads) at parallel.tp=6: the job's default n_head=4 must not refuse it;
+    the directory's shape is checked once read, and a TP degree it does not allow is refused by it."""
+    from raytp.config import ConfigError, load
+    from raytp.runtime.origin import starting_state
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
+    d = tmp_path / "llama6"
+    transformers.LlamaForCausalLM(config).save_pretrained(d)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {{init_from: {d}, block_size: 32}}\nparallel: {{tp: 6}}\n")
+    cfg, state = starting_state(load(job), None, tmp_path / "run", say=lambda m: None)
+    assert (cfg.model.n_head, cfg.model.n_kv_head, cfg.parallel.tp) == (6, 2, 6) and state is not None
+    bad = load(job, overrides=["parallel.tp=4"])  # passes the job file checks; the model's 6 heads refuse it
+    with pytest.raises(ConfigError, match="parallel.tp: 4 does not divide model.n_head=6"):
+        starting_state(bad, None, tmp_path / "run", say=lambda m: None)

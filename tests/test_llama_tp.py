@@ -2,37 +2,31 @@
 sequence parallelism, and at TP=2 x DP=2 trains like the same model on one device: 20 AdamW steps,
 per-step loss within 1e-5 relative, final gathered weights within 1e-5. TP=4 exceeds the KV heads:
 each rank holds a copy of its KV head and the copies' gradients are summed over the ranks sharing it.
-Training and counting collectives are test_gpt_tp's, given this model's config."""
+Training and counting collectives are the GPT's (helpers), given this model's config."""
 import numpy as np
 import pytest
 import torch.distributed as dist
+from helpers import PER_LAYER, PER_LAYER_SP, count_collectives, llama_config, per_layer, train_tp
 
-from test_gpt_tp import PER_LAYER, PER_LAYER_SP, _per_layer, count_collectives, train
-
-from raytp.model import GPTConfig
+from raytp.models.args import ModelArgs
 from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
-from raytp.parallel.plan import check_tp, valid_tp_degrees
-from raytp.parallel.sharding import sharding_of
+from raytp.models.registry import check_tp, valid_tp_degrees
+from raytp.models.registry import sharding_of
 from raytp.parallel.spawn import run_ranks
-
-
-def llama_config(tied=False, n_layer=2):
-    return GPTConfig(arch="llama", n_layer=n_layer, n_head=8, n_kv_head=2, n_embd=32, intermediate_size=48,
-                     block_size=16, vocab_size=256, tie_embeddings=tied, rope_theta=500.0)
 
 
 def train_runs(rank, world, init, runs):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     out = []
     for tp, dp, sp, tied in runs:
-        losses, state = train(llama_config(tied), build_groups(Layout(tp, dp), rank), sp)
+        losses, state = train_tp(llama_config(tied), build_groups(Layout(tp, dp=dp), rank), sp)
         out.append((losses, state if rank == 0 else None))
     return out
 
 
 def one_device_runs(rank, world, init, keys):
-    return {tied: train(llama_config(tied), ProcessGroups(Layout(1, 1), 0, None, None), False, plain=True)
+    return {tied: train_tp(llama_config(tied), ProcessGroups(Layout(1, dp=1), 0, None, None), False, plain=True)
             for tied in keys}
 
 
@@ -67,8 +61,8 @@ def test_llama_trains_like_one_device(world, references):
 def test_collectives_per_layer_with_shared_kv_heads():
     """TP=4 > 2 KV heads: still 2 all-reduces forward and 2 backward per layer (SP: their halves)."""
     counts = run_ranks(4, count_collectives, llama_config)[0]
-    assert _per_layer(counts[False]) == PER_LAYER
-    assert _per_layer(counts[True]) == PER_LAYER_SP
+    assert per_layer(counts[False]) == PER_LAYER
+    assert per_layer(counts[True]) == PER_LAYER_SP
 
 
 def test_kv_heads_split_then_shared():
@@ -84,7 +78,7 @@ def test_kv_heads_split_then_shared():
 
 
 def test_invalid_tp_names_the_kv_heads_and_the_valid_degrees():
-    cfg = GPTConfig(arch="llama", n_head=12, n_kv_head=4, n_embd=48, intermediate_size=96)
+    cfg = ModelArgs(arch="llama", n_head=12, n_kv_head=4, n_embd=48, intermediate_size=96)
     with pytest.raises(ValueError, match=r"tp=6 neither divides nor is a multiple of n_kv_head=4; "
                                          r"valid tp degrees: 1, 2, 4, 12"):
         check_tp(cfg, 6)

@@ -1,24 +1,36 @@
 """Losing a whole node of a simulated cluster (fake GPUs, CPU compute) with a spare node present."""
 
 import json
-import time
 
 import pytest
 import ray
-
-from helpers import assert_bitwise_equal, events, final_state, gpu_cluster, job, ray_actors, recovery_job, run
+from faulty import HOLD_S, WaitsForSnapshotCopy
+from helpers import (NEVER_S, assert_bitwise_equal, events, final_state, gpu_cluster, job, ray_actors,
+                     recovery_job, run, wait_for)
 
 
 @pytest.fixture(scope="module")
-def three_gpu_nodes():
+def cluster():
+    """A head without GPUs, shared by the module; each test sets its GPU nodes with `gpu_nodes`."""
     # Objects of more than 1 KB go to the node's object store, as a real model's shards do (by default
     # Ray keeps objects under 100 KB, all of this test model's snapshots, in the owner's own memory).
-    with gpu_cluster(3, {"max_direct_call_object_size": 1024}) as cluster_and_nodes:  # two used, one spare
-        yield cluster_and_nodes
+    with gpu_cluster(0, {"max_direct_call_object_size": 1024}) as (c, _):
+        yield c
 
 
-def test_removed_node_is_replaced_from_the_dp_replica(three_gpu_nodes, tmp_path):
-    cluster, nodes = three_gpu_nodes
+def gpu_nodes(cluster, n):
+    """Exactly `n` GPU nodes (2 CPUs, 2 GPUs) alive, whatever the tests before removed or added: idle
+    ones removed or new ones added. Returns them."""
+    nodes = list(cluster.worker_nodes)
+    for node in nodes[n:]:
+        cluster.remove_node(node)
+    nodes = nodes[:n] + [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(n - len(nodes))]
+    cluster.wait_for_nodes(timeout=NEVER_S)
+    return nodes
+
+
+def test_removed_node_is_replaced_from_the_dp_replica(cluster, tmp_path):
+    nodes = gpu_nodes(cluster, 3)  # two used, one spare
     ref_dir = tmp_path / "ref"
     run(recovery_job(2, 2, gpus_per_worker=1.0), ref_dir, "nref")
     by_id = {n.node_id: n for n in nodes}
@@ -39,13 +51,12 @@ def test_removed_node_is_replaced_from_the_dp_replica(three_gpu_nodes, tmp_path)
     assert placed[2]["node_id"] == placed[3]["node_id"] != remove_replica_1_node.node_id
 
 
-def test_elastic_job_shrinks_without_capacity_and_grows_back(three_gpu_nodes, tmp_path):
-    """Two GPU nodes remain after the test above: lose one with no spare -> DP 2 -> 1; add a node -> DP 2."""
-    cluster, nodes = three_gpu_nodes
+def test_elastic_job_shrinks_without_capacity_and_grows_back(cluster, tmp_path):
+    """Two GPU nodes, both used: lose one with no spare -> DP 2 -> 1; add a node -> DP 2."""
+    alive = {n.node_id: n for n in gpu_nodes(cluster, 2)}
     steps = 400
     cfg = job(2, 2, steps=steps, gpus_per_worker=1.0, recovery={"replace_timeout_s": 3.0})
     cfg = cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=2, dp=2, min_dp=1)})
-    alive = {n.node_id: n for n in nodes if n.node_id in {x["NodeID"] for x in ray.nodes() if x["Alive"]}}
     run_dir = tmp_path / "run"
 
     def remove_replica_1_node(run_name):
@@ -53,10 +64,7 @@ def test_elastic_job_shrinks_without_capacity_and_grows_back(three_gpu_nodes, tm
         cluster.remove_node(alive[node_id])
 
     def add_node_once_shrunk(run_name):
-        deadline = time.monotonic() + 120
-        while not [e for e in events(run_dir, "resized") if e["new"]["dp"] == 1]:
-            assert time.monotonic() < deadline, "the job did not shrink"
-            time.sleep(0.05)
+        wait_for(lambda: [e for e in events(run_dir, "resized") if e["new"]["dp"] == 1], "the job did not shrink")
         cluster.add_node(num_cpus=2, num_gpus=2)
 
     run(cfg, run_dir, "elastic", faults=[(6, remove_replica_1_node), (7, add_node_once_shrunk)])
@@ -70,35 +78,32 @@ def test_elastic_job_shrinks_without_capacity_and_grows_back(three_gpu_nodes, tm
     assert sorted(ray_actors("raytp.elastic.rank")) == []  # released at the end
 
 
-# The copy is placed about half a second into the run (its keeper actor starts first) and the node is
-# removed after that: enough steps must be left (at ~0.05 s each) for the loss to land mid-run.
-COPY_STEPS = 48
+# The job waits at step 4 for the copy (faulty.WaitsForSnapshotCopy); the node goes after step 6.
+COPY_STEPS = 24
 
 
 def copy_job():
     return job(2, 1, steps=COPY_STEPS, checkpoint={"every": COPY_STEPS, "keep": 2},
-               recovery={"snapshot_every": 1}, step_timeout_s=30.0, gpus_per_worker=1.0)
+               recovery={"snapshot_every": 1}, step_timeout_s=2 * HOLD_S, gpus_per_worker=1.0)
 
 
-def test_lost_node_of_a_dp1_job_restores_from_the_snapshot_copy_on_another_node(three_gpu_nodes, tmp_path):
+def test_lost_node_of_a_dp1_job_restores_from_the_snapshot_copy_on_another_node(cluster, tmp_path):
     """TP=2 x DP=1: no DP replica anywhere, and the node that holds the snapshots goes. The copy the
     keeper pulled to the driver's node (the head, no GPUs) brings the job back, bitwise."""
-    cluster, _ = three_gpu_nodes
+    gpu_nodes(cluster, 2)  # one used, one to move to
     ref_dir = tmp_path / "ref"
     run(copy_job(), ref_dir, "cref")
     head = ray.get_runtime_context().get_node_id()
 
     def remove_workers_node(run_name):
         node_id = ray_actors(f"raytp.{run_name}.rank0")[f"raytp.{run_name}.rank0"]["node_id"]
-        deadline = time.monotonic() + 60
-        while not events(run_dir, "snapshot_copy"):  # the copy holds a first snapshot
-            assert time.monotonic() < deadline, "no snapshot copy was placed"
-            time.sleep(0.05)
+        wait_for(lambda: events(run_dir, "snapshot_copy"), "no snapshot copy was placed")  # holds a snapshot
         cluster.remove_node({n.node_id: n for n in cluster.list_all_nodes()}[node_id])
         remove_workers_node.node_id = node_id
 
     run_dir = tmp_path / "run"
-    run(copy_job(), run_dir, "ncopy", faults=[(6, remove_workers_node)])
+    WaitsForSnapshotCopy.run, WaitsForSnapshotCopy.marker = "ncopy", str(tmp_path / "copy-awaited")
+    run(copy_job(), run_dir, "ncopy", faults=[(6, remove_workers_node)], worker_cls=WaitsForSnapshotCopy)
     assert_bitwise_equal(final_state(run_dir, COPY_STEPS), final_state(ref_dir, COPY_STEPS))
     assert events(run_dir, "snapshot_copy")[0]["node"] == head
     assert sorted(f["rank"] for f in events(run_dir, "failure")) == [0, 1]

@@ -6,7 +6,7 @@ from raytp.config import ConfigError
 from raytp.parallel.layout import Layout
 from raytp.runtime import policy
 
-TP2_DP2 = Layout(2, 2)
+TP2_DP2 = Layout(2, dp=2)
 
 
 # -- failures -----------------------------------------------------------------------------------
@@ -35,7 +35,7 @@ def test_no_replica_when_a_shard_has_no_survivor_or_survivors_disagree():
 
 
 def test_survivors_ahead_of_the_snapshot_roll_back_to_it_and_the_copy_comes_after_it():
-    lay = Layout(4, 1)
+    lay = Layout(4, dp=1)
     plan = policy.restore_plan(lay, [2], {0: 9, 1: 9, 3: 9}, [("snapshot", 8), ("snapshot copy", 6)])
     assert [(r.source, r.step, r.targets) for r in plan] == [
         ("snapshot", 8, (0, 1, 2, 3)), ("snapshot copy", 6, (0, 1, 2, 3)), ("checkpoint", None, (0, 1, 2, 3))]
@@ -46,7 +46,7 @@ def test_survivors_ahead_of_the_snapshot_roll_back_to_it_and_the_copy_comes_afte
 
 
 def test_shrink_keeps_whole_replicas_that_divide_the_batch():
-    lay = Layout(2, 3)
+    lay = Layout(2, dp=3)
     completed = {r: 5 for r in range(6) if r not in (2, 3)}
     s = policy.shrink_decision(lay, [2], completed, min_dp=1, batch_size=8)  # replica 1 broken
     assert s == policy.Shrink(new_dp=2, keep=(0, 2), step=5)
@@ -79,9 +79,9 @@ def test_resized_config_keeps_the_global_batch_and_the_micro_batch():
 
 
 def test_which_ranks_a_resize_keeps_and_starts():
-    tp = policy.tp_resize_ranks(Layout(2, 2), Layout(4, 2))
+    tp = policy.tp_resize_ranks(Layout(2, dp=2), Layout(4, dp=2))
     assert (tp.kept, tp.early, tp.late, tp.removed) == ((0, 1), (4, 5, 6, 7), (2, 3), (2, 3))
-    tp = policy.tp_resize_ranks(Layout(4, 1), Layout(1, 2))
+    tp = policy.tp_resize_ranks(Layout(4, dp=1), Layout(1, dp=2))
     assert (tp.kept, tp.early, tp.late, tp.removed) == ((0,), (), (1,), (1, 2, 3))
     dp = policy.dp_resize_ranks(2, 1, 2)
     assert (dp.kept, dp.early, dp.removed) == ((0, 1), (2, 3), ())
@@ -113,7 +113,7 @@ def test_checkpoints_are_due_every_n_steps_and_at_the_end_once():
 
 
 def test_the_snapshot_keeper_goes_where_replica_0_is_not():
-    one = Layout(2, 1)
+    one = Layout(2, dp=1)
     assert policy.keeper_node(one, ["A", "A"], ["A", "H"], here="H", current=None) == ("H", None)
     assert policy.keeper_node(one, ["A", "A"], ["A", "B", "H"], here="A", current=None) == ("B", None)
     assert policy.keeper_node(one, ["A", "A"], ["A", "B", "H"], here="H", current="B") == ("B", None)
@@ -136,5 +136,5 @@ def test_snapshot_interval_keeps_their_cost_within_the_budget():
 def test_a_replica_elsewhere_is_one_on_nodes_replica_0_does_not_use():
     assert policy.replica_elsewhere(TP2_DP2, ["A", "A", "B", "B"])
     assert not policy.replica_elsewhere(TP2_DP2, ["A", "A", "A", "A"])
-    assert not policy.replica_elsewhere(Layout(2, 1), ["A", "A"])
+    assert not policy.replica_elsewhere(Layout(2, dp=1), ["A", "A"])
     assert not policy.replica_elsewhere(TP2_DP2, ["A", "A"])  # not placed yet

@@ -10,15 +10,15 @@ import dataclasses
 import numpy as np
 import torch
 import torch.distributed as dist
-from test_gpt_tp import COLLECTIVES, corpus, gpt_config
-from test_llama_tp import llama_config
+from helpers import COLLECTIVES, corpus, gpt_config, llama_config
 
 from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
-from raytp.parallel.plan import build_shard
+from raytp.models.shard import build_shard
 from raytp.parallel.spawn import run_ranks
 from raytp.train.data import batch
-from raytp.train.step import Hyper, make_optimizer, train_step
+from raytp.train.hyper import Hyper
+from raytp.train.step import make_optimizer, train_step
 
 SEED = 1
 # Measured 2026-12-01 (worst step of 50, relative to the loss, which falls from 5.56 to 2.39): bf16 TP=2 vs
@@ -49,7 +49,7 @@ def runs(rank, world, init, specs):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     out = []
     for cfg, tp, sp, steps, precision, checkpointing in specs:
-        groups = build_groups(Layout(tp, 1), rank) if tp > 1 else ProcessGroups(Layout(1, 1), 0, None, None)
+        groups = build_groups(Layout(tp, dp=1), rank) if tp > 1 else ProcessGroups(Layout(1, dp=1), 0, None, None)
         out.append(train(cfg, groups, sp, steps, precision, checkpointing))
     return out
 
@@ -75,7 +75,7 @@ def test_bf16_tracks_one_device_bf16_and_fp32():
 def collective_bytes(rank, world, init, precision):
     """Bytes the TP collectives of forward + backward move, for 1- and 2-layer models."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    groups = build_groups(Layout(world, 1), rank)
+    groups = build_groups(Layout(world, dp=1), rank)
     moved = [0]
     originals = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
 
@@ -135,7 +135,7 @@ def saved_bytes(model, x):
 
 
 def test_activation_checkpointing_keeps_less_for_backward():
-    from raytp.model import build_model
+    from raytp.models.registry import build_model
     model = build_model(dataclasses.replace(llama_config(), n_layer=4), seed=SEED)
     x = torch.randint(256, (4, 16))
     full = saved_bytes(model, x)

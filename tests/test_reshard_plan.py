@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from raytp.parallel.reshard_plan import Piece, moved_rows, pieces
-from raytp.parallel.sharding import Sharding, local_shape, shard_tensor
+from raytp.parallel.sharding import local_shape, shard_tensor, Sharding
 
 CASES = [  # (sharding, full shape)
     (Sharding(dim=0), (12, 5)),

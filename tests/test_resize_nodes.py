@@ -24,8 +24,7 @@ def test_tp_grow_stays_on_the_replicas_node_or_restarts_where_it_fits(tmp_path):
         node_a = cluster.add_node(num_cpus=4, num_gpus=4)
         cluster.wait_for_nodes()
         out = io.StringIO()
-        d = Driver(job(2, 1, steps=8, gpus_per_worker=1.0, placement_timeout_s=10.0), tmp_path / "run", "nodes",
-                   out=out)
+        d = Driver(job(2, 1, steps=8, gpus_per_worker=1.0), tmp_path / "run", "nodes", out=out)
         try:
             d.start()
             d.train_loop(until=2)

@@ -59,8 +59,7 @@ def test_a_missing_tokenizer_is_one_clear_error(text_and_tokenizer, tmp_path):
 
 
 def test_llama_trains_on_bpe_tokens_and_samples_text(ray_local, text_and_tokenizer, tmp_path):
-    from helpers import close, drive, job
-    from test_export import raytp_cli
+    from helpers import close, drive, job, raytp_cli
     data, tok_file, tok = text_and_tokenizer
     cfg = job(2, 1, steps=30, checkpoint={"every": 30},
               model={"arch": "llama", "n_head": 4, "n_kv_head": 2, "vocab_size": VOCAB})

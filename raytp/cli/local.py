@@ -82,7 +82,6 @@ def train(job, sets, address, run_dir, name, resume):
     """Train the model of JOB (a YAML job file) on a Ray cluster."""
     t0 = time.perf_counter()
     cfg = load_job(job, sets)
-    check_data(cfg)
     run, path = run_name_and_dir(job, cfg, run_dir, name)
     from raytp.runtime.origin import starting_state
     from raytp.train.checkpoint import CheckpointError
@@ -92,6 +91,7 @@ def train(job, sets, address, run_dir, name, resume):
         fail(e)
     except config_mod.ConfigError as e:
         fail("\n".join(e.problems))
+    check_data(cfg)  # against the model the job trains (model.init_from's shape, when given)
     if (path / "metrics.jsonl").exists() and resume != "latest":
         fail(f"run directory {path} already holds a run; pass --resume to continue it, or another --run-dir/--name")
     from raytp.runtime import estimate
@@ -148,7 +148,7 @@ def _stop_on_sigterm(driver) -> None:
 @click.argument("source")
 @click.option("--out", required=True, type=click.Path(), help="Output file (raytp) or directory (hf).")
 @click.option("--format", "fmt", type=click.Choice(["raytp", "hf"]), default="raytp", show_default=True,
-              help="raytp: one file raytp.model.GPT.load reads; hf: a GPT-2 or Llama directory for transformers.")
+              help="raytp: one file raytp.models.files.load_model reads; hf: a GPT-2 or Llama directory for transformers.")
 @click.option("--tokenizer", default=None, type=click.Path(exists=True),
               help="tokenizer.json (or a directory holding one) to ship with the model; default: the run's "
                    "data.tokenizer when SOURCE is a run dir.")
@@ -202,11 +202,11 @@ def _run_tokenizer(source: str) -> str | None:
 def sample(model_file, prompt, tokens, temperature, top_k, seed, tokenizer):
     """Generate text from MODEL_FILE (written by `raytp export`), encoded and decoded with its tokenizer."""
     import torch
-    from raytp.model import GPT
+    from raytp.models.files import load_model
     from raytp.train import tokens as tok_mod
     from raytp.train.export import embedded_tokenizer
     try:
-        model = GPT.load(model_file)
+        model = load_model(model_file)
     except ValueError as e:
         fail(e, 1)
     try:

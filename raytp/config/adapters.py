@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 from raytp.config.schema import JobConfig
-from raytp.model import GPTConfig
-from raytp.train.step import Hyper
+from raytp.models.args import ModelArgs
+from raytp.train.hyper import Hyper
 
 
-def gpt_config(cfg: JobConfig) -> GPTConfig:
+def gpt_config(cfg: JobConfig) -> ModelArgs:
     m = cfg.model
-    return GPTConfig(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=m.block_size,
+    return ModelArgs(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=m.block_size,
                      vocab_size=m.vocab_size, dropout=m.dropout, arch=m.arch, n_kv_head=m.n_kv_head,
                      intermediate_size=m.intermediate_size, rope_theta=m.rope_theta,
                      tie_embeddings=m.tie_embeddings, norm_eps=m.norm_eps)

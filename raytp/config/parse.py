@@ -129,7 +129,7 @@ def from_dict(d: Any, source: str = "<dict>",
         kwargs[sec] = cls(**{k.partition(".")[2]: v for k, v in typed.items()
                              if k.startswith(sec + ".")})
     cfg = JobConfig(**kwargs)
-    problems += check(cfg, lambda k: given[k][1] if k in given else source, bad)
+    problems += check(cfg, lambda k: given[k][1] if k in given else source, bad, shape_known=False)
     if problems:
         raise ConfigError(problems)
     return cfg

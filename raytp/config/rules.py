@@ -4,6 +4,9 @@ from __future__ import annotations
 from typing import Any
 
 from raytp.config.schema import LEAVES, ConfigError, JobConfig, Range, at, show
+from raytp.models.args import ModelArgs
+from raytp.models.registry import SPECS
+from raytp.models.spec import divisors as _divisors
 from raytp.names import RUN_NAME
 from raytp.tp_degrees import tp_degrees
 
@@ -15,17 +18,12 @@ def validate(cfg: JobConfig, source: str = "<config>") -> None:
         raise ConfigError(problems)
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(i) for i in range(1, n + 1) if n % i == 0)
-
-
 def _shape(v) -> tuple[int, int, int, str]:
-    """(query heads, KV heads, MLP width, the MLP width's name) of the model section."""
-    llama = v["model.arch"] == "llama"
-    kv = v["model.n_kv_head"] if llama and v["model.n_kv_head"] else v["model.n_head"]
-    if llama and v["model.intermediate_size"]:
-        return v["model.n_head"], kv, v["model.intermediate_size"], "model.intermediate_size"
-    return v["model.n_head"], kv, 4 * v["model.n_embd"], "4*model.n_embd"
+    """(query heads, KV heads, MLP width, the MLP width's job key) of the model section."""
+    args = ModelArgs(n_head=v["model.n_head"], n_embd=v["model.n_embd"], arch=v["model.arch"],
+                     n_kv_head=v["model.n_kv_head"], intermediate_size=v["model.intermediate_size"])
+    width_key = SPECS[args.arch].width_key if args.mlp_width != 4 * args.n_embd else "4*model.n_embd"
+    return args.n_head, args.kv_heads, args.mlp_width, width_key
 
 
 def _tp_degrees(v) -> list[int]:
@@ -57,18 +55,9 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
      lambda v: v["model.n_embd"] % v["model.n_head"] == 0,
      lambda v: f"{v['model.n_head']} does not divide model.n_embd={v['model.n_embd']}; "
                f"valid n_head: {_divisors(v['model.n_embd'])}"),
-    (("model.n_kv_head", "model.n_head", "model.arch"),
-     lambda v: v["model.arch"] != "llama" or v["model.n_kv_head"] is None
-     or v["model.n_head"] % v["model.n_kv_head"] == 0,
-     lambda v: f"{v['model.n_kv_head']} does not divide model.n_head={v['model.n_head']} (each KV head serves "
-               f"a group of query heads); valid: {_divisors(v['model.n_head'])}"),
-    (("model.dropout", "model.arch"),
-     lambda v: v["model.arch"] != "llama" or v["model.dropout"] == 0,
-     lambda v: f"{show(v['model.dropout'])}, but the llama architecture has no dropout; set it to 0"),
-    (("model.n_head", "model.n_embd", "model.arch"),
-     lambda v: v["model.arch"] != "llama" or (v["model.n_embd"] // v["model.n_head"]) % 2 == 0,
-     lambda v: f"{v['model.n_head']} heads make a head width of {v['model.n_embd'] // v['model.n_head']}; "
-               "rotary position embedding needs an even head width (model.n_embd / model.n_head)"),
+    # each architecture's own checks (its spec's job_rules), on jobs of that architecture only
+    *[((*keys, "model.arch"), (lambda v, ok=ok, arch=arch: v["model.arch"] != arch or ok(v)), message)
+      for arch, spec in SPECS.items() for keys, ok, message in spec.job_rules],
     # Attention heads (query, and key/value) and the MLP's hidden units are split over TP.
     (("parallel.tp", *_MODEL),
      lambda v: v["parallel.tp"] in _tp_degrees(v),
@@ -99,10 +88,20 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
 ]
 
 
-def check(cfg: JobConfig, where, bad: set[str]) -> list[str]:
-    """Range, choice and cross-field checks; returns problem lines."""
+# The keys a model.init_from directory's config.json sets: the checks that read them wait for that shape
+# (raytp.runtime.origin checks the job again once it has it), so the job's defaults refuse nothing.
+FROM_MODEL = frozenset({"model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "model.vocab_size",
+                        "model.arch", "model.n_kv_head", "model.intermediate_size", "model.rope_theta",
+                        "model.tie_embeddings", "model.norm_eps"})
+
+
+def check(cfg: JobConfig, where, bad: set[str], shape_known: bool = True) -> list[str]:
+    """Range, choice and cross-field checks; returns problem lines. A job file with model.init_from is
+    checked before its shape is read (shape_known=False): the cross-field checks of the keys the
+    directory sets (FROM_MODEL) wait for it."""
     problems: list[str] = []
     v: dict[str, Any] = {}
+    deferred = FROM_MODEL if cfg.model.init_from and not shape_known else frozenset()
     for key, (_, f) in LEAVES.items():
         sec, _, leaf = key.rpartition(".")
         v[key] = getattr(getattr(cfg, sec) if sec else cfg, leaf)
@@ -118,7 +117,7 @@ def check(cfg: JobConfig, where, bad: set[str]) -> list[str]:
         problems.append(f"{at(where(key), key)}: {msg}")
         bad.add(key)  # skip the cross-field rules that read it
     for keys, ok, message in _RULES:
-        if not bad.intersection(keys) and not ok(v):
+        if not bad.intersection(keys) and not deferred.intersection(keys) and not ok(v):
             problems.append(f"{at(where(keys[0]), keys[0])}: {message(v)}")
             bad.add(keys[0])  # and skip the rules that follow from it
     return problems

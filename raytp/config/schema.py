@@ -12,6 +12,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from raytp.models.registry import SPECS
+
 
 class ConfigError(Exception):
     """A job file or override is invalid; `.problems` holds one line per problem."""
@@ -69,8 +71,7 @@ class ModelConfig:
         None, "a Hugging Face GPT-2 or Llama directory (config.json and safetensors, one file or sharded with "
               "an index) to start from; its config sets the shape keys (a Llama keeps the job's block_size, up "
               "to its max_position_embeddings)")
-    arch: str = _f("gpt2", "architecture: gpt2 (learned positions, GELU MLP, tied head) or llama (rotary "
-                           "positions, SwiGLU MLP, RMSNorm, grouped-query attention, no biases)", ("gpt2", "llama"))
+    arch: str = _f("gpt2", "architecture: " + " or ".join(s.summary for s in SPECS.values()), tuple(SPECS))
     n_kv_head: Optional[int] = _f(None, "llama: key/value heads (grouped-query attention); null = n_head",
                                   POSITIVE)
     intermediate_size: Optional[int] = _f(None, "llama: SwiGLU hidden width; null = 4*n_embd", POSITIVE)

@@ -1,54 +1,92 @@
-"""Layout(tp, dp): pure rank arithmetic of a DP x TP mesh, no processes.
+"""Layout(tp, pp=, dp=): pure rank arithmetic of a TP x PP x DP mesh, no processes.
 
-Ranks of one TP group are contiguous (rank = dp_rank * tp + tp_rank), so a
-TP group maps onto consecutive bundles of a placement group, i.e. onto one
-node, where its several all-reduces per layer find fast links; the DP group
-of a shard strides across the TP groups (and so across nodes).
+Rank order is TP fastest, then pipeline stage, then replica:
+``rank = (dp * pp_degree + pp) * tp_degree + tp``. So the ranks of one TP
+group (one stage of one replica) are contiguous and map onto consecutive
+bundles of one placement group, i.e. onto one node, where their several
+collectives per layer find fast links; a replica's stages follow each other
+(one placement group each, on nodes of their own), and the DP group of a
+shard strides across replicas (and so across nodes).
+
+A rank's place is ``coords(rank)``, a ``Coords`` with named fields (``.tp``,
+``.pp``, ``.dp``): never indexed by position, so adding a dimension cannot
+silently change what a call site reads. The degrees after ``tp`` are keyword
+arguments for the same reason.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
+
+
+@dataclass(frozen=True)
+class Coords:
+    """Where a rank sits: its TP rank, pipeline stage and DP replica."""
+    tp: int
+    pp: int
+    dp: int
 
 
 @dataclass(frozen=True)
 class Layout:
     tp: int
+    _: KW_ONLY
+    pp: int = 1
     dp: int = 1
 
     def __post_init__(self):
-        for key in ("tp", "dp"):
+        for key in ("tp", "pp", "dp"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Layout.{key} must be a positive integer, got {v!r}")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.pp * self.dp
 
-    def rank(self, dp_rank: int, tp_rank: int) -> int:
-        if not (0 <= dp_rank < self.dp and 0 <= tp_rank < self.tp):
-            raise ValueError(f"(dp_rank={dp_rank}, tp_rank={tp_rank}) outside {self}")
-        return dp_rank * self.tp + tp_rank
+    @property
+    def replica_size(self) -> int:
+        """Ranks of one model replica (all its stages)."""
+        return self.tp * self.pp
 
-    def coords(self, rank: int) -> tuple[int, int]:
-        """rank -> (dp_rank, tp_rank)."""
+    def rank(self, *, tp: int = 0, pp: int = 0, dp: int = 0) -> int:
+        if not (0 <= tp < self.tp and 0 <= pp < self.pp and 0 <= dp < self.dp):
+            raise ValueError(f"(tp={tp}, pp={pp}, dp={dp}) outside {self}")
+        return (dp * self.pp + pp) * self.tp + tp
+
+    def coords(self, rank: int) -> Coords:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of {self.world_size} ({self})")
-        return divmod(rank, self.tp)
+        rest, tp = divmod(rank, self.tp)
+        dp, pp = divmod(rest, self.pp)
+        return Coords(tp=tp, pp=pp, dp=dp)
 
-    def tp_group(self, dp_rank: int) -> list[int]:
-        """Ranks that hold the shards of one model replica."""
-        return [self.rank(dp_rank, t) for t in range(self.tp)]
+    def tp_group(self, dp: int, pp: int = 0) -> list[int]:
+        """Ranks that hold the TP shards of one stage of one replica (contiguous: one node)."""
+        return [self.rank(tp=t, pp=pp, dp=dp) for t in range(self.tp)]
 
-    def dp_group(self, tp_rank: int) -> list[int]:
+    def pp_group(self, tp: int, dp: int) -> list[int]:
+        """Ranks that hold the stages of one replica at one TP rank, first stage first."""
+        return [self.rank(tp=tp, pp=s, dp=dp) for s in range(self.pp)]
+
+    def dp_group(self, tp: int, pp: int = 0) -> list[int]:
         """Ranks that hold the same shard in different replicas."""
-        return [self.rank(d, tp_rank) for d in range(self.dp)]
+        return [self.rank(tp=tp, pp=pp, dp=d) for d in range(self.dp)]
+
+    def replica(self, dp: int) -> list[int]:
+        """Every rank of replica `dp` (all its stages): contiguous."""
+        start = dp * self.replica_size
+        if not 0 <= dp < self.dp:
+            raise ValueError(f"replica {dp} outside {self}")
+        return list(range(start, start + self.replica_size))
 
     def tp_groups(self) -> list[list[int]]:
-        return [self.tp_group(d) for d in range(self.dp)]
+        return [self.tp_group(d, s) for d in range(self.dp) for s in range(self.pp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [self.pp_group(t, d) for d in range(self.dp) for t in range(self.tp)]
 
     def dp_groups(self) -> list[list[int]]:
-        return [self.dp_group(t) for t in range(self.tp)]
+        return [self.dp_group(t, s) for s in range(self.pp) for t in range(self.tp)]
 
     def __str__(self) -> str:
-        return f"TP={self.tp} x DP={self.dp}"
+        return f"TP={self.tp} x " + (f"PP={self.pp} x " if self.pp > 1 else "") + f"DP={self.dp}"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raytp.parallel.sharding import Sharding, shard_ranges
+from raytp.parallel.sharding import shard_ranges, Sharding
 
 
 @dataclass(frozen=True)

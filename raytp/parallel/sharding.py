@@ -1,6 +1,7 @@
-"""How every parameter is split over TP ranks: one table for slicing, checkpoints, resharding and norms.
+"""How a parameter is split over TP ranks, and the arithmetic of it: slicing, checkpoints, resharding, norms.
 
-``SHARDING`` maps parameter names to a ``Sharding``: the dim it is split along
+Each model's table (raytp.models: its spec's ``sharding`` rows, looked up by
+raytp.models.registry.sharding_of) maps parameter names to a ``Sharding``: the dim it is split along
 (None: replicated), in how many independent blocks (3 for fused q, k, v: rank i
 holds heads [i*nh/p, (i+1)*nh/p) of each), and whether that dim is padded to a
 multiple of tp (the vocabulary; padded rows get no probability), and, for the
@@ -16,13 +17,9 @@ state alike. Pure: no process groups.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import torch
-
-from raytp.model import GPTConfig
-from raytp.tp_degrees import kv_fits, tp_degrees
 
 
 @dataclass(frozen=True)
@@ -51,64 +48,11 @@ class Sharding:
 
 
 REPLICATED = Sharding()
-KV_HEADS = Sharding(dim=0, heads=-1)  # placeholder: sharding_of fills in the model's n_kv_head
-SHARDING: list[tuple[str, Sharding]] = [  # (regex over parameter names, sharding)
-    # GPT-2
-    (r"(wte|lm_head)\.weight", Sharding(dim=0, pad=True)),
-    (r"h\.\d+\.attn\.c_attn\.(weight|bias)", Sharding(dim=0, parts=3)),
-    (r"h\.\d+\.mlp\.c_fc\.(weight|bias)", Sharding(dim=0)),
-    (r"h\.\d+\.(attn|mlp)\.c_proj\.weight", Sharding(dim=1)),
-    # Llama
-    (r"embed_tokens\.weight", Sharding(dim=0, pad=True)),
-    (r"layers\.\d+\.self_attn\.q_proj\.weight", Sharding(dim=0)),
-    (r"layers\.\d+\.self_attn\.[kv]_proj\.weight", KV_HEADS),
-    (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight", Sharding(dim=0)),
-    (r"layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight", Sharding(dim=1)),
-]
-
-
-def sharding_of(name: str, cfg: GPTConfig | None = None) -> Sharding:
-    """How parameter `name` splits. The key/value projections of a Llama need the model's `cfg` (their
-    split depends on n_kv_head); asking for them without it is an error, not a guess."""
-    for pattern, s in SHARDING:
-        if re.fullmatch(pattern, name):
-            if s is KV_HEADS:
-                if cfg is None:
-                    raise ValueError(f"{name}: its sharding depends on n_kv_head; pass the model config")
-                return Sharding(dim=0, heads=cfg.kv_heads)
-            return s
-    return REPLICATED
-
-
-def tensor_sharding(name: str, t: torch.Tensor, cfg: GPTConfig | None = None) -> Sharding:
-    """How tensor `t` of parameter `name` (its weight, or an AdamW state of it) splits: a scalar (AdamW's
-    step count) is replicated."""
-    return sharding_of(name, cfg) if t.dim() else REPLICATED
+KV_HEADS = Sharding(dim=0, heads=-1)  # in a model's table: split by the model's n_kv_head (filled in by the registry)
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
     return math.ceil(vocab_size / tp) * tp
-
-
-def valid_tp_degrees(cfg: GPTConfig) -> list[int]:
-    return tp_degrees(cfg.n_head, cfg.kv_heads, cfg.mlp_width)
-
-
-def check_tp(cfg: GPTConfig, tp: int) -> None:
-    """Reject a TP degree that does not divide the heads or the MLP width (or, with grouped-query
-    attention, neither divides nor is a multiple of the KV heads), naming the valid ones."""
-    width = "mlp width 4*n_embd" if cfg.arch == "gpt2" else "intermediate_size"
-    bad = [f"does not divide {what}={n}" for what, n in (("n_head", cfg.n_head), (width, cfg.mlp_width)) if n % tp]
-    if cfg.kv_heads != cfg.n_head and not kv_fits(cfg.kv_heads, tp):
-        bad.append(f"neither divides nor is a multiple of n_kv_head={cfg.kv_heads}")
-    if bad:
-        raise ValueError(f"tp={tp} {' and '.join(bad)}; valid tp degrees: "
-                         f"{', '.join(map(str, valid_tp_degrees(cfg)))}")
-
-
-def full_size_of(name: str, cfg: GPTConfig) -> int | None:
-    """The unpadded size along the sharded dim, for parameters that are padded."""
-    return cfg.vocab_size if sharding_of(name, cfg).pad else None
 
 
 def shard_ranges(s: Sharding, size: int, rank: int, tp: int) -> list[range]:

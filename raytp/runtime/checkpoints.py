@@ -152,7 +152,7 @@ class Checkpoints:
 
 def write_part(url: str, directory: str, tp_rank: int, packed, tp: int, model_cfg) -> dict:
     """TP rank `tp_rank`'s file of a checkpoint from its packed snapshot (run as a task: write_part_task);
-    `model_cfg`: the model's GPTConfig."""
+    `model_cfg`: the model's ModelArgs."""
     from raytp.train.shard_state import unpack_state
     tensors = checkpoint.state_tensors(unpack_state(packed), model_cfg)
     out = checkpoint.write_shard(Storage(url), directory, tensors, tp_rank, tp=tp)

@@ -2,7 +2,7 @@
 
 One small actor per run, named ``raytp.<run>.control`` in the namespace
 ``raytp``, created by the driver on its own node. The driver publishes its
-status to it after every call and collects requests from it at step
+status to it when it changes (the rank list when the placement does) and collects requests from it at step
 boundaries (``ControlChannel`` is the driver's side); the CLI, from any
 machine that reaches the cluster, reads the status and files requests, then
 polls for their outcome. The actor holds no training state, so it costs
@@ -31,8 +31,10 @@ class Control:
         self.ids = itertools.count(1)
 
     # -- driver side -----------------------------------------------------------
-    def publish(self, status: dict) -> None:
-        self.status = {**status, "run": self.run, "time": time.time()}
+    def publish(self, status: dict, ranks: list[dict] | None = None) -> None:
+        """The driver's status; `ranks` (where each rank runs) when it changed, else the last one stays."""
+        ranks = self.status.get("ranks", []) if ranks is None else ranks
+        self.status = {**status, "ranks": ranks, "run": self.run, "time": time.time()}
 
     def take_requests(self) -> list[dict]:
         out, self.requests = self.requests, []
@@ -67,9 +69,17 @@ class ControlChannel:
     def __init__(self, run: str, say=lambda msg: None):
         self.run, self.say = run, say
         self.actor = start_control(run)
+        self.ranks: list[dict] = []  # the rank list last published
+        self.fresh = True            # an actor that has not been given the rank list
 
-    def publish(self, status: dict) -> None:
-        self.actor.publish.remote(status)
+    def publish(self, status: dict, ranks: list[dict] | None = None) -> None:
+        """`ranks` when they changed (a new actor is handed the last ones once)."""
+        if ranks is not None:
+            self.ranks = ranks
+        elif self.fresh:
+            ranks = self.ranks
+        self.fresh = False
+        self.actor.publish.remote(status, ranks)
 
     def take_requests(self) -> list[dict]:
         try:
@@ -77,6 +87,7 @@ class ControlChannel:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             self.say("the control actor was lost; starting a new one (pending requests are dropped)")
             self.actor = start_control(self.run)
+            self.fresh = True
             return []
 
     def answer(self, request_id: int | None, outcome) -> None:

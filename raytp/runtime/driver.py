@@ -13,7 +13,8 @@ directory keeps every line written so far.
 The Ray-facing parts are class attributes a test may swap: ``worker_cls``
 (what each rank runs: faults are injected through it), ``group_cls`` (how
 workers are placed, started and called: a fake runs the loop without Ray),
-``control_cls`` and ``copy_cls`` (the control actor, the off-node snapshot copy).
+``control_cls`` and ``copy_cls`` (the control actor, the off-node snapshot copy). The control side
+and the resizes are mixed in from raytp.runtime.driver_control and raytp.runtime.driver_resize.
 """
 from __future__ import annotations
 
@@ -23,23 +24,24 @@ from pathlib import Path
 
 from raytp.config import JobConfig
 from raytp.parallel.layout import Layout
-from raytp.runtime import policy, recovery, reporting, resize
+from raytp.runtime import pipeline, policy, recovery, reporting
 from raytp.runtime.checkpoints import Checkpoints
 from raytp.runtime.control import ControlChannel
 from raytp.runtime.driver_control import DriverControl
+from raytp.runtime.driver_resize import DriverResize
 from raytp.runtime.elastic import Elastic
 from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
 from raytp.runtime.group import WorkerGroup
 from raytp.runtime.metrics import RunLog
 from raytp.runtime.progress import Progress
-from raytp.runtime.records import Outcome, State, StopRequest
+from raytp.runtime.records import State, StopRequest
 from raytp.runtime.snapshots import Cadence, OffNodeCopy, Snapshots
 from raytp.runtime.spares import Spares
 from raytp.runtime.worker import Worker
 from raytp.train.checkpoint import CheckpointError
 
 
-class Driver(DriverControl):
+class Driver(DriverControl, DriverResize):
     worker_cls = Worker
     group_cls = WorkerGroup
     control_cls = ControlChannel
@@ -73,6 +75,7 @@ class Driver(DriverControl):
         self.stop_request: StopRequest | None = None
         self.t_start = time.perf_counter()
         self.stream = None  # the streamed call in flight
+        self.next = None    # the call submitted behind it (raytp.runtime.pipeline), if any
 
     # -- the group and what follows from it ----------------------------------------------------
     @property
@@ -81,7 +84,7 @@ class Driver(DriverControl):
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.cfg.parallel.tp, self.cfg.parallel.dp)
+        return Layout(self.cfg.parallel.tp, dp=self.cfg.parallel.dp)
 
     def adopt(self, group: WorkerGroup) -> None:
         """Switch the job to `group`: the one place the workers, their layout, config and placement change."""
@@ -120,7 +123,7 @@ class Driver(DriverControl):
             self.log.close()
 
     def start(self) -> None:
-        cfg, lay = self.job, Layout(self.job.parallel.tp, self.job.parallel.dp)
+        cfg, lay = self.job, Layout(self.job.parallel.tp, dp=self.job.parallel.dp)
         self.control = self.control_cls(self.run, self._say) if self.control_cls else None
         self.publish()
         self.log.event("started", run=self.run, tp=lay.tp, dp=lay.dp, world_size=lay.world_size,
@@ -158,11 +161,12 @@ class Driver(DriverControl):
             while self.step < end or (self.step == steps and policy.checkpoint_due(
                     steps, steps, self.cfg.checkpoint.every, self.checkpoints.last_step)):
                 self.checkpoints.poll(self.group)
-                self.handle_requests()
-                self.advance_resize()
-                self._take(self.elastic.grow(self.group, self.step))
+                if self.next is None:  # else the next call runs already: this waits for its end
+                    self.handle_requests()
+                    self.advance_resize()
+                    self._take(self.elastic.grow(self.group, self.step))
                 self.spares.refill(self.group)
-                if self.stop_request is not None:
+                if self.stop_request is not None and self.next is None:
                     self._answer(*(self.elastic.cancel(self.group, "the run was stopped") or (None, None)))
                     self.stop()
                     return
@@ -178,6 +182,9 @@ class Driver(DriverControl):
                     self._recover(e)
                 self.publish()
         finally:
+            if self.next is not None:  # only on an exception: the run ends
+                self.next.cancel()
+                self.next = None
             progress.close()
 
     def _call(self, end: int, t_start: float, progress: Progress) -> None:
@@ -185,12 +192,20 @@ class Driver(DriverControl):
         cfg = self.cfg
         steps, every, save_every = cfg.train.steps, cfg.train.eval_interval, cfg.checkpoint.every
         self.cadence.follow(cfg)
-        snap = self.cadence.every
-        warm = self.first_step is not None and self.pending_resize is None
-        n = policy.call_length(self.step, end, cfg.train.steps_per_call, warm, every, save_every)
-        if policy.checkpoint_due(self.step, steps, save_every, self.checkpoints.last_step):
-            self.checkpoints.begin(self.group, self.step)  # a save interrupted by a failure, redone after recovery
-        self.stream = self.group.run_steps(self.step, n, snap)
+        self.stream, self.next = self.next, None
+        if self.stream is None:
+            warm = self.first_step is not None and self.pending_resize is None
+            n = policy.call_length(self.step, end, cfg.train.steps_per_call, warm, every, save_every)
+            if policy.checkpoint_due(self.step, steps, save_every, self.checkpoints.last_step):
+                self.checkpoints.begin(self.group, self.step)  # a save interrupted by a failure, redone now
+            self.stream = self.group.run_steps(self.step, n, self.cadence.every)
+        snap = self.stream.snap
+        quiet = (self.stop_request is None and self.pending_resize is None and self.elastic.growing is None
+                 and not self.requests_waiting())
+        follow = pipeline.follow_on(self.stream.start + self.stream.count, end, steps, cfg.train.steps_per_call,
+                                    every, save_every, self.checkpoints.last_step, quiet)
+        if follow is not None:
+            self.next = self.stream.then(follow, self.cadence.every)
         for done in self.stream:
             for tp_rank, ref in done.snapshot.items():
                 self.snapshots.add(done.step + 1, tp_rank, ref)
@@ -226,6 +241,9 @@ class Driver(DriverControl):
 
     def _recover(self, error: BaseException) -> None:
         self.state = State.RECOVERING
+        behind, self.next = self.next, None
+        if behind is not None:
+            behind.cancel()  # before anything else: no rank may start it
         self.publish()
         try:
             self.checkpoints.poll(self.group)  # a save every rank finished is still committed
@@ -240,8 +258,9 @@ class Driver(DriverControl):
             if getattr(e, "group", None) is not None:
                 self.adopt(e.group)  # so that release() finds every actor the recovery started
             raise
-        if self.stream is not None:
-            self.stream.drain()  # the aborted steps' errors: read, so that Ray does not report them
+        for stream in (self.stream, behind):
+            if stream is not None:
+                stream.drain()  # the aborted steps' errors: read, so that Ray does not report them
         self.failures += r.failures
         if r.replayed is not None:  # the step the survivors finished as the rank died
             self.log.metric(reporting.step_record(r.replayed, [r.replayed], self.cfg, self.layout))
@@ -252,45 +271,6 @@ class Driver(DriverControl):
             self._say(f"no capacity for the lost workers: continuing at {self.layout} (grows back to "
                       f"DP={self.elastic.target_dp} when capacity returns)")
         self.state = State.RUNNING
-
-    # -- resizing --------------------------------------------------------------------------------
-    @property
-    def pending_resize(self):
-        return self.elastic.pending
-
-    def resize(self, tp: int, dp: int) -> Outcome:
-        """Move to layout tp x dp now: request, wait for the new ranks, switch (tests, benchmarks)."""
-        outcome = self.request_resize(tp, dp)
-        if outcome is None:
-            self.group.answered(self.elastic.pending.ready, timeout_s=self.cfg.runtime.placement_timeout_s)
-            outcome = self.advance_resize(now=True)
-        return outcome
-
-    def request_resize(self, tp: int, dp: int, request_id: int | None = None) -> Outcome | None:
-        """Begin a resize; its outcome, or None while its new ranks start (`request_id` is answered when
-        it finishes). One with nothing to start (a shrink) switches at once."""
-        got = self._take(self.elastic.request(self.group, tp, dp, self.step, request_id))
-        return self.advance_resize() if got is None and self.elastic.due(self.group) else got
-
-    def advance_resize(self, now: bool = False) -> Outcome | None:
-        """At a step boundary: switch to the pending layout if it is due (or `now`)."""
-        if not self.elastic.due(self.group, now):
-            return None
-        self.state = State.RESIZING
-        self.publish()
-        request_id, got = self.elastic.finish(self.group, self.step)
-        outcome = self._take(got)
-        self.state = State.RUNNING
-        self._answer(request_id, outcome)
-        return outcome
-
-    def _take(self, got):
-        """Adopt the group of a switch (resize.Switched); the outcome."""
-        if isinstance(got, resize.Switched):
-            self.adopt(got.group)
-            self.resizing = got.resizing or self.resizing
-            return got.outcome
-        return got
 
     def logits(self, idx):
         """Full-vocabulary logits of a batch from replica 0 (for checks and tests)."""

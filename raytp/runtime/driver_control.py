@@ -9,27 +9,52 @@ from raytp.runtime.records import Outcome, State, StopRequest
 
 
 class DriverControl:
+    _published: tuple = (None, None)  # (the status last published, less elapsed_s; the placement of its ranks)
+    _waiting: tuple = ()              # requests taken from the control actor, not served yet
+
     def status(self) -> dict:
         """What `raytp status` shows."""
+        return {**self._summary(), "elapsed_s": time.perf_counter() - self.t_start, "ranks": self._ranks()}
+
+    def _summary(self) -> dict:
         lay = self.layout
         return {"state": self.state.value, "step": self.step, "steps": self.cfg.train.steps,
                 "tp": lay.tp, "dp": lay.dp, "world_size": lay.world_size,
                 "loss": self.last.get("loss"), "val_loss": self.last.get("val_loss"),
                 "tokens_per_s": self.last.get("tokens_per_s"), "step_time_s": self.last.get("step_time_s"),
                 "failures": self.failures, "spares": len(self.spares.pool),
-                "run_dir": str(self.run_dir.resolve()), "elapsed_s": time.perf_counter() - self.t_start,
-                "ranks": [{k: p.get(k) for k in ("rank", "actor", "node_id", "pid", "gpu_ids")}
-                          for p in (self.group.placement if self.group is not None else ())]}
+                "run_dir": str(self.run_dir.resolve())}
+
+    def _ranks(self) -> list[dict]:
+        return [{k: p.get(k) for k in ("rank", "actor", "node_id", "pid", "gpu_ids")}
+                for p in (self.group.placement if self.group is not None else ())]
 
     def publish(self) -> None:
+        """Hand the control actor the status if it changed; the rank list (a line per rank) only when the
+        placement did."""
+        if self.control is None:
+            return
+        summary, placement = self._summary(), self.group.placement if self.group is not None else ()
+        last, last_placement = self._published
+        if summary == last and placement is last_placement:
+            return
+        ranks = None if placement is last_placement else self._ranks()
+        self.control.publish({**summary, "elapsed_s": time.perf_counter() - self.t_start}, ranks)
+        self._published = (summary, placement)
+
+    def requests_waiting(self) -> bool:
+        """Whether requests were filed (taken now, served by the next ``handle_requests``)."""
         if self.control is not None:
-            self.control.publish(self.status())
+            self._waiting = (*self._waiting, *self.control.take_requests())
+        return bool(self._waiting)
 
     def handle_requests(self) -> None:
         """Requests filed through the control actor, served at this step boundary."""
         if self.control is None:
             return
-        for req in self.control.take_requests():
+        self.requests_waiting()
+        waiting, self._waiting = self._waiting, ()
+        for req in waiting:
             if req["kind"] == "stop":
                 self.request_stop(req["id"])
             elif req["kind"] == "scale":

@@ -62,8 +62,9 @@ def estimate(cfg) -> WorkerMemory:
     import torch
 
     from raytp.config.adapters import gpt_config
-    from raytp.model import build_model
-    from raytp.parallel.sharding import local_shape, padded_vocab, sharding_of
+    from raytp.models.registry import build_model
+    from raytp.models.registry import sharding_of
+    from raytp.parallel.sharding import local_shape, padded_vocab
     m, tp, model_cfg = cfg.model, cfg.parallel.tp, gpt_config(cfg)
     with torch.device("meta"):
         model = build_model(model_cfg)

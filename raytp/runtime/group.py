@@ -30,6 +30,7 @@ from ray.exceptions import RayActorError
 
 from raytp.config.adapters import gpt_config
 from raytp.parallel.layout import Layout
+from raytp.parallel.ownership import Ownership
 from raytp.runtime import placement as placements
 from raytp.runtime.streaming import StepStream
 from raytp.runtime.checkpoints import write_part_task
@@ -82,7 +83,7 @@ class WorkerGroup:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.cfg.parallel.tp, self.cfg.parallel.dp)
+        return Layout(self.cfg.parallel.tp, dp=self.cfg.parallel.dp)
 
     def start_worker(self, rank: int, cfg=None, pgs=None) -> tuple[object, tuple]:
         """A new actor for `rank` (of this group's layout, or of `cfg`/`pgs` not yet switched to)."""
@@ -156,7 +157,7 @@ class WorkerGroup:
         new TP rank j, refs of each old rank's replicated tensors, bytes[i][j]). `skip`: {i: new ranks
         that old rank i's own process becomes (it keeps those slices)}."""
         refs, replicated, sizes = [], [], []
-        for i, w in enumerate(self.workers[:self.layout.tp]):
+        for i, w in enumerate(self.owner_workers()):
             out = w.export_pieces.options(num_returns=new_tp + 2).remote(new_tp, sorted((skip or {}).get(i, ())))
             refs.append(list(out[:new_tp]))
             replicated.append(out[new_tp])
@@ -188,7 +189,7 @@ class WorkerGroup:
 
     def logits(self, idx):
         """Full-vocabulary logits of a batch from replica 0."""
-        return ray.get([w.logits.remote(idx) for w in self.workers[:self.layout.tp]],
+        return ray.get([w.logits.remote(idx) for w in self.owner_workers()],
                        timeout=self.cfg.runtime.step_timeout_s)[0]
 
     # -- health ----------------------------------------------------------------------------------
@@ -196,17 +197,22 @@ class WorkerGroup:
         """{rank: "died" | "hung"} of the workers that no longer serve; hung ones are killed."""
         pings = [w.ping.remote() for w in self.workers]
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=self.cfg.recovery.ping_timeout_s)
+        answered = set(ready)  # a set: `in` a list of refs made this quadratic (104 ms at 1024 ranks)
         lost = {}
         for rank, ref in enumerate(pings):
-            if ref not in ready:
+            if ref not in answered:
                 lost[rank] = "hung"
                 ray.kill(self.workers[rank], no_restart=True)
-                continue
-            try:
-                ray.get(ref)
-            except RayActorError:
-                lost[rank] = "died"
-        return lost
+        try:
+            ray.get(ready)  # one batched get; only a rank that died makes it raise
+        except RayActorError:
+            for rank, ref in enumerate(pings):
+                if ref in answered:
+                    try:
+                        ray.get(ref)
+                    except RayActorError:
+                        lost[rank] = "died"
+        return dict(sorted(lost.items()))
 
     def wait_out(self, survivors: list[int]) -> tuple[dict[int, int], list[int]]:
         """Wait until no survivor is inside a step, then have them leave their process groups:
@@ -252,9 +258,13 @@ class WorkerGroup:
             return False
 
     # -- state in and out ------------------------------------------------------------------------
+    def owner_workers(self) -> list:
+        """The workers that own the state (raytp.parallel.ownership), part 0 first."""
+        return [self.workers[r] for r in Ownership(self.layout).owners()]
+
     def shard_states(self) -> list[dict]:
         """The TP shards of replica 0 (DP replicas hold the same), rank order, in this process."""
-        return ray.get([w.get_state.remote() for w in self.workers[:self.layout.tp]],
+        return ray.get([w.get_state.remote() for w in self.owner_workers()],
                        timeout=self.cfg.runtime.step_timeout_s)
 
     def fetch(self, refs) -> list:
@@ -264,7 +274,7 @@ class WorkerGroup:
     def begin_save(self, url: str, directory: str) -> tuple[dict, list]:
         """Replica 0's ranks start writing their files of a checkpoint (raytp.runtime.checkpoints):
         (the tensor table, one ref per rank that resolves once its file is written)."""
-        ranks = self.workers[:self.layout.tp]
+        ranks = self.owner_workers()
         tables = ray.get([w.begin_save.remote(url, directory) for w in ranks], timeout=self.cfg.runtime.step_timeout_s)
         return tables[0], [w.save_result.remote() for w in ranks]
 
@@ -292,9 +302,10 @@ class WorkerGroup:
         return sum(ray.get([ws[d].state_nbytes.remote() for d in donors.values()]))
 
     def load_parts(self, ranks: Iterable[int], parts: Mapping[int, object], step: int) -> None:
-        """Ranks take their TP rank's part of a snapshot ({tp_rank: ref}) as the state after `step`."""
-        lay = self.layout
-        ray.get([self.workers[r].set_shard.remote(parts[lay.coords(r)[1]], step) for r in ranks],
+        """Ranks take their part of a snapshot ({part: ref}, raytp.parallel.ownership) as the state after
+        `step`."""
+        own = Ownership(self.layout)
+        ray.get([self.workers[r].set_shard.remote(parts[own.part(r)], step) for r in ranks],
                 timeout=self.cfg.runtime.step_timeout_s)
 
     # -- ending ----------------------------------------------------------------------------------

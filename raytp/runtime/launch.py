@@ -41,7 +41,8 @@ class Launcher:
     def start(self, cfg, pgs: dict, rank: int, timeout_s: float = 30.0) -> tuple[object, tuple[str, int]]:
         """The actor of `rank` of layout `cfg` placed in `pgs` (dp_rank -> replica placement), and the
         bundle it sits in."""
-        dp_rank, tp_rank = Layout(cfg.parallel.tp, cfg.parallel.dp).coords(rank)
+        at = Layout(cfg.parallel.tp, dp=cfg.parallel.dp).coords(rank)
+        dp_rank, tp_rank = at.dp, at.tp
         pg, index = placement.bundle_of(pgs[dp_rank], tp_rank)
         self.evict(pg, index)
         opts = placement.bundle_options(cfg, pg, index, names.worker(self.run, rank))

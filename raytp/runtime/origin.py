@@ -9,7 +9,8 @@ from pathlib import Path
 
 from raytp import config as config_mod
 from raytp.config.adapters import gpt_config
-from raytp.train import checkpoint
+from raytp.models import registry
+from raytp.train import checkpoint, hf
 from raytp.train.sources import CheckpointSource, HFSource
 
 
@@ -33,22 +34,19 @@ def starting_state(cfg: config_mod.JobConfig, resume: str | None, run_dir: Path,
         say(f"resuming from {found} (step {step}, saved at TP={lay['tp']} x DP={lay['dp']})")
         return cfg, (step, source, found)
     if cfg.model.init_from:
-        from raytp.train import hf
         shape = hf.inspect(Path(cfg.model.init_from))
-        block = shape.block_size  # GPT-2: the position table's length; Llama: the job's, up to the model's
-        if shape.arch == "llama":
-            if cfg.model.block_size > shape.block_size:
-                raise ValueError(f"model.block_size: {cfg.model.block_size} exceeds the max_position_embeddings="
-                                 f"{shape.block_size} of {cfg.model.init_from}/config.json")
-            block = cfg.model.block_size
+        spec = registry.spec(shape)
+        try:  # GPT-2: the position table's length; Llama: the job's, up to the model's
+            block = spec.hf.block_size(cfg.model.block_size, shape.block_size)
+        except ValueError as e:
+            raise ValueError(f"{e} ({cfg.model.init_from}/config.json)") from None
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(
             cfg.model, n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd,
             block_size=block, vocab_size=shape.vocab_size, arch=shape.arch, n_kv_head=shape.n_kv_head,
             intermediate_size=shape.intermediate_size, rope_theta=shape.rope_theta,
             tie_embeddings=shape.tie_embeddings, norm_eps=shape.norm_eps))
         config_mod.validate(cfg, f"{cfg.model.init_from}/config.json")
-        what = "GPT-2" if shape.arch == "gpt2" else "Llama"
-        say(f"starting from the {what} in {cfg.model.init_from} ({shape.n_layer} layers x {shape.n_embd} wide, "
+        say(f"starting from the {spec.title} in {cfg.model.init_from} ({shape.n_layer} layers x {shape.n_embd} wide, "
             f"{shape.n_head} heads, {shape.kv_heads} KV heads, vocabulary {shape.vocab_size})")
         return cfg, (0, HFSource(str(Path(cfg.model.init_from).resolve())), str(cfg.model.init_from))
     return cfg, None

@@ -15,6 +15,7 @@ from typing import Hashable, Mapping, Sequence
 
 from raytp import config as config_mod
 from raytp.parallel.layout import Layout
+from raytp.parallel.ownership import Ownership
 
 # -- failures ----------------------------------------------------------------------------------
 
@@ -47,16 +48,16 @@ def restore_plan(layout: Layout, lost: Sequence[int], completed: Mapping[int, in
     the newest checkpoint.
 
     `completed`: survivors -> completed steps. A replica serves only if every lost shard has a
-    survivor with the same TP rank and all survivors are at one step. A copy at the survivors' step
+    survivor holding the same bytes (raytp.parallel.ownership) and all survivors are at one step. A copy at the survivors' step
     is loaded by the new ranks only; otherwise everyone rolls back to it. After an attempt that
     failed midway, plan again with ``completed={}``: some ranks may have loaded, so everyone loads."""
     everyone = tuple(range(layout.world_size))
     steps = set(completed.values())
     plan = []
     donors = {}
+    own = Ownership(layout)
     for r in lost:
-        tp_rank = layout.coords(r)[1]
-        donors[r] = next((s for s in sorted(completed) if layout.coords(s)[1] == tp_rank), None)
+        donors[r] = next((s for s in own.holders(r) if s in completed), None)
     if len(steps) == 1 and all(v is not None for v in donors.values()):
         plan.append(Restore("replica", next(iter(steps)), tuple(sorted(lost)), donors))
     for source, step in copies:
@@ -80,11 +81,11 @@ def shrink_decision(layout: Layout, lost: Sequence[int], completed: Mapping[int,
     replicas are whole, or they disagree on the step."""
     if min_dp is None:
         return None
-    broken = {layout.coords(r)[0] for r in lost}
+    broken = {layout.coords(r).dp for r in lost}
     whole = [q for q in range(layout.dp) if q not in broken]
-    if any(r not in completed for q in whole for r in layout.tp_group(q)):
+    if any(r not in completed for q in whole for r in layout.replica(q)):
         return None
-    steps = {completed[r] for q in whole for r in layout.tp_group(q)}
+    steps = {completed[r] for q in whole for r in layout.replica(q)}
     sizes = [k for k in range(len(whole), 0, -1) if k >= min_dp and batch_size % k == 0]
     if not sizes or len(steps) != 1:
         return None
@@ -99,8 +100,8 @@ def choose_spares(layout: Layout, lost: Sequence[int], nodes: Sequence[str | Non
     A lost rank takes a spare on the node of its surviving TP peers (a TP group stays inside one
     node); a TP group lost whole takes spares that share one node. Ranks left out start anew."""
     lost_set, pool, chosen = set(lost), list(ready), {}
-    for q in sorted({layout.coords(r)[0] for r in lost}):
-        group = layout.tp_group(q)
+    for q in sorted({layout.coords(r).dp for r in lost}):
+        group = layout.replica(q)
         missing = [r for r in group if r in lost_set]
         peers = [nodes[r] for r in group if r not in lost_set and r < len(nodes)]
         candidates = [peers[0]] if peers else list(dict.fromkeys(node for _, node in pool))
@@ -210,8 +211,8 @@ def replica_elsewhere(layout: Layout, nodes: Sequence[str | None]) -> bool:
     """Whether some DP replica runs wholly on nodes that replica 0 does not use."""
     if len(nodes) < layout.world_size:
         return False
-    zero = {nodes[r] for r in layout.tp_group(0)}
-    return any(not ({nodes[r] for r in layout.tp_group(q)} & zero) for q in range(1, layout.dp))
+    zero = {nodes[r] for r in Ownership(layout).owners()}
+    return any(not ({nodes[r] for r in layout.replica(q)} & zero) for q in range(1, layout.dp))
 
 
 def keeper_node(layout: Layout, nodes: Sequence[str | None], alive: Sequence[str], here: str,
@@ -222,7 +223,7 @@ def keeper_node(layout: Layout, nodes: Sequence[str | None], alive: Sequence[str
     keeper's node now. None is needed where another DP replica lives on another node (it is the
     copy); none is possible where no other node is alive. The current keeper stays where it is;
     a new one goes to the driver's node when that node holds none of replica 0's shards."""
-    state_nodes = {nodes[r] for r in layout.tp_group(0) if r < len(nodes)}
+    state_nodes = {nodes[r] for r in Ownership(layout).owners() if r < len(nodes)}
     if any(n not in state_nodes for n in nodes):
         return None, "DP replicas on other nodes hold the same shards"
     others = [n for n in alive if n not in state_nodes]

@@ -39,6 +39,7 @@ from typing import Callable
 
 from ray.exceptions import ObjectLostError, OwnerDiedError, RayTaskError
 
+from raytp.parallel.ownership import Ownership
 from raytp.runtime import policy
 from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
 from raytp.runtime.records import Healing, Resizing
@@ -112,7 +113,7 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, par
         give_up(ctx, group, f"{attempt.failures} worker losses exceed recovery.max_failures="
                             f"{cfg.recovery.max_failures}")
 
-    snap_nodes = {group.placement[r].get("node_id") for r in lay.tp_group(0) if r < len(group.placement)}
+    snap_nodes = {group.placement[r].get("node_id") for r in Ownership(lay).owners() if r < len(group.placement)}
     group.kill(lost)  # also frees the actors' names for the replacements
     promoted = ctx.spares.take(group, list(lost))  # warm spares first: no process to start
     group = group.with_workers({r: s.actor for r, s in promoted.items()},
@@ -178,11 +179,11 @@ def _shrink(ctx: RecoveryContext, attempt: _Attempt, shrink: policy.Shrink, lost
     """Go on with the whole replicas, renumbered in order; the others' workers and groups go."""
     group = attempt.group
     lay = group.layout
-    group.kill(r for q in range(lay.dp) if q not in shrink.keep for r in lay.tp_group(q))
+    group.kill(r for q in range(lay.dp) if q not in shrink.keep for r in lay.replica(q))
     group.placer.release(unused_groups([group.pgs[q] for q in range(lay.dp) if q not in shrink.keep],
                                        [group.pgs[q] for q in shrink.keep]))
     new_cfg = policy.resized_config(group.cfg, lay.tp, shrink.new_dp)
-    workers = [group.workers[r] for q in shrink.keep for r in lay.tp_group(q)]
+    workers = [group.workers[r] for q in shrink.keep for r in lay.replica(q)]
     pgs = {i: group.pgs[q] for i, q in enumerate(shrink.keep)}
     group = attempt.group = group.successor(new_cfg, pgs, workers).join()
     resizing = Resizing(t0, t0, lay, group.layout, 0, f"lost capacity; kept replicas {list(shrink.keep)} of {lay.dp}")

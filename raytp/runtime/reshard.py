@@ -55,7 +55,7 @@ def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: di
         workers = list(group.workers[:len(plan.kept)]) + [early[r][0] for r in plan.early]
         nxt = group.successor(new_cfg, pgs, workers, bundles={actor_id(a): k for a, k in early.values()})
         nxt = nxt.join(setup=plan.early)
-        moved = nxt.copy_shards({r: nxt.layout.coords(r)[1] for r in plan.early}, step)
+        moved = nxt.copy_shards({r: nxt.layout.coords(r).tp for r in plan.early}, step)
     except FAILURES as e:
         group.kill_actors(a for a, _ in early.values())
         group.placer.release(reserved.values())
@@ -70,7 +70,7 @@ def switch_tp(group, new_cfg, reserved: tuple, early: dict):
     (new group, bytes moved). `reserved`: placement.reserve_tp's placement; `early`: {rank: (actor,
     bundle)} of the ranks whose names were free, started ahead. The state moves worker to worker
     (raytp.runtime.transfer); the driver passes references only."""
-    old, new = group.layout, Layout(new_cfg.parallel.tp, new_cfg.parallel.dp)
+    old, new = group.layout, Layout(new_cfg.parallel.tp, dp=new_cfg.parallel.dp)
     new_pgs, requested, unused = reserved
     plan = policy.tp_resize_ranks(old, new)
     started = [a for a, _ in early.values()]
@@ -85,7 +85,7 @@ def switch_tp(group, new_cfg, reserved: tuple, early: dict):
         news = {**late, **early}
         workers = list(group.workers[:len(plan.kept)]) + [news[r][0] for r in sorted(news)]
         nxt = group.successor(new_cfg, new_pgs, workers, bundles={actor_id(a): k for a, k in news.values()})
-        sources = {r: PiecesSource(tuple(None if (r in plan.kept and i == r) else refs[i][new.coords(r)[1]]
+        sources = {r: PiecesSource(tuple(None if (r in plan.kept and i == r) else refs[i][new.coords(r).tp]
                                          for i in range(old.tp)), new_cfg.model.vocab_size)
                    for r in range(new.world_size)}
         reshaped = plan.kept
@@ -99,7 +99,7 @@ def switch_tp(group, new_cfg, reserved: tuple, early: dict):
         raise SwitchFailed(_rolled_back(group, plan, exported, reshaped), e) from e
     group.placer.release(list(unused) + unused_groups([group.pgs[q] for q in range(new.dp, old.dp)],
                                                       nxt.pgs.values()))
-    moved = sum(sizes[i][new.coords(r)[1]] for r in range(new.world_size) for i in range(old.tp)
+    moved = sum(sizes[i][new.coords(r).tp] for r in range(new.world_size) for i in range(old.tp)
                 if not (r in plan.kept and i == r))
     return nxt, moved
 
@@ -113,12 +113,12 @@ def _rolled_back(group, plan, exported, reshaped):
         if reshaped:
             group.revert(reshaped)
         fresh = group.started(plan.removed)
-        sources = {r: RebuildSource(tuple(refs[lay.coords(r)[1]]), replicated[0]) for r in plan.removed}
+        sources = {r: RebuildSource(tuple(refs[lay.coords(r).tp]), replicated[0]) for r in plan.removed}
         return fresh.join(setup=plan.removed, states=sources)
     except FAILURES:  # a kept process is lost too: everything starts anew from the exported bundles
         group.kill(range(lay.world_size))
         fresh = type(group).create(group.launcher, group.cfg, group.pgs)
-        sources = {r: RebuildSource(tuple(refs[lay.coords(r)[1]]), replicated[0]) for r in range(lay.world_size)}
+        sources = {r: RebuildSource(tuple(refs[lay.coords(r).tp]), replicated[0]) for r in range(lay.world_size)}
         try:
             return fresh.join(setup=range(lay.world_size), states=sources)
         except FAILURES:
@@ -128,7 +128,7 @@ def _rolled_back(group, plan, exported, reshaped):
 def restart_tp(group, new_cfg):
     """`group` at another TP degree the plain way: new placement groups for every replica, every worker
     started anew, the state moved worker to worker: (new group, bytes moved)."""
-    new = Layout(new_cfg.parallel.tp, new_cfg.parallel.dp)
+    new = Layout(new_cfg.parallel.tp, dp=new_cfg.parallel.dp)
     new_pgs = group.reserve(new_cfg, group.launcher.run, list(range(new.dp)))
     try:
         nxt, moved = restart_in(group, new_cfg, new_pgs)
@@ -143,7 +143,7 @@ def restart_in(group, new_cfg, new_pgs: dict):
     """Every worker of `group` cuts its shard into bundles for the new layout (in the object store), stops,
     and the new layout's workers start in `new_pgs` and fill their shards from the bundles: (new group,
     bytes moved). On a failure the old layout starts again, in its own placement, from the same bundles."""
-    old, new = group.layout, Layout(new_cfg.parallel.tp, new_cfg.parallel.dp)
+    old, new = group.layout, Layout(new_cfg.parallel.tp, dp=new_cfg.parallel.dp)
     try:
         exported = group.export_pieces(new.tp)
     except FAILURES as e:
@@ -153,20 +153,20 @@ def restart_in(group, new_cfg, new_pgs: dict):
     nxt = None
     try:
         nxt = type(group).create(group.launcher, new_cfg, new_pgs)
-        sources = {r: PiecesSource(tuple(refs[i][new.coords(r)[1]] for i in range(old.tp)), new_cfg.model.vocab_size)
+        sources = {r: PiecesSource(tuple(refs[i][new.coords(r).tp] for i in range(old.tp)), new_cfg.model.vocab_size)
                    for r in range(new.world_size)}
         nxt = nxt.join(setup=range(new.world_size), states=sources)
     except FAILURES as e:
         if nxt is not None:
             nxt.kill(range(new.world_size))
         fresh = type(group).create(group.launcher, group.cfg, group.pgs)
-        sources = {r: RebuildSource(tuple(refs[old.coords(r)[1]]), replicated[0]) for r in range(old.world_size)}
+        sources = {r: RebuildSource(tuple(refs[old.coords(r).tp]), replicated[0]) for r in range(old.world_size)}
         try:
             fresh = fresh.join(setup=range(old.world_size), states=sources)
         except FAILURES:
             pass
         raise SwitchFailed(fresh, e) from e
-    return nxt, sum(sizes[i][new.coords(r)[1]] for r in range(new.world_size) for i in range(old.tp))
+    return nxt, sum(sizes[i][new.coords(r).tp] for r in range(new.world_size) for i in range(old.tp))
 
 
 def _rejoined(group):

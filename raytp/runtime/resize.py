@@ -89,7 +89,7 @@ def request(group, tp: int, dp: int, step: int, say, log, request_id: int | None
             requested = list(reserved.values())
             pgs = {**{q: pg for q, pg in group.pgs.items() if q < dp}, **reserved}
         else:
-            kind, plan = "tp", policy.tp_resize_ranks(old, Layout(tp, dp))
+            kind, plan = "tp", policy.tp_resize_ranks(old, Layout(tp, dp=dp))
             reserved = group.placer.reserve_tp(new_cfg, run, group.pgs, old.dp)
             if reserved is None:  # an extension landed on another node than its replica
                 say("more bundles could not be had on a replica's node: restarting every worker")

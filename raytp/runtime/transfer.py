@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from raytp.parallel.reshard_plan import pieces
-from raytp.parallel.sharding import Sharding, sharding_of, tensor_sharding
+from raytp.models.registry import sharding_of, tensor_sharding
+from raytp.parallel.sharding import Sharding
 from raytp.train.checkpoint import named_tensors
 
 

@@ -16,7 +16,7 @@ import torch
 
 from raytp.config.adapters import gpt_config, hyper
 from raytp.parallel.groups import destroy_process_groups
-from raytp.parallel.plan import build_empty_shard, rebind_groups
+from raytp.models.shard import build_empty_shard, rebind_groups
 from raytp.runtime import transfer
 from raytp.runtime.background_save import BackgroundSave
 from raytp.runtime.transfer import PiecesSource

@@ -1,6 +1,8 @@
 """Checkpoints that load at any layout, written by the workers themselves and read slice by slice.
 
-A checkpoint is a directory ``step-00000100/`` in a Storage (raytp.train.storage):
+A checkpoint is the directory holding a ``manifest.json`` (raytp names the ones it
+writes ``step-00000100/``; a copy under any other name, ``best/``, is one too), in
+a Storage (raytp.train.storage):
 
 - ``tp000.safetensors``, ``tp001.safetensors``, ...: what TP rank i of DP
   replica 0 holds (replicas hold the same): its slices of the weights
@@ -23,36 +25,20 @@ Exact resumption needs nothing more: data and dropout are pure functions of
 """
 from __future__ import annotations
 
-import json
 import os
-import re
-import time
-from dataclasses import asdict
 
 import torch
 
-from raytp.model import GPTConfig
+from raytp.models.args import ModelArgs
+from raytp.models.registry import sharding_of, tensor_sharding
 from raytp.parallel.reshard_plan import pieces
-from raytp.parallel.sharding import Sharding, local_shape, sharding_of, tensor_sharding
+from raytp.parallel.sharding import Sharding, local_shape
 from raytp.train import safetensors_io
+from raytp.train.checkpoint_format import (FORMAT, FORMAT_V1, MANIFEST, STEP_DIR, CheckpointError,  # noqa: F401
+                                           check_files, check_model, list_checkpoints, manifest, read_manifest, shard_file,
+                                           step_dir, step_of)
+from raytp.train.checkpoint_v1 import LegacyCheckpoint
 from raytp.train.storage import Storage
-
-FORMAT, FORMAT_V1 = "raytp-checkpoint/2", "raytp-checkpoint/1"
-MANIFEST = "manifest.json"
-STEP_DIR = re.compile(r"step-(\d{8})")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt, or for another model."""
-
-
-def step_dir(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def shard_file(tp_rank: int) -> str:
-    return f"tp{tp_rank:03d}.safetensors"
-
 
 # -- what a rank holds, as named tensors --------------------------------------------------------
 def named_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, tuple[Sharding, torch.Tensor]]:
@@ -67,7 +53,7 @@ def named_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     return out
 
 
-def state_tensors(state: dict, cfg: GPTConfig | None = None) -> dict[str, tuple[Sharding, torch.Tensor]]:
+def state_tensors(state: dict, cfg: ModelArgs | None = None) -> dict[str, tuple[Sharding, torch.Tensor]]:
     """The same keys for a shard_state ({"model": {name: t}, "optim": {name: {k: t}}}) of a model of
     `cfg` (needed for a Llama's key/value projections)."""
     out = {f"model/{n}": (sharding_of(n, cfg), t) for n, t in state["model"].items()}
@@ -116,48 +102,11 @@ def write_shard(storage: Storage, directory: str, tensors: dict[str, tuple[Shard
     return {"file": name, "bytes": n}
 
 
-def manifest(step: int, cfg: GPTConfig, tp: int, dp: int, files: dict[str, int], tensors: dict) -> dict:
-    return {"format": FORMAT, "step": step, "time": time.time(), "model": asdict(cfg),
-            "layout": {"tp": tp, "dp": dp}, "files": files, "tensors": tensors}
-
-
 # -- finding and reading ----------------------------------------------------------------------------
-def list_checkpoints(storage: Storage) -> list[str]:
-    """Names of the checkpoint directories that have a manifest, oldest first."""
-    return [n for n in storage.listdir() if STEP_DIR.fullmatch(n) and storage.exists(n, MANIFEST)]
-
-
-def step_of(name: str) -> int:
-    return int(STEP_DIR.fullmatch(name).group(1))
-
-
-def read_manifest(storage: Storage, directory: str) -> dict:
-    where = f"{storage.url.rstrip('/')}/{directory}"
-    if not storage.exists(directory):
-        raise CheckpointError(f"{where}: no such checkpoint directory")
-    if not storage.exists(directory, MANIFEST):
-        raise CheckpointError(f"{where}/{MANIFEST}: missing; the checkpoint is incomplete (a save that did not "
-                              "finish?)")
-    try:
-        m = json.loads(storage.read_bytes(directory, MANIFEST))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{where}/{MANIFEST}: not valid JSON ({e})") from None
-    if m.get("format") not in (FORMAT, FORMAT_V1):
-        raise CheckpointError(f"{where}/{MANIFEST}: format {m.get('format')!r}, expected {FORMAT!r}")
-    return m
-
-
-def check_model(manifest_: dict, cfg: GPTConfig, where: str) -> None:
-    """Refuse a checkpoint of another model shape, naming the keys that differ."""
-    saved = asdict(GPTConfig(**manifest_["model"]))  # keys a checkpoint predates take their defaults
-    diff = [f"{k} {saved.get(k)} (checkpoint) vs {v} (job)" for k, v in asdict(cfg).items()
-            if k != "dropout" and saved.get(k) != v]
-    if diff:
-        raise CheckpointError(f"{where}/{MANIFEST}: checkpoint is for another model shape: {'; '.join(diff)}")
-
-
 class Checkpoint:
     """One checkpoint directory: validated against its manifest, read slice by slice."""
+
+    reads_into = True  # read() fills a given tensor in place (no copy on a filesystem)
 
     def __init__(self, storage: Storage, directory: str, manifest_: dict | None = None):
         self.storage, self.dir = storage, directory
@@ -167,13 +116,7 @@ class Checkpoint:
         self._readers: dict[str, safetensors_io.Reader] = {}
 
     def validate(self) -> "Checkpoint":
-        """Every file there at the size the manifest says (a stat per file; nothing read)."""
-        for name, size in self.manifest["files"].items():
-            if not self.storage.exists(self.dir, name):
-                raise CheckpointError(f"{self.where}/{name}: missing shard file")
-            have = self.storage.size(self.dir, name)
-            if have != size:
-                raise CheckpointError(f"{self.where}/{name}: truncated or altered ({have} bytes, manifest says {size})")
+        check_files(self.storage, self.dir, self.manifest, self.where)
         return self
 
     def keys(self) -> list[str]:
@@ -229,7 +172,6 @@ def open_checkpoint(storage: Storage, directory: str, manifest_: dict | None = N
     """The checkpoint in `directory` (validated), of either format."""
     m = manifest_ or read_manifest(storage, directory)
     if m["format"] == FORMAT_V1:
-        from raytp.train.checkpoint_v1 import LegacyCheckpoint
         return LegacyCheckpoint(storage, directory, m).validate()
     return Checkpoint(storage, directory, m).validate()
 
@@ -241,8 +183,7 @@ def load_into(ckpt, model, optimizer, rank: int, tp: int) -> None:
         for name, p in model.named_parameters():
             if f"model/{name}" not in keys:
                 raise CheckpointError(f"{ckpt.where}: holds no model/{name}")
-            direct = p.device.type == "cpu" and p.is_contiguous() and isinstance(ckpt, Checkpoint) \
-                and type(ckpt) is Checkpoint  # format 2 on the host: read straight into the tensors
+            direct = p.device.type == "cpu" and p.is_contiguous() and ckpt.reads_into  # straight into the tensors
             if direct:
                 ckpt.read(f"model/{name}", rank, tp, out=p.data)
             else:
@@ -260,13 +201,14 @@ def load_into(ckpt, model, optimizer, rank: int, tp: int) -> None:
                 optimizer.state[p] = state
 
 
-def find(location: str, cfg: GPTConfig | None = None, warn=None):
-    """The checkpoint at `location` (a checkpoint dir, a checkpoints dir or a run dir; a path or URL), or
-    the newest whole one under it; a broken newest one is reported through `warn` and skipped. Its
-    model shape is checked against `cfg` if given. Raises CheckpointError."""
+def find(location: str, cfg: ModelArgs | None = None, warn=None):
+    """The checkpoint at `location` (a checkpoint dir: one holding a manifest, whatever its name; a
+    checkpoints dir or a run dir; a path or URL), or the newest whole one under it; a broken newest one is
+    reported through `warn` and skipped. Its model shape is checked against `cfg` if given. Raises
+    CheckpointError."""
     location = str(location).rstrip("/")
     head, _, last = location.rpartition("/")
-    if STEP_DIR.fullmatch(last):
+    if STEP_DIR.fullmatch(last) or Storage(head or ".").exists(last, MANIFEST):
         found = open_checkpoint(Storage(head or "."), last)
         if cfg is not None:
             check_model(found.manifest, cfg, found.where)

@@ -11,15 +11,25 @@ import io
 
 import torch
 
-from raytp.model import GPTConfig
-from raytp.train.checkpoint import CheckpointError, Checkpoint
+from raytp.models.args import ModelArgs
+from raytp.train.checkpoint_format import CheckpointError, check_files
 from raytp.train.shard_state import slice_state, unshard_state
 
 
-class LegacyCheckpoint(Checkpoint):
+class LegacyCheckpoint:
+    """A format-1 checkpoint directory, with the reading side of raytp.train.checkpoint.Checkpoint."""
+
+    reads_into = False  # read() returns a new tensor
+
     def __init__(self, storage, directory: str, manifest_: dict):
-        super().__init__(storage, directory, manifest_)
+        self.storage, self.dir, self.manifest = storage, directory, manifest_
+        self.where = f"{storage.url.rstrip('/')}/{directory}"
+        self.step, self.tp = manifest_["step"], manifest_["layout"]["tp"]
         self._full: dict | None = None
+
+    def validate(self) -> "LegacyCheckpoint":
+        check_files(self.storage, self.dir, self.manifest, self.where)
+        return self
 
     def _state(self) -> dict:
         if self._full is None:
@@ -30,7 +40,7 @@ class LegacyCheckpoint(Checkpoint):
                     shards.append(torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True))
                 except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
                     raise CheckpointError(f"{self.where}/{name}: cannot be read ({type(e).__name__}: {e})") from None
-            self._full = unshard_state(shards, GPTConfig(**self.manifest["model"]))
+            self._full = unshard_state(shards, ModelArgs(**self.manifest["model"]))
         return self._full
 
     def keys(self) -> list[str]:

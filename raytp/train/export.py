@@ -3,7 +3,7 @@
 Each tensor is read whole from the checkpoint's slices (raytp.train.checkpoint,
 TP degree 1) and written to the output file at once, so the export holds one
 tensor at a time, never the model. The raytp format is a safetensors file with
-the model's config in its metadata (``raytp.model.GPT.load`` reads it); the
+the model's config in its metadata (``raytp.models.files.load_model`` reads it); the
 Hugging Face format is raytp.train.hf.save.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from raytp.model import MODEL_FORMAT
+from raytp.models.base import MODEL_FORMAT
 from raytp.train import safetensors_io
 
 

@@ -1,14 +1,11 @@
-"""The Hugging Face bridge: raytp's models <-> Hugging Face model directories (GPT-2 and Llama).
+"""The Hugging Face bridge: raytp's models <-> Hugging Face model directories, for every architecture.
 
-raytp's GPT is GPT-2, with two differences of spelling: Hugging Face's GPT-2
-keeps its projections as Conv1D, whose weight is the transpose of an
-nn.Linear's, and prefixes the trunk with ``transformer.``. raytp's Llama is
-LlamaForCausalLM with the trunk's ``model.`` prefix dropped
-(raytp.train.hf_llama). A directory written here (config.json +
-model.safetensors) loads with ``GPT2LMHeadModel`` / ``LlamaForCausalLM``
-``.from_pretrained(DIR)`` and no raytp installed; one written by transformers
-(one safetensors file, or several with their index) loads into raytp
-(``model.init_from: DIR``), each rank reading only the byte ranges of its slices.
+Each architecture's spelling (config.json, weight names, transposed layouts)
+is its spec's ``hf`` adapter (raytp.models.<arch>.hf). A directory written here
+(config.json + model.safetensors) loads with transformers' ``from_pretrained``
+and no raytp installed; one written by transformers (one safetensors file, or
+several with their index) loads into raytp (``model.init_from: DIR``), each
+rank reading only the byte ranges of its slices.
 """
 from __future__ import annotations
 
@@ -17,84 +14,30 @@ from pathlib import Path
 
 import torch
 
-from raytp.model import GPTConfig
+from raytp.models.args import ModelArgs
+from raytp.models.registry import build_model, sharding_of, spec, spec_for_hf
+from raytp.parallel.sharding import shard_ranges
+from raytp.train.safetensors_io import FormatError, Reader, write
 from raytp.train.storage import Storage
 
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+def config_of(d: dict, where: str = "config.json") -> ModelArgs:
+    """The model shape of a config.json, by the architecture its model_type names."""
+    return spec_for_hf(d, where).hf.config_from_hf(d, where)
 
 
-def hf_config(cfg: GPTConfig) -> dict:
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
-        "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
-        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
-        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-        "initializer_range": 0.02, "tie_word_embeddings": True,
-        "bos_token_id": cfg.vocab_size - 1, "eos_token_id": cfg.vocab_size - 1,
-    }
-
-
-def config_from_hf(d: dict, where: str = "config.json") -> GPTConfig:
-    problems = []
-    if d.get("model_type") not in (None, "gpt2"):
-        problems.append(f"model_type is {d.get('model_type')!r}, only 'gpt2' is supported")
-    if d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        problems.append(f"activation_function {d['activation_function']!r}; raytp's GPT uses tanh GELU")
-    if d.get("n_inner") not in (None, 4 * d.get("n_embd", 0)):
-        problems.append(f"n_inner={d['n_inner']}; raytp's MLP is 4*n_embd wide")
-    if d.get("tie_word_embeddings") is False:
-        problems.append("untied LM head; raytp ties it to the token embedding")
-    if problems:
-        raise ValueError(f"{where}: " + "; ".join(problems))
-    return GPTConfig(n_layer=d["n_layer"], n_head=d["n_head"], n_embd=d["n_embd"], block_size=d["n_positions"],
-                     vocab_size=d["vocab_size"], dropout=float(d.get("resid_pdrop", 0.0)))
-
-
-def _is_llama(d: dict) -> bool:
-    from raytp.train.hf_llama import MODEL_TYPES
-    return d.get("model_type") in MODEL_TYPES
-
-
-def _config(d: dict, where: str) -> GPTConfig:
-    if _is_llama(d):
-        from raytp.train import hf_llama
-        return hf_llama.config_from_hf(d, where)
-    return config_from_hf(d, where)
-
-
-def to_hf(name: str, cfg: GPTConfig) -> tuple[str, bool]:
+def to_hf(name: str, cfg: ModelArgs) -> tuple[str, bool]:
     """The directory's name of raytp weight `name`, and whether it is stored transposed (GPT-2's Conv1D)."""
-    if cfg.arch == "llama":
-        from raytp.train.hf_llama import to_hf as llama_name
-        return llama_name(name), False
-    return f"transformer.{name}", name.endswith(CONV1D)
+    return spec(cfg).hf.to_hf(name, cfg)
 
 
-def from_hf_name(hf_name: str, cfg: GPTConfig) -> str | None:
+def from_hf_name(hf_name: str, cfg: ModelArgs) -> str | None:
     """raytp's name of a directory's weight; None for what raytp does not keep."""
-    if cfg.arch == "llama":
-        from raytp.train.hf_llama import from_hf
-        return from_hf(hf_name, cfg)
-    if hf_name.startswith("lm_head.") or hf_name.endswith((".attn.bias", ".attn.masked_bias")):
-        return None  # the tied head, and causal-mask buffers of older transformers
-    return hf_name.removeprefix("transformer.")
-
-
-def from_hf_state(hf_state: dict) -> dict:
-    out = {}
-    for k, v in hf_state.items():
-        if k.startswith("lm_head.") or k.endswith((".attn.bias", ".attn.masked_bias")):
-            continue  # the tied head, and causal-mask buffers of older transformers
-        k = k.removeprefix("transformer.")
-        out[k] = v.t().contiguous() if k.endswith(CONV1D) else v
-    return out
+    return spec(cfg).hf.from_hf(hf_name, cfg)
 
 
 def _tensors_of(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """HF name -> (file, shape) from the safetensors headers (a single file, or a sharded one with its
     index); {} when the directory holds only a pytorch_model.bin."""
-    from raytp.train.safetensors_io import FormatError, Reader
     storage = Storage(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
@@ -113,21 +56,21 @@ def _tensors_of(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def inspect(model_dir: Path) -> GPTConfig:
-    """The model shape of a GPT-2 or Llama directory, its weights checked by name and shape (headers only)."""
+def inspect(model_dir: Path) -> ModelArgs:
+    """The model shape of a Hugging Face directory of an architecture raytp knows, its weights checked by name and shape (headers only)."""
     model_dir = Path(model_dir)
     cfg_file = model_dir / "config.json"
     if not cfg_file.exists():
         raise ValueError(f"model.init_from: {model_dir} has no config.json (expected a Hugging Face GPT-2 or "
                          "Llama model directory)")
-    cfg = _config(json.loads(cfg_file.read_text()), str(cfg_file))
+    cfg = config_of(json.loads(cfg_file.read_text()), str(cfg_file))
     found = _tensors_of(model_dir)
     if not found:
-        if cfg.arch != "gpt2" or not (model_dir / "pytorch_model.bin").exists():
+        reads_bin = spec(cfg).hf.bin_state is not None
+        if not reads_bin or not (model_dir / "pytorch_model.bin").exists():
             raise ValueError(f"model.init_from: {model_dir} has no model.safetensors"
-                             + (" nor pytorch_model.bin" if cfg.arch == "gpt2" else ""))
+                             + (" nor pytorch_model.bin" if reads_bin else ""))
         return cfg
-    from raytp.model import build_model
     with torch.device("meta"):  # names and shapes only, no memory
         expected = {n: tuple(p.shape) for n, p in build_model(cfg).named_parameters()}
     have = {from_hf_name(k, cfg): v[1] for k, v in found.items()}
@@ -141,14 +84,12 @@ def inspect(model_dir: Path) -> GPTConfig:
 
 
 def load_into(model_dir, model, rank: int, tp: int) -> None:
-    """Give a shard (built empty) its slices of a GPT-2 or Llama directory's weights, reading only those."""
-    from raytp.parallel.sharding import shard_ranges, sharding_of
-    from raytp.train.safetensors_io import Reader
+    """Give a shard (built empty) its slices of a Hugging Face directory's weights, reading only those."""
     model_dir = Path(model_dir)
     found = _tensors_of(model_dir)
     if not found:  # pytorch_model.bin: a pickle, read whole (weights_only)
         from raytp.train.shard_state import slice_state
-        full = from_hf_state(torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True))
+        full = spec(model.cfg).hf.bin_state(torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True))
         part = slice_state({"model": full}, rank, tp)["model"]
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -179,15 +120,14 @@ def load_into(model_dir, model, rank: int, tp: int) -> None:
 
 
 def save(ckpt, out_dir: Path) -> None:
-    """Write a checkpoint as a GPT-2 or Llama directory, tensor by tensor (one whole tensor in memory at a
-    time)."""
-    from raytp.train import hf_llama, safetensors_io
+    """Write a checkpoint as a Hugging Face directory of its architecture, tensor by tensor (one whole tensor
+    in memory at a time)."""
     from raytp.train.export import unmap_large_frees
     unmap_large_frees()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = GPTConfig(**ckpt.manifest["model"])
-    config = hf_llama.hf_config(cfg) if cfg.arch == "llama" else hf_config(cfg)
+    cfg = ModelArgs(**ckpt.manifest["model"])
+    config = spec(cfg).hf.config_to_hf(cfg)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     items = []
     for key in ckpt.keys():
@@ -208,4 +148,4 @@ def save(ckpt, out_dir: Path) -> None:
             return (t[:, i:i + 64].t() for i in range(0, t.shape[1], 64))  # the transpose, 64 rows at a time
         items.append((hf_name, torch.float32, shape[::-1] if conv else shape, produce))
     with open(out_dir / "model.safetensors", "wb") as f:
-        safetensors_io.write(f, items, {"format": "pt"})
+        write(f, items, {"format": "pt"})

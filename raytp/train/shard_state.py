@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from raytp.model import GPTConfig
-from raytp.parallel.sharding import shard_tensor, sharding_of, unshard_tensors
+from raytp.models.args import ModelArgs
+from raytp.models.registry import sharding_of
+from raytp.parallel.sharding import shard_tensor, unshard_tensors
 
 
 class StateError(RuntimeError):
@@ -115,7 +116,7 @@ def unpack_state(packed: dict, views: bool = False) -> dict:
     return out
 
 
-def unshard_state(shards: list[dict], cfg: GPTConfig) -> dict:
+def unshard_state(shards: list[dict], cfg: ModelArgs) -> dict:
     """Join the shard_states of all TP ranks (rank order) into the one-device state, padding dropped."""
     def join(name, tensors):
         s = sharding_of(name, cfg)
@@ -129,7 +130,7 @@ def unshard_state(shards: list[dict], cfg: GPTConfig) -> dict:
     return {"model": model, "optim": optim}
 
 
-def slice_state(full: dict, rank: int, tp: int, cfg: GPTConfig | None = None) -> dict:
+def slice_state(full: dict, rank: int, tp: int, cfg: ModelArgs | None = None) -> dict:
     """The shard_state of TP rank `rank` out of a full state (weights, and AdamW state if any) of a model
     of `cfg` (needed for a Llama's key/value projections)."""
     model = {n: shard_tensor(t, sharding_of(n, cfg), rank, tp) for n, t in full["model"].items()}

@@ -1,4 +1,10 @@
-"""One optimizer step of a TP x DP shard: forward, backward, sync, clip, update.
+"""One optimizer step of a TP x DP shard, in two parts: a schedule, then the finish.
+
+The *schedule* runs this rank's micro-batches through forward and backward and
+leaves their gradients accumulated in ``.grad`` (raytp.train.schedule: today the
+gradient-accumulation loop; a pipeline schedule replaces exactly this part).
+The *finish* (``finish_step``) synchronises the gradients, clips them and updates
+the weights; it is the same whatever schedule ran.
 
 Gradient synchronisation happens once per step, after all micro-batches:
 - DP: the gradients of every parameter (plus the loss, for reporting) are
@@ -15,52 +21,15 @@ TP (a shared head's once), replicated ones counted once.
 """
 from __future__ import annotations
 
-import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
 
-from raytp.model import set_dropout_key
+from raytp.models.registry import sharding_of
 from raytp.parallel import comm
 from raytp.parallel.groups import ProcessGroups
-from raytp.parallel.sharding import sharding_of
-from raytp.seeds import derive_seed
-
-
-@dataclass
-class Hyper:
-    """The optimisation knobs a step needs (filled from the job's train section)."""
-
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 0
-    steps: int = 1
-    lr_schedule: str = "cosine"
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    seed: int = 1337
-    precision: str = "fp32"  # or "bf16": autocast compute, float32 masters (see compute_precision)
-
-
-def compute_precision(h: Hyper, device: torch.device):
-    """The context a forward runs in: nothing for fp32; for bf16, autocast to bfloat16 (matmuls and
-    attention in bf16; parameters, their gradients and AdamW state stay float32, the masters)."""
-    if h.precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
-
-
-def lr_at(step: int, h: Hyper) -> float:
-    """Linear warmup to h.lr over warmup_steps, then cosine to min_lr at h.steps (or constant)."""
-    if step < h.warmup_steps:
-        return h.lr * (step + 1) / h.warmup_steps
-    if h.lr_schedule == "constant":
-        return h.lr
-    progress = min((step - h.warmup_steps) / max(h.steps - h.warmup_steps, 1), 1.0)
-    return h.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (h.lr - h.min_lr)
+from raytp.train.hyper import Hyper, lr_at
+from raytp.train.schedule import accumulate
 
 
 def make_optimizer(model: torch.nn.Module, h: Hyper) -> torch.optim.AdamW:
@@ -130,25 +99,25 @@ class StepResult:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches, groups: ProcessGroups,
-               step: int, h: Hyper, before_update=None) -> StepResult:
-    """One optimizer step over this rank's micro-batches [(x, y), ...] of global step `step`.
-    `before_update`: called right before the weights and optimizer state change (the optimizer's
-    step); until then they are only read, so a snapshot of them may still be being copied."""
+               step: int, h: Hyper, before_update=None, schedule=None) -> StepResult:
+    """One optimizer step over this rank's micro-batches [(x, y), ...] of global step `step`: `schedule`
+    (default: raytp.train.schedule.accumulate), then finish_step. `before_update`: see finish_step."""
     model.train()
     optimizer.zero_grad(set_to_none=False)  # the same buffers every step: no allocator churn
-    n = len(micro_batches)
-    loss_sum = torch.zeros((), device=next(model.parameters()).device)
-    for i, (x, y) in enumerate(micro_batches):
-        set_dropout_key(model, derive_seed(h.seed, step, groups.dp_rank * n + i))
-        with compute_precision(h, x.device):
-            loss = model(x, y)
-        (loss / n).backward()
-        loss_sum += loss.detach()
-    params = [p for p in model.parameters() if p.grad is not None]
+    local_loss = (schedule or accumulate)(model, micro_batches, groups, step, h)
+    return finish_step(model, optimizer, groups, step, h, local_loss, before_update)
 
+
+def finish_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups, step: int,
+                h: Hyper, local_loss: torch.Tensor, before_update=None) -> StepResult:
+    """Sync the gradients a schedule left in ``.grad`` (TP sums, then the DP mean, with the loss), clip by
+    the global norm, and update. `local_loss`: this rank's mean loss over its micro-batches.
+    `before_update`: called right before the weights and optimizer state change (the optimizer's
+    step); until then they are only read, so a snapshot of them may still be being copied."""
+    params = [p for p in model.parameters() if p.grad is not None]
     if groups.tp is not None:
         _sum_over_tp(params, groups.tp)
-    mean_loss = (loss_sum / n).reshape(1)
+    mean_loss = local_loss.detach().reshape(1)
     if groups.dp is not None:
         dp = groups.layout.dp
         _flat_all_reduce([p.grad for p in params] + [mean_loss], groups.dp, scale=1.0 / dp)

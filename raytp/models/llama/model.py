@@ -9,7 +9,7 @@ head, untied from the embedding unless ``tie_embeddings``. Parameter names and
 numerics follow Hugging Face's LlamaForCausalLM (minus the ``model.`` prefix),
 so its checkpoints load as they are.
 
-As in raytp.model, tensor parallelism is applied from outside: head counts
+As in raytp.models.gpt2, tensor parallelism is applied from outside: head counts
 are read off tensor shapes, and each attention and MLP block passes its input
 through ``tp_in`` (an identity here) before its projections, where the TP plan
 puts the one collective the three (or two) column-parallel projections share.
@@ -23,8 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from raytp.initialization import InitRule
-from raytp.causal_lm import CausalLM, GPTConfig
-from raytp.model import LMLoss
+from raytp.models.args import ModelArgs
+from raytp.models.base import CausalLM, LMLoss
 
 
 class RMSNorm(nn.Module):
@@ -55,7 +55,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelArgs):
         super().__init__()
         hd = self.head_dim = cfg.head_dim
         self.tp_in = nn.Identity()
@@ -78,7 +78,7 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelArgs):
         super().__init__()
         self.tp_in = nn.Identity()
         self.gate_proj = nn.Linear(cfg.n_embd, cfg.mlp_width, bias=False)
@@ -91,7 +91,7 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelArgs):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.self_attn = Attention(cfg)
@@ -104,14 +104,14 @@ class Block(nn.Module):
 
 
 class Llama(CausalLM):
-    """A Llama initialised from `seed` (see raytp.model.GPT for seeds and the meta device)."""
+    """A Llama initialised from `seed` (see raytp.models.gpt2.model.GPT for seeds and the meta device)."""
 
-    def __init__(self, cfg: GPTConfig, seed: int | None = None):
+    def __init__(self, cfg: ModelArgs, seed: int | None = None):
         super().__init__()
         self.cfg = cfg
         self.build(seed, lambda: self._layers(cfg))
 
-    def _layers(self, cfg: GPTConfig) -> None:
+    def _layers(self, cfg: ModelArgs) -> None:
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
@@ -122,7 +122,7 @@ class Llama(CausalLM):
         return self.embed_tokens
 
     @staticmethod
-    def init_rule(name: str, cfg: GPTConfig) -> InitRule:
+    def init_rule(name: str, cfg: ModelArgs) -> InitRule:
         """N(0, 0.02) for embeddings and projections (transformers' initializer_range), scaled by
         1/sqrt(2 n_layer) for the two that write into the residual stream; RMSNorms at 1."""
         if name.endswith("norm.weight"):

@@ -1,22 +1,12 @@
-"""apply_tp: turn a model into the local shard of one TP rank.
+"""A model's TP shard: apply_tp turns a model into the local shard of one TP rank.
 
-The plan for GPT-2, in the order it is applied (torchtitan's "parallelize from
-outside"; Llama's is raytp.parallel.plan_llama):
-
-1. token embedding -> VocabParallelEmbedding (rows by vocab, padded to a
-   multiple of tp); the LM head becomes a ColumnParallelLinear over the *same*
-   vocab shard, so the tie survives; the loss becomes vocab-parallel.
-2. per block: attention q/k/v -> column-parallel by whole heads, the output
-   projection -> row-parallel; MLP c_fc -> column-, c_proj -> row-parallel.
-3. with sequence parallelism: position embedding and dropout sites see the
-   rank's slice of the sequence.
-
-How each parameter splits is raytp.parallel.sharding's table. A shard is built
-from a model on the meta device (shapes only) and a *source* of this rank's
-slices: the seeded initialisation, which computes only those slices
-(``build_shard``), or empty storage to load into (``build_empty_shard``); so no
-process ever holds the whole model. Given a materialised one-device model
-instead, ``apply_tp`` cuts the slices out of it.
+What to swap and how each parameter splits is the model's spec's (raytp.models:
+``parallelize``, ``tag`` and the ``sharding`` table, applied from outside, as
+torchtitan does). A shard is built from a model on the meta device (shapes
+only) and a *source* of this rank's slices: the seeded initialisation, which
+computes only those slices (``build_shard``), or empty storage to load into
+(``build_empty_shard``); so no process ever holds the whole model. Given a
+materialised one-device model instead, ``apply_tp`` cuts the slices out of it.
 """
 from __future__ import annotations
 
@@ -24,13 +14,11 @@ import torch
 import torch.nn as nn
 
 from raytp.initialization import values
-from raytp.model import GPT, CausalLM, GPTConfig, model_class
+from raytp.models.args import ModelArgs
+from raytp.models.base import CausalLM
+from raytp.models.registry import check_tp, full_size_of, model_class, sharding_of, spec
 from raytp.parallel import comm
-from raytp.parallel.layers import (ColumnParallelLinear, RowParallelLinear, SequenceShardedPositionEmbedding,
-                                   VocabParallelCrossEntropy, VocabParallelEmbedding)
-from raytp.parallel.sharding import (REPLICATED, SHARDING, Sharding, check_tp, full_size_of, local_shape,  # noqa: F401
-                                     padded_vocab, shard_ranges, shard_tensor, sharding_of, unshard_tensors,
-                                     valid_tp_degrees)
+from raytp.parallel.sharding import local_shape, shard_ranges, shard_tensor, unshard_tensors
 
 
 def apply_tp(model: CausalLM, group, sequence_parallel: bool = False, source=None) -> CausalLM:
@@ -53,9 +41,9 @@ def apply_tp(model: CausalLM, group, sequence_parallel: bool = False, source=Non
             return source(name, full_shapes[name], s, rank, tp)
         return shard_tensor(t, s, rank, tp)
 
-    swap, tag = _plan_of(model)
+    plan = spec(model.cfg)
     if tp > 1:
-        swap(model, group, sequence_parallel, sliced, rank, tp)
+        plan.parallelize(model, group, sequence_parallel, sliced, rank, tp)
     if source is not None:  # what is left on meta (the replicated parameters; all of them at tp=1)
         made: dict[int, nn.Parameter] = {}  # a tied parameter is made once
         for mod_name, mod in model.named_modules():
@@ -65,49 +53,8 @@ def apply_tp(model: CausalLM, group, sequence_parallel: bool = False, source=Non
                         made[id(p)] = nn.Parameter(sliced(f"{mod_name}.{leaf}" if mod_name else leaf, p))
                     setattr(mod, leaf, made[id(p)])
     if tp > 1:  # once every parameter is made: what the step must sum over TP, and SP's slices
-        tag(model, group, sequence_parallel, rank, tp)
+        plan.tag(model, group, sequence_parallel, rank, tp)
     return model
-
-
-def _plan_of(model: CausalLM):
-    """(swap, tag) of the model's architecture: GPT-2's below, Llama's in raytp.parallel.plan_llama."""
-    if isinstance(model, GPT):
-        return _swap_parallel, _sequence_parallel
-    from raytp.parallel import plan_llama
-    return plan_llama.swap_parallel, plan_llama.tag
-
-
-def _swap_parallel(model: GPT, group, sequence_parallel: bool, sliced, rank: int, tp: int) -> None:
-    cfg = model.cfg
-    # 1. vocabulary: embedding, tied head, loss.
-    wte = sliced("wte.weight", model.wte.weight)
-    start = rank * wte.shape[0]
-    model.wte = VocabParallelEmbedding(wte, start, group, sequence_parallel)
-    model.lm_head = ColumnParallelLinear(model.wte.weight, None, group, sequence_parallel)
-    model.criterion = VocabParallelCrossEntropy(start, cfg.vocab_size, group)
-    # 2. blocks.
-    for i, block in enumerate(model.h):
-        for path, cls in (("attn.c_attn", ColumnParallelLinear), ("attn.c_proj", RowParallelLinear),
-                          ("mlp.c_fc", ColumnParallelLinear), ("mlp.c_proj", RowParallelLinear)):
-            owner_name, leaf = path.split(".")
-            owner, old = getattr(block, owner_name), block.get_submodule(path)
-            prefix = f"h.{i}.{path}"
-            setattr(owner, leaf, cls(sliced(prefix + ".weight", old.weight), sliced(prefix + ".bias", old.bias),
-                                     group, sequence_parallel))
-        block.attn.head_offset = rank * cfg.n_head // tp
-
-
-def _sequence_parallel(model: GPT, group, sequence_parallel: bool, rank: int, tp: int) -> None:
-    """3. sequence parallelism: the residual stream is split along T."""
-    if not sequence_parallel:
-        return
-    model.wpe = SequenceShardedPositionEmbedding(model.wpe.weight.detach(), group)
-    for m in model.modules():
-        if isinstance(m, nn.LayerNorm):
-            for p in m.parameters():
-                p.sequence_parallel = True
-    for d in [model.drop] + [b.attn.resid_dropout for b in model.h] + [b.mlp.dropout for b in model.h]:
-        d.shard = (comm.SEQ_DIM, rank, tp)
 
 
 def rebind_groups(model: nn.Module, group) -> None:
@@ -117,7 +64,7 @@ def rebind_groups(model: nn.Module, group) -> None:
             m.group = group
 
 
-def build_shard(cfg: GPTConfig, seed: int, group, sequence_parallel: bool = False,
+def build_shard(cfg: ModelArgs, seed: int, group, sequence_parallel: bool = False,
                 device: torch.device | str = "cpu") -> CausalLM:
     """The local shard of a model initialised from `seed`, on `device`: only this rank's slices are
     computed (raytp.initialization), and they are build_model(cfg, seed)'s numbers there, at every TP
@@ -135,7 +82,7 @@ def build_shard(cfg: GPTConfig, seed: int, group, sequence_parallel: bool = Fals
     return _shard_of_meta(cfg, group, sequence_parallel, initial)
 
 
-def build_empty_shard(cfg: GPTConfig, group, sequence_parallel: bool = False,
+def build_empty_shard(cfg: ModelArgs, group, sequence_parallel: bool = False,
                       device: torch.device | str = "cpu") -> CausalLM:
     """The local shard as build_shard makes it, on `device`, with UNINITIALISED weights: for a shard
     whose state is loaded right after (a resume, a resize)."""
@@ -144,7 +91,7 @@ def build_empty_shard(cfg: GPTConfig, group, sequence_parallel: bool = False,
     return _shard_of_meta(cfg, group, sequence_parallel, empty)
 
 
-def _shard_of_meta(cfg: GPTConfig, group, sequence_parallel: bool, source) -> CausalLM:
+def _shard_of_meta(cfg: ModelArgs, group, sequence_parallel: bool, source) -> CausalLM:
     with torch.device("meta"):
         model = model_class(cfg)(cfg)  # shapes only: builds no tensor and runs no op
     return apply_tp(model, group, sequence_parallel, source)

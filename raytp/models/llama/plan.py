@@ -1,4 +1,4 @@
-"""The TP plan of a Llama (raytp.llama), applied by raytp.parallel.plan.apply_tp.
+"""The TP plan of a Llama (raytp.models.llama.model), applied by raytp.models.shard.apply_tp.
 
 1. vocabulary: the token embedding -> VocabParallelEmbedding; the output head
    -> a ColumnParallelLinear over the same vocabulary shard (the embedding's
@@ -19,7 +19,15 @@ from __future__ import annotations
 
 from raytp.parallel.layers import (ColumnParallelLinear, ParallelInput, RowParallelLinear, ShardedLinear,
                                    VocabParallelCrossEntropy, VocabParallelEmbedding)
-from raytp.parallel.sharding import sharding_of
+from raytp.parallel.sharding import KV_HEADS, Sharding
+
+SHARDING: tuple[tuple[str, Sharding], ...] = (  # (regex over parameter names, sharding); others replicated
+    (r"(embed_tokens|lm_head)\.weight", Sharding(dim=0, pad=True)),
+    (r"layers\.\d+\.self_attn\.q_proj\.weight", Sharding(dim=0)),
+    (r"layers\.\d+\.self_attn\.[kv]_proj\.weight", KV_HEADS),
+    (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight", Sharding(dim=0)),
+    (r"layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight", Sharding(dim=1)),
+)
 
 BLOCK_PARTS = (("self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj"),
                ("mlp", ("gate_proj", "up_proj"), "down_proj"))
@@ -43,11 +51,10 @@ def swap_parallel(model, group, sequence_parallel: bool, sliced, rank: int, tp: 
                                                 group, sequence_parallel))
 
 
-
 def tag(model, group, sequence_parallel: bool, rank: int, tp: int) -> None:
     """Mark the parameters whose gradients the step must sum over TP ranks (once every one is made):
     shared KV-head copies, and, under SP, the RMSNorm weights."""
-    kv = sharding_of("layers.0.self_attn.k_proj.weight", model.cfg)
+    kv = Sharding(dim=0, heads=model.cfg.kv_heads)
     for block in model.layers:
         if kv.holders(tp) > 1:
             for proj in (block.self_attn.k_proj, block.self_attn.v_proj):

@@ -2,17 +2,17 @@
 
 raytp's Llama names its weights as transformers' LlamaForCausalLM does, minus
 the trunk's ``model.`` prefix; the layouts are the same (nn.Linear), so only
-names and the config move. raytp.train.hf reads and writes the directories
+names and the config move. raytp.models.hf reads and writes the directories
 (slice by slice) for both architectures; this file says what differs.
 """
 from __future__ import annotations
 
-from raytp.model import GPTConfig
+from raytp.models.args import ModelArgs
 
 MODEL_TYPES = ("llama", "mistral")  # Mistral is a Llama with (optionally) sliding-window attention
 
 
-def hf_config(cfg: GPTConfig) -> dict:
+def hf_config(cfg: ModelArgs) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_width,
@@ -27,7 +27,7 @@ def hf_config(cfg: GPTConfig) -> dict:
     }
 
 
-def config_from_hf(d: dict, where: str = "config.json") -> GPTConfig:
+def config_from_hf(d: dict, where: str = "config.json") -> ModelArgs:
     """The shape of a LlamaForCausalLM (or Mistral) config.json; what raytp's Llama cannot be is refused,
     every such key named at once."""
     problems = []
@@ -49,20 +49,28 @@ def config_from_hf(d: dict, where: str = "config.json") -> GPTConfig:
         problems.append(f"sliding_window={window} attention; raytp attends over the whole context")
     if problems:
         raise ValueError(f"{where}: " + "; ".join(problems))
-    return GPTConfig(arch="llama", n_layer=d["num_hidden_layers"], n_head=heads, n_embd=width,
+    return ModelArgs(arch="llama", n_layer=d["num_hidden_layers"], n_head=heads, n_embd=width,
                      n_kv_head=d.get("num_key_value_heads") or heads, intermediate_size=d["intermediate_size"],
                      block_size=d["max_position_embeddings"], vocab_size=d["vocab_size"],
                      rope_theta=float(theta), norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                      tie_embeddings=bool(d.get("tie_word_embeddings", False)))
 
 
-def to_hf(name: str) -> str:
-    return name if name.startswith("lm_head.") else f"model.{name}"
+def to_hf(name: str, cfg: ModelArgs | None = None) -> tuple[str, bool]:
+    """The directory's name of raytp weight `name`; never transposed (both are nn.Linear)."""
+    return (name if name.startswith("lm_head.") else f"model.{name}"), False
 
 
-def from_hf(hf_name: str, cfg: GPTConfig) -> str | None:
+def from_hf(hf_name: str, cfg: ModelArgs) -> str | None:
     """raytp's name of a weight in the directory, or None for what raytp does not keep (the tied head,
     rotary frequency buffers older transformers saved)."""
     if hf_name.endswith("rotary_emb.inv_freq") or (cfg.tied and hf_name == "lm_head.weight"):
         return None
     return hf_name.removeprefix("model.")
+
+
+def block_size(job: int, model: int) -> int:
+    """A Llama trains at the job's context length, up to the model's max_position_embeddings."""
+    if job > model:
+        raise ValueError(f"model.block_size: {job} exceeds the max_position_embeddings={model} of the model")
+    return job

@@ -1,82 +1,53 @@
-"""What raytp's models share: the shape config (either architecture), seeded init, tied heads, files.
+"""What raytp's models share: ``CausalLM``, their base, and ``LMLoss``.
 
-``GPTConfig`` describes a GPT-2 (raytp.model) or a Llama (raytp.llama) by its
-``arch``; ``CausalLM`` is their common base: every parameter gets its seeded
-values from raytp.initialization (so a TP shard can compute its slices alone),
-a tied head shares the input embedding's weight, and a model reads and writes
-the one-device file `raytp export` makes.
+Every parameter gets its seeded values from raytp.initialization (so a TP
+shard can compute its slices alone), a tied head shares the input embedding's
+weight, dropout sites can be keyed (``set_dropout_key``), and a model writes
+the one-device file `raytp export` makes (raytp.models.files reads it back).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from raytp.initialization import InitRule, no_init, values
+from raytp.models.args import ModelArgs
 
 MODEL_FORMAT, MODEL_FORMAT_V1 = "raytp-model/2", "raytp-model/1"  # 2: safetensors; 1: a torch pickle
 
 
-@dataclass(frozen=True)
-class GPTConfig:
-    """A model's shape, for either architecture (`arch`: "gpt2", this file's model, or "llama",
-    raytp.llama's). The keys after dropout are Llama's; GPT-2 ignores them."""
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 128
-    vocab_size: int = 256
-    dropout: float = 0.0
-    arch: str = "gpt2"
-    n_kv_head: int | None = None           # None: n_head (no grouping)
-    intermediate_size: int | None = None   # None: 4 * n_embd
-    rope_theta: float = 10000.0
-    tie_embeddings: bool = False           # GPT-2 always ties
-    norm_eps: float = 1e-5
+class LMLoss(nn.Module):
+    """Mean cross entropy over all tokens, in float32 (bf16 logits are upcast); targets of -1 are ignored."""
 
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_head if self.arch == "gpt2" or self.n_kv_head is None else self.n_kv_head
-
-    @property
-    def mlp_width(self) -> int:
-        return 4 * self.n_embd if self.arch == "gpt2" or self.intermediate_size is None else self.intermediate_size
-
-    @property
-    def tied(self) -> bool:
-        return self.arch == "gpt2" or self.tie_embeddings
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
-def model_class(cfg: GPTConfig) -> type["CausalLM"]:
-    """The model of `cfg.arch`: GPT (this file) or raytp.llama's Llama."""
-    if cfg.arch == "gpt2":
-        from raytp.model import GPT
-        return GPT
-    if cfg.arch == "llama":
-        from raytp.llama import Llama
-        return Llama
-    raise ValueError(f"model.arch: {cfg.arch!r} is not one of gpt2, llama")
+def set_dropout_key(model: nn.Module, key: int | None) -> None:
+    """Key every dropout site of `model` (None = ordinary, unkeyed dropout): the modules that declare
+    ``keyed_dropout = True`` draw their masks from (key, site), never from the global RNG.
 
-
-def build_model(cfg: GPTConfig, seed: int | None = None) -> "CausalLM":
-    return model_class(cfg)(cfg, seed)
+    Call once per micro-batch with a key derived from (seed, step, micro-batch)
+    so masks depend on the step, not on the history of a global RNG.
+    """
+    for m in model.modules():
+        if getattr(m, "keyed_dropout", False):
+            m.key = key
 
 
 class CausalLM(nn.Module):
     """What GPT and Llama share: seeded init of every parameter, the tied head, files, generation."""
 
-    cfg: GPTConfig
+    cfg: ModelArgs
     lm_head: nn.Linear
     activation_checkpointing = False  # recompute each block in backward (train.activation_checkpointing)
 
     @staticmethod
-    def init_rule(name: str, cfg: GPTConfig) -> InitRule:
+    def init_rule(name: str, cfg: ModelArgs) -> InitRule:
         raise NotImplementedError
 
     def input_embedding(self) -> nn.Module:
@@ -112,27 +83,7 @@ class CausalLM(nn.Module):
         return T
 
     @classmethod
-    def load(cls, path, map_location="cpu") -> "CausalLM":
-        """The model in a file written by `raytp export` (one device, no Ray, no process group): a
-        safetensors file whose metadata holds the config (format 2; either arch), or a format-1 torch file."""
-        with open(path, "rb") as f:
-            head = f.read(9)
-        if len(head) == 9 and head[8:9] == b"{":  # safetensors: an 8-byte length, then the JSON header
-            from safetensors import safe_open
-            with safe_open(str(path), framework="pt", device=str(map_location)) as f:
-                meta = f.metadata() or {}
-                if meta.get("format") != MODEL_FORMAT:
-                    raise ValueError(f"{path}: not a raytp model file (format {MODEL_FORMAT!r})")
-                state = {k: f.get_tensor(k) for k in f.keys()}
-            cfg = GPTConfig(**json.loads(meta["config"]))
-            return model_class(cfg).from_state_dict(cfg, state, where=str(path)).eval()
-        blob = torch.load(path, map_location=map_location, weights_only=True)
-        if not isinstance(blob, dict) or blob.get("format") != MODEL_FORMAT_V1:
-            raise ValueError(f"{path}: not a raytp model file (format {MODEL_FORMAT!r})")
-        return model_class(GPTConfig()).from_state_dict(GPTConfig(**blob["config"]), blob["model"], where=str(path)).eval()
-
-    @classmethod
-    def from_state_dict(cls, cfg: GPTConfig, state: dict, where: str = "state") -> "CausalLM":
+    def from_state_dict(cls, cfg: ModelArgs, state: dict, where: str = "state") -> "CausalLM":
         """A model holding `state` (a tied lm_head.weight may be absent), built without an init."""
         with torch.device("meta"):
             model = cls(cfg)

@@ -1,4 +1,4 @@
-"""A GPT-2 in plain PyTorch, with no distributed code in it; and what raytp's models share.
+"""A GPT-2 in plain PyTorch, with no distributed code in it.
 
 Architecturally GPT-2 (Radford et al. 2019): learned token + position
 embeddings, pre-LayerNorm blocks of causal self-attention and a tanh-GELU MLP,
@@ -6,7 +6,8 @@ biases on every Linear, a final LayerNorm and an LM head tied to the token
 embedding. Parameter names follow Hugging Face's GPT2LMHeadModel (minus the
 ``transformer.`` prefix) so weights move to and from that ecosystem.
 
-Tensor parallelism is applied from outside (``raytp.parallel.plan.apply_tp``),
+Tensor parallelism is applied from outside (``raytp.models.shard.apply_tp`` with
+raytp.models.gpt2.plan),
 which swaps the Linear/Embedding/loss modules of a built model for parallel
 ones. The code below is written so that the swap needs nothing else: head
 counts are read off tensor shapes, the loss is a module, and the position
@@ -26,11 +27,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from raytp.causal_lm import MODEL_FORMAT, MODEL_FORMAT_V1, CausalLM, GPTConfig, build_model, model_class  # noqa: F401
 from raytp.initialization import InitRule
+from raytp.models.args import ModelArgs
+from raytp.models.base import CausalLM, LMLoss
 from raytp.seeds import derive_seed
-
-
 
 
 class KeyedDropout(nn.Module):
@@ -42,6 +42,8 @@ class KeyedDropout(nn.Module):
     TP ranks holding different slices get different streams. Without a key it
     is ordinary dropout.
     """
+
+    keyed_dropout = True  # raytp.models.base.set_dropout_key sets `key`
 
     def __init__(self, p: float, site: int):
         super().__init__()
@@ -70,7 +72,8 @@ class KeyedDropout(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer: int):
+    keyed_dropout = True  # its attention-probability dropout is keyed per global head
+    def __init__(self, cfg: ModelArgs, layer: int):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v stacked
@@ -112,7 +115,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer: int):
+    def __init__(self, cfg: ModelArgs, layer: int):
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.act = nn.GELU(approximate="tanh")
@@ -124,7 +127,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer: int):
+    def __init__(self, cfg: ModelArgs, layer: int):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=1e-5)
         self.attn = CausalSelfAttention(cfg, layer)
@@ -143,14 +146,7 @@ class PositionEmbedding(nn.Embedding):
         return super().forward(torch.arange(T, device=self.weight.device))  # (T, C)
 
 
-class LMLoss(nn.Module):
-    """Mean cross entropy over all tokens, in float32 (bf16 logits are upcast); targets of -1 are ignored."""
-
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-
-
-def init_rule(name: str, cfg: GPTConfig) -> InitRule:
+def init_rule(name: str, cfg: ModelArgs) -> InitRule:
     """GPT-2's initialisation of parameter `name`: N(0, 0.02) for embeddings and weights, scaled by
     1/sqrt(2 n_layer) for the projections that write into the residual stream; zero biases; LayerNorms
     at (1, 0). The values themselves come from raytp.initialization (a function of seed and position)."""
@@ -164,16 +160,16 @@ def init_rule(name: str, cfg: GPTConfig) -> InitRule:
 
 
 class GPT(CausalLM):
-    def __init__(self, cfg: GPTConfig, seed: int | None = None):
+    def __init__(self, cfg: ModelArgs, seed: int | None = None):
         """A GPT initialised from `seed` (default: a seed drawn from torch's global generator). Built on
         the meta device (``with torch.device("meta")``), it is shapes only and initialises nothing."""
         super().__init__()
         if cfg.arch != "gpt2":
-            raise ValueError(f"GPT is arch gpt2, not {cfg.arch!r}: use raytp.model.build_model")
+            raise ValueError(f"GPT is arch gpt2, not {cfg.arch!r}: use raytp.models.registry.build_model")
         self.cfg = cfg
         self.build(seed, lambda: self._layers(cfg))
 
-    def _layers(self, cfg: GPTConfig) -> None:
+    def _layers(self, cfg: ModelArgs) -> None:
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = PositionEmbedding(cfg.block_size, cfg.n_embd)
         self.drop = KeyedDropout(cfg.dropout, 1)
@@ -198,13 +194,3 @@ class GPT(CausalLM):
             return logits
         return self.criterion(logits, targets)
 
-
-def set_dropout_key(model: nn.Module, key: int | None) -> None:
-    """Key every dropout site of `model` (None = ordinary, unkeyed dropout).
-
-    Call once per micro-batch with a key derived from (seed, step, micro-batch)
-    so masks depend on the step, not on the history of a global RNG.
-    """
-    for m in model.modules():
-        if isinstance(m, (KeyedDropout, CausalSelfAttention)):
-            m.key = key

@@ -1,0 +1,285 @@
+"""driver_scale: does the driver keep up at 1024 ranks?
+
+1. The driver's own work. The real ``Driver.train_loop`` runs on the fake
+   worker group of tests/fakes.py (loaded from its file: tests/ is no package)
+   at 4, 64, 256 and 1024 ranks (TP=8 where it leaves two replicas, else TP=2):
+   driver CPU per step
+   (``time.process_time``, which includes the fake workers' own in-process
+   bookkeeping: an upper bound), and the bookkeeping of a lost rank (one rank
+   killed mid-run; the ``recovered`` event's seconds, from the failure to the
+   next completed step: nothing in it waits for a process on the fake).
+2. The streamed calls on real Ray: 16 threaded actors serve 1024 rank streams
+   (each rank a proxy handle that tags its calls with the rank), each step a
+   sleep. The peer is the driver's streaming as it was before this benchmark
+   (``OldStepStream`` below, copied from raytp/runtime/streaming.py: records
+   read rank by rank, each call submitted after the previous one ended);
+   raytp's is ``StepStream`` with the next call submitted behind the current
+   one (``then``). Figures: driver CPU per step, and the idle gap at a call
+   boundary: from the last rank's end of call k to the last rank's start of
+   call k+1 (no collective of k+1 can finish before), median over boundaries.
+3. Lost-rank detection on the same actors: ``WorkerGroup.find_lost`` against
+   the old loop (``ref in list``), nothing lost.
+
+Goals at 1024 ranks: driver CPU <= 1% of a 1 s step, call-boundary idle <=
+0.5% of a 10-step call of 1 s steps (50 ms), recovery bookkeeping < 50 ms.
+"""
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER = ("the driver's streaming before this change (records read rank by rank; each call submitted after "
+        "the previous one ended), in the same run")
+GOAL_CPU, GOAL_IDLE_S, GOAL_RECOVERY_S = 0.01, 0.05, 0.05
+
+FULL = {"fake_ranks": (4, 64, 256, 1024), "fake_steps": 40, "ray_ranks": 1024, "actors": 16, "step_s": 0.3,
+        "steps_per_call": 4, "calls": 4, "rounds": 2}
+QUICK = {"fake_ranks": (4, 64), "fake_steps": 12, "ray_ranks": 32, "actors": 4, "step_s": 0.05,
+         "steps_per_call": 2, "calls": 3, "rounds": 1}
+
+
+def _fakes():
+    spec = importlib.util.spec_from_file_location("raytp_bench_fakes", ROOT / "tests" / "fakes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _job(ranks: int, steps: int):
+    from raytp.config import from_dict
+    tp = 8 if ranks % 8 == 0 and ranks >= 16 else ranks // 2  # two replicas at least: a lost rank has one
+    return from_dict({"model": {"n_layer": 1, "n_head": 8, "n_embd": 64, "block_size": 16, "vocab_size": 256},
+                      "parallel": {"tp": tp, "dp": ranks // tp},
+                      "train": {"steps": steps, "batch_size": ranks // tp, "warmup_steps": 1, "eval_interval": 0,
+                                "steps_per_call": 10},
+                      "checkpoint": {"every": 0}, "recovery": {"snapshot_every": 0}})
+
+
+# ---------------------------------------------------------------- 1. the driver on fakes
+
+def fake_driver_run(ranks: int, steps: int, kill_at: int | None = None) -> dict:
+    from raytp.runtime.driver import Driver
+    fakes = _fakes()
+    cluster = fakes.FakeCluster(slots=ranks)
+    if kill_at is not None:
+        cluster.kill_at(kill_at, ranks - 1)
+
+    class FakeDriver(Driver):
+        group_cls = cluster.group_class()
+        control_cls = fakes.LocalControl
+        copy_cls = fakes.NoCopy
+
+    with tempfile.TemporaryDirectory(prefix="raytp-bench-drv-") as tmp:
+        d = FakeDriver(_job(ranks, steps), Path(tmp) / "run", "bench", out=io.StringIO(), ray_metrics=False)
+        try:
+            d.start()
+            d.train_loop(until=1)  # the first call (one step): start-up, not the steady state
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            d.train_loop()
+            cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+            rec = [e for e in _events(Path(tmp) / "run") if e["kind"] == "recovered"]
+        finally:
+            d.release()
+            d.log.close()
+    out = {"cpu_per_step_s": round(cpu / (steps - 1), 6), "wall_per_step_s": round(wall / (steps - 1), 6)}
+    if rec:
+        out["recovery_s"] = round(rec[0]["seconds"], 5)
+    return out
+
+
+def _events(run_dir: Path) -> list[dict]:
+    import json
+    return [json.loads(line) for line in open(run_dir / "events.jsonl")]
+
+
+# ---------------------------------------------------------------- 2. streams on real Ray
+
+class SimWorker:
+    """Serves many ranks' step streams: each step a sleep; keeps when each (rank, call) began and ended."""
+
+    def __init__(self, step_s: float):
+        self.step_s, self.times = step_s, {}
+
+    def run_steps(self, rank: int, start: int, count: int, snapshot_every: int = 0):
+        t0 = time.time()
+        for step in range(start, start + count):
+            time.sleep(self.step_s)
+            yield {"step": step, "rank": rank}
+        self.times[(rank, start)] = (t0, time.time())
+
+    def ping(self, rank: int) -> int:
+        return rank
+
+    def taken(self) -> dict:
+        return self.times
+
+
+class _Method:
+    def __init__(self, method, rank: int, opts=None):
+        self.method, self.rank, self.opts = method, rank, opts
+
+    def options(self, **opts):
+        return _Method(self.method, self.rank, opts)
+
+    def remote(self, *args):
+        m = self.method.options(**self.opts) if self.opts else self.method
+        return m.remote(self.rank, *args)
+
+
+class RankHandle:
+    """One rank's view of a SimWorker actor: its calls carry the rank."""
+
+    def __init__(self, actor, rank: int):
+        self.run_steps, self.ping = _Method(actor.run_steps, rank), _Method(actor.ping, rank)
+
+
+class OldStepStream:
+    """raytp/runtime/streaming.py's StepStream before this change (the peer): records read rank by rank."""
+
+    def __init__(self, workers, layout, start, count, snapshot_every, timeout):
+        self.layout, self.start, self.count, self.snap, self.timeout = layout, start, count, snapshot_every, timeout
+        self.partial = None
+        self.streams = [w.run_steps.options(num_returns="streaming").remote(start, count, snapshot_every)
+                        for w in workers]
+
+    def __iter__(self):
+        import ray
+        for step in range(self.start, self.start + self.count):
+            recs = []
+            for stream in self.streams:
+                ready, _ = ray.wait([stream], timeout=self.timeout, fetch_local=False)
+                if not ready:
+                    raise TimeoutError("no progress")
+                recs.append(ray.get(next(stream)))
+                self.partial = recs[0]
+            yield step, recs
+
+
+def old_find_lost(workers, timeout: float) -> dict:
+    """WorkerGroup.find_lost before this change: `ref not in ready` on a list, a get per rank."""
+    import ray
+    pings = [w.ping.remote() for w in workers]
+    ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout)
+    lost = {}
+    for rank, ref in enumerate(pings):
+        if ref not in ready:
+            lost[rank] = "hung"
+            continue
+        ray.get(ref)
+    return lost
+
+
+def ray_round(impl: str, actors, p: dict) -> dict:
+    import ray
+    from raytp.parallel.layout import Layout
+    from raytp.runtime.streaming import StepStream
+    n, spc, calls = p["ray_ranks"], p["steps_per_call"], p["calls"]
+    workers = [RankHandle(actors[r % len(actors)], r) for r in range(n)]
+    lay = Layout(8 if n % 8 == 0 else n, dp=n // (8 if n % 8 == 0 else n))
+    base = int(time.time() * 1000) % 1_000_000 * 100  # call starts unique to this round
+    make = OldStepStream if impl == "before" else StepStream
+    cpu0, main0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
+    stream = make(workers, lay, base, spc, 0, 120.0)
+    for k in range(calls):
+        behind = stream.then(spc, 0) if impl == "after" and k + 1 < calls else None
+        for _ in stream:
+            pass
+        if k + 1 < calls:
+            stream = behind or make(workers, lay, base + (k + 1) * spc, spc, 0, 120.0)
+    cpu, main, wall = time.process_time() - cpu0, time.thread_time() - main0, time.perf_counter() - t0
+    times = {}
+    for t in ray.get([a.taken.remote() for a in actors]):
+        times.update(t)
+    gaps = []
+    for k in range(calls - 1):
+        end_k = max(times[(r, base + k * spc)][1] for r in range(n))
+        start_next = max(times[(r, base + (k + 1) * spc)][0] for r in range(n))
+        gaps.append(start_next - end_k)
+    return {"cpu_per_step_s": cpu / (calls * spc), "main_cpu_per_step_s": main / (calls * spc), "wall_s": wall,
+            "idle_s": statistics.median(gaps)}
+
+
+def find_lost_round(impl: str, actors, n: int) -> float:
+    from raytp.runtime.group import WorkerGroup
+    workers = [RankHandle(actors[r % len(actors)], r) for r in range(n)]
+    t0 = time.perf_counter()
+    if impl == "before":
+        lost = old_find_lost(workers, 30.0)
+    else:
+        group = SimpleNamespace(workers=workers, cfg=SimpleNamespace(recovery=SimpleNamespace(ping_timeout_s=30.0)))
+        lost = WorkerGroup.find_lost(group)
+    assert not lost, lost
+    return time.perf_counter() - t0
+
+
+def ray_part(p: dict) -> dict:
+    import ray
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="raytp-bench", log_to_driver=False)
+    try:
+        per_actor = -(-p["ray_ranks"] // p["actors"])
+        cls = ray.remote(num_cpus=0, max_concurrency=2 * per_actor + 4)(SimWorker)
+        actors = [cls.remote(p["step_s"]) for _ in range(p["actors"])]
+        ray.get([a.ping.remote(0) for a in actors])
+        ray_round("after", actors, {**p, "calls": 2})  # warm-up: the actors' threads, raytp's gate actor
+        got = {"before": [], "after": []}
+        lost = {"before": [], "after": []}
+        for i in range(p["rounds"]):
+            for impl in (("before", "after") if i % 2 == 0 else ("after", "before")):
+                got[impl].append(ray_round(impl, actors, p))
+                lost[impl].append(find_lost_round(impl, actors, p["ray_ranks"]))
+                print(f"  driver_scale: ray round {i + 1}/{p['rounds']} ({impl}) done", file=sys.stderr, flush=True)
+    finally:
+        ray.shutdown()
+    out = {}
+    for impl in ("before", "after"):
+        out[impl] = {"driver_cpu_per_step_s": round(statistics.median(r["cpu_per_step_s"] for r in got[impl]), 5),
+                     "driver_main_thread_cpu_per_step_s": round(statistics.median(
+                         r["main_cpu_per_step_s"] for r in got[impl]), 5),
+                     "call_boundary_idle_s": round(statistics.median(r["idle_s"] for r in got[impl]), 4),
+                     "wall_s": round(statistics.median(r["wall_s"] for r in got[impl]), 3),
+                     "find_lost_s": round(statistics.median(lost[impl]), 4)}
+    return out
+
+
+# ---------------------------------------------------------------- the benchmark
+
+def run(quick: bool = False) -> dict:
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray's import: loopback only
+    p = QUICK if quick else FULL
+    fig: dict = {"peer": PEER}
+    fake = {}
+    for n in p["fake_ranks"]:
+        steady = fake_driver_run(n, p["fake_steps"])
+        healed = fake_driver_run(n, p["fake_steps"], kill_at=p["fake_steps"] // 2)
+        fake[f"ranks{n}"] = {**steady, "recovery_s": healed.get("recovery_s")}
+        print(f"  driver_scale: fake driver at {n} ranks done", file=sys.stderr, flush=True)
+    fig["fake_driver"] = fake
+    n = p["ray_ranks"]
+    fig["ray_streams"] = {**ray_part(p), "ranks": n, "actors": p["actors"], "step_s": p["step_s"],
+                          "steps_per_call": p["steps_per_call"], "calls": p["calls"], "rounds": p["rounds"]}
+    top = fake[f"ranks{max(p['fake_ranks'])}"]
+    after = fig["ray_streams"]["after"]
+    cpu_1s = after["driver_cpu_per_step_s"] + top["cpu_per_step_s"]  # reading records + the loop's own work
+    fig["goals"] = {
+        "driver_cpu_share_of_1s_step": round(cpu_1s, 4), "driver_cpu_goal": f"<= {GOAL_CPU}",
+        "driver_cpu_met": cpu_1s <= GOAL_CPU,
+        "call_boundary_idle_s": after["call_boundary_idle_s"], "idle_goal_s": f"<= {GOAL_IDLE_S}",
+        "idle_met": after["call_boundary_idle_s"] <= GOAL_IDLE_S,
+        "recovery_bookkeeping_s": top["recovery_s"], "recovery_goal_s": f"< {GOAL_RECOVERY_S}",
+        "recovery_met": top["recovery_s"] is not None and top["recovery_s"] < GOAL_RECOVERY_S,
+        "at_ranks": {"fake_driver": max(p["fake_ranks"]), "ray_streams": n}}
+    fig["method"] = ("fake_driver: the real Driver.train_loop on tests/fakes.py's group (TP=8 where it divides, "
+                     "steps_per_call 10, no evaluation/checkpoints/snapshots), CPU per step after the first call; "
+                     "recovery_s: one rank killed mid-run, the recovered event's seconds; ray_streams: "
+                     f"{p['actors']} threaded actors serving {n} rank streams on an embedded Ray (2 CPUs), each "
+                     "step a sleep of step_s; idle = last rank's start of call k+1 - last rank's end of call k, "
+                     "median over boundaries and rounds (before/after alternate within a round)")
+    return fig

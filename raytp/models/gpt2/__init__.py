@@ -1,0 +1,2 @@
+"""GPT-2: the model (model.py), its TP plan and sharding table (plan.py), its Hugging Face spelling (hf.py),
+gathered into one ModelSpec (spec.py)."""

@@ -1,0 +1,91 @@
+"""The architectures raytp trains, by ``model.arch``: the one place that names them all.
+
+Everything else asks here: which class a config builds, how a parameter splits
+over TP ranks (the model's own table), which TP degrees a shape allows, which
+architecture a Hugging Face directory holds, and the job checks of each.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from raytp.models.args import ModelArgs
+from raytp.models.base import CausalLM
+from raytp.models.gpt2.spec import SPEC as GPT2
+from raytp.models.llama.spec import SPEC as LLAMA
+from raytp.models.spec import ModelSpec
+from raytp.parallel.sharding import KV_HEADS, REPLICATED, Sharding
+from raytp.tp_degrees import kv_fits, tp_degrees
+
+SPECS: dict[str, ModelSpec] = {s.name: s for s in (GPT2, LLAMA)}
+
+
+def spec(arch: str | ModelArgs) -> ModelSpec:
+    """The spec of an architecture name, or of a config's `arch`."""
+    name = arch.arch if isinstance(arch, ModelArgs) else arch
+    if name not in SPECS:
+        raise ValueError(f"model.arch: {name!r} is not one of {', '.join(SPECS)}")
+    return SPECS[name]
+
+
+def spec_for_hf(config: dict, where: str) -> ModelSpec:
+    """The spec whose Hugging Face model_type a config.json names (GPT-2 when it names none: old files)."""
+    model_type = config.get("model_type") or "gpt2"
+    for s in SPECS.values():
+        if model_type in s.hf.model_types:
+            return s
+    known = sorted(t for s in SPECS.values() for t in s.hf.model_types)
+    raise ValueError(f"{where}: model_type is {model_type!r}; raytp reads {', '.join(known)}")
+
+
+def model_class(cfg: ModelArgs) -> type[CausalLM]:
+    return spec(cfg).model
+
+
+def build_model(cfg: ModelArgs, seed: int | None = None) -> CausalLM:
+    """The one-device model of `cfg`, initialised from `seed` (on the meta device: shapes only)."""
+    return model_class(cfg)(cfg, seed)
+
+
+def sharding_of(name: str, cfg: ModelArgs | None = None) -> Sharding:
+    """How parameter `name` splits, from its model's table (any model's when `cfg` is None: the tables'
+    names do not overlap). The key/value projections of a Llama need the `cfg` (their split depends on
+    n_kv_head); asking for them without it is an error, not a guess."""
+    tables = [spec(cfg)] if cfg is not None else list(SPECS.values())
+    for s in tables:
+        for pattern, how in s.sharding:
+            if re.fullmatch(pattern, name):
+                if how is KV_HEADS:
+                    if cfg is None:
+                        raise ValueError(f"{name}: its sharding depends on n_kv_head; pass the model config")
+                    return Sharding(dim=0, heads=cfg.kv_heads)
+                return how
+    return REPLICATED
+
+
+def tensor_sharding(name: str, t: torch.Tensor, cfg: ModelArgs | None = None) -> Sharding:
+    """How tensor `t` of parameter `name` (its weight, or an AdamW state of it) splits: a scalar (AdamW's
+    step count) is replicated."""
+    return sharding_of(name, cfg) if t.dim() else REPLICATED
+
+
+def full_size_of(name: str, cfg: ModelArgs) -> int | None:
+    """The unpadded size along the sharded dim, for parameters that are padded."""
+    return cfg.vocab_size if sharding_of(name, cfg).pad else None
+
+
+def valid_tp_degrees(cfg: ModelArgs) -> list[int]:
+    return tp_degrees(cfg.n_head, cfg.kv_heads, cfg.mlp_width)
+
+
+def check_tp(cfg: ModelArgs, tp: int) -> None:
+    """Reject a TP degree that does not divide the heads or the MLP width (or, with grouped-query
+    attention, neither divides nor is a multiple of the KV heads), naming the valid ones."""
+    width = spec(cfg).width_name
+    bad = [f"does not divide {what}={n}" for what, n in (("n_head", cfg.n_head), (width, cfg.mlp_width)) if n % tp]
+    if cfg.kv_heads != cfg.n_head and not kv_fits(cfg.kv_heads, tp):
+        bad.append(f"neither divides nor is a multiple of n_kv_head={cfg.kv_heads}")
+    if bad:
+        raise ValueError(f"tp={tp} {' and '.join(bad)}; valid tp degrees: "
+                         f"{', '.join(map(str, valid_tp_degrees(cfg)))}")

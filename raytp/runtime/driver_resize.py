@@ -1,0 +1,47 @@
+"""The Driver's resizes: requested, switched to at a step boundary, adopted (a part of
+raytp.runtime.driver.Driver, kept apart: the Driver class mixes it in and owns every attribute it
+reads; raytp.runtime.elastic keeps the records, raytp.runtime.resize carries the switches out)."""
+from __future__ import annotations
+
+from raytp.runtime import resize
+from raytp.runtime.records import Outcome, State
+
+
+class DriverResize:
+    @property
+    def pending_resize(self):
+        return self.elastic.pending
+
+    def resize(self, tp: int, dp: int) -> Outcome:
+        """Move to layout tp x dp now: request, wait for the new ranks, switch (tests, benchmarks)."""
+        outcome = self.request_resize(tp, dp)
+        if outcome is None:
+            self.group.answered(self.elastic.pending.ready, timeout_s=self.cfg.runtime.placement_timeout_s)
+            outcome = self.advance_resize(now=True)
+        return outcome
+
+    def request_resize(self, tp: int, dp: int, request_id: int | None = None) -> Outcome | None:
+        """Begin a resize; its outcome, or None while its new ranks start (`request_id` is answered when
+        it finishes). One with nothing to start (a shrink) switches at once."""
+        got = self._take(self.elastic.request(self.group, tp, dp, self.step, request_id))
+        return self.advance_resize() if got is None and self.elastic.due(self.group) else got
+
+    def advance_resize(self, now: bool = False) -> Outcome | None:
+        """At a step boundary: switch to the pending layout if it is due (or `now`)."""
+        if not self.elastic.due(self.group, now):
+            return None
+        self.state = State.RESIZING
+        self.publish()
+        request_id, got = self.elastic.finish(self.group, self.step)
+        outcome = self._take(got)
+        self.state = State.RUNNING
+        self._answer(request_id, outcome)
+        return outcome
+
+    def _take(self, got):
+        """Adopt the group of a switch (resize.Switched); the outcome."""
+        if isinstance(got, resize.Switched):
+            self.adopt(got.group)
+            self.resizing = got.resizing or self.resizing
+            return got.outcome
+        return got

@@ -1,0 +1,81 @@
+"""The checkpoint format's names and manifest: what a checkpoint directory holds, without reading a tensor.
+
+Shared by the format-2 reader and writer (raytp.train.checkpoint) and the
+format-1 reader (raytp.train.checkpoint_v1). A checkpoint is the directory (or
+URL) holding its ``manifest.json``, whatever its name; ``step-NNNNNNNN`` is the
+name raytp gives the ones it writes, and what it lists in a checkpoints dir.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict
+
+from raytp.models.args import ModelArgs
+from raytp.train.storage import Storage
+
+FORMAT, FORMAT_V1 = "raytp-checkpoint/2", "raytp-checkpoint/1"
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"step-(\d{8})")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, or for another model."""
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def shard_file(tp_rank: int) -> str:
+    return f"tp{tp_rank:03d}.safetensors"
+
+
+def manifest(step: int, cfg: ModelArgs, tp: int, dp: int, files: dict[str, int], tensors: dict) -> dict:
+    return {"format": FORMAT, "step": step, "time": time.time(), "model": asdict(cfg),
+            "layout": {"tp": tp, "dp": dp}, "files": files, "tensors": tensors}
+
+
+def list_checkpoints(storage: Storage) -> list[str]:
+    """Names of the checkpoint directories that have a manifest, oldest first."""
+    return [n for n in storage.listdir() if STEP_DIR.fullmatch(n) and storage.exists(n, MANIFEST)]
+
+
+def step_of(name: str) -> int:
+    return int(STEP_DIR.fullmatch(name).group(1))
+
+
+def read_manifest(storage: Storage, directory: str) -> dict:
+    where = f"{storage.url.rstrip('/')}/{directory}"
+    if not storage.exists(directory):
+        raise CheckpointError(f"{where}: no such checkpoint directory")
+    if not storage.exists(directory, MANIFEST):
+        raise CheckpointError(f"{where}/{MANIFEST}: missing; the checkpoint is incomplete (a save that did not "
+                              "finish?)")
+    try:
+        m = json.loads(storage.read_bytes(directory, MANIFEST))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{where}/{MANIFEST}: not valid JSON ({e})") from None
+    if m.get("format") not in (FORMAT, FORMAT_V1):
+        raise CheckpointError(f"{where}/{MANIFEST}: format {m.get('format')!r}, expected {FORMAT!r}")
+    return m
+
+
+def check_model(manifest_: dict, cfg: ModelArgs, where: str) -> None:
+    """Refuse a checkpoint of another model shape, naming the keys that differ."""
+    saved = asdict(ModelArgs(**manifest_["model"]))  # keys a checkpoint predates take their defaults
+    diff = [f"{k} {saved.get(k)} (checkpoint) vs {v} (job)" for k, v in asdict(cfg).items()
+            if k != "dropout" and saved.get(k) != v]
+    if diff:
+        raise CheckpointError(f"{where}/{MANIFEST}: checkpoint is for another model shape: {'; '.join(diff)}")
+
+
+def check_files(storage: Storage, directory: str, manifest_: dict, where: str) -> None:
+    """Every file of a checkpoint there at the size its manifest says (a stat per file; nothing read)."""
+    for name, size in manifest_["files"].items():
+        if not storage.exists(directory, name):
+            raise CheckpointError(f"{where}/{name}: missing shard file")
+        have = storage.size(directory, name)
+        if have != size:
+            raise CheckpointError(f"{where}/{name}: truncated or altered ({have} bytes, manifest says {size})")
