@@ -63,8 +63,8 @@ def _batch(p: dict, step: int):
 def _commit(root: str, step: int, cfg: ModelArgs, table: dict, files: dict) -> str:
     """Rank 0 does what the driver does: the manifest last (no Ray here)."""
     import json
-    from raytp.train import checkpoint
-    from raytp.train.storage import Storage
+    from raytp.files import checkpoint
+    from raytp.files.storage import Storage
     m = checkpoint.manifest(step, cfg, TP_SAVED, 1, files, table)
     Storage(root).write_bytes(f"{checkpoint.step_dir(step)}/{checkpoint.MANIFEST}", json.dumps(m).encode())
     return f"{root}/{checkpoint.step_dir(step)}"
@@ -78,9 +78,9 @@ def raytp_save(rank: int, world: int, init: str, p: dict, root: str, staged: boo
     to the end of the step during which it finished, and how many steps that was."""
     from raytp.models.shard import build_shard
     from raytp.runtime.background_save import BackgroundSave
-    from raytp.train import checkpoint
+    from raytp.files import checkpoint
     from raytp.train.shard_state import live_state, pack_state, state_bytes, unpack_state
-    from raytp.train.storage import Storage
+    from raytp.files.storage import Storage
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     groups = build_groups(Layout(world, dp=1), rank)
@@ -139,8 +139,8 @@ def raytp_save(rank: int, world: int, init: str, p: dict, root: str, staged: boo
 
 def raytp_load(rank: int, world: int, init: str, p: dict, directory: str) -> dict:
     from raytp.models.shard import build_empty_shard
-    from raytp.train import checkpoint
-    from raytp.train.storage import Storage
+    from raytp.files import checkpoint
+    from raytp.files.storage import Storage
     torch.set_num_threads(1)
     importlib.import_module("torch._dynamo")  # what the first optimizer imports, paid by a worker at its start
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

@@ -14,9 +14,11 @@
    (``OldStepStream`` below, copied from raytp/runtime/streaming.py: records
    read rank by rank, each call submitted after the previous one ended);
    raytp's is ``StepStream`` with the next call submitted behind the current
-   one (``then``). Figures: driver CPU per step, and the idle gap at a call
-   boundary: from the last rank's end of call k to the last rank's start of
-   call k+1 (no collective of k+1 can finish before), median over boundaries.
+   one (``then``). Figures: driver CPU per step (the whole process, with Ray's
+   own threads, and its main thread: raytp's reads and submissions); each
+   rank's idle time between its end of call k and its start of call k+1; and
+   the boundary stall, from the last rank's end of call k to the last rank's
+   start of call k+1 (no collective of k+1 can finish before).
 3. Lost-rank detection on the same actors: ``WorkerGroup.find_lost`` against
    the old loop (``ref in list``), nothing lost.
 
@@ -198,13 +200,15 @@ def ray_round(impl: str, actors, p: dict) -> dict:
     times = {}
     for t in ray.get([a.taken.remote() for a in actors]):
         times.update(t)
-    gaps = []
+    stalls, idle = [], []
     for k in range(calls - 1):
-        end_k = max(times[(r, base + k * spc)][1] for r in range(n))
-        start_next = max(times[(r, base + (k + 1) * spc)][0] for r in range(n))
-        gaps.append(start_next - end_k)
+        ends = [times[(r, base + k * spc)][1] for r in range(n)]
+        starts = [times[(r, base + (k + 1) * spc)][0] for r in range(n)]
+        stalls.append(max(starts) - max(ends))
+        idle += [b - e for b, e in zip(starts, ends)]
     return {"cpu_per_step_s": cpu / (calls * spc), "main_cpu_per_step_s": main / (calls * spc), "wall_s": wall,
-            "idle_s": statistics.median(gaps)}
+            "stall_s": statistics.median(stalls), "idle_s": statistics.median(idle),
+            "idle_p99_s": sorted(idle)[int(0.99 * (len(idle) - 1))]}
 
 
 def find_lost_round(impl: str, actors, n: int) -> float:
@@ -243,7 +247,9 @@ def ray_part(p: dict) -> dict:
         out[impl] = {"driver_cpu_per_step_s": round(statistics.median(r["cpu_per_step_s"] for r in got[impl]), 5),
                      "driver_main_thread_cpu_per_step_s": round(statistics.median(
                          r["main_cpu_per_step_s"] for r in got[impl]), 5),
-                     "call_boundary_idle_s": round(statistics.median(r["idle_s"] for r in got[impl]), 4),
+                     "rank_idle_median_s": round(statistics.median(r["idle_s"] for r in got[impl]), 4),
+                     "rank_idle_p99_s": round(statistics.median(r["idle_p99_s"] for r in got[impl]), 4),
+                     "call_boundary_stall_s": round(statistics.median(r["stall_s"] for r in got[impl]), 4),
                      "wall_s": round(statistics.median(r["wall_s"] for r in got[impl]), 3),
                      "find_lost_s": round(statistics.median(lost[impl]), 4)}
     return out
@@ -267,12 +273,13 @@ def run(quick: bool = False) -> dict:
                           "steps_per_call": p["steps_per_call"], "calls": p["calls"], "rounds": p["rounds"]}
     top = fake[f"ranks{max(p['fake_ranks'])}"]
     after = fig["ray_streams"]["after"]
-    cpu_1s = after["driver_cpu_per_step_s"] + top["cpu_per_step_s"]  # reading records + the loop's own work
+    # the driver's own code: the loop (fakes) plus its main thread's reads and submissions on Ray
+    cpu_1s = after["driver_main_thread_cpu_per_step_s"] + top["cpu_per_step_s"]
     fig["goals"] = {
         "driver_cpu_share_of_1s_step": round(cpu_1s, 4), "driver_cpu_goal": f"<= {GOAL_CPU}",
         "driver_cpu_met": cpu_1s <= GOAL_CPU,
-        "call_boundary_idle_s": after["call_boundary_idle_s"], "idle_goal_s": f"<= {GOAL_IDLE_S}",
-        "idle_met": after["call_boundary_idle_s"] <= GOAL_IDLE_S,
+        "call_boundary_stall_s": after["call_boundary_stall_s"], "idle_goal_s": f"<= {GOAL_IDLE_S}",
+        "idle_met": after["call_boundary_stall_s"] <= GOAL_IDLE_S,
         "recovery_bookkeeping_s": top["recovery_s"], "recovery_goal_s": f"< {GOAL_RECOVERY_S}",
         "recovery_met": top["recovery_s"] is not None and top["recovery_s"] < GOAL_RECOVERY_S,
         "at_ranks": {"fake_driver": max(p["fake_ranks"]), "ray_streams": n}}
@@ -280,6 +287,9 @@ def run(quick: bool = False) -> dict:
                      "steps_per_call 10, no evaluation/checkpoints/snapshots), CPU per step after the first call; "
                      "recovery_s: one rank killed mid-run, the recovered event's seconds; ray_streams: "
                      f"{p['actors']} threaded actors serving {n} rank streams on an embedded Ray (2 CPUs), each "
-                     "step a sleep of step_s; idle = last rank's start of call k+1 - last rank's end of call k, "
-                     "median over boundaries and rounds (before/after alternate within a round)")
+                     "step a sleep of step_s; driver CPU: process CPU (with Ray's own threads) and its main thread "
+                     "(raytp's reads and submissions); rank idle = a rank's start of call k+1 - its end of call k "
+                     "(median, p99 over ranks and boundaries); stall = last rank's start of call k+1 - last "
+                     "rank's end of call k (no collective of k+1 finishes before), median over boundaries; medians "
+                     "over rounds (before/after alternate within a round)")
     return fig

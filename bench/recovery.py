@@ -1,6 +1,6 @@
 """recovery: seconds from SIGKILL of one worker to the next completed step, raytp vs Ray Train.
 
-Both train the same GPT (raytp.model; jobs/default.yaml's shape: 4 layers x
+Both train the same GPT (raytp.models.gpt2; jobs/default.yaml's shape: 4 layers x
 128 wide, 4 heads, block 128, batch 8, builtin data, the same batches from
 raytp.train.data.batch, AdamW, 1 torch thread per worker) on 4 CPU workers,
 in one embedded Ray (loopback, 8 CPUs), and both lose the process of world
@@ -14,7 +14,9 @@ steps completed.
   next metrics.jsonl line, and the ``recovered`` event's own ``seconds``
   (from the driver noticing to that step), with its ``source`` and
   ``lost_steps``; split at the ``failure`` event (the driver found the dead
-  rank) and the ``placed`` event (the replacement process started and wired).
+  rank), the replacement's process being up (imports done, ``Worker.where``'s
+  ``up``; a spare's is before the failure, counted as at it) and the ``placed``
+  event (it joined the process groups and holds the shard).
 - Ray Train 2.60 ``TorchTrainer`` (DDP via ``prepare_model``, 4 workers x 1
   CPU), rank 0 reports a checkpoint every step (``ray.train.report``),
   ``FailureConfig(max_failures=1)``; on restart the loop resumes from
@@ -40,7 +42,7 @@ from bench.snapshots import MODEL, driver, job, jsonl, med, ray_session, say, wa
 
 PEER = ("Ray Train 2.60 TorchTrainer (DDP, 4 CPU workers, same GPT and batches, checkpoint every step via "
         "ray.train.report, FailureConfig(max_failures=1), resume from get_checkpoint)")
-GOAL_RATIO, GOAL_S = 0.3, 5.0
+GOAL_RATIO, GOAL_S = 0.3, 3.5
 FULL = {"model": MODEL["FULL"], "batch_size": 8, "kill_step": 6, "after": 6, "reps": 2, "spare_steps": 150}
 QUICK = {"model": MODEL["QUICK"], "batch_size": 4, "kill_step": 3, "after": 3, "reps": 1, "spare_steps": 200}
 LAYOUTS = ((2, 2, 0), (4, 1, 0), (2, 2, 1))  # (tp, dp, warm spares)
@@ -94,10 +96,12 @@ def raytp_once(p: dict, tp: int, dp: int, spares: int, run_dir: Path) -> dict:
         raise RuntimeError(f"raytp TP={tp} x DP={dp} did not finish after the kill: {errors}")
     ev = {e["kind"]: e for e in jsonl(run_dir / "events.jsonl")}  # the last of each kind
     rec, fail, placed = ev["recovered"], ev["failure"], ev["placed"]  # placed: the replacement wired in
+    up = max(placed["ranks"][KILL_RANK]["up"], fail["time"])  # the replacement's process ready (a spare: before)
     nxt = next(m for m in jsonl(run_dir / "metrics.jsonl") if m["time"] > killed)
     return {"kill_to_step_s": rec["time"] - killed, "kill_to_next_metrics_line_s": nxt["time"] - killed,
             "event_seconds": rec["seconds"], "kill_to_failure_event_s": fail["time"] - killed,
             "failure_to_placed_s": placed["time"] - fail["time"], "placed_to_step_s": rec["time"] - placed["time"],
+            "failure_to_up_s": up - fail["time"], "up_to_placed_s": placed["time"] - up,
             "source": rec["source"], "lost_steps": rec["lost_steps"], "killed_after_step": k,
             "spares_used": len(rec.get("spares", [])),
             "first_step_s": ev["first_step"]["seconds"]}
@@ -227,6 +231,8 @@ def run(quick: bool = False) -> dict:
             "raytp_recovered_event_seconds": med([r["event_seconds"] for r in rs]),
             "raytp_kill_to_failure_event_s": med([r["kill_to_failure_event_s"] for r in rs]),
             "raytp_failure_to_replacement_placed_s": med([r["failure_to_placed_s"] for r in rs]),
+            "raytp_failure_to_replacement_up_s": med([r["failure_to_up_s"] for r in rs]),
+            "raytp_replacement_up_to_placed_s": med([r["up_to_placed_s"] for r in rs]),
             "raytp_placed_to_step_s": med([r["placed_to_step_s"] for r in rs]),
             "source": sorted({r["source"] for r in rs}), "lost_steps": [r["lost_steps"] for r in rs],
             "spares_used": [r["spares_used"] for r in rs],

@@ -247,20 +247,20 @@ class FakeGroup(WorkerGroup):
 
     def begin_save(self, url, directory):
         """Each rank of replica 0 writes its file (the fake state: one replicated tensor) at once."""
-        from raytp.train import checkpoint
-        from raytp.train.storage import Storage
+        from raytp.files import checkpoint
+        from raytp.files.storage import Storage
         ranks = range(self.layout.tp)
         tensors = [checkpoint.state_tensors(state_of(self.workers[r].x)) for r in ranks]
         results = [Ref(checkpoint.write_shard(Storage(url), directory, tensors[r], r)) for r in ranks]
         return checkpoint.tensor_table(tensors[0], self.layout.tp, self.cfg.model.vocab_size), results
 
     def probe_storage(self, url, token):
-        from raytp.train.storage import Storage, answer_probe
+        from raytp.files.storage import Storage, answer_probe
         return [answer_probe(Storage(url), token, r) for r in range(len(self.workers))]
 
     def load_source(self, source, step):
-        from raytp.train.checkpoint import open_checkpoint
-        from raytp.train.storage import Storage
+        from raytp.files.checkpoint import open_checkpoint
+        from raytp.files.storage import Storage
         x = open_checkpoint(Storage(source.url), source.directory, source.manifest).read(f"model/{NAME}", 0, 1)
         for w in self.workers:
             w.x, w.completed = x.item(), step

@@ -25,7 +25,7 @@ from raytp.parallel.layout import Layout
 from raytp.models.shard import build_shard, gather_full_state
 from raytp.runtime.driver import Driver
 from raytp.runtime.worker import Worker
-from raytp.train import checkpoint
+from raytp.files import checkpoint
 from raytp.train.data import Corpus, batch
 from raytp.train.hyper import Hyper
 from raytp.train.step import make_optimizer, train_step
@@ -218,7 +218,7 @@ class ShardsGroup:
                               "parallel": {"tp": len(shards), "dp": dp}})
 
     def begin_save(self, url, directory):
-        from raytp.train.storage import Storage
+        from raytp.files.storage import Storage
         tensors = [checkpoint.state_tensors(sh) for sh in self.shards]
         results = [checkpoint.write_shard(Storage(url), directory, t, r) for r, t in enumerate(tensors)]
         return checkpoint.tensor_table(tensors[0], len(self.shards), self.cfg.model.vocab_size), results

@@ -14,9 +14,9 @@ import torch
 from helpers import close, drive, full_state, job, losses, save_shards, small_state
 from raytp.models.args import ModelArgs
 from raytp.runtime.origin import from_checkpoint
-from raytp.train import checkpoint, safetensors_io
-from raytp.train.checkpoint import CheckpointError
-from raytp.train.storage import Storage
+from raytp.files import checkpoint, safetensors_io
+from raytp.files.checkpoint import CheckpointError
+from raytp.files.storage import Storage
 
 
 def assert_states_equal(a, b):
@@ -113,7 +113,7 @@ CRASHING_SAVE = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {tests!r})
     from helpers import save_shards, small_state
-    from raytp.train import safetensors_io
+    from raytp.files import safetensors_io
     cfg, _, shards = small_state(tp=2)
     save_shards({root!r}, 10, shards, cfg)
     real, calls = safetensors_io.write, []

@@ -9,7 +9,7 @@ from fakes import NAME, FakeCluster, LocalControl, NoCopy, expected_x
 from helpers import events, job
 from raytp.runtime.driver import Driver
 from raytp.runtime.errors import JobError, RecoveryFailed
-from raytp.train import checkpoint
+from raytp.files import checkpoint
 
 STEPS = 12
 

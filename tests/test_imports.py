@@ -17,12 +17,14 @@ LAYERS = {
     "raytp.parallel": {"raytp.seeds"},
     "raytp.models": {"raytp.seeds", "raytp.initialization", "raytp.parallel", "raytp.tp_degrees"},
     "raytp.train": {"raytp.models", "raytp.parallel", "raytp.seeds"},
+    "raytp.files": {"raytp.models", "raytp.parallel", "raytp.train"},
     "raytp.config": {"raytp.names", "raytp.models", "raytp.train", "raytp.tp_degrees"},
-    "raytp.runtime": {"raytp.names", "raytp.models", "raytp.parallel", "raytp.train", "raytp.config",
-                      "raytp.seeds"},
+    "raytp.runtime": {"raytp.names", "raytp.models", "raytp.parallel", "raytp.train", "raytp.files",
+                      "raytp.config", "raytp.seeds"},
     "raytp.head": {"raytp.names", "raytp.runtime"},
     "raytp.jobs": {"raytp.names", "raytp.runtime", "raytp.head", "raytp.config"},
-    "raytp.cli": {"raytp.names", "raytp.config", "raytp.runtime", "raytp.train", "raytp.models", "raytp.head",
+    "raytp.cli": {"raytp.names", "raytp.config", "raytp.runtime", "raytp.train", "raytp.files", "raytp.models",
+                  "raytp.head",
                   "raytp.jobs"},
 }
 

@@ -18,7 +18,7 @@ from raytp.models.registry import full_size_of, sharding_of
 from raytp.models.shard import build_empty_shard
 from raytp.parallel.sharding import unshard_tensors
 from raytp.parallel.spawn import run_ranks
-from raytp.train import hf
+from raytp.files import hf
 from raytp.train.step import _sum_over_tp
 
 transformers = pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ import torch
 
 from helpers import FIXED, assert_bitwise_equal, events, final_state, job, losses, run, signal_rank
 from raytp.runtime.driver import Driver
-from raytp.train import checkpoint
+from raytp.files import checkpoint
 
 LLAMA = {"arch": "llama", "n_head": 4, "n_kv_head": 2, "intermediate_size": 96}
 STEPS = 8

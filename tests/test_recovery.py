@@ -14,7 +14,7 @@ from helpers import (NEVER_S, RECOVERY_STEPS, assert_bitwise_equal, events, fina
                      run, run_catching, signal_rank, steps_logged, wait_for)
 from raytp.runtime.driver import Driver
 from raytp.runtime.errors import JobError, RecoveryFailed
-from raytp.train import checkpoint
+from raytp.files import checkpoint
 
 STEPS = RECOVERY_STEPS
 

@@ -14,8 +14,8 @@ import pytest
 
 from helpers import close, drive, full_state, job, losses
 from raytp.runtime.origin import from_checkpoint
-from raytp.train import checkpoint
-from raytp.train.storage import Storage
+from raytp.files import checkpoint
+from raytp.files.storage import Storage
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "raytp-test"

@@ -28,7 +28,7 @@ def run_name_and_dir(job: str, cfg: config_mod.JobConfig, run_dir: str | None, n
 def check_storage(cfg: config_mod.JobConfig, run_dir: Path) -> None:
     """The checkpoint location must be reachable and writable from here, before Ray starts (the workers'
     side is checked once they are up)."""
-    from raytp.train.storage import Storage, StorageError, check_writable
+    from raytp.files.storage import Storage, StorageError, check_writable
     try:
         check_writable(Storage(cfg.checkpoint.dir or str(run_dir / "checkpoints")))
     except StorageError as e:
@@ -84,7 +84,7 @@ def train(job, sets, address, run_dir, name, resume):
     cfg = load_job(job, sets)
     run, path = run_name_and_dir(job, cfg, run_dir, name)
     from raytp.runtime.origin import starting_state
-    from raytp.train.checkpoint import CheckpointError
+    from raytp.files.checkpoint import CheckpointError
     try:
         cfg, init_state = starting_state(cfg, resume, path, say=lambda m: click.echo(f"[raytp] {m}", err=True))
     except (CheckpointError, ValueError) as e:
@@ -112,7 +112,7 @@ def train(job, sets, address, run_dir, name, resume):
         check_cluster_memory(cfg, memory)
     import ray
     from raytp.runtime.driver import Driver
-    from raytp.train.storage import StorageError
+    from raytp.files.storage import StorageError
     try:
         driver = Driver(cfg, path, run, init_state=init_state)
         _stop_on_sigterm(driver)
@@ -154,7 +154,7 @@ def _stop_on_sigterm(driver) -> None:
                    "data.tokenizer when SOURCE is a run dir.")
 def export(source, out, fmt, tokenizer):
     """Write one unsharded model from SOURCE (a run dir, a checkpoint dir, or a URL of either), tensor by tensor."""
-    from raytp.train import checkpoint
+    from raytp.files import checkpoint
     from raytp.train.tokens import tokenizer_file
     try:
         tok = tokenizer_file(tokenizer, "--tokenizer") if tokenizer else None
@@ -162,13 +162,13 @@ def export(source, out, fmt, tokenizer):
             tok = tokenizer_file(spec)
         ckpt = checkpoint.find(source, warn=lambda m: click.echo(f"[raytp] warning: {m}", err=True))
         if fmt == "hf":
-            from raytp.train import hf
+            from raytp.files import hf
             hf.save(ckpt, Path(out))
             if tok is not None:
                 import shutil
                 shutil.copyfile(tok, Path(out) / "tokenizer.json")
         else:
-            from raytp.train.export import write_model
+            from raytp.files.export import write_model
             write_model(ckpt, Path(out), tok)
     except checkpoint.CheckpointError as e:
         fail(e, 1)
@@ -204,7 +204,7 @@ def sample(model_file, prompt, tokens, temperature, top_k, seed, tokenizer):
     import torch
     from raytp.models.files import load_model
     from raytp.train import tokens as tok_mod
-    from raytp.train.export import embedded_tokenizer
+    from raytp.files.export import embedded_tokenizer
     try:
         model = load_model(model_file)
     except ValueError as e:

@@ -16,8 +16,8 @@ import threading
 
 import torch
 
-from raytp.train import checkpoint
-from raytp.train.storage import Storage
+from raytp.files import checkpoint
+from raytp.files.storage import Storage
 
 
 class BackgroundSave:

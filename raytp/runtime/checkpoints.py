@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import ray
 
 from raytp.config.adapters import gpt_config
-from raytp.train import checkpoint
-from raytp.train.sources import CheckpointSource
-from raytp.train.storage import Storage, StorageError, check_writable, probe_name
+from raytp.files import checkpoint
+from raytp.files.sources import CheckpointSource
+from raytp.files.storage import Storage, StorageError, check_writable, probe_name
 
 
 @dataclass

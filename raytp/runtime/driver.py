@@ -38,7 +38,7 @@ from raytp.runtime.records import State, StopRequest
 from raytp.runtime.snapshots import Cadence, OffNodeCopy, Snapshots
 from raytp.runtime.spares import Spares
 from raytp.runtime.worker import Worker
-from raytp.train.checkpoint import CheckpointError
+from raytp.files.checkpoint import CheckpointError
 
 
 class Driver(DriverControl, DriverResize):
@@ -50,7 +50,7 @@ class Driver(DriverControl, DriverResize):
     def __init__(self, cfg: JobConfig, run_dir: Path, run: str, out=sys.stderr, ray_metrics: bool = True,
                  init_state: tuple[int, dict, str] | None = None):
         """`init_state`: (step, source, where from) to start from instead of the seeded initialisation:
-        a raytp.train.sources source (a checkpoint, a Hugging Face model) that every worker reads its
+        a raytp.files.sources source (a checkpoint, a Hugging Face model) that every worker reads its
         own slices of."""
         self.job, self.run_dir, self.run = cfg, Path(run_dir), run
         self.init_state = init_state

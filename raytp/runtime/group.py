@@ -128,7 +128,7 @@ class WorkerGroup:
              states: Mapping[int, object] | None = None) -> "WorkerGroup":
         """Meet in torch.distributed at rank 0's node and build the TP and DP groups; returns this group
         with where each rank runs. Ranks in `setup` build their shard (from their slices of `state` if
-        given: a raytp.train.sources source, or a one-device state or its ref; else seeded), ranks in
+        given: a raytp.files.sources source, or a one-device state or its ref; else seeded), ranks in
         `reshape` rebuild theirs from their slices of `state`, and every other rank rejoins with the
         shard it holds. `states`: a source per rank instead of one for all."""
         setup, reshape = set(setup), set(reshape)
@@ -279,12 +279,12 @@ class WorkerGroup:
         return tables[0], [w.save_result.remote() for w in ranks]
 
     def probe_storage(self, url: str, token: str) -> list[str | None]:
-        """Each worker reads the driver's probe file at `url` and writes its own (raytp.train.storage)."""
+        """Each worker reads the driver's probe file at `url` and writes its own (raytp.files.storage)."""
         return ray.get([w.probe_storage.remote(url, token) for w in self.workers],
                        timeout=self.cfg.runtime.step_timeout_s)
 
     def load_source(self, source, step: int) -> None:
-        """Every worker takes its slices of `source` (raytp.train.sources) as the state after `step`."""
+        """Every worker takes its slices of `source` (raytp.files.sources) as the state after `step`."""
         ray.get([w.load.remote(source, step) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)
 
     def write_snapshot(self, url: str, directory: str, parts: list) -> list[dict]:

@@ -1,7 +1,7 @@
 """Where a run's first state comes from: a checkpoint (--resume), a Hugging Face directory (model.init_from),
 or the seeded initialisation. Resolved and checked in the driver's process before any actor starts
 (manifests and headers only: the driver reads no tensor), so a bad checkpoint costs nothing; every
-worker then reads its own slices (raytp.train.sources)."""
+worker then reads its own slices (raytp.files.sources)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,12 +10,12 @@ from pathlib import Path
 from raytp import config as config_mod
 from raytp.config.adapters import gpt_config
 from raytp.models import registry
-from raytp.train import checkpoint, hf
-from raytp.train.sources import CheckpointSource, HFSource
+from raytp.files import checkpoint, hf
+from raytp.files.sources import CheckpointSource, HFSource
 
 
 def from_checkpoint(location, cfg: config_mod.JobConfig | None = None, warn=None) -> tuple[int, CheckpointSource, str]:
-    """(step, source, where) of the checkpoint at `location` (see raytp.train.checkpoint.find)."""
+    """(step, source, where) of the checkpoint at `location` (see raytp.files.checkpoint.find)."""
     found = checkpoint.find(location, gpt_config(cfg) if cfg is not None else None, warn=warn)
     return found.step, CheckpointSource.of(found), found.where
 

@@ -44,7 +44,7 @@ from raytp.runtime import policy
 from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
 from raytp.runtime.records import Healing, Resizing
 from raytp.runtime.slots import unused_groups
-from raytp.train.checkpoint import CheckpointError
+from raytp.files.checkpoint import CheckpointError
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 from raytp.parallel.reshard_plan import pieces
 from raytp.models.registry import sharding_of, tensor_sharding
 from raytp.parallel.sharding import Sharding
-from raytp.train.checkpoint import named_tensors
+from raytp.files.checkpoint import named_tensors
 
 
 def _full_size(s: Sharding, t: torch.Tensor, tp: int, vocab_size: int) -> int:

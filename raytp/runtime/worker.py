@@ -75,6 +75,7 @@ class Worker(WorkerState):
             raise ValueError(f"data.source has token ids up to {self.corpus.vocab_size - 1} but "
                              f"model.vocab_size={self.cfg.model.vocab_size}; raise model.vocab_size")
         self.store = None  # the rendezvous store this rank listens on while it is to be rank 0 of a join
+        self.up = time.time()  # when this process was ready for work (reported by `where`)
         # What is here now (modules, torch, dynamo: ~300k objects) lives as long as the process: out of the
         # collector's sight, a full collection (leave_groups, on the way out of a failed step, while its peers
         # wait) takes ~1 ms instead of ~0.3 s. What comes later (process groups, shards) is still collected.
@@ -89,11 +90,13 @@ class Worker(WorkerState):
         return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
 
     def where(self) -> dict:
-        """Node, pid, address and actor name, as Ray and the OS see them (for the driver's records)."""
+        """Node, pid, address and actor name, as Ray and the OS see them, and when the process was up (wall
+        clock): for the driver's records."""
         import ray
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "actor": ctx.get_actor_name(), "node_id": ctx.get_node_id(), "pid": os.getpid(),
-                "ip": self._node_ip(), "gpu_ids": ctx.get_accelerator_ids().get("GPU", [])}
+                "ip": self._node_ip(), "gpu_ids": ctx.get_accelerator_ids().get("GPU", []),
+                "up": self.up}
 
     def __repr__(self) -> str:
         """Its current role (an actor's name cannot change: a promoted spare, a renumbered replica)."""
@@ -132,7 +135,7 @@ class Worker(WorkerState):
 
     def setup(self, tp: int, dp: int, init_method: str, source=None) -> dict:
         """Join the process groups and build this rank's shard: from the seeded initialisation (only its
-        own slices are computed), or, given a source (raytp.train.sources: a checkpoint, a Hugging Face
+        own slices are computed), or, given a source (raytp.files.sources: a checkpoint, a Hugging Face
         directory; or a one-device state), from its slices of it, with no initialisation at all."""
         t0 = time.perf_counter()
         layout = Layout(tp, dp=dp)

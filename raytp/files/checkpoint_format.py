@@ -1,7 +1,7 @@
 """The checkpoint format's names and manifest: what a checkpoint directory holds, without reading a tensor.
 
-Shared by the format-2 reader and writer (raytp.train.checkpoint) and the
-format-1 reader (raytp.train.checkpoint_v1). A checkpoint is the directory (or
+Shared by the format-2 reader and writer (raytp.files.checkpoint) and the
+format-1 reader (raytp.files.checkpoint_v1). A checkpoint is the directory (or
 URL) holding its ``manifest.json``, whatever its name; ``step-NNNNNNNN`` is the
 name raytp gives the ones it writes, and what it lists in a checkpoints dir.
 """
@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict
 
 from raytp.models.args import ModelArgs
-from raytp.train.storage import Storage
+from raytp.files.storage import Storage
 
 FORMAT, FORMAT_V1 = "raytp-checkpoint/2", "raytp-checkpoint/1"
 MANIFEST = "manifest.json"

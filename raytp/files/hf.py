@@ -17,8 +17,8 @@ import torch
 from raytp.models.args import ModelArgs
 from raytp.models.registry import build_model, sharding_of, spec, spec_for_hf
 from raytp.parallel.sharding import shard_ranges
-from raytp.train.safetensors_io import FormatError, Reader, write
-from raytp.train.storage import Storage
+from raytp.files.safetensors_io import FormatError, Reader, write
+from raytp.files.storage import Storage
 
 def config_of(d: dict, where: str = "config.json") -> ModelArgs:
     """The model shape of a config.json, by the architecture its model_type names."""
@@ -122,7 +122,7 @@ def load_into(model_dir, model, rank: int, tp: int) -> None:
 def save(ckpt, out_dir: Path) -> None:
     """Write a checkpoint as a Hugging Face directory of its architecture, tensor by tensor (one whole tensor
     in memory at a time)."""
-    from raytp.train.export import unmap_large_frees
+    from raytp.files.export import unmap_large_frees
     unmap_large_frees()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,10 @@
 """`raytp export`: one unsharded model from a checkpoint, written tensor by tensor.
 
-Each tensor is read whole from the checkpoint's slices (raytp.train.checkpoint,
+Each tensor is read whole from the checkpoint's slices (raytp.files.checkpoint,
 TP degree 1) and written to the output file at once, so the export holds one
 tensor at a time, never the model. The raytp format is a safetensors file with
 the model's config in its metadata (``raytp.models.files.load_model`` reads it); the
-Hugging Face format is raytp.train.hf.save.
+Hugging Face format is raytp.files.hf.save.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from raytp.models.base import MODEL_FORMAT
-from raytp.train import safetensors_io
+from raytp.files import safetensors_io
 
 
 def unmap_large_frees() -> None:

@@ -2,7 +2,7 @@
 
 A checkpoint is the directory holding a ``manifest.json`` (raytp names the ones it
 writes ``step-00000100/``; a copy under any other name, ``best/``, is one too), in
-a Storage (raytp.train.storage):
+a Storage (raytp.files.storage):
 
 - ``tp000.safetensors``, ``tp001.safetensors``, ...: what TP rank i of DP
   replica 0 holds (replicas hold the same): its slices of the weights
@@ -33,12 +33,12 @@ from raytp.models.args import ModelArgs
 from raytp.models.registry import sharding_of, tensor_sharding
 from raytp.parallel.reshard_plan import pieces
 from raytp.parallel.sharding import Sharding, local_shape
-from raytp.train import safetensors_io
-from raytp.train.checkpoint_format import (FORMAT, FORMAT_V1, MANIFEST, STEP_DIR, CheckpointError,  # noqa: F401
+from raytp.files import safetensors_io
+from raytp.files.checkpoint_format import (FORMAT, FORMAT_V1, MANIFEST, STEP_DIR, CheckpointError,  # noqa: F401
                                            check_files, check_model, list_checkpoints, manifest, read_manifest, shard_file,
                                            step_dir, step_of)
-from raytp.train.checkpoint_v1 import LegacyCheckpoint
-from raytp.train.storage import Storage
+from raytp.files.checkpoint_v1 import LegacyCheckpoint
+from raytp.files.storage import Storage
 
 # -- what a rank holds, as named tensors --------------------------------------------------------
 def named_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, tuple[Sharding, torch.Tensor]]:

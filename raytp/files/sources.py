@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raytp.train import checkpoint, hf
+from raytp.files import checkpoint, hf
 from raytp.train.shard_state import load_shard_state, slice_state
-from raytp.train.storage import Storage
+from raytp.files.storage import Storage
 
 
 @dataclass(frozen=True)

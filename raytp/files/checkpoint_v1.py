@@ -12,12 +12,12 @@ import io
 import torch
 
 from raytp.models.args import ModelArgs
-from raytp.train.checkpoint_format import CheckpointError, check_files
+from raytp.files.checkpoint_format import CheckpointError, check_files
 from raytp.train.shard_state import slice_state, unshard_state
 
 
 class LegacyCheckpoint:
-    """A format-1 checkpoint directory, with the reading side of raytp.train.checkpoint.Checkpoint."""
+    """A format-1 checkpoint directory, with the reading side of raytp.files.checkpoint.Checkpoint."""
 
     reads_into = False  # read() returns a new tensor
 
