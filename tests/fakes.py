@@ -13,7 +13,7 @@ import itertools
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
-from raytp.config.adapters import gpt_config
+from raytp.config.adapters import model_args
 from raytp.runtime.errors import PlacementError
 from raytp.runtime.group import WorkerGroup
 from raytp.runtime.streaming import StepRecords
@@ -267,7 +267,7 @@ class FakeGroup(WorkerGroup):
 
     def write_snapshot(self, url, directory, parts):
         from raytp.runtime.checkpoints import write_part
-        return [write_part(url, directory, t, ref.value, self.layout.tp, gpt_config(self.cfg))
+        return [write_part(url, directory, t, ref.value, self.layout.tp, model_args(self.cfg))
                 for t, ref in enumerate(parts)]
 
     def copy_shards(self, donors, step):

@@ -2,6 +2,7 @@
 ended the one before, never starts once cancelled or after a rank was lost, and a step's records come
 in rank order. The actors are small threaded stand-ins for raytp's Worker (the same streaming protocol,
 steps that only sleep), so what is tested is the gating, not training."""
+import sys
 import threading
 import time
 
@@ -12,6 +13,7 @@ from raytp.parallel.layout import Layout
 from raytp.runtime.streaming import StepStream
 
 LAYOUT = Layout(2, dp=2)
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor class travels with its calls
 
 
 class Ranks:

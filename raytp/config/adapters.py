@@ -6,7 +6,7 @@ from raytp.models.args import ModelArgs
 from raytp.train.hyper import Hyper
 
 
-def gpt_config(cfg: JobConfig) -> ModelArgs:
+def model_args(cfg: JobConfig) -> ModelArgs:
     m = cfg.model
     return ModelArgs(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=m.block_size,
                      vocab_size=m.vocab_size, dropout=m.dropout, arch=m.arch, n_kv_head=m.n_kv_head,

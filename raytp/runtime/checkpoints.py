@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import ray
 
-from raytp.config.adapters import gpt_config
+from raytp.config.adapters import model_args
 from raytp.files import checkpoint
 from raytp.files.sources import CheckpointSource
 from raytp.files.storage import Storage, StorageError, check_writable, probe_name
@@ -94,7 +94,7 @@ class Checkpoints:
             raise
         files = {w["file"]: w["bytes"] for w in written}
         lay = p.cfg.parallel
-        m = checkpoint.manifest(p.step, gpt_config(p.cfg), lay.tp, lay.dp, files, p.table)
+        m = checkpoint.manifest(p.step, model_args(p.cfg), lay.tp, lay.dp, files, p.table)
         path = self._commit(p.directory, p.step, m)
         self.log.event("checkpoint", step=p.step, path=path, bytes=sum(files.values()),
                        seconds=time.perf_counter() - p.t0)
@@ -143,7 +143,7 @@ class Checkpoints:
         cfg = group.cfg
         done = group.write_snapshot(self.storage.url, directory, parts)
         files = {d["file"]: d["bytes"] for d in done}
-        m = checkpoint.manifest(step, gpt_config(cfg), cfg.parallel.tp, cfg.parallel.dp, files, done[0]["table"])
+        m = checkpoint.manifest(step, model_args(cfg), cfg.parallel.tp, cfg.parallel.dp, files, done[0]["table"])
         path = self._commit(directory, step, m)
         self.log.event("checkpoint", step=step, path=path, bytes=sum(files.values()), seconds=0.0,
                        source="snapshot")

@@ -29,7 +29,7 @@ from raytp.runtime.checkpoints import Checkpoints
 from raytp.runtime.control import ControlChannel
 from raytp.runtime.driver_control import DriverControl
 from raytp.runtime.driver_resize import DriverResize
-from raytp.runtime.elastic import Elastic
+from raytp.runtime.resize import Elastic
 from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
 from raytp.runtime.group import WorkerGroup
 from raytp.runtime.metrics import RunLog

@@ -61,11 +61,11 @@ def estimate(cfg) -> WorkerMemory:
     """The memory of one worker of job `cfg` (a JobConfig)."""
     import torch
 
-    from raytp.config.adapters import gpt_config
+    from raytp.config.adapters import model_args
     from raytp.models.registry import build_model
     from raytp.models.registry import sharding_of
     from raytp.parallel.sharding import local_shape, padded_vocab
-    m, tp, model_cfg = cfg.model, cfg.parallel.tp, gpt_config(cfg)
+    m, tp, model_cfg = cfg.model, cfg.parallel.tp, model_args(cfg)
     with torch.device("meta"):
         model = build_model(model_cfg)
     local = sum(math.prod(local_shape(sharding_of(n, model_cfg), tuple(p.shape), tp))

@@ -28,7 +28,7 @@ from typing import Iterable, Mapping
 import ray
 from ray.exceptions import RayActorError
 
-from raytp.config.adapters import gpt_config
+from raytp.config.adapters import model_args
 from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import Ownership
 from raytp.runtime import placement as placements
@@ -290,7 +290,7 @@ class WorkerGroup:
     def write_snapshot(self, url: str, directory: str, parts: list) -> list[dict]:
         """A snapshot's parts (refs, one per TP rank) written as a checkpoint's files, by tasks."""
         cfg = self.cfg
-        return self.fetch([write_part_task.remote(url, directory, t, ref, cfg.parallel.tp, gpt_config(cfg))
+        return self.fetch([write_part_task.remote(url, directory, t, ref, cfg.parallel.tp, model_args(cfg))
                            for t, ref in enumerate(parts)])
 
     def copy_shards(self, donors: Mapping[int, int], step: int) -> int:

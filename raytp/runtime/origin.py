@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from raytp import config as config_mod
-from raytp.config.adapters import gpt_config
+from raytp.config.adapters import model_args
 from raytp.models import registry
 from raytp.files import checkpoint, hf
 from raytp.files.sources import CheckpointSource, HFSource
@@ -16,7 +16,7 @@ from raytp.files.sources import CheckpointSource, HFSource
 
 def from_checkpoint(location, cfg: config_mod.JobConfig | None = None, warn=None) -> tuple[int, CheckpointSource, str]:
     """(step, source, where) of the checkpoint at `location` (see raytp.files.checkpoint.find)."""
-    found = checkpoint.find(location, gpt_config(cfg) if cfg is not None else None, warn=warn)
+    found = checkpoint.find(location, model_args(cfg) if cfg is not None else None, warn=warn)
     return found.step, CheckpointSource.of(found), found.where
 
 

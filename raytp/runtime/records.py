@@ -54,6 +54,7 @@ class PendingResize:
     t0: float                      # the request (perf_counter)
     new_cfg: Any                   # the job at the new layout (JobConfig)
     kind: str                      # "tp" or "dp"
+    plan: Any                      # its policy.RankPlan (which ranks stay, start early or late, go): made once
     base: tuple                    # the layout and placement groups it was planned against
     reserved: Any                  # the placement it reserved, for the switch
     requested: list                # placement groups asked for (released if it is cancelled)

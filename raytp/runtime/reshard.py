@@ -36,11 +36,12 @@ class SwitchFailed(Exception):
         self.group, self.cause = group, cause
 
 
-def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: dict | None = None):
+def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: dict | None = None, plan=None):
     """`group` at DP degree new_cfg.parallel.dp: (new group, bytes moved). `reserved`: placement of the
-    added replicas (reserved now if None); `early`: {rank: (actor, bundle)} of added ranks started ahead."""
+    added replicas (reserved now if None); `early`: {rank: (actor, bundle)} of added ranks started ahead;
+    `plan`: the request's policy.dp_resize_ranks (made here if None)."""
     tp, old_dp, new_dp = group.layout.tp, group.layout.dp, new_cfg.parallel.dp
-    plan = policy.dp_resize_ranks(tp, old_dp, new_dp)
+    plan = plan or policy.dp_resize_ranks(tp, old_dp, new_dp)
     added = list(range(old_dp, new_dp))
     if reserved is None:
         reserved = group.reserve(new_cfg, group.launcher.run, added,
@@ -65,14 +66,14 @@ def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: di
     return nxt, moved
 
 
-def switch_tp(group, new_cfg, reserved: tuple, early: dict):
+def switch_tp(group, new_cfg, reserved: tuple, early: dict, plan):
     """`group` at TP degree new_cfg.parallel.tp, keeping replica 0's first min(old, new) ranks' processes:
     (new group, bytes moved). `reserved`: placement.reserve_tp's placement; `early`: {rank: (actor,
     bundle)} of the ranks whose names were free, started ahead. The state moves worker to worker
-    (raytp.runtime.transfer); the driver passes references only."""
+    (raytp.runtime.transfer); the driver passes references only. `plan`: the request's
+    policy.tp_resize_ranks."""
     old, new = group.layout, Layout(new_cfg.parallel.tp, dp=new_cfg.parallel.dp)
     new_pgs, requested, unused = reserved
-    plan = policy.tp_resize_ranks(old, new)
     started = [a for a, _ in early.values()]
     exported = reshaped = None
     try:

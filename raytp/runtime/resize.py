@@ -2,6 +2,11 @@
 
 The protocol has two phases; the state moves in raytp.runtime.reshard.
 
+``Elastic`` carries a running job's resizes between step boundaries: the
+pending request, and after an elastic shrink the capacity asked back; every
+switch comes back as a ``Switched`` for the driver to adopt, every answer as an
+Outcome.
+
 - ``request`` (from ``raytp scale`` through the control actor): validate the
   layout (raytp.runtime.policy.resized_config), reserve its capacity first
   (placement groups for the replicas that are new or change shape); if it
@@ -39,7 +44,7 @@ them; data order and the LR schedule are functions of the step, so the run
 continues as if nothing happened (to floating-point tolerance). A resize that
 fails midway rolls back to the old layout.
 
-Every function here returns what the driver adopts; none writes into it.
+Every switch returns what the driver adopts; nothing here writes into the driver or its group.
 """
 from __future__ import annotations
 
@@ -67,69 +72,127 @@ def base(group) -> tuple:
     return group.layout.tp, group.layout.dp, tuple(groups)
 
 
-def request(group, tp: int, dp: int, step: int, say, log, request_id: int | None = None):
-    """Begin moving `group` to layout tp x dp. Returns an Outcome if it is refused or trivial, a
-    Switched if it had to be done at once (a TP grow restarting every worker), else a PendingResize
-    whose new ranks are starting (``finish`` completes it at a step boundary where it is ``due``)."""
-    t0, old = time.perf_counter(), group.layout
-    try:
-        new_cfg = policy.resized_config(group.cfg, tp, dp)
-    except config_mod.ConfigError as e:
-        return Outcome.refused("; ".join(e.problems))
-    if (tp, dp) == (old.tp, old.dp):
-        return Outcome(ok=True, layout=str(old), note="already at this layout")
-    say(f"resizing {old} -> TP={tp} x DP={dp} (requested at step {step})")
-    run = group.launcher.run
-    try:
-        if tp == old.tp:
-            kind, plan = "dp", policy.dp_resize_ranks(tp, old.dp, dp)
-            added = list(range(old.dp, dp))
-            reserved = group.reserve(new_cfg, run, added, avoid_nodes=group.placer.nodes_of(group.pgs)) \
-                if added else {}
-            requested = list(reserved.values())
-            pgs = {**{q: pg for q, pg in group.pgs.items() if q < dp}, **reserved}
+class Elastic:
+    """The resizes of a running job between step boundaries: ``pending`` (a requested resize whose new
+    ranks are starting while the old layout trains on) and ``growing`` (after an elastic shrink, the
+    capacity asked back). Holds only these records; the group is the driver's, passed in each call."""
+
+    def __init__(self, target_dp: int, say, log):
+        self.target_dp = target_dp  # an elastic job grows back to this after a shrink
+        self.say, self.log = say, log
+        self.pending: PendingResize | None = None
+        self.growing: GrowBack | None = None
+
+    def request(self, group, tp: int, dp: int, step: int, request_id: int | None = None):
+        """Begin moving `group` to layout tp x dp: an Outcome if it is refused or trivial, a Switched if it
+        had to be done at once (a TP grow restarting every worker), else None while its new ranks start
+        (``pending``; ``finish`` completes it at a step boundary where it is ``due``)."""
+        if self.pending is not None:
+            new = self.pending.new_cfg.parallel
+            return Outcome.refused(f"a resize to TP={new.tp} x DP={new.dp} is in progress")
+        t0, old = time.perf_counter(), group.layout
+        try:
+            new_cfg = policy.resized_config(group.cfg, tp, dp)
+        except config_mod.ConfigError as e:
+            return Outcome.refused("; ".join(e.problems))
+        if (tp, dp) == (old.tp, old.dp):
+            return Outcome(ok=True, layout=str(old), note="already at this layout")
+        self.say(f"resizing {old} -> TP={tp} x DP={dp} (requested at step {step})")
+        run = group.launcher.run
+        try:
+            if tp == old.tp:
+                kind, plan = "dp", policy.dp_resize_ranks(tp, old.dp, dp)
+                added = list(range(old.dp, dp))
+                reserved = group.reserve(new_cfg, run, added, avoid_nodes=group.placer.nodes_of(group.pgs)) \
+                    if added else {}
+                requested = list(reserved.values())
+                pgs = {**{q: pg for q, pg in group.pgs.items() if q < dp}, **reserved}
+            else:
+                kind, plan = "tp", policy.tp_resize_ranks(old, Layout(tp, dp=dp))
+                reserved = group.placer.reserve_tp(new_cfg, run, group.pgs, old.dp)
+                if reserved is None:  # an extension landed on another node than its replica
+                    self.say("more bundles could not be had on a replica's node: restarting every worker")
+                    return carry_out(group, lambda: reshard.restart_tp(group, new_cfg), t0, "requested", step)
+                requested, pgs = reserved[1], reserved[0]
+            early = {r: group.start_worker(r, new_cfg, pgs) for r in plan.early}
+        except PlacementError as e:
+            carved = slots.carve(group.pgs, tp, dp)
+            if carved is None:
+                self.log.event("resize_refused", old={"tp": old.tp, "dp": old.dp}, new={"tp": tp, "dp": dp},
+                               error=str(e))
+                return Outcome.refused(str(e))
+            self.say(f"no room to start TP={tp} x DP={dp} beside the job ({e}); switching inside its own bundles")
+            return carry_out(group, lambda: reshard.restart_in(group, new_cfg, carved), t0, "requested, in place",
+                             step)
+        except FAILURES as e:
+            return Outcome.refused(f"resize failed and was rolled back: {type(e).__name__}: {e}")
+        self.pending = PendingResize(t0, new_cfg, kind, plan, base(group), reserved, requested, early,
+                                     group.pinged(a for a, _ in early.values()), request_id if early else None)
+        return None
+
+    def due(self, group, now: bool = False) -> bool:
+        """Whether the pending resize switches at this step boundary: at once if `now` or it has no new
+        ranks to wait for (a shrink); else once its new ranks are all up, or the wait is over (placement
+        timeout: the switch is tried anyway, and rolls back), or the layout changed under it (``finish``
+        cancels it then)."""
+        p = self.pending
+        if p is None:
+            return False
+        if now or not p.early or base(group) != p.base or not p.ready or group.answered(p.ready):
+            return True
+        return time.perf_counter() - p.t0 >= group.cfg.runtime.placement_timeout_s
+
+    def finish(self, group, step: int) -> tuple[int | None, object]:
+        """Switch to the pending layout now: (the request to answer, the Switched, or the Outcome of a
+        cancelled one)."""
+        p, self.pending = self.pending, None
+        if base(group) != p.base:  # a failure was healed by shrinking meanwhile: the plan no longer fits
+            return p.request_id, _drop(group, p, "the layout changed while its new workers started "
+                                                 "(a failure was healed)")
+        if p.kind == "dp":
+            switch = lambda: reshard.switch_dp(group, p.new_cfg, step, p.reserved, p.early, p.plan)  # noqa: E731
         else:
-            kind, plan = "tp", policy.tp_resize_ranks(old, Layout(tp, dp=dp))
-            reserved = group.placer.reserve_tp(new_cfg, run, group.pgs, old.dp)
-            if reserved is None:  # an extension landed on another node than its replica
-                say("more bundles could not be had on a replica's node: restarting every worker")
-                return carry_out(group, lambda: reshard.restart_tp(group, new_cfg), t0, "requested", step)
-            requested, pgs = reserved[1], reserved[0]
-        early = {r: group.start_worker(r, new_cfg, pgs) for r in plan.early}
-    except PlacementError as e:
-        carved = slots.carve(group.pgs, tp, dp)
-        if carved is None:
-            log.event("resize_refused", old={"tp": old.tp, "dp": old.dp}, new={"tp": tp, "dp": dp}, error=str(e))
-            return Outcome.refused(str(e))
-        say(f"no room to start TP={tp} x DP={dp} beside the job ({e}); switching inside its own bundles")
-        return carry_out(group, lambda: reshard.restart_in(group, new_cfg, carved), t0, "requested, in place", step)
-    except FAILURES as e:
-        return Outcome.refused(f"resize failed and was rolled back: {type(e).__name__}: {e}")
-    return PendingResize(t0, new_cfg, kind, base(group), reserved, requested, early,
-                         group.pinged(a for a, _ in early.values()), request_id if early else None)
+            switch = lambda: reshard.switch_tp(group, p.new_cfg, p.reserved, p.early, p.plan)  # noqa: E731
+        return p.request_id, carry_out(group, switch, p.t0, "requested", step)
+
+    def cancel(self, group, why: str) -> tuple[int | None, Outcome] | None:
+        """Drop the pending resize, if any: its new ranks stop and its placement groups go; the job is
+        untouched. (the request to answer, the Outcome)."""
+        p, self.pending = self.pending, None
+        return None if p is None else (p.request_id, _drop(group, p, why))
+
+    def grow(self, group, step: int):
+        """After an elastic shrink: placement groups for the missing replicas are requested at once and
+        left pending (the autoscaler sees the demand); at each step boundary, once they are all placed,
+        the job grows back to its DP degree. Never blocks training. A Switched once it grew; else None."""
+        lay = group.layout
+        placed = self.growing is not None and group.placer.placed(self.growing.pgs.values())
+        decision = policy.grow_back(lay.dp, self.target_dp, self.growing is not None, placed)
+        if decision is None or decision == policy.GROW_WAIT:
+            return None
+        if decision == policy.GROW_REQUEST:
+            self.growing = GrowBack(group.placer.request_replicas(
+                group.cfg, group.launcher.run, lay.tp, list(range(lay.dp, self.target_dp)),
+                avoid_nodes=group.placer.nodes_of(group.pgs)))
+            return None
+        self.say(f"capacity is back: growing to TP={lay.tp} x DP={self.target_dp}")
+        new_cfg = policy.resized_config(group.cfg, lay.tp, self.target_dp)
+        reserved, self.growing = self.growing.pgs, None
+        sw = carry_out(group, lambda: reshard.switch_dp(group, new_cfg, step, reserved=reserved),
+                       time.perf_counter(), "capacity returned", step)
+        if not sw.outcome.ok:
+            self.say(f"growing back failed and was rolled back: {sw.outcome.error}")
+        return sw
+
+    def release(self, group) -> tuple[int | None, Outcome] | None:
+        """Drop what is in progress (the run ends): the pending request's answer, if any."""
+        if self.growing is not None:
+            group.placer.release(self.growing.pgs.values())
+            self.growing = None
+        return self.cancel(group, "the run ended")
 
 
-def due(group, p: PendingResize) -> bool:
-    """Whether a pending resize is to be finished at this step boundary: its new ranks are all up,
-    or the wait is over (placement timeout: the switch is tried anyway, and rolls back), or the
-    layout changed under it (``finish`` cancels it then)."""
-    if base(group) != p.base or not p.ready or group.answered(p.ready):
-        return True
-    return time.perf_counter() - p.t0 >= group.cfg.runtime.placement_timeout_s
-
-
-def finish(group, p: PendingResize, step: int):
-    """Switch to the pending layout now: a Switched, or an Outcome if it was cancelled."""
-    if base(group) != p.base:  # a failure was healed by shrinking meanwhile: the plan no longer fits
-        return cancel(group, p, "the layout changed while its new workers started (a failure was healed)")
-    if p.kind == "dp":
-        return carry_out(group, lambda: reshard.switch_dp(group, p.new_cfg, step, p.reserved, p.early),
-                         p.t0, "requested", step)
-    return carry_out(group, lambda: reshard.switch_tp(group, p.new_cfg, p.reserved, p.early), p.t0, "requested", step)
-
-
-def cancel(group, p: PendingResize, why: str) -> Outcome:
-    """Drop a pending resize: its new ranks stop and its placement groups go; the job is untouched."""
+def _drop(group, p: PendingResize, why: str) -> Outcome:
     group.kill_actors(a for a, _ in p.early.values())
     group.placer.release(p.requested)
     return Outcome.refused(f"resize cancelled: {why}")
@@ -144,25 +207,3 @@ def carry_out(group, switch, t0: float, reason: str, step: int) -> Switched:
         return Switched(e.group, None, Outcome.refused(f"resize failed and was rolled back: {e}"))
     resizing = Resizing(t0, t_switch, old, nxt.layout, moved, reason)
     return Switched(nxt, resizing, Outcome(ok=True, layout=str(nxt.layout), bytes=moved, step=step))
-
-
-def grow(group, growing: GrowBack | None, target_dp: int, step: int, say) -> tuple[GrowBack | None, Switched | None]:
-    """After an elastic shrink: placement groups for the missing replicas are requested at once and
-    left pending (the autoscaler sees the demand); at each step boundary, once they are all placed,
-    the job grows back to its DP degree. Never blocks training. Returns (what is asked for, a switch)."""
-    lay = group.layout
-    placed = growing is not None and group.placer.placed(growing.pgs.values())
-    decision = policy.grow_back(lay.dp, target_dp, growing is not None, placed)
-    if decision is None or decision == policy.GROW_WAIT:
-        return growing, None
-    if decision == policy.GROW_REQUEST:
-        pgs = group.placer.request_replicas(group.cfg, group.launcher.run, lay.tp, list(range(lay.dp, target_dp)),
-                                            avoid_nodes=group.placer.nodes_of(group.pgs))
-        return GrowBack(pgs), None
-    say(f"capacity is back: growing to TP={lay.tp} x DP={target_dp}")
-    new_cfg = policy.resized_config(group.cfg, lay.tp, target_dp)
-    sw = carry_out(group, lambda: reshard.switch_dp(group, new_cfg, step, reserved=growing.pgs),
-                   time.perf_counter(), "capacity returned", step)
-    if not sw.outcome.ok:
-        say(f"growing back failed and was rolled back: {sw.outcome.error}")
-    return None, sw

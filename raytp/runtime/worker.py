@@ -23,7 +23,7 @@ import time
 import torch
 
 from raytp.config import from_dict
-from raytp.config.adapters import gpt_config, hyper
+from raytp.config.adapters import model_args, hyper
 from raytp.parallel import comm
 from raytp.parallel.groups import destroy_process_groups, init_process_groups, listening_store
 from raytp.parallel.layout import Layout
@@ -141,7 +141,7 @@ class Worker(WorkerState):
         layout = Layout(tp, dp=dp)
         self.groups = self._join(layout, self.rank, init_method)
         if source is None:
-            self.model = build_shard(gpt_config(self.cfg), self.cfg.train.seed, self.groups.tp,
+            self.model = build_shard(model_args(self.cfg), self.cfg.train.seed, self.groups.tp,
                                      self.cfg.parallel.sequence_parallel, self.device)
             self.model.activation_checkpointing = self.cfg.train.activation_checkpointing
             self.hyper = hyper(self.cfg)

@@ -14,7 +14,7 @@ import gc
 
 import torch
 
-from raytp.config.adapters import gpt_config, hyper
+from raytp.config.adapters import model_args, hyper
 from raytp.parallel.groups import destroy_process_groups
 from raytp.models.shard import build_empty_shard, rebind_groups
 from raytp.runtime import transfer
@@ -36,7 +36,7 @@ class WorkerState:
         self._settle()
         g = self.groups
         self.model = self.optimizer = None
-        self.model = build_empty_shard(gpt_config(self.cfg), g.tp, self.cfg.parallel.sequence_parallel, self.device)
+        self.model = build_empty_shard(model_args(self.cfg), g.tp, self.cfg.parallel.sequence_parallel, self.device)
         self.model.activation_checkpointing = self.cfg.train.activation_checkpointing
         self.hyper = hyper(self.cfg)
         self.optimizer = make_optimizer(self.model, self.hyper)
@@ -87,7 +87,7 @@ class WorkerState:
         held = self.snap_bufs.hold(self.completed)
         if held is not None:
             packed, buf = held
-            tensors = checkpoint.state_tensors(unpack_state(packed, views=True), gpt_config(self.cfg))
+            tensors = checkpoint.state_tensors(unpack_state(packed, views=True), model_args(self.cfg))
             self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, torch.device("cpu"),
                                          staged=True, then=lambda: self.snap_bufs.release(buf), tp=g.layout.tp)
         else:
