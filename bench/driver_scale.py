@@ -42,8 +42,8 @@ PEER = ("the driver's streaming before this change (records read rank by rank; e
         "the previous one ended), in the same run")
 GOAL_CPU, GOAL_IDLE_S, GOAL_RECOVERY_S = 0.01, 0.05, 0.05
 
-FULL = {"fake_ranks": (4, 64, 256, 1024), "fake_steps": 40, "ray_ranks": 1024, "actors": 16, "step_s": 0.3,
-        "steps_per_call": 4, "calls": 4, "rounds": 2}
+FULL = {"fake_ranks": (4, 64, 256, 1024), "fake_steps": 40, "ray_ranks": 1024, "actors": 16, "step_s": 1.0,
+        "steps_per_call": 4, "calls": 3, "rounds": 2}
 QUICK = {"fake_ranks": (4, 64), "fake_steps": 12, "ray_ranks": 32, "actors": 4, "step_s": 0.05,
          "steps_per_call": 2, "calls": 3, "rounds": 1}
 
@@ -188,15 +188,29 @@ def ray_round(impl: str, actors, p: dict) -> dict:
     lay = Layout(8 if n % 8 == 0 else n, dp=n // (8 if n % 8 == 0 else n))
     base = int(time.time() * 1000) % 1_000_000 * 100  # call starts unique to this round
     make = OldStepStream if impl == "before" else StepStream
-    cpu0, main0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
-    stream = make(workers, lay, base, spc, 0, 120.0)
+    submit, read, at_boundary = [], [], []  # main-thread CPU of each submission, of each step's read; wall
+
+    def submitted(fn):
+        c0 = time.thread_time()
+        out = fn()
+        submit.append(time.thread_time() - c0)
+        return out
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    stream = submitted(lambda: make(workers, lay, base, spc, 0, 120.0))
     for k in range(calls):
-        behind = stream.then(spc, 0) if impl == "after" and k + 1 < calls else None
-        for _ in stream:
-            pass
+        behind, steps, c0 = None, iter(stream), time.thread_time()
+        for i in range(spc):
+            next(steps)
+            read.append(time.thread_time() - c0)
+            if i == 0 and impl == "after" and k + 1 < calls:
+                behind = submitted(lambda: stream.then(spc, 0))  # as the Driver does: once the call runs
+            c0 = time.thread_time()
         if k + 1 < calls:
-            stream = behind or make(workers, lay, base + (k + 1) * spc, spc, 0, 120.0)
-    cpu, main, wall = time.process_time() - cpu0, time.thread_time() - main0, time.perf_counter() - t0
+            w0 = time.perf_counter()  # the driver between the last record of call k and call k+1 submitted
+            stream = behind or submitted(lambda: make(workers, lay, base + (k + 1) * spc, spc, 0, 120.0))
+            at_boundary.append(time.perf_counter() - w0)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
     times = {}
     for t in ray.get([a.taken.remote() for a in actors]):
         times.update(t)
@@ -206,7 +220,9 @@ def ray_round(impl: str, actors, p: dict) -> dict:
         starts = [times[(r, base + (k + 1) * spc)][0] for r in range(n)]
         stalls.append(max(starts) - max(ends))
         idle += [b - e for b, e in zip(starts, ends)]
-    return {"cpu_per_step_s": cpu / (calls * spc), "main_cpu_per_step_s": main / (calls * spc), "wall_s": wall,
+    return {"cpu_per_step_s": cpu / (calls * spc), "read_cpu_per_step_s": statistics.median(read),
+            "submit_cpu_per_call_s": statistics.median(submit), "driver_at_boundary_s": statistics.median(at_boundary),
+            "main_cpu_per_step_s": (sum(read) + sum(submit)) / (calls * spc), "wall_s": wall,
             "stall_s": statistics.median(stalls), "idle_s": statistics.median(idle),
             "idle_p99_s": sorted(idle)[int(0.99 * (len(idle) - 1))]}
 
@@ -247,6 +263,10 @@ def ray_part(p: dict) -> dict:
         out[impl] = {"driver_cpu_per_step_s": round(statistics.median(r["cpu_per_step_s"] for r in got[impl]), 5),
                      "driver_main_thread_cpu_per_step_s": round(statistics.median(
                          r["main_cpu_per_step_s"] for r in got[impl]), 5),
+                     "read_cpu_per_step_s": round(statistics.median(r["read_cpu_per_step_s"] for r in got[impl]), 5),
+                     "submit_cpu_per_call_s": round(statistics.median(
+                         r["submit_cpu_per_call_s"] for r in got[impl]), 4),
+                     "driver_at_boundary_s": round(statistics.median(r["driver_at_boundary_s"] for r in got[impl]), 4),
                      "rank_idle_median_s": round(statistics.median(r["idle_s"] for r in got[impl]), 4),
                      "rank_idle_p99_s": round(statistics.median(r["idle_p99_s"] for r in got[impl]), 4),
                      "call_boundary_stall_s": round(statistics.median(r["stall_s"] for r in got[impl]), 4),

@@ -200,13 +200,11 @@ class Driver(DriverControl, DriverResize):
                 self.checkpoints.begin(self.group, self.step)  # a save interrupted by a failure, redone now
             self.stream = self.group.run_steps(self.step, n, self.cadence.every)
         snap = self.stream.snap
-        quiet = (self.stop_request is None and self.pending_resize is None and self.elastic.growing is None
-                 and not self.requests_waiting())
-        follow = pipeline.follow_on(self.stream.start + self.stream.count, end, steps, cfg.train.steps_per_call,
-                                    every, save_every, self.checkpoints.last_step, quiet)
-        if follow is not None:
-            self.next = self.stream.then(follow, self.cadence.every)
+        if self.stream.count == 1:
+            self._submit_next(end)
         for done in self.stream:
+            if self.step == self.stream.start and self.stream.count > 1:
+                self._submit_next(end)  # once the call runs: its ranks are not slowed while it starts
             for tp_rank, ref in done.snapshot.items():
                 self.snapshots.add(done.step + 1, tp_rank, ref)
             self.step = done.step + 1
@@ -230,6 +228,17 @@ class Driver(DriverControl, DriverResize):
             self.first_step = time.perf_counter() - t_start
             self.log.event("first_step", seconds=self.first_step)
         progress.update(self.last, time.perf_counter() - t_start)
+
+    def _submit_next(self, end: int) -> None:
+        """Submit the next call behind the one in flight if nothing must happen between them."""
+        cfg = self.cfg
+        quiet = (self.stop_request is None and self.pending_resize is None and self.elastic.growing is None
+                 and not self.requests_waiting())
+        follow = pipeline.follow_on(self.stream.start + self.stream.count, end, cfg.train.steps,
+                                    cfg.train.steps_per_call, cfg.train.eval_interval, cfg.checkpoint.every,
+                                    self.checkpoints.last_step, quiet)
+        if follow is not None:
+            self.next = self.stream.then(follow, self.cadence.every)
 
     def _report(self) -> None:
         """The job went on after a recovery or a resize: log how long that took."""

@@ -235,8 +235,8 @@ class WorkerGroup:
                 break
             if pending:
                 time.sleep(0.02)
-        for r in completed:
-            self.workers[r].leave_groups.remote()
+        # Waited for: a worker is threaded, so a leave still queued could run after the rejoin that follows.
+        ray.get([self.workers[r].leave_groups.remote() for r in completed], timeout=cfg.runtime.collective_timeout_s)
         return completed, stuck
 
     @staticmethod

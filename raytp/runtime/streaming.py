@@ -51,15 +51,16 @@ class Gate:
         return start
 
 
-_gates: dict = {}  # Ray job id -> this process's Gate actor
+_gates: dict = {}  # (Ray job, this process's node) -> this process's Gate actor
 
 
 def _gate():
-    job = ray.get_runtime_context().get_job_id()
-    if job not in _gates:
+    ctx = ray.get_runtime_context()
+    key = (ctx.get_job_id(), ctx.get_node_id())  # a new Ray session may reuse the job id, never the node id
+    if key not in _gates:
         _gates.clear()  # one of an earlier Ray session is gone with it
-        _gates[job] = ray.remote(Gate).options(num_cpus=0, max_restarts=-1).remote()
-    return _gates[job]
+        _gates[key] = ray.remote(Gate).options(num_cpus=0, max_restarts=-1).remote()
+    return _gates[key]
 
 
 class StepStream:

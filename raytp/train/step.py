@@ -28,7 +28,7 @@ import torch
 from raytp.models.registry import sharding_of
 from raytp.parallel import comm
 from raytp.parallel.groups import ProcessGroups
-from raytp.train.hyper import Hyper, lr_at
+from raytp.train.hyper import Hyper, compute_precision, lr_at
 from raytp.train.schedule import accumulate
 
 
