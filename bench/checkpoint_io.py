@@ -5,7 +5,7 @@ processes, one thread each, no Ray: this measures the checkpoint path alone),
 trained with AdamW so its optimizer state exists. Measured in one run:
 
 - training pause per save. raytp: every rank begins writing its own file
-  (raytp.runtime.background_save) at a step boundary and trains on. With
+  (raytp.runtime.worker.background_save) at a step boundary and trains on. With
   snapshots on (here every step, the most costly setting) the file is written from the snapshot's in-memory
   copy and nothing waits; with them off it is written from the live tensors and
   the next optimizer update waits until the bytes are handed to the file. The
@@ -77,7 +77,7 @@ def raytp_save(rank: int, world: int, init: str, p: dict, root: str, staged: boo
     the next update waiting until every byte is handed to the file. Per save: the time from its start
     to the end of the step during which it finished, and how many steps that was."""
     from raytp.models.shard import build_shard
-    from raytp.runtime.background_save import BackgroundSave
+    from raytp.runtime.worker.background_save import BackgroundSave
     from raytp.files import checkpoint
     from raytp.train.shard_state import live_state, pack_state, state_bytes, unpack_state
     from raytp.files.storage import Storage

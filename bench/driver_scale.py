@@ -11,7 +11,7 @@
 2. The streamed calls on real Ray: 16 threaded actors serve 1024 rank streams
    (each rank a proxy handle that tags its calls with the rank), each step a
    sleep. The peer is the driver's streaming as it was before this benchmark
-   (``OldStepStream`` below, copied from raytp/runtime/streaming.py: records
+   (``OldStepStream`` below, copied from raytp/runtime/cluster/streaming.py: records
    read rank by rank, each call submitted after the previous one ended);
    raytp's is ``StepStream`` with the next call submitted behind the current
    one (``then``). Figures: driver CPU per step (the whole process, with Ray's
@@ -68,7 +68,7 @@ def _job(ranks: int, steps: int):
 # ---------------------------------------------------------------- 1. the driver on fakes
 
 def fake_driver_run(ranks: int, steps: int, kill_at: int | None = None) -> dict:
-    from raytp.runtime.driver import Driver
+    from raytp.runtime.driver.driver import Driver
     fakes = _fakes()
     cluster = fakes.FakeCluster(slots=ranks)
     if kill_at is not None:
@@ -144,7 +144,7 @@ class RankHandle:
 
 
 class OldStepStream:
-    """raytp/runtime/streaming.py's StepStream before this change (the peer): records read rank by rank."""
+    """raytp/runtime/cluster/streaming.py's StepStream before this change (the peer): records read rank by rank."""
 
     def __init__(self, workers, layout, start, count, snapshot_every, timeout):
         self.layout, self.start, self.count, self.snap, self.timeout = layout, start, count, snapshot_every, timeout
@@ -182,7 +182,7 @@ def old_find_lost(workers, timeout: float) -> dict:
 def ray_round(impl: str, actors, p: dict) -> dict:
     import ray
     from raytp.parallel.layout import Layout
-    from raytp.runtime.streaming import StepStream
+    from raytp.runtime.cluster.streaming import StepStream
     n, spc, calls = p["ray_ranks"], p["steps_per_call"], p["calls"]
     workers = [RankHandle(actors[r % len(actors)], r) for r in range(n)]
     lay = Layout(8 if n % 8 == 0 else n, dp=n // (8 if n % 8 == 0 else n))
@@ -228,7 +228,7 @@ def ray_round(impl: str, actors, p: dict) -> dict:
 
 
 def find_lost_round(impl: str, actors, n: int) -> float:
-    from raytp.runtime.group import WorkerGroup
+    from raytp.runtime.cluster.group import WorkerGroup
     workers = [RankHandle(actors[r % len(actors)], r) for r in range(n)]
     t0 = time.perf_counter()
     if impl == "before":

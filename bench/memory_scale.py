@@ -20,7 +20,7 @@ worker reads its own slices), resize (that run, live, TP=2 -> 4), export (the
 checkpoint to one model file, in a process of its own). Snapshots are off
 (``recovery.snapshot_every: 0``); their cost is the phase ``train_snapshots``
 (the same steps with a snapshot after each): two host buffers of a shard's
-weights and AdamW state per rank of replica 0, by design (raytp.runtime.snapshot_buffers).
+weights and AdamW state per rank of replica 0, by design (raytp.runtime.worker.snapshot_buffers).
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def one_size(model: dict, out: str) -> None:
     import ray
 
     from raytp.config import from_dict
-    from raytp.runtime.driver import Driver
+    from raytp.runtime.driver.driver import Driver
     from raytp.runtime.origin import from_checkpoint
     base = {"model": {**model, "block_size": 64, "vocab_size": 256},
             "train": {"steps": 6, "batch_size": 2, "warmup_steps": 1, "eval_interval": 0, "steps_per_call": 2},

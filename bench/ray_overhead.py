@@ -3,7 +3,7 @@
 1. Step time. The same TP=2 job (jobs/default.yaml's model: 4 layers, 128 wide,
    4 heads, block 128, batch 8, builtin data; no evaluation, no checkpoints)
    runs (a) without Ray: ``run_ranks`` spawns one process per rank, each builds
-   ``raytp.runtime.worker.Worker(job, rank)`` and calls ``setup`` and ``train``
+   ``raytp.runtime.worker.worker.Worker(job, rank)`` and calls ``setup`` and ``train``
    itself (the very code the actors run), and (b) under raytp's ``Driver`` with
    an embedded Ray (``start`` then ``train_loop``: actor calls, the driver's
    records, metrics.jsonl and Ray metrics, as in ``raytp train``). A step's time
@@ -71,7 +71,7 @@ def call_plan(calls: int) -> list[int]:
 
 def _no_ray_rank(rank: int, world: int, init: str, job_dict: dict, warmup: int, plan: list[int]) -> dict:
     import torch.distributed as dist
-    from raytp.runtime.worker import Worker
+    from raytp.runtime.worker.worker import Worker
     w = Worker(job_dict, rank)
     w.setup(world, 1, init)
     w.train(0, warmup)
@@ -102,7 +102,7 @@ def round_raytp(job_dict: dict, warmup: int, plan: list[int], tag: str,
     ray.get([w.train.remote(start, n) ...]) instead (Ray's own floor, without raytp's loop)."""
     import ray
     from raytp.config import from_dict
-    from raytp.runtime.driver import Driver
+    from raytp.runtime.driver.driver import Driver
     ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="raytp", log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory(prefix="raytp-bench-") as tmp:

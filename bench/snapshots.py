@@ -87,7 +87,7 @@ def ray_session(num_cpus: int = 8):
 def driver(job_dict: dict, run_dir: Path, init_state=None):
     """raytp's Driver for a job dict, its run named after the run directory, quiet."""
     from raytp.config import from_dict
-    from raytp.runtime.driver import Driver
+    from raytp.runtime.driver.driver import Driver
     return Driver(from_dict(job_dict), run_dir, run_dir.name, out=io.StringIO(), init_state=init_state)
 
 

@@ -15,8 +15,8 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from raytp.config.adapters import model_args
 from raytp.runtime.errors import PlacementError
-from raytp.runtime.group import WorkerGroup
-from raytp.runtime.streaming import StepRecords
+from raytp.runtime.cluster.group import WorkerGroup
+from raytp.runtime.cluster.streaming import StepRecords
 
 _ids = itertools.count()
 NAME = "ln_f.weight"  # the fake state's one tensor, under a real parameter name (checkpoints read it)
@@ -177,7 +177,7 @@ class FakeGroup(WorkerGroup):
 
     # -- joining
     def join(self, setup=(), reshape=(), state=None, states=None):
-        from raytp.runtime.transfer import PiecesSource, RebuildSource
+        from raytp.runtime.worker.transfer import PiecesSource, RebuildSource
         setup, reshape = set(setup), set(reshape)
         for r, w in enumerate(self.workers):
             if not (w.alive and w.pg.placed):
@@ -266,7 +266,7 @@ class FakeGroup(WorkerGroup):
             w.x, w.completed = x.item(), step
 
     def write_snapshot(self, url, directory, parts):
-        from raytp.runtime.checkpoints import write_part
+        from raytp.runtime.state.checkpoints import write_part
         return [write_part(url, directory, t, ref.value, self.layout.tp, model_args(self.cfg))
                 for t, ref in enumerate(parts)]
 

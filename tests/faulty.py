@@ -6,7 +6,7 @@ import time
 import ray
 import ray.cloudpickle
 
-from raytp.runtime.worker import Worker
+from raytp.runtime.worker.worker import Worker
 
 
 class DiesInSave(Worker):

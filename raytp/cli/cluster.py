@@ -148,7 +148,7 @@ def stop(run, address, timeout):
     if job is None or running:
         try:
             head.connect()
-            from raytp.runtime.control import find_control
+            from raytp.runtime.driver.control import find_control
             ctl = find_control(run)
         except jobs.Unreachable:
             if job is None:
@@ -186,7 +186,7 @@ def stop(run, address, timeout):
 def scale(run, workers, tp, dp, address, timeout):
     """Change RUN's layout while it trains: --workers N, or --tp N and/or --dp M."""
     import ray
-    from raytp.runtime.control import find_control
+    from raytp.runtime.driver.control import find_control
     if workers is None and tp is None and dp is None:
         fail("give --workers N, or --tp N and/or --dp M")
     if workers is not None and (tp is not None or dp is not None):

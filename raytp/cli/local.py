@@ -111,7 +111,7 @@ def train(job, sets, address, run_dir, name, resume):
     if not embedded:
         check_cluster_memory(cfg, memory)
     import ray
-    from raytp.runtime.driver import Driver
+    from raytp.runtime.driver.driver import Driver
     from raytp.files.storage import StorageError
     try:
         driver = Driver(cfg, path, run, init_state=init_state)

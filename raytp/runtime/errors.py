@@ -1,7 +1,7 @@
 """The errors of the runtime, in a module of their own (every runtime module may import it).
 
 ``FAILURES`` are the exceptions that mean "a worker may be lost": the driver
-answers them with a recovery (raytp.runtime.recovery), a resize with a
+answers them with a recovery (raytp.runtime.recovery.recovery), a resize with a
 rollback. Anything else is a bug or a user error and ends the run.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from ray.exceptions import ActorAlreadyExistsError
 
 from raytp import names
 from raytp.parallel.layout import Layout
-from raytp.runtime import placement
+from raytp.runtime.cluster import placement
 
 CONCURRENCY = 4  # a step, its stream, and the pings and status calls that watch it
 

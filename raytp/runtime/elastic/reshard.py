@@ -23,9 +23,9 @@ from __future__ import annotations
 from raytp.parallel.layout import Layout
 from raytp.runtime import policy
 from raytp.runtime.errors import FAILURES
-from raytp.runtime.launch import actor_id
-from raytp.runtime.slots import unused_groups
-from raytp.runtime.transfer import PiecesSource, RebuildSource
+from raytp.runtime.cluster.launch import actor_id
+from raytp.runtime.cluster.slots import unused_groups
+from raytp.runtime.worker.transfer import PiecesSource, RebuildSource
 
 
 class SwitchFailed(Exception):
@@ -70,7 +70,7 @@ def switch_tp(group, new_cfg, reserved: tuple, early: dict, plan):
     """`group` at TP degree new_cfg.parallel.tp, keeping replica 0's first min(old, new) ranks' processes:
     (new group, bytes moved). `reserved`: placement.reserve_tp's placement; `early`: {rank: (actor,
     bundle)} of the ranks whose names were free, started ahead. The state moves worker to worker
-    (raytp.runtime.transfer); the driver passes references only. `plan`: the request's
+    (raytp.runtime.worker.transfer); the driver passes references only. `plan`: the request's
     policy.tp_resize_ranks."""
     old, new = group.layout, Layout(new_cfg.parallel.tp, dp=new_cfg.parallel.dp)
     new_pgs, requested, unused = reserved

@@ -29,7 +29,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytp import names
-from raytp.runtime import placement, policy
+from raytp.runtime import policy
+from raytp.runtime.cluster import placement
 
 
 def _median(xs: list[float]) -> float | None:

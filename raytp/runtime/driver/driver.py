@@ -3,7 +3,7 @@
 It runs in the Ray driver process (``raytp train``): SCHEDULING (reserve the
 placement, start the actors, meet in torch.distributed) -> RUNNING (streamed
 calls of ``steps_per_call`` steps, evaluation, checkpoints) <-> RECOVERING (a
-worker died or hung: raytp.runtime.recovery) or RESIZING (raytp.runtime.resize)
+worker died or hung: raytp.runtime.recovery.recovery) or RESIZING (raytp.runtime.elastic.resize)
 -> FINISHED, or FAILED / STOPPED. Recovery and resize build the next worker
 group and hand it back; ``adopt`` is the one place the job switches to it, so
 its layout, config, placement and workers always agree. Whatever happens,
@@ -14,7 +14,7 @@ The Ray-facing parts are class attributes a test may swap: ``worker_cls``
 (what each rank runs: faults are injected through it), ``group_cls`` (how
 workers are placed, started and called: a fake runs the loop without Ray),
 ``control_cls`` and ``copy_cls`` (the control actor, the off-node snapshot copy). The control side
-and the resizes are mixed in from raytp.runtime.driver_control and raytp.runtime.driver_resize.
+and the resizes are mixed in from raytp.runtime.driver.driver_control and raytp.runtime.driver.driver_resize.
 """
 from __future__ import annotations
 
@@ -24,20 +24,23 @@ from pathlib import Path
 
 from raytp.config import JobConfig
 from raytp.parallel.layout import Layout
-from raytp.runtime import pipeline, policy, recovery, reporting
-from raytp.runtime.checkpoints import Checkpoints
-from raytp.runtime.control import ControlChannel
-from raytp.runtime.driver_control import DriverControl
-from raytp.runtime.driver_resize import DriverResize
-from raytp.runtime.resize import Elastic
+from raytp.runtime import policy
+from raytp.runtime.driver import pipeline
+from raytp.runtime.recovery import recovery
+from raytp.runtime.driver import reporting
+from raytp.runtime.state.checkpoints import Checkpoints
+from raytp.runtime.driver.control import ControlChannel
+from raytp.runtime.driver.driver_control import DriverControl
+from raytp.runtime.driver.driver_resize import DriverResize
+from raytp.runtime.elastic.resize import Elastic
 from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
-from raytp.runtime.group import WorkerGroup
-from raytp.runtime.metrics import RunLog
-from raytp.runtime.progress import Progress
+from raytp.runtime.cluster.group import WorkerGroup
+from raytp.runtime.driver.metrics import RunLog
+from raytp.runtime.driver.progress import Progress
 from raytp.runtime.records import State, StopRequest
-from raytp.runtime.snapshots import Cadence, OffNodeCopy, Snapshots
-from raytp.runtime.spares import Spares
-from raytp.runtime.worker import Worker
+from raytp.runtime.state.snapshots import Cadence, OffNodeCopy, Snapshots
+from raytp.runtime.recovery.spares import Spares
+from raytp.runtime.worker.worker import Worker
 from raytp.files.checkpoint import CheckpointError
 
 
@@ -75,7 +78,7 @@ class Driver(DriverControl, DriverResize):
         self.stop_request: StopRequest | None = None
         self.t_start = time.perf_counter()
         self.stream = None  # the streamed call in flight
-        self.next = None    # the call submitted behind it (raytp.runtime.pipeline), if any
+        self.next = None    # the call submitted behind it (raytp.runtime.driver.pipeline), if any
 
     # -- the group and what follows from it ----------------------------------------------------
     @property

@@ -14,14 +14,14 @@
    the chain (a hung one's, once killed). Survivors keep their processes,
    weights and optimizer state.
 3. Replace. A lost rank takes a ready warm spare on its TP peers' node if the
-   job keeps spares (raytp.runtime.spares), else it is started again in its
+   job keeps spares (raytp.runtime.recovery.spares), else it is started again in its
    placement-group bundle (Ray re-places a lost node's bundles once capacity
    returns). No capacity within ``recovery.replace_timeout_s``: an elastic job
    shrinks to its whole replicas (``parallel.min_dp``), any other fails.
 4. Restore, fastest source first (raytp.runtime.policy.restore_plan): a DP
    replica of the lost shard among the survivors (no step lost); else the
    newest in-memory snapshot (everyone rolls back to it if the survivors are
-   ahead); else its copy on another node (raytp.runtime.snapshots); else the
+   ahead); else its copy on another node (raytp.runtime.state.snapshots); else the
    newest checkpoint. Data and dropout are functions of the step, so the
    replay is exact.
 5. Rewire: new groups at a new rendezvous; survivors rejoin, new workers set
@@ -43,7 +43,7 @@ from raytp.parallel.ownership import Ownership
 from raytp.runtime import policy
 from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
 from raytp.runtime.records import Healing, Resizing
-from raytp.runtime.slots import unused_groups
+from raytp.runtime.cluster.slots import unused_groups
 from raytp.files.checkpoint import CheckpointError
 
 

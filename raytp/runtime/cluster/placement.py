@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raytp import names
 from raytp.config import JobConfig
 from raytp.runtime.errors import PlacementError
-from raytp.runtime.slots import (Slots, bundle_of, carve, extended, groups_of, size_of, trimmed,  # noqa: F401
+from raytp.runtime.cluster.slots import (Slots, bundle_of, carve, extended, groups_of, size_of, trimmed,  # noqa: F401
                                  unused_groups)
 
 __all__ = ["PlacementError", "Slots"]  # and the functions below

@@ -1,9 +1,9 @@
 """The Driver's resizes: requested, switched to at a step boundary, adopted (a part of
-raytp.runtime.driver.Driver, kept apart: the Driver class mixes it in and owns every attribute it
-reads; raytp.runtime.resize.Elastic keeps the records and carries the switches out)."""
+raytp.runtime.driver.driver.Driver, kept apart: the Driver class mixes it in and owns every attribute it
+reads; raytp.runtime.elastic.resize.Elastic keeps the records and carries the switches out)."""
 from __future__ import annotations
 
-from raytp.runtime import resize
+from raytp.runtime.elastic import resize
 from raytp.runtime.records import Outcome, State
 
 

@@ -31,10 +31,10 @@ from ray.exceptions import RayActorError
 from raytp.config.adapters import model_args
 from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import Ownership
-from raytp.runtime import placement as placements
-from raytp.runtime.streaming import StepStream
-from raytp.runtime.checkpoints import write_part_task
-from raytp.runtime.launch import Launcher, actor_id
+from raytp.runtime.cluster import placement as placements
+from raytp.runtime.cluster.streaming import StepStream
+from raytp.runtime.state.checkpoints import write_part_task
+from raytp.runtime.cluster.launch import Launcher, actor_id
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ class WorkerGroup:
         return self._with(placement=tuple(where))
 
     def export_pieces(self, new_tp: int, skip: Mapping[int, set] | None = None) -> tuple[list, list, list]:
-        """Replica 0's ranks cut their shards into bundles for the new TP ranks (raytp.runtime.transfer) and
+        """Replica 0's ranks cut their shards into bundles for the new TP ranks (raytp.runtime.worker.transfer) and
         keep them in the object store, owned here and never fetched: (refs[i][j] from old TP rank i to
         new TP rank j, refs of each old rank's replicated tensors, bytes[i][j]). `skip`: {i: new ranks
         that old rank i's own process becomes (it keeps those slices)}."""
@@ -272,7 +272,7 @@ class WorkerGroup:
         return ray.get(list(refs), timeout=self.cfg.runtime.step_timeout_s)
 
     def begin_save(self, url: str, directory: str) -> tuple[dict, list]:
-        """Replica 0's ranks start writing their files of a checkpoint (raytp.runtime.checkpoints):
+        """Replica 0's ranks start writing their files of a checkpoint (raytp.runtime.state.checkpoints):
         (the tensor table, one ref per rank that resolves once its file is written)."""
         ranks = self.owner_workers()
         tables = ray.get([w.begin_save.remote(url, directory) for w in ranks], timeout=self.cfg.runtime.step_timeout_s)

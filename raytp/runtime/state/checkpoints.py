@@ -1,6 +1,6 @@
 """A run's checkpoints as the driver keeps them: where they go, the save in flight, committing it.
 
-The workers write (raytp.runtime.background_save): at a step boundary the driver
+The workers write (raytp.runtime.worker.background_save): at a step boundary the driver
 asks replica 0's ranks to ``begin_save`` into the checkpoint's directory and
 training goes on; at the next boundaries it looks whether every rank's file is
 written, and then commits: the manifest (from what each rank reports: its

@@ -1,6 +1,6 @@
 """The Worker actor: one per rank, owns its shard of weights and optimizer state.
 
-The driver's WorkerGroup (raytp.runtime.group) starts it in the rank's bundle,
+The driver's WorkerGroup (raytp.runtime.cluster.group) starts it in the rank's bundle,
 asks rank 0 for a rendezvous address, then has every rank join at once
 (``setup``, ``rejoin`` or ``reshape``: they meet in torch.distributed), and
 drives training with streamed ``run_steps`` calls of several steps each, so
@@ -28,10 +28,10 @@ from raytp.parallel import comm
 from raytp.parallel.groups import destroy_process_groups, init_process_groups, listening_store
 from raytp.parallel.layout import Layout
 from raytp.models.shard import build_shard, rebind_groups
-from raytp.runtime.background_save import BackgroundSave
+from raytp.runtime.worker.background_save import BackgroundSave
 from raytp.runtime.errors import WorkerAborted
-from raytp.runtime.snapshot_buffers import SnapshotBuffers
-from raytp.runtime.worker_state import WorkerState
+from raytp.runtime.worker.snapshot_buffers import SnapshotBuffers
+from raytp.runtime.worker.worker_state import WorkerState
 from raytp.train.shard_state import live_state, state_bytes
 from raytp.train.data import batch, load_corpus
 from raytp.train.hyper import compute_precision

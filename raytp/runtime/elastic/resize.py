@@ -1,6 +1,6 @@
 """Elastic resizing: a new TP x DP layout for a running job, at a step boundary, in memory.
 
-The protocol has two phases; the state moves in raytp.runtime.reshard.
+The protocol has two phases; the state moves in raytp.runtime.elastic.reshard.
 
 ``Elastic`` carries a running job's resizes between step boundaries: the
 pending request, and after an elastic shrink the capacity asked back; every
@@ -28,7 +28,7 @@ kept but replaced, which at DP > 1 costs the process start of replicas 1..
 
 Placement. Ray cannot grow a placement group: a TP grow asks, for each replica
 that stays, for an extension group of the missing bundles aimed at the
-replica's node and checks where it landed (raytp.runtime.placement.reserve_tp);
+replica's node and checks where it landed (raytp.runtime.cluster.placement.reserve_tp);
 if any landed on another node, the resize takes the full-restart path instead.
 A TP shrink asks for nothing: the bundles past the new degree stay reserved
 (idle) until the replica's group is released, and a later TP grow reuses them.
@@ -36,7 +36,7 @@ When the capacity cannot be reserved ahead but the new layout fits in the
 bundles the job holds (each new replica inside one old replica's bundles), the
 resize switches in place: every worker exports its slices to the object store
 and stops, and the new layout starts in the freed bundles (a longer pause,
-nothing lost; raytp.runtime.reshard.restart_in).
+nothing lost; raytp.runtime.elastic.reshard.restart_in).
 
 The global batch stays the job's ``train.batch_size``: each replica's
 micro-batch stays the same and a smaller DP degree accumulates over more of
@@ -53,7 +53,9 @@ from dataclasses import dataclass
 
 from raytp import config as config_mod
 from raytp.parallel.layout import Layout
-from raytp.runtime import policy, reshard, slots
+from raytp.runtime import policy
+from raytp.runtime.elastic import reshard
+from raytp.runtime.cluster import slots
 from raytp.runtime.errors import FAILURES, PlacementError
 from raytp.runtime.records import GrowBack, Outcome, PendingResize, Resizing
 

@@ -2,7 +2,7 @@
 
 Submitting a call to every rank costs the driver ~0.3 ms per rank (0.3 s at
 1024 ranks), and the ranks wait for it between calls; a call submitted behind
-the current one (raytp.runtime.streaming.StepStream.then) starts the moment
+the current one (raytp.runtime.cluster.streaming.StepStream.then) starts the moment
 the current one ends. The driver does that only where nothing would happen at
 the boundary between them: no evaluation or checkpoint at it, no stop, resize,
 grow-back or control request waiting, and the next call inside the loop's end.

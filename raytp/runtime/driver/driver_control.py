@@ -1,5 +1,5 @@
 """The Driver's side of the control actor: what `raytp status` shows, and the stop and scale requests
-it files, served at step boundaries (a part of raytp.runtime.driver.Driver, kept apart: the Driver
+it files, served at step boundaries (a part of raytp.runtime.driver.driver.Driver, kept apart: the Driver
 class mixes it in and owns every attribute it reads)."""
 from __future__ import annotations
 

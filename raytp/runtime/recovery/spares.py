@@ -37,8 +37,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group
 
 from raytp import names
-from raytp.runtime import placement, policy
-from raytp.runtime.launch import actor_id, bundle_key
+from raytp.runtime import policy
+from raytp.runtime.cluster import placement
+from raytp.runtime.cluster.launch import actor_id, bundle_key
 
 
 class Spare:

@@ -2,7 +2,7 @@
 
 A worker's shard (weights and AdamW state) is built empty and filled from a
 source (raytp.files.sources: a checkpoint, a Hugging Face directory; a live
-resize's bundles, raytp.runtime.transfer), copied from a DP replica or a
+resize's bundles, raytp.runtime.worker.transfer), copied from a DP replica or a
 snapshot (``set_shard``), cut into bundles for a new TP layout
 (``export_pieces``), and written to a checkpoint by a thread of its own
 (``begin_save``). ``_settle`` waits until nothing reads the live tensors any
@@ -17,9 +17,9 @@ import torch
 from raytp.config.adapters import model_args, hyper
 from raytp.parallel.groups import destroy_process_groups
 from raytp.models.shard import build_empty_shard, rebind_groups
-from raytp.runtime import transfer
-from raytp.runtime.background_save import BackgroundSave
-from raytp.runtime.transfer import PiecesSource
+from raytp.runtime.worker import transfer
+from raytp.runtime.worker.background_save import BackgroundSave
+from raytp.runtime.worker.transfer import PiecesSource
 from raytp.files import checkpoint
 from raytp.train.shard_state import load_shard_state, shard_state, unpack_state
 from raytp.files.sources import StateSource
@@ -47,7 +47,7 @@ class WorkerState:
     def export_pieces(self, new_tp: int, skip: list[int]):
         """For a live TP resize: one bundle per new TP rank j of the slices of this shard that go there
         (none for j in `skip`: those this process keeps), then the replicated tensors alone, then the
-        bundles' sizes (raytp.runtime.transfer). Call with num_returns=new_tp + 2."""
+        bundles' sizes (raytp.runtime.worker.transfer). Call with num_returns=new_tp + 2."""
         g = self.groups
         bundles = transfer.export_pieces(self.model, self.optimizer, g.tp_rank, g.layout.tp, new_tp,
                                          self.cfg.model.vocab_size, set(skip))
@@ -80,7 +80,7 @@ class WorkerState:
 
     def begin_save(self, url: str, directory: str) -> dict | None:
         """Start writing this rank's file of a checkpoint into `directory` of storage `url`, in the background
-        (raytp.runtime.background_save): from the snapshot of this step if one is packed (training never
+        (raytp.runtime.worker.background_save): from the snapshot of this step if one is packed (training never
         waits for it), else from the live tensors. TP rank 0 returns the checkpoint's tensor table."""
         self._settle()
         g = self.groups

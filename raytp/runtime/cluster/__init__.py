@@ -1,0 +1,1 @@
+"""The cluster room: a WorkerGroup, the workers of one layout as a value (group.py), placement groups (placement.py), starting actors (launch.py), carving a layout out of held bundles (slots.py), and the streamed step calls (streaming.py)."""

@@ -1,0 +1,1 @@
+"""The driver's room: the Driver state machine (driver.py) with its control side (driver_control.py) and resizes (driver_resize.py), the control actor (control.py), when the next call is submitted (pipeline.py), and what the run reports: metrics.jsonl, events, Ray metrics (metrics.py), the metrics line and closing events (reporting.py), progress (progress.py)."""
