@@ -14,7 +14,7 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from raytp.config.adapters import model_args
-from raytp.runtime.errors import PlacementError
+from raytp.runtime.errors import PlacementError, WorkerAborted
 from raytp.runtime.cluster.group import WorkerGroup
 from raytp.runtime.cluster.streaming import StepRecords
 
@@ -65,6 +65,9 @@ class FakeActor:
         self._actor_id = _Id()
         self.cluster, self.pg, self.rank = cluster, pg, rank
         self.alive, self.x, self.completed = True, 0.0, 0
+        # The newest call begun here, and the step it ended at if it ended well and the process groups
+        # stayed since: what a call submitted behind it needs to start (raytp.runtime.worker.calls).
+        self.newest, self.ended_at = None, None
         self.born, self.started = cluster.clock, False
 
     @property
@@ -191,12 +194,13 @@ class FakeGroup(WorkerGroup):
             elif r in setup or r in reshape:
                 w.x = src.value["model"][NAME].item() if isinstance(src, Ref) else \
                     src["model"][NAME].item() if src is not None else 0.0
-            w.rank = r
+            w.rank, w.ended_at = r, None  # its process groups are new
         where = tuple({"rank": r, "node_id": "node", "pid": w._actor_id.n} for r, w in enumerate(self.workers))
         return self._with(placement=where)
 
     def leave(self):
-        pass
+        for w in self.workers:
+            w.ended_at = None
 
     # -- training
     def run_steps(self, start, count, snapshot_every):
@@ -213,6 +217,8 @@ class FakeGroup(WorkerGroup):
         return {r: "died" for r, w in enumerate(self.workers) if not w.alive}
 
     def wait_out(self, survivors):
+        for r in survivors:
+            self.workers[r].ended_at = None  # they leave their process groups
         return {r: self.workers[r].completed for r in survivors}, []
 
     @staticmethod
@@ -291,27 +297,28 @@ class FakeGroup(WorkerGroup):
 
 
 class FakeStream:
-    """A streamed call; `after`: the call it was submitted behind (StepStream.then), which it starts
-    after only if that one ran to its end and it was not cancelled (as Ray's gate does)."""
+    """A streamed call, numbered (``seq``) as StepStream numbers them; `after`: the number of the call it
+    was submitted behind (StepStream.then). As in raytp.runtime.worker.calls, it starts only where that
+    call is each worker's newest and ended well at this call's start, with the process groups kept
+    since; else it fails without a step."""
 
     def __init__(self, group, start, count, snap, after=None):
         self.group, self.start, self.count, self.snap, self.after = group, start, count, snap, after
+        self.seq = next(_ids)
         self.partial = None
-        self.ended = self.cancelled = False
 
     def then(self, count, snap):
-        return FakeStream(self.group, self.start + self.count, count, snap, after=self)
-
-    def cancel(self):
-        self.cancelled = True
+        return FakeStream(self.group, self.start + self.count, count, snap, after=self.seq)
 
     def drain(self, timeout=1.0):
         pass
 
     def __iter__(self):
-        if self.after is not None and (self.cancelled or not self.after.ended):
-            raise RayTaskError("run_steps", "(fake)", RuntimeError("its gate failed: never started"))
         cluster, lay, ws = self.group.placer, self.group.layout, self.group.workers
+        if self.after is not None and any((w.newest, w.ended_at) != (self.after, self.start) for w in ws):
+            raise RayTaskError("run_steps", "(fake)", WorkerAborted("the call before failed: not started"))
+        for w in ws:
+            w.newest, w.ended_at = self.seq, None
         cluster.clock += 1
         cluster.calls.append((self.start, self.count, self.after is not None))
         for step in range(self.start, self.start + self.count):
@@ -338,7 +345,8 @@ class FakeStream:
             if self.snap and (step + 1) % self.snap == 0:
                 parts = {t: Ref(state_of(ws[lay.rank(tp=t)].x)) for t in range(lay.tp)}
             if step == self.start + self.count - 1:
-                self.ended = True  # the workers are done with it (before the driver reads its last step)
+                for w in ws:  # the workers are done with it (before the driver reads its last step)
+                    w.ended_at = step + 1
             yield StepRecords(step, recs, parts)
 
 

@@ -1,10 +1,9 @@
-"""What the tests share: small jobs, driving a Driver, reading a run dir, Ray's view of the actors, and
-training TP shards against one device without Ray (configs, corpus, counting collectives).
+"""What the tests share: small jobs, driving a Driver, reading a run dir, Ray's view of the actors.
 
-Fixtures live in conftest.py; everything a test module imports lives here (tests never import
-each other).
+Fixtures live in conftest.py; everything a test module imports lives here, in tp_training.py (TP
+training against one device, without Ray) or in faulty.py (workers with faults): tests never import
+each other.
 """
-import collections
 import contextlib
 import json
 import os
@@ -13,22 +12,12 @@ import sys
 import threading
 import time
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 from raytp.config import from_dict
-from raytp.models.args import ModelArgs
-from raytp.models.registry import build_model
-from raytp.parallel.groups import build_groups
-from raytp.parallel.layout import Layout
-from raytp.models.shard import build_shard, gather_full_state
-from raytp.runtime.driver import Driver
-from raytp.runtime.worker import Worker
+from raytp.runtime.driver.driver import Driver
+from raytp.runtime.worker.worker import Worker
 from raytp.files import checkpoint
-from raytp.train.data import Corpus, batch
-from raytp.train.hyper import Hyper
-from raytp.train.step import make_optimizer, train_step
 
 SMALL = {
     "model": {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 32, "vocab_size": 256},
@@ -209,7 +198,7 @@ class Events:
 
 
 class ShardsGroup:
-    """What raytp.runtime.checkpoints asks of a worker group, for shards held in this process: each
+    """What raytp.runtime.state.checkpoints asks of a worker group, for shards held in this process: each
     rank's file written at once (the tests of the format and of the commit need no Ray)."""
 
     def __init__(self, shards: list[dict], model_cfg, dp: int = 1):
@@ -234,7 +223,7 @@ class ShardsGroup:
 
 def save_shards(root, step, shards, model_cfg, dp=1, keep=3):
     """Save per-rank shard states as the driver and its workers do; the checkpoint's path."""
-    from raytp.runtime.checkpoints import Checkpoints
+    from raytp.runtime.state.checkpoints import Checkpoints
     ckpts = Checkpoints(str(root), keep, Events())
     group = ShardsGroup(shards, model_cfg, dp)
     ckpts.begin(group, step)
@@ -254,95 +243,3 @@ def small_state(tp):
     full = shard_state(model, opt)
     return cfg, full, [slice_state(full, r, tp) for r in range(tp)]
 
-
-# -- TP training against one device, without Ray (test_gpt_tp, test_llama_tp, test_precision) ---------
-# Float rounding differs between layouts, and 20 AdamW steps at lr 1e-2 amplify it wherever a gradient is
-# near zero (AdamW divides by its root mean square), e.g. in a saturated attention head: how far the final
-# weights end apart depends on the trajectory, hence on the seed. Measured 2026-12-01 with the blocked
-# initialisation, worst of TP=2 and TP=4 with dropout, TP=2 and TP=2 x DP=2 without: seed 1: 4.9e-6,
-# 7: 9.8e-6, 42: 1.2e-5, 3: 2.3e-5, 1234: 4.6e-5, 2: 5.2e-5 (losses agree within 1e-6 relative for all).
-TP_STEPS, TP_BATCH, TP_SEED = 20, 8, 1
-TP_HYPER = Hyper(lr=1e-2, min_lr=3e-4, warmup_steps=5, steps=TP_STEPS, grad_clip=1.0, seed=TP_SEED)
-
-
-def gpt_config(vocab=256, dropout=0.0, n_layer=2):
-    return ModelArgs(n_layer=n_layer, n_head=4, n_embd=32, block_size=16, vocab_size=vocab, dropout=dropout)
-
-
-def llama_config(tied=False, n_layer=2):
-    """A Llama with grouped-query attention: 8 query heads, 2 KV heads."""
-    return ModelArgs(arch="llama", n_layer=n_layer, n_head=8, n_kv_head=2, n_embd=32, intermediate_size=48,
-                     block_size=16, vocab_size=256, tie_embeddings=tied, rope_theta=500.0)
-
-
-def corpus(vocab):
-    rng = np.random.default_rng(0)
-    text = np.tile(np.arange(vocab), 40)  # a counting sequence (every id, the last included): learnable
-    noise = rng.random(len(text)) < 0.1
-    text[noise] = rng.integers(0, vocab, int(noise.sum()))
-    return Corpus(text, text[:500], vocab, "synthetic")
-
-
-def train_tp(cfg, groups, sp, steps=TP_STEPS, plain=False):
-    """Train a shard for `steps`; returns (losses, full state dict gathered over TP). `plain`: the
-    one-device model itself (build_model, no TP plan applied)."""
-    model = build_model(cfg, TP_SEED) if plain else build_shard(cfg, TP_SEED, groups.tp, sp)
-    opt = make_optimizer(model, TP_HYPER)
-    data = corpus(cfg.vocab_size)
-    out = []
-    for step in range(steps):
-        x, y = batch(data, "train", TP_SEED, step, groups.dp_rank, groups.layout.dp, TP_BATCH, cfg.block_size)
-        out.append(train_step(model, opt, [(x, y)], groups, step, TP_HYPER).loss)
-    return out, gather_full_state(model, groups.tp)
-
-
-COLLECTIVES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
-               "reduce_scatter_tensor", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
-               "all_to_all_single", "send", "recv", "isend", "irecv", "gather", "scatter", "reduce")
-# Collectives per transformer layer, Megatron's f and g: forward and backward, without and with SP.
-PER_LAYER = {"forward.all_reduce": 2, "backward.all_reduce": 2}
-PER_LAYER_SP = {"forward.all_gather": 2, "forward.reduce_scatter": 2,
-                "backward.all_gather": 2, "backward.reduce_scatter": 2}
-
-
-def count_collectives(rank, world, init, config=gpt_config):
-    """Collectives issued by forward and by backward, for 1- and 2-layer models (`config(n_layer=...)`),
-    without and with sequence parallelism: {sp: {n_layer: counts}}."""
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    groups = build_groups(Layout(world, dp=1), rank)
-    counts = collections.Counter()
-    phase = [None]
-    originals = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
-
-    def counting(name, fn):
-        def wrapper(*a, **k):
-            counts[(phase[0], name)] += 1
-            return fn(*a, **k)
-        return wrapper
-
-    for n, fn in originals.items():
-        setattr(dist, n, counting(n, fn))
-    try:
-        out = {False: {}, True: {}}
-        for sp in out:
-            for n_layer in (1, 2):
-                counts.clear()
-                model = build_shard(config(n_layer=n_layer), TP_SEED, groups.tp, sp)
-                x = torch.randint(256, (2, 16))
-                phase[0] = "forward"
-                loss = model(x, x)
-                phase[0] = "backward"
-                loss.backward()
-                out[sp][n_layer] = dict(counts)
-        return out
-    finally:
-        for n, fn in originals.items():
-            setattr(dist, n, fn)
-
-
-def per_layer(counts):
-    """What one more layer adds to `count_collectives`' counts: {"phase.collective": n}."""
-    keys = set(counts[1]) | set(counts[2])
-    diff = {k: counts[2].get(k, 0) - counts[1].get(k, 0) for k in keys}
-    return {f"{phase}.{name.split('_single')[0].split('_into')[0].replace('_tensor', '')}": v
-            for (phase, name), v in diff.items() if v}

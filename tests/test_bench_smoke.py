@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -13,6 +15,7 @@ def run_bench(*args, timeout=120):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_quick_run_writes_figures_and_keeps_other_entries(tmp_path):
     out = tmp_path / "results.json"
     out.write_text(json.dumps({"someone_elses": {"peer": "x", "figure": 1}}))
@@ -59,6 +62,7 @@ def test_registry_lists_both():
     assert {"tp_vs_dtensor", "tp_memory"} <= set(proc.stdout.split())
 
 
+@pytest.mark.slow
 def test_checkpoint_io_quick(tmp_path):
     """raytp's worker-written checkpoints against DCP at the tiny size: every figure is there, and the TP=2
     load of the TP=4 files fits. The Ray benchmarks (ray_overhead, recovery, snapshots, resize,

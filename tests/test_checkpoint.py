@@ -27,6 +27,7 @@ def assert_states_equal(a, b):
             assert torch.equal(a["optim"][n][k], b["optim"][n][k]), (n, k)
 
 
+@pytest.mark.slow  # two Ray jobs; the format and its reads are tested below without Ray
 def test_resume_at_same_layout_is_bitwise_exact(ray_local, tmp_path):
     cfg = job(2, 2, steps=20, checkpoint={"every": 10, "keep": 3})
     d, _, _ = drive(cfg, tmp_path / "straight", "straight")
@@ -43,6 +44,7 @@ def test_resume_at_same_layout_is_bitwise_exact(ray_local, tmp_path):
 RESHARD_MODEL = {"n_head": 12, "n_embd": 48, "vocab_size": 257}  # TP 1, 2, 3 and 4 all valid; vocab padded
 
 
+@pytest.mark.slow
 def test_save_at_tp4_dp2_resume_at_other_layouts(ray_local, tmp_path):
     """Every worker reads only its own slices of the files TP=4 wrote, at TP=2 x DP=1 and TP=3."""
     cfg = job(4, 2, steps=14, model=RESHARD_MODEL, checkpoint={"every": 10, "keep": 3}, cpus_per_worker=0.5)

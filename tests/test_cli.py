@@ -18,6 +18,7 @@ def raytp(*args, timeout=300):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # the default job: a minute or two on 2 cores
 def test_default_job_trains_and_writes_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     p = raytp("train", "jobs/default.yaml", "--set", "train.steps=40", "--set", "train.eval_interval=20",
@@ -68,6 +69,7 @@ def test_readme_documents_every_job_key():
     assert not missing, f"README lacks job keys: {missing}"
 
 
+@pytest.mark.slow
 def test_a_short_try_shortens_the_warmup_with_one_warning(tmp_path):
     run_dir = tmp_path / "short"
     p = raytp("train", "jobs/default.yaml", "--set", "train.steps=3", "--set", "model.n_layer=1",
@@ -104,6 +106,7 @@ def test_submit_resume_is_passed_to_train_on_the_cluster(tmp_path):
     assert "--resume" in p.stdout
 
 
+@pytest.mark.slow
 def test_a_run_healing_a_killed_worker_prints_no_unhandled_error(tmp_path):
     """SIGKILL of a worker mid-run: one [raytp] line per event, and none of Ray's `Unhandled error` reports of
     the aborts raytp expects and handles (without the driver reading them, DP=2 showed two per failure)."""

@@ -36,7 +36,7 @@ def test_cluster_validator_catches_a_bad_key():
 
 
 def test_grafana_dashboard_reads_every_raytp_metric():
-    from raytp.runtime.metrics import exported_names
+    from raytp.runtime.driver.metrics import exported_names
     dash = json.loads((ROOT / "grafana" / "raytp.json").read_text())
     panels = dash["panels"]
     exprs = [t["expr"] for p in panels for t in p["targets"]]

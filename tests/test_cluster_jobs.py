@@ -108,6 +108,7 @@ def alive_actors(head, prefix: str) -> list[str]:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # every test given the head is: it starts a real head (and runs jobs on it)
 def test_submitted_run_runs_to_success_with_status_and_logs(head, tmp_path):
     run_dir = tmp_path / "short"
     p = raytp("submit", "jobs/default.yaml", "--address", head.dashboard, "--name", "short", "--run-dir",
@@ -170,6 +171,7 @@ def prometheus(head, tmp_path_factory):
         proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_long_run_exports_metrics_scales_and_stops_cleanly(head, prometheus, tmp_path):
     run_dir = tmp_path / "long"
     p = raytp("submit", "jobs/default.yaml", "--address", head.dashboard, "--name", "long", "--run-dir",
@@ -223,6 +225,7 @@ def test_long_run_exports_metrics_scales_and_stops_cleanly(head, prometheus, tmp
     assert wait_for("the run's actors to go", lambda: alive_actors(head, "raytp.long.") == [] or None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["status", "nope"], ["logs", "nope"], ["stop", "nope"],
                                      ["scale", "nope", "--tp", "1"]])
 def test_unknown_run_is_one_clear_line(head, command):
@@ -232,6 +235,7 @@ def test_unknown_run_is_one_clear_line(head, command):
     assert len(p.stderr.strip().splitlines()) == 1 and "'nope'" in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_bad_job_is_rejected_before_submitting(head):
     p = raytp("submit", "jobs/default.yaml", "--address", head.dashboard, "--name", "bad", "--set", "parallel.tp=3")
     assert p.returncode == 2 and "parallel.tp" in p.stderr

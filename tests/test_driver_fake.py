@@ -7,7 +7,7 @@ import pytest
 
 from fakes import NAME, FakeCluster, LocalControl, NoCopy, expected_x
 from helpers import events, job
-from raytp.runtime.driver import Driver
+from raytp.runtime.driver.driver import Driver
 from raytp.runtime.errors import JobError, RecoveryFailed
 from raytp.files import checkpoint
 
@@ -166,7 +166,7 @@ def test_lifting_a_snapshot_pin_resumes_the_measured_interval():
     pin is lifted snapshots at it at once rather than not at all."""
     import dataclasses
     from raytp.parallel.layout import Layout
-    from raytp.runtime.snapshots import Cadence
+    from raytp.runtime.state.snapshots import Cadence
     cfg = job(2, 1, steps=24)
     pinned = dataclasses.replace(cfg, recovery=dataclasses.replace(cfg.recovery, snapshot_every=0))
     free = dataclasses.replace(cfg, recovery=dataclasses.replace(cfg.recovery, snapshot_every=None))
@@ -184,7 +184,7 @@ def test_a_snapshot_that_slows_the_step_it_overlaps_costs_that_slowdown():
     measured alone (3 ms against 100 ms steps, the 3% budget) one every step would fit; the steps that
     carry one are 9 ms slower, so one every 3."""
     from raytp.parallel.layout import Layout
-    from raytp.runtime.snapshots import Cadence
+    from raytp.runtime.state.snapshots import Cadence
     cfg = job(2, 1, steps=24)
     c = Cadence(cfg)
     c.observe({"step": 0, "step_time_s": 0.1, "snapshot_s": 0.003})
@@ -214,14 +214,14 @@ def test_calls_submitted_behind_the_running_one_change_nothing(tmp_path):
     cluster = FakeCluster(slots=4)
     fake_driver(cluster, fake_job(2, 2), tmp_path).run_to_end()
     assert [c[:2] for c in cluster.calls] == planned_calls(STEPS, 4, 6, STEPS)
-    gated = {c[0] for c in cluster.calls if c[2]}
-    assert gated == {1, 5, 10}, "6 follows an evaluation: submitted after it"
+    behind = {c[0] for c in cluster.calls if c[2]}
+    assert behind == {1, 5, 10}, "6 follows an evaluation: submitted after it"
     assert x_saved(tmp_path) == expected_x(STEPS) and metric_steps(tmp_path) == list(range(STEPS))
 
 
-def test_a_failure_cancels_the_call_behind_and_recovers_at_the_right_step(tmp_path):
-    """A rank dies in step 3, inside the call 1..4 with 5 submitted behind it: that call never runs, the
-    rank is restored from its replica at step 3, training goes on from there, and the run ends at the
+def test_a_failure_fails_the_call_behind_and_recovers_at_the_right_step(tmp_path):
+    """A rank dies in step 3, inside the call 1..4 with 5 submitted behind it: that call never runs (the
+    workers refuse it: the call before failed), the rank is restored from its replica at step 3, training goes on from there, and the run ends at the
     state of an uninterrupted one."""
     cluster = FakeCluster(slots=4)
     cluster.kill_at(3, 1)
@@ -248,7 +248,7 @@ def test_a_request_filed_while_a_call_runs_behind_another_is_served_after_it(tmp
 
 
 def test_follow_on_only_where_the_boundary_needs_nothing():
-    from raytp.runtime.pipeline import follow_on
+    from raytp.runtime.driver.pipeline import follow_on
     assert follow_on(1, 12, 12, 4, 6, 12, None, quiet=True) == 4
     assert follow_on(1, 12, 12, 4, 6, 12, None, quiet=False) is None   # a request or resize waits
     assert follow_on(6, 12, 12, 4, 6, 12, None, quiet=True) is None    # an evaluation at 6

@@ -64,6 +64,7 @@ def test_gpt2_directory_imported_at_tp2_gives_transformers_logits(ray_local, tmp
         assert float((hf(FIXED).logits - logits).abs().max()) < 1e-5
 
 
+@pytest.mark.slow  # three CLI processes
 def test_sample_greedy_is_deterministic_and_decodes_bytes(trained_tp2, tmp_path):
     run_dir, _ = trained_tp2
     raytp_cli("export", str(run_dir), "--out", str(tmp_path / "m.pt"))

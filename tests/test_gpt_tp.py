@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import (PER_LAYER, PER_LAYER_SP, TP_HYPER as HYPER, TP_SEED as SEED, count_collectives, gpt_config,
-                     per_layer, train_tp)
+from tp_training import HYPER, PER_LAYER, PER_LAYER_SP, SEED, count_collectives, gpt_config, per_layer, train
 
 from raytp.models.args import ModelArgs
 from raytp.models.gpt2.model import GPT
@@ -23,13 +22,13 @@ def train_runs(rank, world, init, runs):
     out = []
     for tp, dp, sp, dropout, vocab in runs:
         groups = build_groups(Layout(tp, dp=dp), rank)
-        losses, state = train_tp(gpt_config(vocab, dropout), groups, sp)
+        losses, state = train(gpt_config(vocab, dropout), groups, sp)
         out.append((losses, state if rank == 0 else None))
     return out
 
 
 def one_device(dropout=0.0, vocab=256):
-    return train_tp(gpt_config(vocab, dropout), ProcessGroups(Layout(1, dp=1), 0, None, None), sp=False)
+    return train(gpt_config(vocab, dropout), ProcessGroups(Layout(1, dp=1), 0, None, None), sp=False)
 
 
 # (tp, dp, sequence_parallel, dropout, vocab) per world size: one spawn each.
@@ -65,7 +64,8 @@ def without_key_bias(state):
     return out
 
 
-@pytest.mark.parametrize("world", sorted(RUNS))
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2,  # TP=2: the quick tier's
+                                   pytest.param(4, marks=pytest.mark.slow)])
 def test_gpt_trains_like_one_device(world, references):
     results = run_ranks(world, train_runs, RUNS[world])[0]
     for (tp, dp, sp, dropout, vocab), (losses, state) in zip(RUNS[world], results):
@@ -87,7 +87,7 @@ def test_dropout_changes_training():
     assert one_device(0.1, 256)[0][1:] != one_device(0.0, 256)[0][1:]
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_collectives_per_layer(tp):
     counts = run_ranks(tp, count_collectives)[0]
     assert per_layer(counts[False]) == PER_LAYER
@@ -132,6 +132,7 @@ def empty_shard_matches(rank, world, init):
     return out
 
 
+@pytest.mark.slow
 def test_empty_shard_takes_its_slices_like_a_seeded_one():
     for per_rank in run_ranks(2, empty_shard_matches):
         assert per_rank == [(True, True, True, True, True)] * 2
@@ -152,6 +153,7 @@ def shards_at_tp_1_to_4(rank, world, init):
     return out
 
 
+@pytest.mark.slow
 def test_each_shard_is_the_matching_slice_of_the_one_device_init():
     from raytp.models.registry import sharding_of
     from raytp.parallel.sharding import shard_tensor

@@ -112,7 +112,7 @@ def check_layers(rank, world, init):
     return errs
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_parallel_layers_match_one_device(tp):
     results = run_ranks(tp, check_layers)
     worst = {k: max(r[k] for r in results) for k in results[0]}

@@ -73,7 +73,7 @@ def ours_at_tp(rank, world, init, model_dir):
     return logits, grads
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_sharded_load_gives_transformers_logits_and_gradients(llama_dir, tp):
     d, model = llama_dir
     assert (d / "model.safetensors.index.json").exists(), "the test model should be saved sharded"
@@ -106,6 +106,7 @@ def test_unsupported_llama_configs_are_refused_by_name(tmp_path):
     assert "hidden_act 'gelu'" in msg and "attention_bias is true" in msg and "rope_scaling" in msg
 
 
+@pytest.mark.slow
 def test_import_train_export_round_trips_to_transformers(ray_local, llama_dir, tmp_path):
     """model.init_from a Llama directory at TP=4 (shared KV heads) with SP, train, checkpoint; export
     --format hf; transformers loads it and gives the runtime's logits."""

@@ -11,7 +11,7 @@ import ray
 import torch
 
 from helpers import FIXED, assert_bitwise_equal, events, final_state, job, losses, run, signal_rank
-from raytp.runtime.driver import Driver
+from raytp.runtime.driver.driver import Driver
 from raytp.files import checkpoint
 
 LLAMA = {"arch": "llama", "n_head": 4, "n_kv_head": 2, "intermediate_size": 96}
@@ -39,6 +39,7 @@ def reference(ray_eight, tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_sigkill_on_llama_with_shared_kv_heads_loses_nothing(reference, tmp_path):
     run(llama_job(4, 1), tmp_path / "run", "llamakill", faults=[(3, signal_rank(1, signal.SIGKILL))])
     assert_bitwise_equal(final_state(tmp_path / "run", STEPS), final_state(reference, STEPS))
@@ -46,6 +47,7 @@ def test_sigkill_on_llama_with_shared_kv_heads_loses_nothing(reference, tmp_path
     assert fail["rank"] == 1 and rec["source"] == "snapshot"
 
 
+@pytest.mark.slow
 def test_checkpoint_with_shared_kv_heads_reads_at_every_tp(reference):
     """Saved at TP=4 (two ranks hold each KV head; only its owner writes it): read at TP=1, 2, 4, the
     shards join to the same model."""
@@ -57,6 +59,7 @@ def test_checkpoint_with_shared_kv_heads_reads_at_every_tp(reference):
     assert all(torch.equal(ckpt.read(key, r, 4), whole[16 * (r // 2):16 * (r // 2 + 1)]) for r in range(4))
 
 
+@pytest.mark.slow
 def test_live_tp_resize_on_llama(reference, tmp_path):
     phases = [(4, 1), (2, 1), (4, 1), (2, 1)]
     per = STEPS // len(phases)

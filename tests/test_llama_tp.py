@@ -2,11 +2,11 @@
 sequence parallelism, and at TP=2 x DP=2 trains like the same model on one device: 20 AdamW steps,
 per-step loss within 1e-5 relative, final gathered weights within 1e-5. TP=4 exceeds the KV heads:
 each rank holds a copy of its KV head and the copies' gradients are summed over the ranks sharing it.
-Training and counting collectives are the GPT's (helpers), given this model's config."""
+Training and counting collectives are the GPT's (tp_training), given this model's config."""
 import numpy as np
 import pytest
 import torch.distributed as dist
-from helpers import PER_LAYER, PER_LAYER_SP, count_collectives, llama_config, per_layer, train_tp
+from tp_training import PER_LAYER, PER_LAYER_SP, count_collectives, llama_config, per_layer, train
 
 from raytp.models.args import ModelArgs
 from raytp.parallel.groups import ProcessGroups, build_groups
@@ -20,13 +20,13 @@ def train_runs(rank, world, init, runs):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     out = []
     for tp, dp, sp, tied in runs:
-        losses, state = train_tp(llama_config(tied), build_groups(Layout(tp, dp=dp), rank), sp)
+        losses, state = train(llama_config(tied), build_groups(Layout(tp, dp=dp), rank), sp)
         out.append((losses, state if rank == 0 else None))
     return out
 
 
 def one_device_runs(rank, world, init, keys):
-    return {tied: train_tp(llama_config(tied), ProcessGroups(Layout(1, dp=1), 0, None, None), False, plain=True)
+    return {tied: train(llama_config(tied), ProcessGroups(Layout(1, dp=1), 0, None, None), False, plain=True)
             for tied in keys}
 
 
@@ -42,7 +42,8 @@ def references():
     return run_ranks(1, one_device_runs, [False, True])[0]
 
 
-@pytest.mark.parametrize("world", sorted(RUNS))
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2,  # TP=2: the quick tier's
+                                   pytest.param(4, marks=pytest.mark.slow)])
 def test_llama_trains_like_one_device(world, references):
     results = run_ranks(world, train_runs, RUNS[world])[0]
     for (tp, dp, sp, tied), (losses, state) in zip(RUNS[world], results):
@@ -58,6 +59,7 @@ def test_llama_trains_like_one_device(world, references):
             assert diff < 1e-5, f"{name}: final {k} differs by {diff:.2e}"
 
 
+@pytest.mark.slow  # a TP=4 spawn
 def test_collectives_per_layer_with_shared_kv_heads():
     """TP=4 > 2 KV heads: still 2 all-reduces forward and 2 backward per layer (SP: their halves)."""
     counts = run_ranks(4, count_collectives, llama_config)[0]

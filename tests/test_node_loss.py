@@ -8,6 +8,8 @@ from faulty import HOLD_S, WaitsForSnapshotCopy
 from helpers import (NEVER_S, assert_bitwise_equal, events, final_state, gpu_cluster, job, ray_actors,
                      recovery_job, run, wait_for)
 
+pytestmark = pytest.mark.slow  # a simulated cluster of up to 4 nodes, and two jobs per test
+
 
 @pytest.fixture(scope="module")
 def cluster():

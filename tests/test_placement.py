@@ -6,8 +6,11 @@ import pytest
 from ray.util.placement_group import placement_group_table
 
 from helpers import gpu_cluster, job, ray_actors
-from raytp.runtime.driver import Driver
-from raytp.runtime.placement import PlacementError
+from raytp.runtime.driver.driver import Driver
+from raytp.runtime.cluster.placement import PlacementError
+
+
+pytestmark = pytest.mark.slow  # a simulated cluster of two GPU nodes (decisions: test_policy)
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,10 @@
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
-from helpers import COLLECTIVES, corpus, gpt_config, llama_config
+from tp_training import COLLECTIVES, corpus, gpt_config, llama_config
 
 from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
@@ -103,12 +104,14 @@ def collective_bytes(rank, world, init, precision):
             setattr(dist, n, fn)
 
 
+@pytest.mark.slow
 def test_bf16_halves_the_tp_bytes_per_layer():
     fp32 = run_ranks(2, collective_bytes, "fp32")[0]
     bf16 = run_ranks(2, collective_bytes, "bf16")[0]
     assert fp32 > 0 and bf16 * 2 == fp32, (fp32, bf16)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_is_bitwise_neutral():
     gpt = gpt_config(dropout=0.1)
     llama = dataclasses.replace(llama_config(), block_size=16)

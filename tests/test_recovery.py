@@ -12,7 +12,7 @@ import ray
 
 from helpers import (NEVER_S, RECOVERY_STEPS, assert_bitwise_equal, events, final_state, ray_actors, recovery_job,
                      run, run_catching, signal_rank, steps_logged, wait_for)
-from raytp.runtime.driver import Driver
+from raytp.runtime.driver.driver import Driver
 from raytp.runtime.errors import JobError, RecoveryFailed
 from raytp.files import checkpoint
 
@@ -34,6 +34,7 @@ def reference(ray_local, tmp_path_factory):
     return final
 
 
+@pytest.mark.slow  # as is every test here that kills a worker (two jobs each); the quick tier keeps the last
 @pytest.mark.parametrize("tp, dp", [(2, 2), (4, 1)])
 def test_sigkill_of_a_random_worker_loses_nothing(reference, tmp_path, tp, dp):
     rng = random.Random(f"{tp}{dp}{os.environ.get('RAYTP_TEST_SEED', '')}")
@@ -52,6 +53,7 @@ def test_sigkill_of_a_random_worker_loses_nothing(reference, tmp_path, tp, dp):
     assert metrics == list(range(STEPS)), "one metrics line per step, none twice"
 
 
+@pytest.mark.slow
 def test_a_warm_spare_takes_the_place_of_a_killed_worker(reference, tmp_path):
     run_dir = tmp_path / "run"
     seen = {}
@@ -85,6 +87,7 @@ def test_a_warm_spare_takes_the_place_of_a_killed_worker(reference, tmp_path):
     assert not ray_actors("raytp.spare."), "actors left after the run"
 
 
+@pytest.mark.slow
 def test_hung_worker_is_detected_by_the_step_deadline_and_replaced(reference, tmp_path):
     run_dir = tmp_path / "run"
     cfg = recovery_job(2, 2, step_timeout_s=4.0, recovery={"ping_timeout_s": 2.0})
@@ -95,6 +98,7 @@ def test_hung_worker_is_detected_by_the_step_deadline_and_replaced(reference, tm
     assert rec["source"] == "replica" and rec["lost_steps"] == 0
 
 
+@pytest.mark.slow
 def test_two_failures_in_one_run(reference, tmp_path):
     run_dir = tmp_path / "run"
     run(recovery_job(4, 1), run_dir, "twice",
@@ -105,6 +109,7 @@ def test_two_failures_in_one_run(reference, tmp_path):
     assert len(recs) == 2 and all(r["source"] == "snapshot" and r["lost_steps"] <= 1 for r in recs)
 
 
+@pytest.mark.slow
 def test_failure_during_a_checkpoint_save(reference, tmp_path):
     """Rank 1 dies inside the save of step 8: the job heals, saves step 8 again, and finishes."""
     from faulty import DiesInSave
@@ -121,6 +126,7 @@ def test_failure_during_a_checkpoint_save(reference, tmp_path):
     assert rec["source"] == "replica"
 
 
+@pytest.mark.slow
 def test_too_many_failures_fail_clearly_and_leave_a_checkpoint(ray_local, tmp_path):
     run_dir = tmp_path / "run"
     cfg = recovery_job(2, 1, recovery={"max_failures": 0})

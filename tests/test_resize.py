@@ -8,7 +8,7 @@ import ray
 
 from faulty import DiesInResizeSetup
 from helpers import FIXED, job, losses, ray_actors
-from raytp.runtime.driver import Driver
+from raytp.runtime.driver.driver import Driver
 
 PHASES = [(2, 2), (4, 2), (1, 2), (1, 1), (1, 2)]  # layouts, 4 steps each
 STEPS = 4 * len(PHASES)
@@ -22,6 +22,7 @@ def ray_wide():
     ray.shutdown()
 
 
+@pytest.mark.slow
 def test_resizes_keep_the_model_and_track_an_unresized_run(ray_wide, tmp_path):
     ref = Driver(job(2, 2, steps=STEPS), tmp_path / "ref", "unresized", out=io.StringIO())
     ref.run_to_end()
@@ -116,6 +117,7 @@ def test_a_tp_resize_that_fails_midway_rolls_back(ray_wide, tmp_path):
     assert steps == list(range(6))
 
 
+@pytest.mark.slow
 def test_the_job_trains_on_while_a_resize_starts_its_new_ranks(ray_wide, tmp_path):
     """A requested TP grow starts its new ranks and returns; the old layout trains on until they are
     up, then the switch pauses training for only its own part."""

@@ -2,11 +2,12 @@
 workers and adds bundles on their node; where that node is full it restarts the job on one that fits."""
 import io
 
+import pytest
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from helpers import FIXED, gpu_cluster, job, ray_actors
-from raytp.runtime.driver import Driver
+from raytp.runtime.driver.driver import Driver
 
 
 def pids_and_nodes(run):
@@ -19,6 +20,7 @@ class Hog:
         return True
 
 
+@pytest.mark.slow  # a simulated cluster, three resizes, a restart on another node
 def test_tp_grow_stays_on_the_replicas_node_or_restarts_where_it_fits(tmp_path):
     with gpu_cluster(0) as (cluster, _):
         node_a = cluster.add_node(num_cpus=4, num_gpus=4)

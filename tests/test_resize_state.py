@@ -4,11 +4,12 @@ import io
 import sys
 
 import numpy as np
+import pytest
 import ray
 import torch
 
 from helpers import FIXED, job, ray_actors
-from raytp.runtime.driver import Driver
+from raytp.runtime.driver.driver import Driver
 
 TENSOR_LIMIT = 4096  # bytes: what the driver may see of any one object (a rendezvous address, some sizes)
 
@@ -69,6 +70,7 @@ def test_tp_2_4_1_moves_state_worker_to_worker_and_the_driver_never_fetches_a_sh
         d.log.close()
 
 
+@pytest.mark.slow
 def test_a_reshape_on_a_cluster_the_job_fills_switches_in_its_own_bundles(ray_local, tmp_path):
     """TP=4 x DP=1 on all 4 CPUs: TP=1 x DP=2 cannot be reserved beside it, and fits in its bundles."""
     out = io.StringIO()

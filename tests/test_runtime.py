@@ -4,7 +4,7 @@ import io
 import numpy as np
 
 from helpers import job, losses, ray_actors
-from raytp.runtime.driver import Driver
+from raytp.runtime.driver.driver import Driver
 
 def test_tp_and_dp_runs_equal_one_device(ray_local, tmp_path):
     runs = {}

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import close, drive, full_state, job, losses
+from helpers import NEVER_S, close, drive, full_state, job, losses
 from raytp.runtime.origin import from_checkpoint
 from raytp.files import checkpoint
 from raytp.files.storage import Storage
@@ -41,13 +41,13 @@ def s3():
     os.environ.update(env)
     import ray
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + NEVER_S
         while True:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
             except OSError:
-                assert time.monotonic() < deadline, "moto_server did not start"
+                assert proc.poll() is None and time.monotonic() < deadline, "moto_server did not start"
                 time.sleep(0.2)
         import boto3
         boto3.client("s3").create_bucket(Bucket=BUCKET)
@@ -64,6 +64,7 @@ def s3():
                 os.environ[k] = v
 
 
+@pytest.mark.slow
 def test_workers_write_their_own_objects_and_a_resume_reads_its_slices(s3, tmp_path, monkeypatch):
     url = f"s3://{BUCKET}/run-a/checkpoints"
     driver_writes = []

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from raytp.parallel.layout import Layout
-from raytp.runtime.streaming import StepStream
+from raytp.runtime.cluster.streaming import StepStream
 
 LAYOUT = Layout(2, dp=2)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor class travels with its calls

@@ -58,6 +58,7 @@ def test_a_missing_tokenizer_is_one_clear_error(text_and_tokenizer, tmp_path):
         load_corpus(str(data), 0.1, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_llama_trains_on_bpe_tokens_and_samples_text(ray_local, text_and_tokenizer, tmp_path):
     from helpers import close, drive, job, raytp_cli
     data, tok_file, tok = text_and_tokenizer

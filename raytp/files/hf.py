@@ -57,7 +57,8 @@ def _tensors_of(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 def inspect(model_dir: Path) -> ModelArgs:
-    """The model shape of a Hugging Face directory of an architecture raytp knows, its weights checked by name and shape (headers only)."""
+    """The model shape of a Hugging Face directory of an architecture raytp knows, its weights checked by
+    name and shape (headers only)."""
     model_dir = Path(model_dir)
     cfg_file = model_dir / "config.json"
     if not cfg_file.exists():
@@ -89,7 +90,8 @@ def load_into(model_dir, model, rank: int, tp: int) -> None:
     found = _tensors_of(model_dir)
     if not found:  # pytorch_model.bin: a pickle, read whole (weights_only)
         from raytp.train.shard_state import slice_state
-        full = spec(model.cfg).hf.bin_state(torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True))
+        bin_state = torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        full = spec(model.cfg).hf.bin_state(bin_state)
         part = slice_state({"model": full}, rank, tp)["model"]
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -134,13 +136,13 @@ def save(ckpt, out_dir: Path) -> None:
         if not key.startswith("model/"):
             continue
         name = key.removeprefix("model/")
-        spec = ckpt.manifest["tensors"][key] if "tensors" in ckpt.manifest and key in ckpt.manifest["tensors"] else None
-        shape = tuple(spec["shape"]) if spec and "shape" in spec else tuple(ckpt.read(key, 0, 1).shape)
+        entry = ckpt.manifest.get("tensors", {}).get(key)
+        shape = tuple(entry["shape"]) if entry and "shape" in entry else tuple(ckpt.read(key, 0, 1).shape)
         hf_name, conv = to_hf(name, cfg)
 
         def produce(key=key, conv=conv):
-            spec = ckpt.manifest.get("tensors", {}).get(key, {})
-            if conv and spec.get("transposed"):  # stored (in, out): already the Conv1D layout
+            entry = ckpt.manifest.get("tensors", {}).get(key, {})
+            if conv and entry.get("transposed"):  # stored (in, out): already the Conv1D layout
                 return ckpt.read(key, 0, 1, stored=True).float()
             t = ckpt.read(key, 0, 1).float()
             if not conv:

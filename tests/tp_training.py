@@ -1,0 +1,108 @@
+"""Training TP shards against one device, without Ray: the small GPT and Llama configs, a learnable
+corpus, a training loop that gathers the final weights, and counting the collectives of forward and
+backward. Shared by test_gpt_tp, test_llama_tp and test_precision."""
+import collections
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raytp.models.args import ModelArgs
+from raytp.models.registry import build_model
+from raytp.models.shard import build_shard, gather_full_state
+from raytp.parallel.groups import build_groups
+from raytp.parallel.layout import Layout
+from raytp.train.data import Corpus, batch
+from raytp.train.hyper import Hyper
+from raytp.train.step import make_optimizer, train_step
+
+# Float rounding differs between layouts, and 20 AdamW steps at lr 1e-2 amplify it wherever a gradient is
+# near zero (AdamW divides by its root mean square), e.g. in a saturated attention head: how far the final
+# weights end apart depends on the trajectory, hence on the seed. Measured 2026-12-01 with the blocked
+# initialisation, worst of TP=2 and TP=4 with dropout, TP=2 and TP=2 x DP=2 without: seed 1: 4.9e-6,
+# 7: 9.8e-6, 42: 1.2e-5, 3: 2.3e-5, 1234: 4.6e-5, 2: 5.2e-5 (losses agree within 1e-6 relative for all).
+STEPS, BATCH, SEED = 20, 8, 1
+HYPER = Hyper(lr=1e-2, min_lr=3e-4, warmup_steps=5, steps=STEPS, grad_clip=1.0, seed=SEED)
+
+
+def gpt_config(vocab=256, dropout=0.0, n_layer=2):
+    return ModelArgs(n_layer=n_layer, n_head=4, n_embd=32, block_size=16, vocab_size=vocab, dropout=dropout)
+
+
+def llama_config(tied=False, n_layer=2):
+    """A Llama with grouped-query attention: 8 query heads, 2 KV heads."""
+    return ModelArgs(arch="llama", n_layer=n_layer, n_head=8, n_kv_head=2, n_embd=32, intermediate_size=48,
+                     block_size=16, vocab_size=256, tie_embeddings=tied, rope_theta=500.0)
+
+
+def corpus(vocab):
+    rng = np.random.default_rng(0)
+    text = np.tile(np.arange(vocab), 40)  # a counting sequence (every id, the last included): learnable
+    noise = rng.random(len(text)) < 0.1
+    text[noise] = rng.integers(0, vocab, int(noise.sum()))
+    return Corpus(text, text[:500], vocab, "synthetic")
+
+
+def train(cfg, groups, sp, steps=STEPS, plain=False):
+    """Train a shard for `steps`; returns (losses, full state dict gathered over TP). `plain`: the
+    one-device model itself (build_model, no TP plan applied)."""
+    model = build_model(cfg, SEED) if plain else build_shard(cfg, SEED, groups.tp, sp)
+    opt = make_optimizer(model, HYPER)
+    data = corpus(cfg.vocab_size)
+    out = []
+    for step in range(steps):
+        x, y = batch(data, "train", SEED, step, groups.dp_rank, groups.layout.dp, BATCH, cfg.block_size)
+        out.append(train_step(model, opt, [(x, y)], groups, step, HYPER).loss)
+    return out, gather_full_state(model, groups.tp)
+
+
+COLLECTIVES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+               "reduce_scatter_tensor", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
+               "all_to_all_single", "send", "recv", "isend", "irecv", "gather", "scatter", "reduce")
+# Collectives per transformer layer, Megatron's f and g: forward and backward, without and with SP.
+PER_LAYER = {"forward.all_reduce": 2, "backward.all_reduce": 2}
+PER_LAYER_SP = {"forward.all_gather": 2, "forward.reduce_scatter": 2,
+                "backward.all_gather": 2, "backward.reduce_scatter": 2}
+
+
+def count_collectives(rank, world, init, config=gpt_config):
+    """Collectives issued by forward and by backward, for 1- and 2-layer models (`config(n_layer=...)`),
+    without and with sequence parallelism: {sp: {n_layer: counts}}."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    groups = build_groups(Layout(world, dp=1), rank)
+    counts = collections.Counter()
+    phase = [None]
+    originals = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
+
+    def counting(name, fn):
+        def wrapper(*a, **k):
+            counts[(phase[0], name)] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    for n, fn in originals.items():
+        setattr(dist, n, counting(n, fn))
+    try:
+        out = {False: {}, True: {}}
+        for sp in out:
+            for n_layer in (1, 2):
+                counts.clear()
+                model = build_shard(config(n_layer=n_layer), SEED, groups.tp, sp)
+                x = torch.randint(256, (2, 16))
+                phase[0] = "forward"
+                loss = model(x, x)
+                phase[0] = "backward"
+                loss.backward()
+                out[sp][n_layer] = dict(counts)
+        return out
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+
+
+def per_layer(counts):
+    """What one more layer adds to `count_collectives`' counts: {"phase.collective": n}."""
+    keys = set(counts[1]) | set(counts[2])
+    diff = {k: counts[2].get(k, 0) - counts[1].get(k, 0) for k in keys}
+    return {f"{phase}.{name.split('_single')[0].split('_into')[0].replace('_tensor', '')}": v
+            for (phase, name), v in diff.items() if v}
