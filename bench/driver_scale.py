@@ -14,7 +14,10 @@
    (``OldStepStream`` below, copied from raytp/runtime/cluster/streaming.py: records
    read rank by rank, each call submitted after the previous one ended);
    raytp's is ``StepStream`` with the next call submitted behind the current
-   one (``then``). Figures: driver CPU per step (the whole process, with Ray's
+   one (``then``): Ray hands it to the actors during the current call, and
+   each rank's part waits in the actor, in raytp's own call order
+   (raytp.runtime.worker.calls), until that rank's part of the current call
+   has ended. Figures: driver CPU per step (the whole process, with Ray's
    own threads, and its main thread: raytp's reads and submissions); each
    rank's idle time between its end of call k and its start of call k+1; and
    the boundary stall, from the last rank's end of call k to the last rank's
@@ -105,17 +108,24 @@ def _events(run_dir: Path) -> list[dict]:
 # ---------------------------------------------------------------- 2. streams on real Ray
 
 class SimWorker:
-    """Serves many ranks' step streams: each step a sleep; keeps when each (rank, call) began and ended."""
+    """Serves many ranks' step streams, each rank's calls in the order raytp's Worker keeps
+    (raytp.runtime.worker.calls: a call queued behind another starts once that one's steps ended):
+    each step a sleep; keeps when each (rank, call) began and ended."""
 
     def __init__(self, step_s: float):
-        self.step_s, self.times = step_s, {}
+        self.step_s, self.times, self.calls = step_s, {}, {}
 
-    def run_steps(self, rank: int, start: int, count: int, snapshot_every: int = 0):
+    def run_steps(self, rank: int, start: int, count: int, snapshot_every: int, seq: int, after: int | None = None):
+        from raytp.runtime.worker.calls import Calls
+        calls = self.calls.setdefault(rank, Calls())
+        calls.begin(seq, start, after)
         t0 = time.time()
         for step in range(start, start + count):
             time.sleep(self.step_s)
+            if step == start + count - 1:  # as the Worker: the call ends with its steps, before the last yield
+                self.times[(rank, start)] = (t0, time.time())
+                calls.end(seq, start + count)
             yield {"step": step, "rank": rank}
-        self.times[(rank, start)] = (t0, time.time())
 
     def ping(self, rank: int) -> int:
         return rank
@@ -144,12 +154,13 @@ class RankHandle:
 
 
 class OldStepStream:
-    """raytp/runtime/cluster/streaming.py's StepStream before this change (the peer): records read rank by rank."""
+    """raytp/runtime/cluster/streaming.py's StepStream before this benchmark (the peer): records read rank by
+    rank (its calls follow none: call number 0 to the workers' call order)."""
 
     def __init__(self, workers, layout, start, count, snapshot_every, timeout):
         self.layout, self.start, self.count, self.snap, self.timeout = layout, start, count, snapshot_every, timeout
         self.partial = None
-        self.streams = [w.run_steps.options(num_returns="streaming").remote(start, count, snapshot_every)
+        self.streams = [w.run_steps.options(num_returns="streaming").remote(start, count, snapshot_every, 0)
                         for w in workers]
 
     def __iter__(self):
@@ -248,7 +259,7 @@ def ray_part(p: dict) -> dict:
         cls = ray.remote(num_cpus=0, max_concurrency=2 * per_actor + 4)(SimWorker)
         actors = [cls.remote(p["step_s"]) for _ in range(p["actors"])]
         ray.get([a.ping.remote(0) for a in actors])
-        ray_round("after", actors, {**p, "calls": 2})  # warm-up: the actors' threads, raytp's gate actor
+        ray_round("after", actors, {**p, "calls": 2})  # warm-up: the actors' threads
         got = {"before": [], "after": []}
         lost = {"before": [], "after": []}
         for i in range(p["rounds"]):

@@ -16,6 +16,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from raytp.config.adapters import model_args
 from raytp.runtime.errors import PlacementError, WorkerAborted
 from raytp.runtime.cluster.group import WorkerGroup
+from raytp.runtime.driver.control import ControlChannel
 from raytp.runtime.cluster.streaming import StepRecords
 
 _ids = itertools.count()
@@ -350,23 +351,24 @@ class FakeStream:
             yield StepRecords(step, recs, parts)
 
 
-class LocalControl:
-    """The control actor's part, in-process: the test files requests as the CLI would."""
+class LocalControl(ControlChannel):
+    """The control channel with the actor's part in-process: the test files requests as the CLI would."""
 
-    def __init__(self, run, say=None):
+    def _start(self):
         self.requests, self.outcomes, self.status, self.ids = [], {}, {}, itertools.count(1)
         self.published = 0
+        return None
 
     def file(self, kind, **args) -> int:
         rid = next(self.ids)
         self.requests.append({"id": rid, "kind": kind, **args})
         return rid
 
-    def publish(self, status, ranks=None):
+    def _send(self, status, ranks):
         self.published += 1
         self.status = {**status, "ranks": self.status.get("ranks", []) if ranks is None else ranks}
 
-    def take_requests(self):
+    def _take_requests(self):
         out, self.requests = self.requests, []
         return out
 

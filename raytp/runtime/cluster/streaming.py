@@ -1,8 +1,10 @@
 """A streamed call of several steps on every worker, read step by step as the records arrive.
 
 Each worker's ``run_steps`` is a Ray streaming generator: it yields each
-step's record as it completes and, every ``snapshot_every`` steps on DP
-replica 0, its packed state right after it. The objects are owned by the
+step's record as it completes and, every ``snapshot_every`` steps on the
+ranks owning the state (raytp.parallel.ownership), its packed state right
+after it, yielded just before that step's record: a step's records read from
+every rank prove its snapshot parts whole. The objects are owned by the
 driver (so a snapshot outlives its worker) but stay where they were made: the
 driver waits on them with ``fetch_local=False``, or every snapshot would be
 pulled to the driver's node before the next step is taken.
@@ -10,113 +12,92 @@ pulled to the driver's node before the next step is taken.
 A step's records are read with one ``ray.wait`` and one ``ray.get`` over all
 ranks (rank by rank, three Ray calls per rank, cost 4x as much at 1024 ranks).
 
-Pipelining (``StepStream.then``): submitting a call costs the driver ~0.3 ms
-per rank, and no rank can take the call's first collective until every rank's
-call is submitted. So the next call can be submitted while this one runs,
-gated: its ``start`` argument is a ref that a small actor (``Gate``, one per
-driver process, started with the first gated call) resolves once every rank's
-current call has ended (Ray hands it the call only once their ``completed()``
-refs are ready), and Ray sends an actor task only once its arguments are
-ready. Workers are threaded actors and would otherwise run both calls at once.
-An actor, not a task: a task would wait for a worker process at the boundary
-(0.6 s the first time, measured), an actor call takes ~1 ms.
-If a current call ends with a lost worker, its ``completed()`` ref holds the
-error, so does the gate, and the gated calls fail without running; after any
-other failure the driver ``cancel``s the gate (a task still waiting for its
-arguments is never run). Either way the driver ``drain``s the gated stream.
+Pipelining (``StepStream.then``): submitting a call costs the driver ~0.1 ms
+per rank, and Ray takes ~0.5 s to hand a call to 1024 ranks; no rank can take
+the call's first collective before every rank has it. So the next call is
+submitted while the current one runs, and Ray hands it to every worker during
+that call. Workers are threaded actors, so each rank's part of it waits inside
+the worker (raytp.runtime.worker.calls) until that rank's part of the call
+before has ended, and starts at once then; if that part failed, or the rank's
+process groups were torn down since (a recovery), it fails at once without
+running a step. Each call carries a number (``seq``, increasing in this
+process) and the one it follows (``after``). After a failure the driver
+``drain``s the call behind as well: every rank's part has failed or ended by
+the time its recovery has waited the survivors out.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import ray
 
 from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import Ownership
-from raytp.runtime.errors import StepDeadline
+from raytp.runtime.errors import StepDeadline, WorkerAborted
 
 
 @dataclass(frozen=True)
 class StepRecords:
-    """What one step of a streamed call brought: each rank's record, and replica 0's snapshot parts."""
+    """What one step of a streamed call brought: each rank's record, and the owners' snapshot parts."""
     step: int
     records: list[dict]
-    snapshot: dict[int, object]  # tp_rank -> ObjectRef of its packed state after this step
+    snapshot: dict[int, object]  # part (raytp.parallel.ownership) -> ObjectRef of its packed state after this step
 
 
-class Gate:
-    """Answers ``after`` once Ray has resolved its arguments: each rank's call before, ended."""
-
-    async def after(self, start: int, *ended) -> int:
-        return start
-
-
-_gates: dict = {}  # (Ray job, this process's node) -> this process's Gate actor
-
-
-def _gate():
-    ctx = ray.get_runtime_context()
-    key = (ctx.get_job_id(), ctx.get_node_id())  # a new Ray session may reuse the job id, never the node id
-    if key not in _gates:
-        _gates.clear()  # one of an earlier Ray session is gone with it
-        _gates[key] = ray.remote(Gate).options(num_cpus=0, max_restarts=-1).remote()
-    return _gates[key]
+_numbers = itertools.count(1)  # of the calls this process submits: a worker runs them in this order
 
 
 class StepStream:
     """One streamed call of `count` steps on `workers` (rank order, of `layout`): iterate for each
     step's StepRecords. Raises StepDeadline if a step makes no progress within `timeout` seconds,
     and Ray's errors if a worker dies or aborts. ``partial``: rank 0's record of the step in progress.
-    `after`: a gate ref (see ``then``) that the calls wait for instead of starting at once."""
+    `after`: the number (``seq``) of the call this one was submitted behind (see ``then``)."""
 
     def __init__(self, workers, layout: Layout, start: int, count: int, snapshot_every: int, timeout: float,
-                 after=None):
+                 after: int | None = None):
         self.workers, self.layout, self.timeout = workers, layout, timeout
         self.start, self.count, self.snap = start, count, snapshot_every
         self.partial: dict | None = None
-        self.gate = after
-        _gate()  # started with the first call, so that it is up by the first boundary a call waits behind
-        first = start if after is None else after
-        self.streams = [w.run_steps.options(num_returns="streaming").remote(first, count, snapshot_every)
+        self.seq = next(_numbers)
+        self.streams = [w.run_steps.options(num_returns="streaming").remote(start, count, snapshot_every,
+                                                                            self.seq, after)
                         for w in workers]
 
     def then(self, count: int, snapshot_every: int) -> "StepStream":
-        """The call that follows this one on the same workers, submitted now and started by each rank
-        as soon as every rank's part of this call has ended."""
-        gate = _gate().after.remote(self.start + self.count, *(s.completed() for s in self.streams))
+        """The call that follows this one on the same workers, submitted now: each rank starts it the
+        moment its part of this call ends, if that part ended well (raytp.runtime.worker.calls)."""
         return StepStream(self.workers, self.layout, self.start + self.count, count, snapshot_every,
-                          self.timeout, after=gate)
-
-    def cancel(self) -> None:
-        """A gated call that must not run (the call before it failed): its gate is cancelled, so that
-        no rank starts it (if the gate already fired, the ranks fail it at once: their groups are gone)."""
-        if self.gate is not None:
-            ray.cancel(self.gate)
+                          self.timeout, after=self.seq)
 
     def __iter__(self):
         parts_from = Ownership(self.layout).owners()
         for step in range(self.start, self.start + self.count):
+            parts = {}
+            if self.snap and (step + 1) % self.snap == 0:  # the owners' snapshot parts come before the records
+                parts = dict(enumerate(self._next_all([self.streams[r] for r in parts_from])))
             refs = self._next_all(self.streams)
+            ended = [i for i, r in enumerate(refs) if r is None]
+            if ended:  # a stream ended at its snapshot part: that part is the rank's error; raise it
+                ray.get([p for i in ended if i in parts_from and (p := parts[parts_from.index(i)]) is not None])
+                raise WorkerAborted(f"rank(s) {ended} ended their call before step {step}")
             try:
-                recs = ray.get(refs)
+                recs = ray.get(refs)  # raises if a rank died, also between its part and its record
             except Exception:
                 self.partial = _value_or_none(refs[0])
                 raise
             self.partial = recs[0]
-            parts = {}
-            if self.snap and (step + 1) % self.snap == 0:
-                parts = dict(enumerate(self._next_all([self.streams[r] for r in parts_from])))
             yield StepRecords(step, recs, parts)
 
     def _next_all(self, streams) -> list:
-        """The next object ref of each of `streams` (one batched wait; the objects are not fetched), or
-        StepDeadline if none of those still missing comes within the timeout."""
+        """The next object ref of each of `streams` (one batched wait; the objects are not fetched; None
+        for a stream that ended), or StepDeadline if none of those still missing comes within the timeout."""
         pending = list(streams)
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.timeout, fetch_local=False)
             if not ready:
                 raise StepDeadline(f"no progress within runtime.step_timeout_s={self.timeout:g}s")
-        return [next(s) for s in streams]
+        return [next(s, None) for s in streams]  # None: the stream ended
 
     def drain(self, timeout: float = 1.0) -> None:
         """After a failure: take what is left of every worker's stream (its records, its error), so that

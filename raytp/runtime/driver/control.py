@@ -64,29 +64,56 @@ class Control:
 
 
 class ControlChannel:
-    """The driver's side of the control actor: publish, take requests, answer; restarted if lost."""
+    """The driver's side of the control actor: publish the status when it changed, take the requests filed
+    (held until served), answer; restarted if lost. It keeps what it last published, nothing of the driver."""
 
     def __init__(self, run: str, say=lambda msg: None):
         self.run, self.say = run, say
-        self.actor = start_control(run)
+        self.actor = self._start()
         self.ranks: list[dict] = []  # the rank list last published
         self.fresh = True            # an actor that has not been given the rank list
+        self.last: tuple = (None, None)  # (the status last published, less elapsed_s; the placement of its ranks)
+        self.waiting: tuple = ()     # requests taken from the actor, not served yet
 
-    def publish(self, status: dict, ranks: list[dict] | None = None) -> None:
-        """`ranks` when they changed (a new actor is handed the last ones once)."""
-        if ranks is not None:
-            self.ranks = ranks
+    def publish(self, status: dict, placement: tuple, elapsed_s: float) -> None:
+        """Hand the actor `status` (plus elapsed_s) if it changed; the rank list (a line per rank, of
+        `placement`) only when the placement did (a new actor is handed the last one once)."""
+        last_status, last_placement = self.last
+        if status == last_status and placement is last_placement and not self.fresh:
+            return
+        ranks = None
+        if placement is not last_placement:
+            ranks = self.ranks = rank_rows(placement)
         elif self.fresh:
             ranks = self.ranks
         self.fresh = False
+        self._send({**status, "elapsed_s": elapsed_s}, ranks)
+        self.last = (status, placement)
+
+    def requests_waiting(self) -> bool:
+        """Whether requests were filed (taken now, held for ``take``)."""
+        self.waiting = (*self.waiting, *self._take_requests())
+        return bool(self.waiting)
+
+    def take(self) -> tuple:
+        """The requests filed, oldest first, to serve now."""
+        self.requests_waiting()
+        waiting, self.waiting = self.waiting, ()
+        return waiting
+
+    # -- the actor's side (a test's in-process stand-in overrides these) --
+    def _start(self):
+        return start_control(self.run)
+
+    def _send(self, status: dict, ranks: list[dict] | None) -> None:
         self.actor.publish.remote(status, ranks)
 
-    def take_requests(self) -> list[dict]:
+    def _take_requests(self) -> list[dict]:
         try:
             return ray.get(self.actor.take_requests.remote(), timeout=30)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             self.say("the control actor was lost; starting a new one (pending requests are dropped)")
-            self.actor = start_control(self.run)
+            self.actor = self._start()
             self.fresh = True
             return []
 
@@ -106,6 +133,11 @@ class ControlChannel:
             ray.kill(self.actor)
         except Exception:  # noqa: BLE001 - already gone
             pass
+
+
+def rank_rows(placement) -> list[dict]:
+    """What `raytp status --ranks` lists of each rank: its actor, node, pid and GPUs."""
+    return [{k: p.get(k) for k in ("rank", "actor", "node_id", "pid", "gpu_ids")} for p in placement]
 
 
 def start_control(run: str):

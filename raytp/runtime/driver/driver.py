@@ -89,6 +89,12 @@ class Driver(DriverControl, DriverResize):
     def layout(self) -> Layout:
         return Layout(self.cfg.parallel.tp, dp=self.cfg.parallel.dp)
 
+    def view(self) -> dict:
+        """What the control side publishes of the run (raytp.runtime.driver.driver_control.summary)."""
+        return {"state": self.state, "step": self.step, "steps": self.cfg.train.steps, "layout": self.layout,
+                "last": self.last, "failures": self.failures, "spares": len(self.spares.pool),
+                "run_dir": str(self.run_dir.resolve()), "placement": self.group.placement if self.group else ()}
+
     def adopt(self, group: WorkerGroup) -> None:
         """Switch the job to `group`: the one place the workers, their layout, config and placement change."""
         old = self.group
@@ -185,9 +191,7 @@ class Driver(DriverControl, DriverResize):
                     self._recover(e)
                 self.publish()
         finally:
-            if self.next is not None:  # only on an exception: the run ends
-                self.next.cancel()
-                self.next = None
+            self.next = None  # set here only on an exception, which ends the run: the workers go with it
             progress.close()
 
     def _call(self, end: int, t_start: float, progress: Progress) -> None:
@@ -223,10 +227,7 @@ class Driver(DriverControl, DriverResize):
             self.checkpoints.begin(self.group, self.step)  # written while the next steps run
         changed = self.cadence.choose(cfg, self.layout, self.group.nodes())
         if changed is not None:
-            self.log.event("snapshot_interval", every=changed, step=self.step, budget=self.cadence.budget,
-                           pinned=self.cadence.pinned is not None, lost_steps_bound=changed,
-                           copy_s=self.cadence.cost(),
-                           step_s=self.last.get("step_time_s"))
+            reporting.interval_chosen(self.log, self.cadence, changed, self.step, self.last)
         if self.first_step is None:
             self.first_step = time.perf_counter() - t_start
             self.log.event("first_step", seconds=self.first_step)
@@ -245,17 +246,12 @@ class Driver(DriverControl, DriverResize):
 
     def _report(self) -> None:
         """The job went on after a recovery or a resize: log how long that took."""
-        if self.healing is not None:
-            reporting.recovered(self.log, self._say, self.healing, self.step)
-        if self.resizing is not None:
-            reporting.resized(self.log, self._say, self.resizing, self.step)
+        reporting.closed(self.log, self._say, self.healing, self.resizing, self.step)
         self.healing = self.resizing = None
 
     def _recover(self, error: BaseException) -> None:
         self.state = State.RECOVERING
-        behind, self.next = self.next, None
-        if behind is not None:
-            behind.cancel()  # before anything else: no rank may start it
+        behind, self.next = self.next, None  # its ranks refuse it, or fail in it, once their groups go
         self.publish()
         try:
             self.checkpoints.poll(self.group)  # a save every rank finished is still committed

@@ -1,60 +1,47 @@
 """The Driver's side of the control actor: what `raytp status` shows, and the stop and scale requests
 it files, served at step boundaries (a part of raytp.runtime.driver.driver.Driver, kept apart: the Driver
-class mixes it in and owns every attribute it reads)."""
+mixes it in). What it publishes is ``summary`` of the values the Driver hands it (``Driver.view``); the
+channel (raytp.runtime.driver.control.ControlChannel) keeps what it last published and the requests
+waiting; serving a request calls the Driver's own ``request_stop`` / ``request_resize``."""
 from __future__ import annotations
 
 import time
 
+from raytp.runtime.driver.control import rank_rows
 from raytp.runtime.records import Outcome, State, StopRequest
 
 
-class DriverControl:
-    _published: tuple = (None, None)  # (the status last published, less elapsed_s; the placement of its ranks)
-    _waiting: tuple = ()              # requests taken from the control actor, not served yet
+def summary(view: dict) -> dict:
+    """The status of a run from what the driver hands over (Driver.view)."""
+    lay, last = view["layout"], view["last"]
+    return {"state": view["state"].value, "step": view["step"], "steps": view["steps"],
+            "tp": lay.tp, "dp": lay.dp, "world_size": lay.world_size,
+            "loss": last.get("loss"), "val_loss": last.get("val_loss"),
+            "tokens_per_s": last.get("tokens_per_s"), "step_time_s": last.get("step_time_s"),
+            "failures": view["failures"], "spares": view["spares"], "run_dir": view["run_dir"]}
 
+
+class DriverControl:
     def status(self) -> dict:
         """What `raytp status` shows."""
-        return {**self._summary(), "elapsed_s": time.perf_counter() - self.t_start, "ranks": self._ranks()}
-
-    def _summary(self) -> dict:
-        lay = self.layout
-        return {"state": self.state.value, "step": self.step, "steps": self.cfg.train.steps,
-                "tp": lay.tp, "dp": lay.dp, "world_size": lay.world_size,
-                "loss": self.last.get("loss"), "val_loss": self.last.get("val_loss"),
-                "tokens_per_s": self.last.get("tokens_per_s"), "step_time_s": self.last.get("step_time_s"),
-                "failures": self.failures, "spares": len(self.spares.pool),
-                "run_dir": str(self.run_dir.resolve())}
-
-    def _ranks(self) -> list[dict]:
-        return [{k: p.get(k) for k in ("rank", "actor", "node_id", "pid", "gpu_ids")}
-                for p in (self.group.placement if self.group is not None else ())]
+        view = self.view()
+        return {**summary(view), "elapsed_s": time.perf_counter() - self.t_start,
+                "ranks": rank_rows(view["placement"])}
 
     def publish(self) -> None:
-        """Hand the control actor the status if it changed; the rank list (a line per rank) only when the
-        placement did."""
-        if self.control is None:
-            return
-        summary, placement = self._summary(), self.group.placement if self.group is not None else ()
-        last, last_placement = self._published
-        if summary == last and placement is last_placement:
-            return
-        ranks = None if placement is last_placement else self._ranks()
-        self.control.publish({**summary, "elapsed_s": time.perf_counter() - self.t_start}, ranks)
-        self._published = (summary, placement)
+        if self.control is not None:
+            view = self.view()
+            self.control.publish(summary(view), view["placement"], time.perf_counter() - self.t_start)
 
     def requests_waiting(self) -> bool:
         """Whether requests were filed (taken now, served by the next ``handle_requests``)."""
-        if self.control is not None:
-            self._waiting = (*self._waiting, *self.control.take_requests())
-        return bool(self._waiting)
+        return self.control is not None and self.control.requests_waiting()
 
     def handle_requests(self) -> None:
         """Requests filed through the control actor, served at this step boundary."""
         if self.control is None:
             return
-        self.requests_waiting()
-        waiting, self._waiting = self._waiting, ()
-        for req in waiting:
+        for req in self.control.take():
             if req["kind"] == "stop":
                 self.request_stop(req["id"])
             elif req["kind"] == "scale":

@@ -41,3 +41,17 @@ def resized(log, say, r: Resizing, step: int) -> None:
         log.ray.set("world_size", r.new.world_size)
     say(f"resized to {r.new} in {now - r.t0:.1f}s, training paused {now - r.switch_t0:.1f}s "
         f"({r.bytes / 1e6:.1f} MB moved)")
+
+
+def closed(log, say, healing: Healing | None, resizing: Resizing | None, step: int) -> None:
+    """The job went on after a recovery and/or a resize (whichever is given): log how long each took."""
+    if healing is not None:
+        recovered(log, say, healing, step)
+    if resizing is not None:
+        resized(log, say, resizing, step)
+
+
+def interval_chosen(log, cadence, every: int, step: int, last: dict) -> None:
+    """The snapshot interval the runtime chose (raytp.runtime.state.snapshots.Cadence), and from what."""
+    log.event("snapshot_interval", every=every, step=step, budget=cadence.budget, pinned=cadence.pinned is not None,
+              lost_steps_bound=every, copy_s=cadence.cost(), step_s=last.get("step_time_s"))

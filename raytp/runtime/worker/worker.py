@@ -15,9 +15,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib
-import os
-import queue
-import threading
 import time
 
 import torch
@@ -29,6 +26,8 @@ from raytp.parallel.groups import destroy_process_groups, init_process_groups, l
 from raytp.parallel.layout import Layout
 from raytp.models.shard import build_shard, rebind_groups
 from raytp.runtime.worker.background_save import BackgroundSave
+from raytp.runtime.worker.calls import Calls, on_thread
+from raytp.runtime.worker.identity import WorkerIdentity
 from raytp.runtime.errors import WorkerAborted
 from raytp.runtime.worker.snapshot_buffers import SnapshotBuffers
 from raytp.runtime.worker.worker_state import WorkerState
@@ -52,7 +51,7 @@ def tune_malloc() -> None:
         pass
 
 
-class Worker(WorkerState):
+class Worker(WorkerState, WorkerIdentity):
     def __init__(self, job: dict, rank: int):
         tune_malloc()
         self.cfg = from_dict(job)
@@ -62,7 +61,7 @@ class Worker(WorkerState):
             torch.set_num_threads(threads)
         self.device = torch.device("cuda", 0) if self.cfg.runtime.device == "cuda" else torch.device("cpu")
         self.groups = self.model = self.optimizer = None
-        self.completed, self.running = 0, False
+        self.completed, self.calls = 0, Calls()  # calls: the order of its run_steps calls
         self.snap_bufs = SnapshotBuffers(self.device)
         self.saving: BackgroundSave | None = None  # this rank's file of the checkpoint being written
         self.previous = None  # the shard a reshape replaced, until the switch is committed or reverted
@@ -81,38 +80,7 @@ class Worker(WorkerState):
         # wait) takes ~1 ms instead of ~0.3 s. What comes later (process groups, shards) is still collected.
         gc.freeze()
 
-    # -- placement and rendezvous ------------------------------------------------
-    @staticmethod
-    def _node_ip() -> str:
-        """The address this node registered with Ray (127.0.0.1 for a loopback-only cluster)."""
-        import ray
-        node_id = ray.get_runtime_context().get_node_id()
-        return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
-
-    def where(self) -> dict:
-        """Node, pid, address and actor name, as Ray and the OS see them, and when the process was up (wall
-        clock): for the driver's records."""
-        import ray
-        ctx = ray.get_runtime_context()
-        return {"rank": self.rank, "actor": ctx.get_actor_name(), "node_id": ctx.get_node_id(), "pid": os.getpid(),
-                "ip": self._node_ip(), "gpu_ids": ctx.get_accelerator_ids().get("GPU", []),
-                "up": self.up}
-
-    def __repr__(self) -> str:
-        """Its current role (an actor's name cannot change: a promoted spare, a renumbered replica)."""
-        if self.rank < 0:
-            return "Worker(spare)"
-        g = self.groups
-        where = f", TP rank {g.tp_rank}/{g.layout.tp}, DP rank {g.dp_rank}/{g.layout.dp}" if g is not None else ""
-        return f"Worker(rank {self.rank}{where})"
-
-    def _announce(self) -> None:
-        """Tell Ray's log monitor the new role: the prefix of this worker's log lines follows it."""
-        import sys
-        line = f":actor_name:{self!r}"  # ray_constants.LOG_PREFIX_ACTOR_NAME
-        print(line, flush=True)
-        print(line, file=sys.stderr, flush=True)
-
+    # -- rendezvous ------------------------------------------------------------------
     def rendezvous_address(self) -> str:
         """tcp://<this node's ip>:<port> of a store this rank (rank 0 of the next join) listens on already,
         so that no rank connects before it listens (raytp.parallel.groups.listening_store)."""
@@ -122,6 +90,7 @@ class Worker(WorkerState):
 
     def _join(self, layout: Layout, rank: int, init_method: str):
         """Meet the world of `layout` at `init_method` as `rank`; its TP and DP groups."""
+        self.calls.reset()
         try:
             return init_process_groups(layout, rank, init_method, self.cfg.runtime.device,
                                        self.cfg.runtime.collective_timeout_s)
@@ -195,10 +164,16 @@ class Worker(WorkerState):
         """Run optimizer steps start .. start+count-1; returns one record per step."""
         return [self._step(step) for step in range(start, start + count)]
 
-    def run_steps(self, start: int, count: int, snapshot_every: int = 0):
+    def run_steps(self, start: int, count: int, snapshot_every: int, seq: int, after: int | None = None):
         """Like `train`, streamed (call with num_returns="streaming"): yields each step's record as
-        it completes and, every `snapshot_every` steps on DP replica 0, this rank's state right after
-        it. Yielded objects are owned by the caller (the driver), so a snapshot outlives this worker.
+        it completes and, every `snapshot_every` steps on the ranks that own the state, this rank's
+        state right after it, just before that step's record (so a record read means the snapshot
+        part before it is whole, not the error of a rank that died in between). Yielded objects are owned by the caller (the driver), so a snapshot outlives this worker.
+
+        Calls run one at a time, in the driver's order (raytp.runtime.worker.calls): `seq` numbers
+        this call; `after` is the call it was submitted behind, while that one ran. It starts the
+        moment that call's steps end here, or fails at once, without a step, if that call failed or
+        this rank's process groups were torn down or rebuilt since.
 
         A snapshot stalls nothing: steps run on a training thread of their own, while this
         generator's thread packs the state into a reused host buffer and writes it to the object
@@ -209,11 +184,11 @@ class Worker(WorkerState):
         If a collective fails (a peer died, or left one), this rank destroys its process groups,
         which closes its sockets so that peers blocked on it fail too, and raises WorkerAborted.
         """
-        out: queue.Queue = queue.Queue(maxsize=2)
-        done = object()
-        self.snap_bufs.reset()
+        self.calls.begin(seq, start, after)
+        if after is None:  # else the call before ended well, and left the buffers to its last yield
+            self.snap_bufs.reset()
 
-        def loop() -> None:
+        def loop(put) -> None:
             failure, last = None, None  # last: the buffer of the newest snapshot, maybe still packing
             try:
                 for step in range(start, start + count):
@@ -222,44 +197,36 @@ class Worker(WorkerState):
                     except Exception as e:  # noqa: BLE001 - every failure mid-step leaves the groups
                         failure = f"rank {self.rank} left step {step}: {type(e).__name__}: {e}"
                         break
-                    out.put(rec)
                     if snapshot_every and self.groups.owns_state and (step + 1) % snapshot_every == 0:
                         state = live_state(self.model, self.optimizer)
                         last = self.snap_bufs.take(state_bytes(state))
-                        out.put((step + 1, last, state))
+                        put((step + 1, last, state))  # before the record: a record read proves its part
+                    put(rec)
                 if last is not None:
                     last.packed.wait()  # the state is the snapshot's until it is copied
             except BaseException as e:  # noqa: BLE001 - reported through the stream, never lost
                 failure = f"rank {self.rank} failed: {type(e).__name__}: {e}"
             if failure:  # outside the except block, so the failed step's frames are gone
                 self.leave_groups()
-            self.running = False
-            out.put(WorkerAborted(failure) if failure else done)
+            self.calls.end(seq, None if failure else start + count)  # a call queued behind starts now
+            if failure:
+                raise WorkerAborted(failure)
 
-        self.running = True
-        trainer = threading.Thread(target=loop, name=f"raytp-rank{self.rank}-steps", daemon=True)
-        trainer.start()
-        while True:
-            item = out.get()
-            if item is done:
-                break
-            if isinstance(item, WorkerAborted):
-                raise item
-            if isinstance(item, tuple):  # (buffer, live state) of a snapshot
-                after, buf, state = item
+        for item in on_thread(loop, f"raytp-rank{self.rank}-steps"):
+            if isinstance(item, tuple):  # (step after, buffer, live state) of a snapshot
+                at_step, buf, state = item
                 t0 = time.perf_counter()
                 try:
                     packed = self.snap_bufs.pack(state, buf)
                 finally:
                     buf.packed.set()
                 del state
-                self.snap_bufs.newest = (after, packed, buf)
+                self.snap_bufs.newest = (at_step, packed, buf)
                 yield packed
                 self.snapshot_s = time.perf_counter() - t0  # packing and the write to the object store
                 buf.free.set()  # written to the object store: the buffer may be packed again
             else:
                 yield item
-        trainer.join()
 
     def evaluate(self, step: int) -> float:
         cfg = self.cfg
@@ -286,13 +253,16 @@ class Worker(WorkerState):
         return self.rank
 
     def status(self) -> dict:
-        """Answered even while a step runs (the actor is threaded): completed steps, and whether one runs."""
-        return {"rank": self.rank, "completed": self.completed, "running": self.running}
+        """Answered even while a step runs (the actor is threaded): completed steps, and whether a call runs
+        (or one queued behind it is about to)."""
+        return {"rank": self.rank, "completed": self.completed, "running": self.calls.busy()}
 
     def leave_groups(self) -> None:
         """Destroy this rank's process groups and drop every reference to them, so that their
         sockets close now: peers blocked on this rank then fail too (gloo has no abort that
-        unblocks a collective; a closed socket does). Idempotent."""
+        unblocks a collective; a closed socket does); no call queued behind the one that ran may start
+        now. Idempotent."""
+        self.calls.reset()
         destroy_process_groups()
         if self.model is not None:
             rebind_groups(self.model, None)
