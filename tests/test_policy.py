@@ -80,7 +80,10 @@ def test_resized_config_keeps_the_global_batch_and_the_micro_batch():
 
 def test_which_ranks_a_resize_keeps_and_starts():
     tp = policy.tp_resize_ranks(Layout(2, dp=2), Layout(4, dp=2))
-    assert (tp.kept, tp.early, tp.late, tp.removed) == ((0, 1), (4, 5, 6, 7), (2, 3), (2, 3))
+    # ranks 4, 5 (replica 1, TP 0 and 1) go where old ranks 2, 3 run until the switch: they start then
+    assert (tp.kept, tp.early, tp.late, tp.removed) == ((0, 1), (6, 7), (2, 3, 4, 5), (2, 3))
+    tp = policy.tp_resize_ranks(Layout(2, dp=1), Layout(4, dp=2))  # replica 1 is new: its bundles are free
+    assert (tp.kept, tp.early, tp.late, tp.removed) == ((0, 1), (2, 3, 4, 5, 6, 7), (), ())
     tp = policy.tp_resize_ranks(Layout(4, dp=1), Layout(1, dp=2))
     assert (tp.kept, tp.early, tp.late, tp.removed) == ((0,), (), (1,), (1, 2, 3))
     dp = policy.dp_resize_ranks(2, 1, 2)

@@ -148,12 +148,19 @@ def dp_resize_ranks(tp: int, old_dp: int, new_dp: int) -> RankPlan:
 
 def tp_resize_ranks(old: Layout, new: Layout) -> RankPlan:
     """A TP change keeps replica 0's first min(old, new) TP ranks (the only ranks whose number,
-    replica and bundle are the same at both layouts); every other rank starts anew, those whose
-    names are free first."""
+    replica and bundle are the same at both layouts); every other rank starts anew. Early, while the
+    old layout trains on: those whose name is free and whose bundle no old worker holds (a staying
+    replica's bundle TP index i < old.tp is old rank i's of that replica until the switch: placement
+    reserve_tp keeps a replica's old bundles first); the others once the old workers are gone."""
     keep = min(old.tp, new.tp)
-    return RankPlan(tuple(range(keep)), tuple(range(old.world_size, new.world_size)),
-                    tuple(range(keep, min(old.world_size, new.world_size))),
-                    tuple(range(keep, old.world_size)))
+
+    def free(r: int) -> bool:
+        at = new.coords(r)
+        return r >= old.world_size and (at.dp >= old.dp or at.tp >= old.tp)
+
+    starting = range(keep, new.world_size)
+    return RankPlan(tuple(range(keep)), tuple(r for r in starting if free(r)),
+                    tuple(r for r in starting if not free(r)), tuple(range(keep, old.world_size)))
 
 
 GROW_REQUEST, GROW_WAIT, GROW_NOW = "request", "wait", "grow"
