@@ -21,17 +21,15 @@ never touch an actor directly (and the tests can swap this class for a fake).
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import ray
-from ray.exceptions import RayActorError
 
 from raytp.config.adapters import model_args
 from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import Ownership
-from raytp.runtime.cluster import placement as placements
+from raytp.runtime.cluster import health, placement as placements
 from raytp.runtime.cluster.streaming import StepStream
 from raytp.runtime.state.checkpoints import write_part_task
 from raytp.runtime.cluster.launch import Launcher, actor_id
@@ -195,49 +193,14 @@ class WorkerGroup:
     # -- health ----------------------------------------------------------------------------------
     def find_lost(self) -> dict[int, str]:
         """{rank: "died" | "hung"} of the workers that no longer serve; hung ones are killed."""
-        pings = [w.ping.remote() for w in self.workers]
-        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=self.cfg.recovery.ping_timeout_s)
-        answered = set(ready)  # a set: `in` a list of refs made this quadratic (104 ms at 1024 ranks)
-        lost = {}
-        for rank, ref in enumerate(pings):
-            if ref not in answered:
-                lost[rank] = "hung"
-                ray.kill(self.workers[rank], no_restart=True)
-        try:
-            ray.get(ready)  # one batched get; only a rank that died makes it raise
-        except RayActorError:
-            for rank, ref in enumerate(pings):
-                if ref in answered:
-                    try:
-                        ray.get(ref)
-                    except RayActorError:
-                        lost[rank] = "died"
-        return dict(sorted(lost.items()))
+        return health.find_lost(self.workers, self.cfg.recovery.ping_timeout_s)
 
     def wait_out(self, survivors: list[int]) -> tuple[dict[int, int], list[int]]:
         """Wait until no survivor is inside a step, then have them leave their process groups:
         ({rank: completed steps}, [ranks that did not get out within runtime.collective_timeout_s,
         killed: they count as lost])."""
-        cfg = self.cfg
-        deadline = time.monotonic() + cfg.runtime.collective_timeout_s
-        completed: dict[int, int] = {}
-        pending, stuck = list(survivors), []
-        while pending:
-            statuses = ray.get([self.workers[r].status.remote() for r in pending],
-                               timeout=cfg.recovery.ping_timeout_s)
-            for r, st in zip(list(pending), statuses):
-                if not st["running"]:
-                    completed[r] = st["completed"]
-                    pending.remove(r)
-            if pending and time.monotonic() > deadline:
-                self.kill(pending)
-                stuck = list(pending)
-                break
-            if pending:
-                time.sleep(0.02)
-        # Waited for: a worker is threaded, so a leave still queued could run after the rejoin that follows.
-        ray.get([self.workers[r].leave_groups.remote() for r in completed], timeout=cfg.runtime.collective_timeout_s)
-        return completed, stuck
+        return health.wait_out(self.workers, survivors, self.cfg.recovery.ping_timeout_s,
+                               self.cfg.runtime.collective_timeout_s, self.kill)
 
     @staticmethod
     def pinged(actors: Iterable) -> list:

@@ -21,6 +21,7 @@ new one with every rank holding its shard, and the bytes that moved; or raises
 from __future__ import annotations
 
 from raytp.parallel.layout import Layout
+from raytp.parallel.ownership import Ownership
 from raytp.runtime import policy
 from raytp.runtime.errors import FAILURES
 from raytp.runtime.cluster.launch import actor_id
@@ -56,7 +57,8 @@ def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: di
         workers = list(group.workers[:len(plan.kept)]) + [early[r][0] for r in plan.early]
         nxt = group.successor(new_cfg, pgs, workers, bundles={actor_id(a): k for a, k in early.values()})
         nxt = nxt.join(setup=plan.early)
-        moved = nxt.copy_shards({r: nxt.layout.coords(r).tp for r in plan.early}, step)
+        own = Ownership(nxt.layout)  # an added rank takes the bytes it holds from their owner
+        moved = nxt.copy_shards({r: own.owner(own.part(r)) for r in plan.early}, step)
     except FAILURES as e:
         group.kill_actors(a for a, _ in early.values())
         group.placer.release(reserved.values())
