@@ -77,9 +77,10 @@ class StepStream:
             if self.snap and (step + 1) % self.snap == 0:  # the owners' snapshot parts come before the records
                 parts = dict(enumerate(self._next_all([self.streams[r] for r in parts_from])))
             refs = self._next_all(self.streams)
-            ended = [i for i, r in enumerate(refs) if r is None]
+            ended = [rank for rank, ref in enumerate(refs) if ref is None]
             if ended:  # a stream ended at its snapshot part: that part is the rank's error; raise it
-                ray.get([p for i in ended if i in parts_from and (p := parts[parts_from.index(i)]) is not None])
+                errors = [parts.get(k) for k, rank in enumerate(parts_from) if rank in ended]
+                ray.get([e for e in errors if e is not None])
                 raise WorkerAborted(f"rank(s) {ended} ended their call before step {step}")
             try:
                 recs = ray.get(refs)  # raises if a rank died, also between its part and its record
