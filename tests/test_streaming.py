@@ -1,7 +1,8 @@
 """StepStream on real Ray, with a call submitted behind another (``then``): Ray hands it to every rank while
 the call before runs, each rank starts it only once its own part of that call has ended (never two at
-once), and not at all where that part failed or a peer was lost; a step's records come in rank order,
-and a drained stream leaves nothing unread. The actors are small threaded stand-ins for raytp's Worker:
+once), and not at all where that part failed or a peer was lost; a step's records come from the
+reporting ranks only, the others' ends and errors are read all the same, and a drained stream leaves
+nothing unread. The actors are small threaded stand-ins for raytp's Worker:
 the same streaming protocol and the same call order (raytp.runtime.worker.calls, one ``Calls`` per
 rank), steps that sleep and then meet a rank of the other actor (a ping: it fails once that actor is
 gone, as a collective does), so what is tested is the call order on Ray, not training."""
@@ -14,6 +15,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from raytp.parallel.layout import Layout
+from raytp.runtime.cluster import relay as relay_calls
 from raytp.runtime.cluster.streaming import StepStream
 from raytp.runtime.errors import WorkerAborted
 from raytp.runtime.worker.calls import Calls
@@ -48,8 +50,9 @@ class Ranks:
             self.held.discard(step)
             self.cond.notify_all()
 
-    def fail_at(self, step):
-        self.failing.add(step)
+    def fail_at(self, step, rank=None):
+        """Every rank here fails at `step`, or only `rank` (after the step's collective)."""
+        self.failing.add(step if rank is None else (rank, step))
 
     def arrived(self, start, n, timeout):
         """Whether `n` calls from step `start` reached this actor within `timeout` seconds."""
@@ -63,7 +66,16 @@ class Ranks:
             self.overlap = max(self.overlap, self.running[rank])
             self.cond.notify_all()
 
-    def run_steps(self, rank, start, count, snapshot_every, seq, after=None):
+    def run_steps(self, rank, start, count, snapshot_every, seq, after=None, report=True, relay=None):
+        peers = relay_calls.forward(relay, (start, count, snapshot_every, seq, after)) if relay else []
+        try:
+            yield from self._own(rank, start, count, seq, after, report)
+        except BaseException:
+            relay_calls.collect(peers, raising=False)
+            raise
+        relay_calls.collect(peers)
+
+    def _own(self, rank, start, count, seq, after, report):
         self._note(rank, start, "arrived")
         calls = self.calls.setdefault(rank, Calls())
         calls.begin(seq, start, after)
@@ -74,10 +86,11 @@ class Ranks:
                 with self.cond:
                     self.cond.wait_for(lambda: step not in self.held)
                 time.sleep(self.step_s * (1 + rank % 2))  # odd ranks end later
-                if step in self.failing:
+                if step in self.failing or (rank, step) in self.failing:
                     raise WorkerAborted(f"rank {rank} left step {step}")
                 ray.get(self.peer.ping.remote(), timeout=30)  # the step's collective with the other actor
-                yield {"step": step, "rank": rank}
+                if report:
+                    yield {"step": step, "rank": rank}
             at = start + count
         finally:
             self._note(rank, start, "ended", -1)
@@ -132,7 +145,7 @@ def events(actors):
 
 def all_read(*streams):
     """Whether nothing is left in any rank's stream (no record, no error) for Ray to report."""
-    return all(next(s, None) is None for stream in streams for s in stream.streams)
+    return all(next(s, None) is None for stream in streams for s in stream.streams.values())
 
 
 def test_a_call_behind_reaches_every_rank_early_and_starts_there_once_the_call_before_ended(actors):
@@ -143,7 +156,7 @@ def test_a_call_behind_reaches_every_rank_early_and_starts_there_once_the_call_b
     ray.get([a.release.remote(101) for a in actors])
     got = [(s.step, [r["rank"] for r in s.records]) for s in first] + \
           [(s.step, [r["rank"] for r in s.records]) for s in second]
-    assert got == [(step, [0, 1, 2, 3]) for step in range(100, 105)]
+    assert got == [(step, [0]) for step in range(100, 105)]  # rank 0 reports; 1-3 are read at each call's end
     t, overlap = events(actors)
     for rank in range(LAYOUT.world_size):
         assert t[rank, 102, "arrived"] < t[rank, 100, "ended"] <= t[rank, 102, "started"]
@@ -186,3 +199,55 @@ def test_a_lost_actor_fails_the_call_behind_on_the_survivors(ray_local):
     log, overlap = ray.get(mine[0].record.remote())
     assert not [e for e in log if e[1:3] == (303, "started")], "the call behind ran on a survivor"
     assert overlap == 1 and all_read(first, second)
+
+
+def test_a_quiet_rank_that_fails_in_a_calls_last_step_fails_that_step(actors):
+    """Ranks 1-3 yield no records; rank 3 fails after its last step's collective: the call's last step
+    is not counted, the error is rank 3's."""
+    ray.get(actors[1].fail_at.remote(402, rank=3))
+    stream = StepStream(ranks_of(actors), LAYOUT, 400, 3, 0, timeout=30)
+    steps = iter(stream)
+    assert [next(steps).step, next(steps).step] == [400, 401]
+    with pytest.raises(RayTaskError, match="rank 3 left step 402"):
+        next(steps)
+    stream.drain()
+    assert all_read(stream)
+
+
+def test_a_quiet_rank_that_dies_mid_call_is_seen_while_the_reporters_wait(ray_local):
+    """Rank 1's actor is killed while rank 0 is held in a step (as a collective on NCCL would hang): the
+    driver, waiting on rank 0's record, finds the dead quiet rank without waiting for the step timeout."""
+    mine = pair(0.05)
+    ray.get(mine[0].hold.remote(501))
+    stream = StepStream(ranks_of(mine), LAYOUT, 500, 3, 0, timeout=120)
+    steps = iter(stream)
+    assert next(steps).step == 500
+    ray.kill(mine[1])
+    t0 = time.perf_counter()
+    with pytest.raises((RayActorError, RayTaskError)):
+        next(steps)
+    assert time.perf_counter() - t0 < 60, "found only at the step timeout"
+    ray.get(mine[0].release.remote(501))
+    stream.drain()
+
+
+def relayed(actors):
+    """Rank 3 gets its calls through rank 2 (raytp.runtime.cluster.relay), as the driver's group sends them."""
+    workers = ranks_of(actors)
+    return workers, {2: ([3], ray.put([workers[3]]))}
+
+
+def test_a_relayed_rank_runs_the_call_and_its_error_comes_through_its_leader(actors):
+    workers, relay = relayed(actors)
+    first = StepStream(workers, LAYOUT, 600, 2, 0, timeout=30, relay=relay)
+    second = first.then(2, 0)
+    assert sorted(first.streams) == [0, 1, 2]  # rank 3 is not called from here
+    assert [s.step for s in first] + [s.step for s in second] == [600, 601, 602, 603]
+    t, overlap = events(actors)
+    assert all((3, start, "ended") in t for start in (600, 602)) and overlap == 1
+    ray.get(actors[1].fail_at.remote(605, rank=3))
+    third = second.then(2, 0)
+    with pytest.raises(RayTaskError, match="rank 3 left step 605"):
+        list(third)
+    third.drain()
+    assert all_read(first, second, third)

@@ -29,8 +29,8 @@ import ray
 from raytp.config.adapters import model_args
 from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import Ownership
-from raytp.runtime.cluster import health, placement as placements
-from raytp.runtime.cluster.streaming import StepStream
+from raytp.runtime.cluster import health, placement as placements, relay
+from raytp.runtime.cluster.streaming import StepStream, direct_ranks
 from raytp.runtime.state.checkpoints import write_part_task
 from raytp.runtime.cluster.launch import Launcher, actor_id
 
@@ -43,6 +43,7 @@ class WorkerGroup:
     bundles: Mapping[str, tuple]     # actor id -> (placement group id, bundle index) it sits in
     launcher: Launcher = field(compare=False, repr=False)
     placement: tuple = ()            # where each rank runs ({"rank", "node_id", "pid", ...}), after a join
+    relays: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # see relay()
     placer = placements              # the placement functions (a fake group brings its own)
     launcher_cls = Launcher          # how its actors are started
 
@@ -180,7 +181,17 @@ class WorkerGroup:
     # -- training --------------------------------------------------------------------------------
     def run_steps(self, start: int, count: int, snapshot_every: int) -> StepStream:
         """One streamed call of `count` steps on every worker (iterate it for each step's records)."""
-        return StepStream(self.workers, self.layout, start, count, snapshot_every, self.cfg.runtime.step_timeout_s)
+        return StepStream(self.workers, self.layout, start, count, snapshot_every, self.cfg.runtime.step_timeout_s,
+                          relay=self.relay())
+
+    def relay(self) -> dict:
+        """{leader: (peer ranks, ref of their handles)} (raytp.runtime.cluster.relay): made once per group,
+        from where its ranks ran at the join (none before: every rank is called directly)."""
+        if "plan" not in self.relays:
+            plan = relay.relay_plan(direct_ranks(self.layout), self.nodes())
+            self.relays["plan"] = {lead: (peers, ray.put([self.workers[p] for p in peers]))
+                                   for lead, peers in plan.items() if peers}
+        return self.relays["plan"]
 
     def evaluate(self, step: int) -> float:
         return ray.get([w.evaluate.remote(step) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)[0]

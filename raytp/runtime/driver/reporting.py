@@ -15,7 +15,8 @@ def layout_dict(lay: Layout) -> dict:
 
 
 def step_record(rec: dict, all_ranks: list[dict], cfg, layout: Layout) -> dict:
-    """metrics.jsonl's line for one step: rank 0's figures, the slowest rank's time."""
+    """metrics.jsonl's line for one step: rank 0's figures, the slowest reporting rank's time (the ranks
+    meet in collectives every step, so any rank's step time is every rank's to within their skew)."""
     step_time = max(r["step_time_s"] for r in all_ranks)
     tokens_per_step = cfg.train.batch_size * cfg.model.block_size
     return {"step": rec["step"], "loss": rec["loss"], "lr": rec["lr"], "grad_norm": rec["grad_norm"],

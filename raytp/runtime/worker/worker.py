@@ -25,6 +25,7 @@ from raytp.parallel import comm
 from raytp.parallel.groups import destroy_process_groups, init_process_groups, listening_store
 from raytp.parallel.layout import Layout
 from raytp.models.shard import build_shard, rebind_groups
+from raytp.runtime.cluster import relay as relay_calls
 from raytp.runtime.worker.background_save import BackgroundSave
 from raytp.runtime.worker.calls import Calls, on_thread
 from raytp.runtime.worker.identity import WorkerIdentity
@@ -164,11 +165,15 @@ class Worker(WorkerState, WorkerIdentity):
         """Run optimizer steps start .. start+count-1; returns one record per step."""
         return [self._step(step) for step in range(start, start + count)]
 
-    def run_steps(self, start: int, count: int, snapshot_every: int, seq: int, after: int | None = None):
+    def run_steps(self, start: int, count: int, snapshot_every: int, seq: int, after: int | None = None,
+                  report: bool = True, relay: list | None = None):
         """Like `train`, streamed (call with num_returns="streaming"): yields each step's record as
-        it completes and, every `snapshot_every` steps on the ranks that own the state, this rank's
-        state right after it, just before that step's record (so a record read means the snapshot
-        part before it is whole, not the error of a rank that died in between). Yielded objects are owned by the caller (the driver), so a snapshot outlives this worker.
+        it completes (only on a reporting rank, `report`; the driver reads the others' ends and
+        errors) and, every `snapshot_every` steps on the ranks that own the state, this rank's
+        state right after it, followed by that step's record whether it reports or not (so a record
+        read means the snapshot part before it is whole, not the error of a rank that died in
+        between). Yielded objects are owned by the caller (the driver), so a snapshot outlives this
+        worker.
 
         Calls run one at a time, in the driver's order (raytp.runtime.worker.calls): `seq` numbers
         this call; `after` is the call it was submitted behind, while that one ran. It starts the
@@ -183,7 +188,21 @@ class Worker(WorkerState, WorkerIdentity):
 
         If a collective fails (a peer died, or left one), this rank destroys its process groups,
         which closes its sockets so that peers blocked on it fail too, and raises WorkerAborted.
+
+        `relay`: the handles of other ranks of this node this rank hands the call to (it leads them,
+        raytp.runtime.cluster.relay); its call ends once theirs have, with the first error of theirs.
         """
+        peers = relay_calls.forward(relay, (start, count, snapshot_every, seq, after)) if relay else []
+        own = self._own_steps(start, count, snapshot_every, seq, after, report)
+        try:
+            yield from own
+        except BaseException:
+            relay_calls.collect(peers, raising=False)  # their errors follow from this one: read, not raised
+            raise
+        relay_calls.collect(peers)
+
+    def _own_steps(self, start: int, count: int, snapshot_every: int, seq: int, after: int | None, report: bool):
+        """This rank's part of run_steps (a generator of what it yields)."""
         self.calls.begin(seq, start, after)
         if after is None:  # else the call before ended well, and left the buffers to its last yield
             self.snap_bufs.reset()
@@ -197,11 +216,13 @@ class Worker(WorkerState, WorkerIdentity):
                     except Exception as e:  # noqa: BLE001 - every failure mid-step leaves the groups
                         failure = f"rank {self.rank} left step {step}: {type(e).__name__}: {e}"
                         break
-                    if snapshot_every and self.groups.owns_state and (step + 1) % snapshot_every == 0:
+                    snapshot = snapshot_every and (step + 1) % snapshot_every == 0 and self.groups.owns_state
+                    if snapshot:
                         state = live_state(self.model, self.optimizer)
                         last = self.snap_bufs.take(state_bytes(state))
                         put((step + 1, last, state))  # before the record: a record read proves its part
-                    put(rec)
+                    if report or snapshot:
+                        put(rec)
                 if last is not None:
                     last.packed.wait()  # the state is the snapshot's until it is copied
             except BaseException as e:  # noqa: BLE001 - reported through the stream, never lost
