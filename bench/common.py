@@ -87,7 +87,7 @@ def dtensor_plan(cfg: ModelArgs) -> dict:
 def _permute_qkv_rows(model: GPT, tp: int) -> None:
     """Reorder c_attn's rows to [q_0; k_0; v_0; q_1; k_1; v_1; ...] (see module doc)."""
     qkv = Sharding(dim=0, parts=3)
-    for block in model.h:
+    for block in model.h.values():
         for p in (block.attn.c_attn.weight, block.attn.c_attn.bias):
             p.copy_(torch.cat([shard_tensor(p, qkv, r, tp) for r in range(tp)]))
 

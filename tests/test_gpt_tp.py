@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from tp_training import HYPER, PER_LAYER, PER_LAYER_SP, SEED, count_collectives, gpt_config, per_layer, train
+from tp_training import (HYPER, PER_LAYER, PER_LAYER_SP, SEED, count_collectives, gpt_config, per_layer, train,
+                         without_key_bias)
 
 from raytp.models.args import ModelArgs
 from raytp.models.gpt2.model import GPT
@@ -48,20 +49,6 @@ def one_device_runs(rank, world, init, keys):
 def references():
     """One-device runs, in a process of their own with one thread, like each rank."""
     return run_ranks(1, one_device_runs, sorted({(r[3], r[4]) for runs in RUNS.values() for r in runs}))[0]
-
-
-def without_key_bias(state):
-    """The state minus the key bias of attention. Adding a constant vector to
-    every key shifts each row of q.k^T by a constant, which softmax ignores: its
-    gradient is exactly zero, and in floating point it is rounding noise that
-    AdamW normalises into lr-sized steps of random sign. It has no effect on the
-    model's function, so comparing it across layouts would compare noise."""
-    out = dict(state)
-    for k, v in state.items():
-        if k.endswith("attn.c_attn.bias"):
-            C = v.shape[0] // 3
-            out[k] = torch.cat([v[:C], v[2 * C:]])
-    return out
 
 
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2,  # TP=2: the quick tier's

@@ -56,6 +56,20 @@ def train(cfg, groups, sp, steps=STEPS, plain=False):
     return out, gather_full_state(model, groups.tp)
 
 
+def without_key_bias(state):
+    """The state minus the key bias of attention. Adding a constant vector to
+    every key shifts each row of q.k^T by a constant, which softmax ignores: its
+    gradient is exactly zero, and in floating point it is rounding noise that
+    AdamW normalises into lr-sized steps of random sign. It has no effect on the
+    model's function, so comparing it across layouts would compare noise."""
+    out = dict(state)
+    for k, v in state.items():
+        if k.endswith("attn.c_attn.bias"):
+            C = v.shape[0] // 3
+            out[k] = torch.cat([v[:C], v[2 * C:]])
+    return out
+
+
 COLLECTIVES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
                "reduce_scatter_tensor", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
                "all_to_all_single", "send", "recv", "isend", "irecv", "gather", "scatter", "reduce")

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from raytp.config.rules import check
-from raytp.config.schema import (LEAVES, SECTIONS, ConfigError, JobConfig, at, literal, show, type_name,
+from raytp.config.schema import (LEAVES, SECTIONS, ConfigError, IntList, JobConfig, at, literal, show, type_name,
                                  unwrap)
 
 # PyYAML follows YAML 1.1, where `3e-4` (no dot) is a string, not a float.
@@ -25,6 +25,8 @@ _ACCEPT = {  # base type -> (accepts a parsed YAML value?, what was expected)
     float: (lambda x: (isinstance(x, (int, float)) and not isinstance(x, bool))
             or (isinstance(x, str) and _FLOAT_RE.fullmatch(x.strip())), "a number"),
     str: (lambda x: isinstance(x, str), "a string"),
+    IntList: (lambda x: isinstance(x, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in x),
+              "a list of integers"),
 }
 
 

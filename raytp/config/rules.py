@@ -40,6 +40,23 @@ def _tp_message(v) -> str:
     return f"{tp} {why[0]}; valid tp: {', '.join(map(str, _tp_degrees(v)))}"
 
 
+def _micro_batches(v) -> int:
+    local = v["train.batch_size"] // v["parallel.dp"]
+    return local // v["train.micro_batch_size"] if v["train.micro_batch_size"] else 1
+
+
+def _pp_layers_problem(v) -> str | None:
+    """What is wrong with parallel.pp_layers (None: nothing)."""
+    split, chunks, n = list(v["parallel.pp_layers"]), v["parallel.pp"] * v["parallel.pp_virtual"], v["model.n_layer"]
+    if len(split) != chunks:
+        return f"{show(v['parallel.pp_layers'])} has {len(split)} entries; it needs one per model chunk: {chunks}"
+    if min(split) < 1:
+        return f"{show(v['parallel.pp_layers'])}: every stage needs at least one layer"
+    if sum(split) != n:
+        return f"{show(v['parallel.pp_layers'])} sums to {sum(split)}, but model.n_layer={n}"
+    return None
+
+
 _MODEL = ("model.n_head", "model.n_embd", "model.arch", "model.n_kv_head", "model.intermediate_size")
 
 
@@ -81,6 +98,23 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
      lambda v: f"{v['train.micro_batch_size']} does not divide the per-rank batch "
                f"train.batch_size/parallel.dp={v['train.batch_size'] // v['parallel.dp']}; "
                f"valid: {_divisors(v['train.batch_size'] // v['parallel.dp'])}"),
+    (("parallel.pp_virtual", "parallel.pp_schedule", "parallel.pp"),
+     lambda v: (v["parallel.pp_virtual"] > 1) == (v["parallel.pp_schedule"] == "interleaved" and v["parallel.pp"] > 1)
+     or (v["parallel.pp"] == 1 and v["parallel.pp_virtual"] == 1),
+     lambda v: f"{v['parallel.pp_virtual']} needs parallel.pp_schedule: interleaved and parallel.pp > 1; "
+               "interleaved needs pp_virtual >= 2 (model chunks per stage)"),
+    (("parallel.pp", "parallel.pp_virtual", "model.n_layer"),
+     lambda v: v["model.n_layer"] >= v["parallel.pp"] * v["parallel.pp_virtual"],
+     lambda v: f"{v['parallel.pp']} x parallel.pp_virtual={v['parallel.pp_virtual']} model chunks exceed "
+               f"model.n_layer={v['model.n_layer']} (each chunk needs a layer); valid pp: 1 to "
+               f"{v['model.n_layer'] // v['parallel.pp_virtual']}"),
+    (("parallel.pp_layers", "parallel.pp", "parallel.pp_virtual", "model.n_layer"),
+     lambda v: v["parallel.pp_layers"] is None or _pp_layers_problem(v) is None,
+     lambda v: _pp_layers_problem(v)),
+    (("parallel.pp_schedule", "parallel.pp", "train.batch_size", "parallel.dp", "train.micro_batch_size"),
+     lambda v: v["parallel.pp_schedule"] != "interleaved" or _micro_batches(v) % v["parallel.pp"] == 0,
+     lambda v: f"interleaved needs the micro-batches per step ({_micro_batches(v)}: train.batch_size / "
+               f"parallel.dp / train.micro_batch_size) to be a multiple of parallel.pp={v['parallel.pp']}"),
     (("name",),
      lambda v: v["name"] is None or RUN_NAME.fullmatch(v["name"]),
      lambda v: f"{v['name']!r} is not a valid run name; use letters, digits, "

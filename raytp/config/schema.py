@@ -46,6 +46,13 @@ class Range:
                 f"{self.hi:g}{')' if self.hi_open else ']'}")
 
 
+class IntList(tuple):
+    """A job value that is a list of integers (YAML ``[2, 3]``), held as a tuple so the job stays frozen."""
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(map(str, self)) + "]"
+
+
 POSITIVE = Range(0, lo_open=True)
 NONNEG = Range(0)
 UNIT = Range(0, 1, hi_open=True)  # [0, 1)
@@ -84,7 +91,16 @@ class ModelConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tp: int = _f(1, "tensor-parallel degree (ranks that split each layer)", POSITIVE)
+    pp: int = _f(1, "pipeline stages: the layers split into pp consecutive groups, each stage's TP group "
+                    "inside one node, the stages across nodes", POSITIVE)
     dp: int = _f(1, "data-parallel degree (model replicas)", POSITIVE)
+    pp_schedule: str = _f("1f1b", "pipeline schedule: 1f1b (Megatron's), or interleaved (pp_virtual model "
+                                  "chunks per stage: a smaller bubble, more point-to-point traffic)",
+                          ("1f1b", "interleaved"))
+    pp_virtual: int = _f(1, "model chunks per stage for pp_schedule: interleaved", POSITIVE)
+    pp_layers: Optional[IntList] = _f(None, "layers of each stage (of each model chunk with pp_virtual > 1), "
+                                            "e.g. [3, 2]; null = balanced by cost, the embedding counted on "
+                                            "the first stage and the head and loss on the last")
     sequence_parallel: bool = _f(
         False, "shard LayerNorm/dropout activations along the sequence over TP ranks")
     min_dp: Optional[int] = _f(
@@ -186,7 +202,7 @@ class JobConfig:
 
     @property
     def world_size(self) -> int:
-        return self.parallel.tp * self.parallel.dp
+        return self.parallel.tp * self.parallel.pp * self.parallel.dp
 
     @property
     def local_batch_size(self) -> int:
@@ -202,8 +218,9 @@ class JobConfig:
         return self.local_batch_size // self.micro_batch
 
     def to_dict(self) -> dict:
-        """Plain nested dict; `from_dict(cfg.to_dict()) == cfg`."""
-        return dataclasses.asdict(self)
+        """Plain nested dict (lists as lists: YAML and JSON write it); `from_dict(cfg.to_dict()) == cfg`."""
+        return dataclasses.asdict(self, dict_factory=lambda kv: {k: list(v) if isinstance(v, IntList) else v
+                                                                  for k, v in kv})
 
 
 # Field tables, read once from the dataclasses; they drive parsing, checking and describe().
@@ -235,7 +252,7 @@ def unwrap(tp: Any) -> tuple[type, bool]:
 
 def type_name(tp: Any) -> str:
     base, optional = unwrap(tp)
-    return base.__name__ + (" or null" if optional else "")
+    return ("list of integers" if base is IntList else base.__name__) + (" or null" if optional else "")
 
 
 def show(v: Any) -> str:

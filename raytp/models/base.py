@@ -76,6 +76,21 @@ class CausalLM(nn.Module):
             return checkpoint(block, *args, use_reentrant=False)
         return block(*args)
 
+    def block_dict(self) -> nn.ModuleDict:
+        """The transformer blocks, keyed by their global layer index (a pipeline stage holds some)."""
+        raise NotImplementedError
+
+    def blocks(self, layers=None) -> list[nn.Module]:
+        """The blocks of `layers` (global indices; default: every block held), in order."""
+        held = self.block_dict()
+        if layers is None:
+            return list(held.values())
+        return [held[str(i)] for i in layers]
+
+    def ends_model(self, layers=None) -> bool:
+        """Whether running `layers` reaches the output (the last layer of the model, or the whole model)."""
+        return layers is None or self.cfg.n_layer - 1 in layers
+
     def check_length(self, idx: torch.Tensor) -> int:
         T = idx.shape[1]
         if T > self.cfg.block_size:

@@ -16,6 +16,7 @@ import torch.nn as nn
 from raytp.initialization import values
 from raytp.models.args import ModelArgs
 from raytp.models.base import CausalLM
+from raytp.models.stage import Stage, keep_stage
 from raytp.models.registry import check_tp, full_size_of, model_class, sharding_of, spec
 from raytp.parallel import comm
 from raytp.parallel.sharding import local_shape, shard_ranges, shard_tensor, unshard_tensors
@@ -65,10 +66,10 @@ def rebind_groups(model: nn.Module, group) -> None:
 
 
 def build_shard(cfg: ModelArgs, seed: int, group, sequence_parallel: bool = False,
-                device: torch.device | str = "cpu") -> CausalLM:
+                device: torch.device | str = "cpu", stage: Stage | None = None) -> CausalLM:
     """The local shard of a model initialised from `seed`, on `device`: only this rank's slices are
     computed (raytp.initialization), and they are build_model(cfg, seed)'s numbers there, at every TP
-    degree."""
+    degree. `stage`: only a pipeline stage's part (raytp.models.stage), the same numbers there."""
     def initial(name, full_shape, s, rank, tp):
         rule = model_class(cfg).init_rule(name, cfg)
         if s.dim is None or tp == 1:
@@ -79,21 +80,21 @@ def build_shard(cfg: ModelArgs, seed: int, group, sequence_parallel: bool = Fals
             region[s.dim] = slice(r.start, r.stop)
             parts.append(values(name, rule, seed, full_shape, tuple(region)))
         return torch.cat(parts, dim=s.dim).to(device)
-    return _shard_of_meta(cfg, group, sequence_parallel, initial)
+    return _shard_of_meta(cfg, group, sequence_parallel, initial, stage)
 
 
 def build_empty_shard(cfg: ModelArgs, group, sequence_parallel: bool = False,
-                      device: torch.device | str = "cpu") -> CausalLM:
+                      device: torch.device | str = "cpu", stage: Stage | None = None) -> CausalLM:
     """The local shard as build_shard makes it, on `device`, with UNINITIALISED weights: for a shard
     whose state is loaded right after (a resume, a resize)."""
     def empty(name, full_shape, s, rank, tp):
         return torch.empty(local_shape(s, full_shape, tp), device=device)
-    return _shard_of_meta(cfg, group, sequence_parallel, empty)
+    return _shard_of_meta(cfg, group, sequence_parallel, empty, stage)
 
 
-def _shard_of_meta(cfg: ModelArgs, group, sequence_parallel: bool, source) -> CausalLM:
+def _shard_of_meta(cfg: ModelArgs, group, sequence_parallel: bool, source, stage: Stage | None) -> CausalLM:
     with torch.device("meta"):
-        model = model_class(cfg)(cfg)  # shapes only: builds no tensor and runs no op
+        model = keep_stage(model_class(cfg)(cfg), stage)  # shapes only: builds no tensor and runs no op
     return apply_tp(model, group, sequence_parallel, source)
 
 

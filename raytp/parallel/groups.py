@@ -46,6 +46,7 @@ class ProcessGroups:
     tp: object | None  # this rank's TP group, None when tp == 1
     dp: object | None  # this rank's DP group, None when dp == 1
     pp: object | None = None  # this rank's pipeline group (its replica's stages at its TP rank), None when pp == 1
+    emb: object | None = None  # its first and last stage (tied embedding copies), None when pp == 1 or off them
 
     @property
     def tp_rank(self) -> int:
@@ -82,14 +83,17 @@ def build_groups(layout: Layout, rank: int, timeout_s: float = 120.0) -> Process
     """The TP, DP and pipeline groups of `layout` inside an initialised world of layout.world_size ranks (a
     group of one rank is not made: with pp=1 this builds what it built before pipelines existed)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    mine = {"pp": None}
-    for kind, groups in (("tp", layout.tp_groups()), ("dp", layout.dp_groups()), ("pp", layout.pp_groups())):
+    mine = {"pp": None, "emb": None}
+    kinds = [("tp", layout.tp_groups()), ("dp", layout.dp_groups()), ("pp", layout.pp_groups())]
+    if layout.pp > 1:
+        kinds.append(("emb", layout.embedding_groups()))
+    for kind, groups in kinds:
         for members in groups:
             # new_group is collective over the world: every rank calls it for every group.
             g = dist.new_group(members, timeout=timeout) if len(members) > 1 else None
             if rank in members:
                 mine[kind] = g
-    return ProcessGroups(layout, rank, mine["tp"], mine["dp"], mine["pp"])
+    return ProcessGroups(layout, rank, mine["tp"], mine["dp"], mine["pp"], mine["emb"])
 
 
 def destroy_process_groups() -> None:

@@ -88,5 +88,13 @@ class Layout:
     def dp_groups(self) -> list[list[int]]:
         return [self.dp_group(t, s) for s in range(self.pp) for t in range(self.tp)]
 
+    def embedding_group(self, tp: int, dp: int) -> list[int]:
+        """The first and the last stage at one TP rank of one replica: the two copies of a tied embedding
+        (raytp.models.stage), whose gradients are summed over this group; one rank at pp == 1."""
+        return sorted({self.rank(tp=tp, pp=0, dp=dp), self.rank(tp=tp, pp=self.pp - 1, dp=dp)})
+
+    def embedding_groups(self) -> list[list[int]]:
+        return [self.embedding_group(t, d) for d in range(self.dp) for t in range(self.tp)]
+
     def __str__(self) -> str:
         return f"TP={self.tp} x " + (f"PP={self.pp} x " if self.pp > 1 else "") + f"DP={self.dp}"

@@ -22,6 +22,11 @@ from raytp.parallel.ownership import Ownership
 RECOVER, GIVE_UP, JOB_ERROR = "recover", "give up", "job error"
 
 
+def layout_of(cfg: config_mod.JobConfig) -> Layout:
+    """The layout a job asks for: TP x PP x DP."""
+    return Layout(cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp)
+
+
 def on_failure(lost: Mapping[int, str], failures_before: int, max_failures: int) -> str:
     """A step failed and `lost` are the ranks that no longer serve: recover them, give up (too many
     losses), or fail the job at once (none lost: an error of the job itself, which would only repeat)."""

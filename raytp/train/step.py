@@ -26,9 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from raytp.models.registry import sharding_of
+from raytp.models.stage import replicated_copy
 from raytp.parallel import comm
 from raytp.parallel.groups import ProcessGroups
 from raytp.train.hyper import Hyper, compute_precision, lr_at
+from raytp.train.pipeline import pipeline_eval, sum_over_stages
 from raytp.train.schedule import accumulate
 
 
@@ -73,9 +75,11 @@ def _sum_over_tp(params: list, group) -> None:
 
 
 def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups) -> torch.Tensor:
+    """The norm of the whole model's gradient: squares summed over TP where sharded (a shared head's
+    once), over the pipeline stages, and a tied embedding's second copy left out (raytp.models.stage)."""
     sharded, replicated = [], []
     for name, p in model.named_parameters():
-        if p.grad is not None:
+        if p.grad is not None and not replicated_copy(model, name):
             sq = p.grad.float().pow(2).sum()
             if hasattr(p, "shared_head"):
                 sharded.append(sq / p.shared_head[2])  # held by that many ranks: counted once in the sum
@@ -88,7 +92,7 @@ def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups) -> torch.Ten
     if groups.tp is not None:
         comm.all_reduce(sq_sharded, groups.tp)
     sq_replicated = torch.stack(replicated).sum() if replicated else zero
-    return (sq_sharded + sq_replicated).sqrt()
+    return sum_over_stages(sq_sharded + sq_replicated, groups).sqrt()
 
 
 @dataclass
@@ -117,7 +121,9 @@ def finish_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups
     params = [p for p in model.parameters() if p.grad is not None]
     if groups.tp is not None:
         _sum_over_tp(params, groups.tp)
-    mean_loss = local_loss.detach().reshape(1)
+    if groups.emb is not None and model.cfg.tied:  # the first and the last stage's copies of the embedding
+        comm.all_reduce(model.input_embedding().weight.grad, groups.emb)
+    mean_loss = sum_over_stages(local_loss.detach().reshape(1), groups)  # the last stage's, on every stage
     if groups.dp is not None:
         dp = groups.layout.dp
         _flat_all_reduce([p.grad for p in params] + [mean_loss], groups.dp, scale=1.0 / dp)
@@ -137,11 +143,17 @@ def finish_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups
 
 
 @torch.no_grad()
-def eval_loss(model: torch.nn.Module, micro_batches, groups: ProcessGroups, h: Hyper | None = None) -> float:
-    """Mean loss over this rank's batches, averaged over DP (in the precision of `h`, if given)."""
+def eval_loss(model: torch.nn.Module, micro_batches, groups: ProcessGroups, h: Hyper | None = None,
+              pipeline=None) -> float:
+    """Mean loss over this rank's batches, averaged over DP (in the precision of `h`, if given).
+    `pipeline`: the PipelineSchedule of a pipeline stage (raytp.train.pipeline): its forwards only."""
     model.eval()
-    with compute_precision(h or Hyper(), micro_batches[0][0].device):
-        total = torch.stack([model(x, y).float() for x, y in micro_batches]).mean().reshape(1)
+    if pipeline is not None:
+        total = pipeline_eval(model, micro_batches, groups, pipeline.stage, pipeline.sp, h).reshape(1)
+        total = sum_over_stages(total, groups) / len(micro_batches)
+    else:
+        with compute_precision(h or Hyper(), micro_batches[0][0].device):
+            total = torch.stack([model(x, y).float() for x, y in micro_batches]).mean().reshape(1)
     if groups.dp is not None:
         comm.all_reduce(total, groups.dp)
         total /= groups.layout.dp

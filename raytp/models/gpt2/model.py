@@ -173,24 +173,36 @@ class GPT(CausalLM):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = PositionEmbedding(cfg.block_size, cfg.n_embd)
         self.drop = KeyedDropout(cfg.dropout, 1)
-        self.h = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.h = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layer)})  # keys: global layer indices
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=1e-5)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # tied to wte, as in GPT-2
         self.criterion = LMLoss()
+
+    def block_dict(self) -> nn.ModuleDict:
+        return self.h
+
+    @staticmethod
+    def stage_parts() -> dict:
+        """What only the first and only the last pipeline stage holds (raytp.models.stage)."""
+        return {"first": ("wte", "wpe"), "last": ("ln_f", "lm_head", "criterion"), "embedding": "wte"}
 
     def input_embedding(self) -> nn.Module:
         return self.wte
 
     init_rule = staticmethod(init_rule)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx (B, T) token ids -> logits (B, T, V), or the mean loss when targets are given."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, hidden: torch.Tensor | None = None,
+                layers=None):
+        """idx (B, T) token ids -> logits (B, T, V), or the mean loss when targets are given. A pipeline
+        stage (raytp.models.stage) passes the residual stream it received as `hidden` and the layers to
+        run as `layers`; it gets the residual stream back unless those layers end the model."""
         T = self.check_length(idx)
-        x = self.drop(self.wte(idx) + self.wpe(T))  # (B, T, C)
-        for block in self.h:
+        x = self.drop(self.wte(idx) + self.wpe(T)) if hidden is None else hidden  # (B, T, C)
+        for block in self.blocks(layers):
             x = self.run_block(block, x)
+        if not self.ends_model(layers):
+            return x
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         if targets is None:
             return logits
         return self.criterion(logits, targets)
-

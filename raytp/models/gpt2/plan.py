@@ -30,13 +30,15 @@ SHARDING: tuple[tuple[str, Sharding], ...] = (  # (regex over parameter names, s
 def swap_parallel(model: GPT, group, sequence_parallel: bool, sliced, rank: int, tp: int) -> None:
     cfg = model.cfg
     # 1. vocabulary: embedding, tied head, loss.
-    wte = sliced("wte.weight", model.wte.weight)
-    start = rank * wte.shape[0]
-    model.wte = VocabParallelEmbedding(wte, start, group, sequence_parallel)
-    model.lm_head = ColumnParallelLinear(model.wte.weight, None, group, sequence_parallel)
-    model.criterion = VocabParallelCrossEntropy(start, cfg.vocab_size, group)
+    start = rank * (-(-cfg.vocab_size // tp))  # the padded vocabulary's rows per rank
+    if model.wte is not None:  # a pipeline stage may hold neither (raytp.models.stage)
+        wte = sliced("wte.weight", model.wte.weight)
+        model.wte = VocabParallelEmbedding(wte, start, group, sequence_parallel)
+    if model.lm_head is not None:  # tied: the last stage holds the embedding too
+        model.lm_head = ColumnParallelLinear(model.wte.weight, None, group, sequence_parallel)
+        model.criterion = VocabParallelCrossEntropy(start, cfg.vocab_size, group)
     # 2. blocks.
-    for i, block in enumerate(model.h):
+    for i, block in model.h.items():
         for path, cls in (("attn.c_attn", ColumnParallelLinear), ("attn.c_proj", RowParallelLinear),
                           ("mlp.c_fc", ColumnParallelLinear), ("mlp.c_proj", RowParallelLinear)):
             owner_name, leaf = path.split(".")
@@ -51,10 +53,12 @@ def tag(model: GPT, group, sequence_parallel: bool, rank: int, tp: int) -> None:
     """3. sequence parallelism: the residual stream is split along T."""
     if not sequence_parallel:
         return
-    model.wpe = SequenceShardedPositionEmbedding(model.wpe.weight.detach(), group)
+    if model.wpe is not None:
+        model.wpe = SequenceShardedPositionEmbedding(model.wpe.weight.detach(), group)
     for m in model.modules():
         if isinstance(m, nn.LayerNorm):
             for p in m.parameters():
                 p.sequence_parallel = True
-    for d in [model.drop] + [b.attn.resid_dropout for b in model.h] + [b.mlp.dropout for b in model.h]:
+    blocks = list(model.h.values())
+    for d in [model.drop] + [b.attn.resid_dropout for b in blocks] + [b.mlp.dropout for b in blocks]:
         d.shard = (comm.SEQ_DIM, rank, tp)

@@ -113,10 +113,18 @@ class Llama(CausalLM):
 
     def _layers(self, cfg: ModelArgs) -> None:
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})  # keys: global layer indices
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.criterion = LMLoss()
+
+    def block_dict(self) -> nn.ModuleDict:
+        return self.layers
+
+    @staticmethod
+    def stage_parts() -> dict:
+        """What only the first and only the last pipeline stage holds (raytp.models.stage)."""
+        return {"first": ("embed_tokens",), "last": ("norm", "lm_head", "criterion"), "embedding": "embed_tokens"}
 
     def input_embedding(self) -> nn.Module:
         return self.embed_tokens
@@ -131,12 +139,16 @@ class Llama(CausalLM):
             return InitRule("normal", 0.02 / math.sqrt(2 * cfg.n_layer))
         return InitRule("normal", 0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx (B, T) token ids -> logits (B, T, V), or the mean loss when targets are given."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, hidden: torch.Tensor | None = None,
+                layers=None):
+        """idx (B, T) token ids -> logits (B, T, V), or the mean loss when targets are given (`hidden`,
+        `layers`: a pipeline stage's, see raytp.models.gpt2.model.GPT.forward)."""
         T = self.check_length(idx)
         cos, sin = rotary(T, self.cfg.head_dim, self.cfg.rope_theta, idx.device)
-        x = self.embed_tokens(idx)  # (B, T, C); (B, T/tp, C) under sequence parallelism
-        for block in self.layers:
+        x = self.embed_tokens(idx) if hidden is None else hidden  # (B, T, C); (B, T/tp, C) under SP
+        for block in self.blocks(layers):
             x = self.run_block(block, x, cos, sin)
+        if not self.ends_model(layers):
+            return x
         logits = self.lm_head(self.norm(x))
         return logits if targets is None else self.criterion(logits, targets)

@@ -35,13 +35,16 @@ BLOCK_PARTS = (("self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj"),
 
 def swap_parallel(model, group, sequence_parallel: bool, sliced, rank: int, tp: int) -> None:
     cfg = model.cfg
-    emb = sliced("embed_tokens.weight", model.embed_tokens.weight)
-    start = rank * emb.shape[0]
-    model.embed_tokens = VocabParallelEmbedding(emb, start, group, sequence_parallel)
-    head = model.embed_tokens.weight if cfg.tied else sliced("lm_head.weight", model.lm_head.weight)
-    model.lm_head = ColumnParallelLinear(head, None, group, sequence_parallel)
-    model.criterion = VocabParallelCrossEntropy(start, cfg.vocab_size, group)
-    for i, block in enumerate(model.layers):
+    vocab_shard = -(-cfg.vocab_size // tp)  # the padded vocabulary's rows per rank
+    start = rank * vocab_shard
+    if model.embed_tokens is not None:  # a pipeline stage may hold neither (raytp.models.stage)
+        emb = sliced("embed_tokens.weight", model.embed_tokens.weight)
+        model.embed_tokens = VocabParallelEmbedding(emb, start, group, sequence_parallel)
+    if model.lm_head is not None:
+        head = model.embed_tokens.weight if cfg.tied else sliced("lm_head.weight", model.lm_head.weight)
+        model.lm_head = ColumnParallelLinear(head, None, group, sequence_parallel)
+        model.criterion = VocabParallelCrossEntropy(start, cfg.vocab_size, group)
+    for i, block in model.layers.items():
         for part, columns, row in BLOCK_PARTS:
             mod, prefix = getattr(block, part), f"layers.{i}.{part}"
             mod.tp_in = ParallelInput(group, sequence_parallel)
@@ -55,12 +58,12 @@ def tag(model, group, sequence_parallel: bool, rank: int, tp: int) -> None:
     """Mark the parameters whose gradients the step must sum over TP ranks (once every one is made):
     shared KV-head copies, and, under SP, the RMSNorm weights."""
     kv = Sharding(dim=0, heads=model.cfg.kv_heads)
-    for block in model.layers:
+    for block in model.layers.values():
         if kv.holders(tp) > 1:
             for proj in (block.self_attn.k_proj, block.self_attn.v_proj):
                 proj.weight.shared_head = (rank // kv.holders(tp), kv.heads, kv.holders(tp))
         if sequence_parallel:
             for norm in (block.input_layernorm, block.post_attention_layernorm):
                 norm.weight.sequence_parallel = True
-    if sequence_parallel:
+    if sequence_parallel and model.norm is not None:
         model.norm.weight.sequence_parallel = True

@@ -82,7 +82,7 @@ class WorkerGroup:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.cfg.parallel.tp, dp=self.cfg.parallel.dp)
+        return Layout(self.cfg.parallel.tp, pp=self.cfg.parallel.pp, dp=self.cfg.parallel.dp)
 
     def start_worker(self, rank: int, cfg=None, pgs=None) -> tuple[object, tuple]:
         """A new actor for `rank` (of this group's layout, or of `cfg`/`pgs` not yet switched to)."""

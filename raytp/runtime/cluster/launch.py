@@ -41,9 +41,9 @@ class Launcher:
     def start(self, cfg, pgs: dict, rank: int, timeout_s: float = 30.0) -> tuple[object, tuple[str, int]]:
         """The actor of `rank` of layout `cfg` placed in `pgs` (dp_rank -> replica placement), and the
         bundle it sits in."""
-        at = Layout(cfg.parallel.tp, dp=cfg.parallel.dp).coords(rank)
-        dp_rank, tp_rank = at.dp, at.tp
-        pg, index = placement.bundle_of(pgs[dp_rank], tp_rank)
+        lay = Layout(cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp)
+        at = lay.coords(rank)
+        pg, index = placement.bundle_of(pgs[at.dp], at.pp * lay.tp + at.tp)  # stage by stage, TP rank in each
         self.evict(pg, index)
         opts = placement.bundle_options(cfg, pg, index, names.worker(self.run, rank))
         deadline = time.monotonic() + timeout_s

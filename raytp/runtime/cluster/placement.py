@@ -1,4 +1,4 @@
-"""Placement groups: one per DP replica, one bundle per rank, packed on one node.
+"""Placement groups: one per DP replica (per stage of it at pp > 1), one bundle per rank, packed on one node.
 
 Each replica (one TP group) gets its own placement group of ``tp`` bundles of
 ``{GPU: 1, CPU: n}`` (``{CPU: n}`` on cpu) with strategy STRICT_PACK, so a TP
@@ -8,7 +8,9 @@ a node loss takes at most one replica where the cluster allows. One group per
 replica is what lets a job grow or shrink its DP degree while running: a
 replica's group is added or removed whole, and the other replicas' workers
 keep their processes. Worker (dp_rank, tp_rank) sits in bundle tp_rank of
-replica dp_rank's group.
+replica dp_rank's group. With pipeline stages a replica is a ``Slots`` of one
+such group per stage (each stage's TP group inside one node, the stages aimed
+at nodes of their own, softly: a small cluster still fits), in stage order.
 
 Ray cannot grow a placement group, so a TP grow that keeps a replica's
 processes adds an *extension* group for the new ranks, aimed at the replica's
@@ -80,11 +82,17 @@ def request_replicas(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int],
     of its own; {dp_rank: group}, not waited for (a pending group is also a demand the autoscaler sees)."""
     need = _replica_need(cfg, tp)
     targets = _candidate_nodes(need, set(avoid_nodes))
+    pp = cfg.parallel.pp
     pgs = {}
     for i, d in enumerate(dp_ranks):
-        target = targets[i] if i < len(targets) else None
-        pgs[d] = placement_group([worker_resources(cfg)] * tp, strategy="STRICT_PACK",
-                                 name=names.replica_group(run, d, next(_GENERATION)), _soft_target_node_id=target)
+        stages = []
+        for s in range(pp):  # one group per stage, the stages (and replicas) aimed at nodes of their own
+            k = i * pp + s
+            target = targets[k] if k < len(targets) else None
+            name = names.replica_group(run, d, next(_GENERATION)) + (f"-pp{s}" if pp > 1 else "")
+            stages.append(placement_group([worker_resources(cfg)] * tp, strategy="STRICT_PACK", name=name,
+                                          _soft_target_node_id=target))
+        pgs[d] = stages[0] if pp == 1 else Slots(tuple((g, 0, tp) for g in stages))
     return pgs
 
 
@@ -93,8 +101,9 @@ def reserve_replicas(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int], tim
     """request_replicas, waited for; raises PlacementError (leaving nothing behind) if not all are
     ready within `timeout_s`."""
     pgs = request_replicas(cfg, run, tp, dp_ranks, avoid_nodes)
-    ready, _ = ray.wait([pg.ready() for pg in pgs.values()], num_returns=len(pgs), timeout=timeout_s)
-    if len(ready) < len(pgs):
+    groups = [g for replica in pgs.values() for g in groups_of(replica)]
+    ready, _ = ray.wait([pg.ready() for pg in groups], num_returns=len(groups), timeout=timeout_s)
+    if len(ready) < len(groups):
         release(pgs.values())
         raise PlacementError(f"could not place the workers within {timeout_s:g}s: "
                              + explain_shortfall(cfg, tp, len(dp_ranks)))

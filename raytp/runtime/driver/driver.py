@@ -87,7 +87,7 @@ class Driver(DriverControl, DriverResize):
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.cfg.parallel.tp, dp=self.cfg.parallel.dp)
+        return policy.layout_of(self.cfg)
 
     def view(self) -> dict:
         """What the control side publishes of the run (raytp.runtime.driver.driver_control.summary)."""
@@ -132,7 +132,7 @@ class Driver(DriverControl, DriverResize):
             self.log.close()
 
     def start(self) -> None:
-        cfg, lay = self.job, Layout(self.job.parallel.tp, dp=self.job.parallel.dp)
+        cfg, lay = self.job, policy.layout_of(self.job)
         self.control = self.control_cls(self.run, self._say) if self.control_cls else None
         self.publish()
         self.log.event("started", run=self.run, tp=lay.tp, dp=lay.dp, world_size=lay.world_size,

@@ -20,7 +20,6 @@ new one with every rank holding its shard, and the bytes that moved; or raises
 """
 from __future__ import annotations
 
-from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import Ownership
 from raytp.runtime import policy
 from raytp.runtime.errors import FAILURES
@@ -74,7 +73,7 @@ def switch_tp(group, new_cfg, reserved: tuple, early: dict, plan):
     bundle)} of the ranks whose names were free, started ahead. The state moves worker to worker
     (raytp.runtime.worker.transfer); the driver passes references only. `plan`: the request's
     policy.tp_resize_ranks."""
-    old, new = group.layout, Layout(new_cfg.parallel.tp, dp=new_cfg.parallel.dp)
+    old, new = group.layout, policy.layout_of(new_cfg)
     new_pgs, requested, unused = reserved
     started = [a for a, _ in early.values()]
     exported = reshaped = None
@@ -131,7 +130,7 @@ def _rolled_back(group, plan, exported, reshaped):
 def restart_tp(group, new_cfg):
     """`group` at another TP degree the plain way: new placement groups for every replica, every worker
     started anew, the state moved worker to worker: (new group, bytes moved)."""
-    new = Layout(new_cfg.parallel.tp, dp=new_cfg.parallel.dp)
+    new = policy.layout_of(new_cfg)
     new_pgs = group.reserve(new_cfg, group.launcher.run, list(range(new.dp)))
     try:
         nxt, moved = restart_in(group, new_cfg, new_pgs)
@@ -146,7 +145,7 @@ def restart_in(group, new_cfg, new_pgs: dict):
     """Every worker of `group` cuts its shard into bundles for the new layout (in the object store), stops,
     and the new layout's workers start in `new_pgs` and fill their shards from the bundles: (new group,
     bytes moved). On a failure the old layout starts again, in its own placement, from the same bundles."""
-    old, new = group.layout, Layout(new_cfg.parallel.tp, dp=new_cfg.parallel.dp)
+    old, new = group.layout, policy.layout_of(new_cfg)
     try:
         exported = group.export_pieces(new.tp)
     except FAILURES as e:

@@ -93,6 +93,9 @@ class Elastic:
             new = self.pending.new_cfg.parallel
             return Outcome.refused(f"a resize to TP={new.tp} x DP={new.dp} is in progress")
         t0, old = time.perf_counter(), group.layout
+        if old.pp > 1:
+            return Outcome.refused(f"a live resize of a pipelined job ({old}) is not supported yet; stop it and "
+                                   "resume its checkpoint at the new layout (checkpoints load at any TP x PP x DP)")
         try:
             new_cfg = policy.resized_config(group.cfg, tp, dp)
         except config_mod.ConfigError as e:

@@ -25,6 +25,7 @@ from raytp.parallel import comm
 from raytp.parallel.groups import destroy_process_groups, init_process_groups, listening_store
 from raytp.parallel.layout import Layout
 from raytp.models.shard import build_shard, rebind_groups
+from raytp.models.stage import stage_of
 from raytp.runtime.cluster import relay as relay_calls
 from raytp.runtime.worker.background_save import BackgroundSave
 from raytp.runtime.worker.calls import Calls, on_thread
@@ -35,6 +36,7 @@ from raytp.runtime.worker.worker_state import WorkerState
 from raytp.train.shard_state import live_state, state_bytes
 from raytp.train.data import batch, load_corpus
 from raytp.train.hyper import compute_precision
+from raytp.train.pipeline import PipelineSchedule
 from raytp.train.step import eval_loss, make_optimizer, train_step
 
 
@@ -62,6 +64,7 @@ class Worker(WorkerState, WorkerIdentity):
             torch.set_num_threads(threads)
         self.device = torch.device("cuda", 0) if self.cfg.runtime.device == "cuda" else torch.device("cpu")
         self.groups = self.model = self.optimizer = None
+        self.pipeline = None  # raytp.train.pipeline.PipelineSchedule of this rank's stage, at pp > 1
         self.completed, self.calls = 0, Calls()  # calls: the order of its run_steps calls
         self.snap_bufs = SnapshotBuffers(self.device)
         self.saving: BackgroundSave | None = None  # this rank's file of the checkpoint being written
@@ -89,6 +92,17 @@ class Worker(WorkerState, WorkerIdentity):
         self.store = listening_store(ip, self.cfg.runtime.collective_timeout_s)
         return f"tcp://{ip}:{self.store.port}"
 
+    def _layout(self, tp: int, dp: int) -> Layout:
+        """The layout of `tp` x `dp` at the job's pipeline degree (a live resize keeps it)."""
+        return Layout(tp, pp=self.cfg.parallel.pp, dp=dp)
+
+    def _stage(self):
+        """This rank's pipeline stage (raytp.models.stage), None at pp == 1; its schedule is set with it."""
+        p = self.cfg.parallel
+        stage = stage_of(model_args(self.cfg), p.pp, self.groups.pp_rank, p.pp_virtual, p.pp_layers)
+        self.pipeline = PipelineSchedule(p.pp_schedule, stage, p.sequence_parallel) if stage else None
+        return stage
+
     def _join(self, layout: Layout, rank: int, init_method: str):
         """Meet the world of `layout` at `init_method` as `rank`; its TP and DP groups."""
         self.calls.reset()
@@ -108,11 +122,10 @@ class Worker(WorkerState, WorkerIdentity):
         own slices are computed), or, given a source (raytp.files.sources: a checkpoint, a Hugging Face
         directory; or a one-device state), from its slices of it, with no initialisation at all."""
         t0 = time.perf_counter()
-        layout = Layout(tp, dp=dp)
-        self.groups = self._join(layout, self.rank, init_method)
+        self.groups = self._join(self._layout(tp, dp), self.rank, init_method)
         if source is None:
             self.model = build_shard(model_args(self.cfg), self.cfg.train.seed, self.groups.tp,
-                                     self.cfg.parallel.sequence_parallel, self.device)
+                                     self.cfg.parallel.sequence_parallel, self.device, self._stage())
             self.model.activation_checkpointing = self.cfg.train.activation_checkpointing
             self.hyper = hyper(self.cfg)
             self.optimizer = make_optimizer(self.model, self.hyper)
@@ -135,7 +148,7 @@ class Worker(WorkerState, WorkerIdentity):
         # No gc.collect as in leave_groups: no peer is blocked on this rank's sockets.
         destroy_process_groups()
         self.groups = None
-        self.groups = self._join(Layout(tp, dp=dp), rank, init_method)
+        self.groups = self._join(self._layout(tp, dp), rank, init_method)
         self._build_from(source, own)
         self._announce()
         return {"rank": self.rank, "reshape_s": time.perf_counter() - t0}
@@ -153,7 +166,7 @@ class Worker(WorkerState, WorkerIdentity):
         comm.STATS.take()
         t0 = time.perf_counter()
         r = train_step(self.model, self.optimizer, self._micro_batches("train", step), self.groups, step, self.hyper,
-                       before_update)
+                       before_update, self.pipeline)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
@@ -255,7 +268,7 @@ class Worker(WorkerState, WorkerIdentity):
         for i in range(cfg.train.eval_steps):
             batches += self._micro_batches("val", step * cfg.train.eval_steps + i)
         try:
-            return eval_loss(self.model, batches, self.groups, self.hyper)
+            return eval_loss(self.model, batches, self.groups, self.hyper, self.pipeline)
         except Exception as e:  # noqa: BLE001 - as in run_steps: leave, so that peers get out too
             failure = f"rank {self.rank} left evaluation: {type(e).__name__}: {e}"
         self.leave_groups()
@@ -299,7 +312,7 @@ class Worker(WorkerState, WorkerIdentity):
         if rank is not None:
             self.rank = rank
         destroy_process_groups()
-        self.groups = self._join(Layout(tp, dp=dp), self.rank, init_method)
+        self.groups = self._join(self._layout(tp, dp), self.rank, init_method)
         rebind_groups(self.model, self.groups.tp)
         self._announce()
 

@@ -36,7 +36,8 @@ class WorkerState:
         self._settle()
         g = self.groups
         self.model = self.optimizer = None
-        self.model = build_empty_shard(model_args(self.cfg), g.tp, self.cfg.parallel.sequence_parallel, self.device)
+        self.model = build_empty_shard(model_args(self.cfg), g.tp, self.cfg.parallel.sequence_parallel, self.device,
+                                       self._stage())
         self.model.activation_checkpointing = self.cfg.train.activation_checkpointing
         self.hyper = hyper(self.cfg)
         self.optimizer = make_optimizer(self.model, self.hyper)

@@ -1,0 +1,123 @@
+"""The pipeline schedule: a stage's micro-batches through forward and backward, as a table says.
+
+``PipelineSchedule`` has the signature of raytp.train.schedule's schedules, so
+raytp.train.step.train_step runs it in place of the accumulation loop and
+finishes the step the same way. It runs this stage's row of a table from
+raytp.parallel.pp_schedule (1F1B, or interleaved 1F1B over several model
+chunks per stage), one action at a time: a forward receives the chunk's input
+from the stage before (the first chunk embeds the tokens instead), runs the
+chunk's layers (``model(idx, hidden=..., layers=...)``) and sends the result on,
+or, on the last chunk, computes the loss; a backward receives the gradient of
+its output (the last chunk starts from its loss), runs backward and sends the
+gradient of its input back. Micro-batches keep their global index for the
+dropout keys, so masks are those of one device, and every stage accumulates
+its gradients in micro-batch order (the tables keep each chunk's backwards in
+order), as the accumulation loop does.
+
+``pipeline_eval`` is the forward-only pass for validation.
+"""
+from __future__ import annotations
+
+import torch
+
+from raytp.models.base import set_dropout_key
+from raytp.models.stage import Stage
+from raytp.parallel import comm
+from raytp.parallel.groups import ProcessGroups
+from raytp.parallel.p2p import StageLink, tag_of
+from raytp.parallel.pp_schedule import schedule as schedule_table
+from raytp.seeds import derive_seed
+from raytp.train.hyper import Hyper, compute_precision
+
+
+class PipelineSchedule:
+    """Runs this rank's row of `name`'s table ("1f1b" or "interleaved") for `stage` (raytp.models.stage:
+    every model chunk's layers, chunk c on stage c % pp)."""
+
+    def __init__(self, name: str, stage: Stage, sequence_parallel: bool):
+        self.name, self.stage, self.sp = name, stage, sequence_parallel
+        self.chunks, self.virtual = stage.all_chunks, len(stage.split) // stage.pp
+        self.sent_bytes = 0  # across nodes, in the last step (raytp.parallel.p2p)
+
+    def __call__(self, model: torch.nn.Module, micro_batches, groups: ProcessGroups, step: int,
+                 h: Hyper) -> torch.Tensor:
+        lay = groups.layout
+        p, m, stage = lay.pp, len(micro_batches), groups.pp_rank
+        n_chunks = len(self.chunks)
+        link = StageLink(groups, self.sp)
+        device = next(model.parameters()).device
+        held: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output) until its backward
+        loss_sum = torch.zeros((), device=device)
+        for a in schedule_table(self.name, p, m, self.virtual)[stage]:
+            x, y = micro_batches[a.mb]
+            set_dropout_key(model, derive_seed(h.seed, step, groups.dp_rank * m + a.mb))  # F and B alike
+            last = a.chunk == n_chunks - 1
+            if a.kind == "F":
+                hidden = None
+                if a.chunk > 0:
+                    hidden = link.recv(hidden_shape(model, x, lay.tp, self.sp), _dtype(model), device,
+                                       (a.chunk - 1) % p, tag_of("F", a.mb, a.chunk - 1, n_chunks)).requires_grad_()
+                with compute_precision(h, x.device):
+                    out = model(x, y if last else None, hidden=hidden, layers=self.chunks[a.chunk])
+                if last:
+                    loss_sum += out.detach()
+                    out = out / m
+                else:
+                    link.send(out, (a.chunk + 1) % p, tag_of("F", a.mb, a.chunk, n_chunks))
+                held[(a.mb, a.chunk)] = (hidden, out)
+            else:
+                hidden, out = held.pop((a.mb, a.chunk))
+                if last:
+                    out.backward()
+                else:
+                    grad = link.recv(tuple(out.shape), out.dtype, device, (a.chunk + 1) % p,
+                                     tag_of("B", a.mb, a.chunk + 1, n_chunks))
+                    out.backward(grad)
+                if hidden is not None:
+                    link.send(hidden.grad, (a.chunk - 1) % p, tag_of("B", a.mb, a.chunk, n_chunks))
+        link.finish()
+        self.sent_bytes = link.sent_bytes
+        return loss_sum / m  # 0 off the last stage: raytp.train.step sums the loss over the stages
+
+
+def _dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype  # the residual stream stays in the weights' precision
+
+
+def hidden_shape(model, x: torch.Tensor, tp: int, sequence_parallel: bool) -> tuple[int, ...]:
+    """The residual stream's shape between stages for tokens `x` (B, T): (B, T, C), (B, T/tp, C) under SP."""
+    B, T = x.shape
+    return (B, T // tp if sequence_parallel and tp > 1 else T, model.cfg.n_embd)
+
+
+@torch.no_grad()
+def pipeline_eval(model: torch.nn.Module, micro_batches, groups: ProcessGroups, stage: Stage,
+                  sequence_parallel: bool, h: Hyper | None = None) -> torch.Tensor:
+    """This stage's sum of the losses of `micro_batches` (0 off the last stage), the forwards only: each
+    micro-batch through this stage's chunks in order, receiving and sending as the training pass does."""
+    lay, chunks = groups.layout, stage.all_chunks
+    p, stage, n_chunks = lay.pp, groups.pp_rank, len(chunks)
+    link = StageLink(groups, sequence_parallel)
+    device = next(model.parameters()).device
+    total = torch.zeros((), device=device)
+    for mb, (x, y) in enumerate(micro_batches):
+        for c in range(stage, n_chunks, p):
+            hidden = None
+            if c > 0:
+                hidden = link.recv(hidden_shape(model, x, lay.tp, sequence_parallel), _dtype(model), device,
+                                   (c - 1) % p, tag_of("F", mb, c - 1, n_chunks))
+            with compute_precision(h or Hyper(), x.device):
+                out = model(x, y if c == n_chunks - 1 else None, hidden=hidden, layers=chunks[c])
+            if c == n_chunks - 1:
+                total += out.float()
+            else:
+                link.send(out, (c + 1) % p, tag_of("F", mb, c, n_chunks))
+    link.finish()
+    return total
+
+
+def sum_over_stages(t: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+    """`t` summed over this rank's pipeline group (in place; nothing to do at pp == 1)."""
+    if groups.pp is not None:
+        comm.all_reduce(t, groups.pp)
+    return t

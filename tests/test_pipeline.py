@@ -1,0 +1,129 @@
+"""TP x PP x DP trains like one device: GPT-2 (tied embedding: copies on the first and last stage) and
+Llama (GQA, shared KV heads past n_kv_head, untied and tied), 5 layers on 2 and 3 stages (uneven), 1F1B and
+interleaved, with and without sequence parallelism: 20 AdamW steps, every step's loss within 1e-5 relative
+of one device running the same micro-batches, final weights (gathered over TP, merged over stages) within
+1e-5. Without Ray: one process per rank (raytp.parallel.spawn), gloo."""
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from tp_training import HYPER, SEED, STEPS, corpus, gpt_config, llama_config, without_key_bias
+
+from raytp.models.registry import build_model
+from raytp.models.shard import build_shard, gather_full_state
+from raytp.models.stage import replicated_copy, stage_of
+from raytp.parallel.groups import ProcessGroups, build_groups
+from raytp.parallel.layout import Layout
+from raytp.parallel.spawn import run_ranks
+from raytp.train.data import batch
+from raytp.train.pipeline import PipelineSchedule
+from raytp.train.step import eval_loss, make_optimizer, train_step
+
+BATCH = 8
+
+
+def config(arch, tied=False, dropout=0.0):
+    return gpt_config(dropout=dropout, n_layer=5) if arch == "gpt2" else llama_config(tied=tied, n_layer=5)
+
+
+def micro_batches(data, cfg, step, dp_rank, dp, m):
+    """The DP rank's share of the step's batch, cut into `m` micro-batches."""
+    x, y = batch(data, "train", SEED, step, dp_rank, dp, BATCH, cfg.block_size)
+    return list(zip(x.chunk(m), y.chunk(m)))
+
+
+def train_layout(rank, world, init, runs):
+    """Each run: (arch, tied, dropout, tp, pp, dp, sp, schedule, v, m) -> (losses, val loss, this rank's
+    stage of the final weights gathered over TP (its own names; a tied copy left out), bytes sent)."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    out = []
+    for arch, tied, dropout, tp, pp, dp, sp, sched, v, m in runs:
+        cfg = config(arch, tied, dropout)
+        groups = build_groups(Layout(tp, pp=pp, dp=dp), rank)
+        stage = stage_of(cfg, pp, groups.pp_rank, v)
+        model = build_shard(cfg, SEED, groups.tp, sp, stage=stage)
+        opt = make_optimizer(model, HYPER)
+        pipe = PipelineSchedule(sched, stage, sp)
+        data = corpus(cfg.vocab_size)
+        losses = [train_step(model, opt, micro_batches(data, cfg, step, groups.dp_rank, dp, m), groups, step, HYPER,
+                             schedule=pipe).loss for step in range(STEPS)]
+        val = eval_loss(model, micro_batches(data, cfg, STEPS, groups.dp_rank, dp, m), groups, HYPER, pipe)
+        state = {k: t for k, t in gather_full_state(model, groups.tp).items() if not replicated_copy(model, k)}
+        out.append((losses, val, state if groups.dp_rank == 0 and groups.tp_rank == 0 else {}, pipe.sent_bytes))
+    return out
+
+
+def one_device(rank, world, init, keys):
+    """The reference of each (arch, tied, dropout, m): the whole model, the same micro-batches in turn."""
+    out = {}
+    for arch, tied, dropout, m in keys:
+        cfg = config(arch, tied, dropout)
+        groups = ProcessGroups(Layout(1), 0, None, None)
+        model = build_model(cfg, SEED)
+        opt = make_optimizer(model, HYPER)
+        data = corpus(cfg.vocab_size)
+        losses = [train_step(model, opt, micro_batches(data, cfg, step, 0, 1, m), groups, step, HYPER).loss
+                  for step in range(STEPS)]
+        val = eval_loss(model, micro_batches(data, cfg, STEPS, 0, 1, m), groups, HYPER)
+        state = {k: t.detach().clone() for k, t in model.named_parameters()}
+        out[(arch, tied, dropout, m)] = (losses, val, state)
+    return out
+
+
+# (arch, tied, dropout, tp, pp, dp, sp, schedule, v, micro-batches per DP rank), by world size: one spawn each
+RUNS = {
+    2: [("gpt2", True, 0.0, 1, 2, 1, False, "1f1b", 1, 4), ("llama", False, 0.0, 1, 2, 1, False, "interleaved", 2, 4),
+        ("gpt2", True, 0.1, 1, 2, 1, False, "interleaved", 2, 4)],
+    3: [("gpt2", True, 0.0, 1, 3, 1, False, "1f1b", 1, 4), ("llama", True, 0.0, 1, 3, 1, False, "1f1b", 1, 8)],
+    4: [("gpt2", True, 0.0, 2, 2, 1, False, "1f1b", 1, 4), ("gpt2", True, 0.0, 2, 2, 1, True, "interleaved", 2, 4),
+        ("llama", False, 0.0, 2, 2, 1, True, "1f1b", 1, 4), ("llama", True, 0.0, 1, 2, 2, False, "1f1b", 1, 2)],
+    8: [("gpt2", True, 0.0, 2, 2, 2, True, "1f1b", 1, 2), ("llama", False, 0.0, 2, 2, 2, False, "interleaved", 2, 2)],
+}
+
+
+def reference_key(run):
+    arch, tied, dropout, tp, pp, dp, sp, sched, v, m = run
+    return arch, tied, dropout, m * dp
+
+
+@pytest.fixture(scope="module")
+def references():
+    return run_ranks(1, one_device, sorted({reference_key(r) for runs in RUNS.values() for r in runs}))[0]
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow),
+                                   pytest.param(8, marks=pytest.mark.slow)])
+def test_pipeline_trains_like_one_device(world, references):
+    per_rank = run_ranks(world, train_layout, RUNS[world], timeout_s=600)
+    for i, run in enumerate(RUNS[world]):
+        arch, tied, dropout, tp, pp, dp, sp, sched, v, m = run
+        name = f"{arch} tied={tied} dropout={dropout} TP={tp} x PP={pp} x DP={dp} sp={sp} {sched} v={v} m={m}"
+        ref_losses, ref_val, ref_state = references[reference_key(run)]
+        assert ref_losses[-1] < ref_losses[0] - 0.3, "the reference itself did not learn"
+        for rank in range(world):
+            losses, val, _, _ = per_rank[rank][i]
+            rel = np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses)
+            assert rel.max() < 1e-5, f"{name}: rank {rank}'s loss differs from one device by {rel.max():.2e}"
+            assert abs(val - ref_val) / ref_val < 1e-5, f"{name}: validation loss {val} vs {ref_val}"
+        state = {}
+        for rank in range(world):
+            part = per_rank[rank][i][2]
+            assert not set(part) & set(state), f"{name}: a tensor written by two stages"
+            state.update(part)
+        assert state.keys() == ref_state.keys(), f"{name}: {sorted(set(state) ^ set(ref_state))}"
+        state, ref_state = without_key_bias(state), without_key_bias(ref_state)
+        for k in ref_state:
+            diff = float((state[k] - ref_state[k]).abs().max())
+            assert diff < 1e-5, f"{name}: final {k} differs by {diff:.2e}"
+
+
+def test_stages_send_one_tp_share_of_the_activations_across_nodes():
+    """Bytes a stage sends per step: 2 x m x b x s x h x 4 x (p-1) per pipeline in all, split over the TP
+    ranks (1/tp each, without SP too: the receiving stage all-gathers inside its node)."""
+    run = ("gpt2", True, 0.0, 2, 2, 1, False, "1f1b", 1, 4)
+    per_rank = run_ranks(4, train_layout, [run], timeout_s=600)
+    cfg = config("gpt2", True)
+    m, b, s, h, p, tp = 4, BATCH // 4, cfg.block_size, cfg.n_embd, 2, 2
+    total = sum(r[0][3] for r in per_rank)
+    assert total == 2 * m * b * s * h * 4 * (p - 1)
+    assert len({r[0][3] for r in per_rank}) == 1, "the TP ranks did not share the traffic evenly"
