@@ -34,4 +34,5 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "memory_scale": lazy("bench.memory_scale:run"),
     "llama_tp": lazy("bench.llama_tp:run"),
     "driver_scale": lazy("bench.driver_scale:run"),
+    "pipeline": lazy("bench.pipeline:run"),
 }

@@ -5,7 +5,10 @@ writes ``step-00000100/``; a copy under any other name, ``best/``, is one too), 
 a Storage (raytp.files.storage):
 
 - ``tp000.safetensors``, ``tp001.safetensors``, ...: what TP rank i of DP
-  replica 0 holds (replicas hold the same): its slices of the weights
+  replica 0 holds (replicas hold the same; with pipeline stages, one file per
+  stage and TP rank, ``pp001-tp000.safetensors``, each with the tensors of its
+  stage's layers under their global names, and the manifest names each
+  tensor's stage): its slices of the weights
   (``model/<name>``) and AdamW state (``optim/<name>/<key>``), each stored with
   its split dim first (a row-parallel weight transposed), so that any slice
   along it is one contiguous byte range. Replicated tensors are in tp000 only.
@@ -31,6 +34,7 @@ import torch
 
 from raytp.models.args import ModelArgs
 from raytp.models.registry import sharding_of, tensor_sharding
+from raytp.models.stage import replicated_copy
 from raytp.parallel.reshard_plan import pieces
 from raytp.parallel.sharding import Sharding, local_shape
 from raytp.files import safetensors_io
@@ -42,9 +46,12 @@ from raytp.files.storage import Storage
 
 # -- what a rank holds, as named tensors --------------------------------------------------------
 def named_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, tuple[Sharding, torch.Tensor]]:
-    """key -> (how it splits, live tensor) for the weights and the optimizer state of a shard."""
+    """key -> (how it splits, live tensor) for the weights and the optimizer state of a shard (a tied
+    embedding's copy on the last pipeline stage left out: the first stage writes it)."""
     out = {}
     for name, p in model.named_parameters():
+        if replicated_copy(model, name):
+            continue
         s = sharding_of(name, model.cfg)
         out[f"model/{name}"] = (s, p.detach())
         for k, v in (optimizer.state.get(p, {}) if optimizer is not None else {}).items():
@@ -62,8 +69,18 @@ def state_tensors(state: dict, cfg: ModelArgs | None = None) -> dict[str, tuple[
     return out
 
 
-def tensor_table(tensors: dict[str, tuple[Sharding, torch.Tensor]], tp: int, vocab_size: int) -> dict[str, dict]:
-    """For the manifest: every key's split and full shape (from the tensors of a shard at TP degree `tp`)."""
+def without_copies(tensors: dict, tied_copy: bool) -> dict:
+    """`tensors` (keys as named_tensors') less the tied embedding's copy, if they are those of a last pipeline
+    stage holding one (`tied_copy`, raytp.models.stage.Stage.tied_copy)."""
+    if not tied_copy:
+        return tensors
+    return {k: v for k, v in tensors.items() if not k.split("/")[1].startswith(("wte.", "embed_tokens."))}
+
+
+def tensor_table(tensors: dict[str, tuple[Sharding, torch.Tensor]], tp: int, vocab_size: int,
+                 stage: int | None = None) -> dict[str, dict]:
+    """For the manifest: every key's split and full shape (from the tensors of a shard at TP degree `tp`),
+    and the pipeline stage whose files hold it (`stage`, when written by stages)."""
     table = {}
     for key, (s, t) in tensors.items():
         shape = list(t.shape)
@@ -73,11 +90,13 @@ def tensor_table(tensors: dict[str, tuple[Sharding, torch.Tensor]], tp: int, voc
                       "dtype": safetensors_io.DTYPES[t.dtype], "transposed": s.dim == 1 and t.dim() == 2}
         if s.heads:
             table[key]["heads"] = s.heads
+        if stage is not None:
+            table[key]["stage"] = stage
     return table
 
 
 def write_shard(storage: Storage, directory: str, tensors: dict[str, tuple[Sharding, torch.Tensor]], tp_rank: int,
-                to_host=None, written=None, tp: int = 1) -> dict:
+                to_host=None, written=None, tp: int = 1, stage: int | None = None) -> dict:
     """Write TP rank `tp_rank`'s file of a checkpoint, one tensor at a time, each with its split dim first
     (the caller keeps the tensors unchanged until `written()` is called, or until this returns: once
     every byte is handed to the file the tensors may change while it is made durable; a device tensor
@@ -89,7 +108,7 @@ def write_shard(storage: Storage, directory: str, tensors: dict[str, tuple[Shard
             continue  # replicated: written once, by TP rank 0; a shared KV head by its owner
         stored = t.t() if s.dim == 1 and t.dim() == 2 else t
         items.append((key, t.dtype, tuple(stored.shape), lambda stored=stored: to_host(stored).contiguous()))
-    name = shard_file(tp_rank)
+    name = shard_file(tp_rank, stage)
     with storage.open_write(f"{directory}/{name}") as f:
         n = safetensors_io.write(f, items, {"format": FORMAT, "tp_rank": str(tp_rank)})
         if storage.local:
@@ -139,8 +158,9 @@ class Checkpoint:
         spec = self.manifest["tensors"][key]
         s, shape = Sharding(spec["dim"], spec["parts"], spec["pad"], spec.get("heads", 0)), tuple(spec["shape"])
         dtype = safetensors_io.TORCH[spec["dtype"]]
+        stage = spec.get("stage")
         if s.dim is None:
-            return self._rows(shard_file(0), key, None, None, dtype, shape, out)
+            return self._rows(shard_file(0, stage), key, None, None, dtype, shape, out)
         local = local_shape(s, shape, tp)
         flip = spec["transposed"] and stored
         if out is None:
@@ -149,10 +169,11 @@ class Checkpoint:
             out.zero_()  # padding positions are read from nowhere
         for p in pieces(s, shape[s.dim], self.tp, tp, rank):
             if spec["transposed"] and not stored:
-                rows = self._rows(shard_file(p.src), key, p.src_at, p.length, dtype, None)
+                rows = self._rows(shard_file(p.src, stage), key, p.src_at, p.length, dtype, None)
                 out.narrow(s.dim, p.dst_at, p.length).copy_(rows.t())
             else:  # rows of `out` along dim 0: read straight into them
-                self._rows(shard_file(p.src), key, p.src_at, p.length, dtype, None, out.narrow(0, p.dst_at, p.length))
+                self._rows(shard_file(p.src, stage), key, p.src_at, p.length, dtype, None,
+                           out.narrow(0, p.dst_at, p.length))
         return out
 
     def _rows(self, file: str, key: str, start, count, dtype, shape, into=None) -> torch.Tensor:

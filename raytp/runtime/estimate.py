@@ -58,29 +58,41 @@ class WorkerMemory:
 
 
 def estimate(cfg) -> WorkerMemory:
-    """The memory of one worker of job `cfg` (a JobConfig)."""
+    """The memory of one worker of job `cfg` (a JobConfig): of the largest pipeline stage's."""
+    return max((_stage_memory(cfg, s) for s in range(cfg.parallel.pp)), key=lambda w: w.on_device)
+
+
+def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
+    """The memory of a worker of stage `pp_rank`: its layers' state, and the activations of the micro-batches
+    1F1B keeps in flight there (pp - pp_rank of them at most; all of its model at pp == 1)."""
     import torch
 
     from raytp.config.adapters import model_args
     from raytp.models.registry import build_model
     from raytp.models.registry import sharding_of
+    from raytp.models.stage import keep_stage, stage_of
     from raytp.parallel.sharding import local_shape, padded_vocab
-    m, tp, model_cfg = cfg.model, cfg.parallel.tp, model_args(cfg)
+    m, par, model_cfg = cfg.model, cfg.parallel, model_args(cfg)
+    tp = par.tp
+    stage = stage_of(model_cfg, par.pp, pp_rank, par.pp_virtual, par.pp_layers)
     with torch.device("meta"):
-        model = build_model(model_cfg)
+        model = keep_stage(build_model(model_cfg), stage)
     local = sum(math.prod(local_shape(sharding_of(n, model_cfg), tuple(p.shape), tp))
                 for n, p in model.named_parameters())
-    s, b, h, a, layers = m.block_size, cfg.micro_batch, m.n_embd, m.n_head, m.n_layer
+    s, b, h, a = m.block_size, cfg.micro_batch, m.n_embd, m.n_head
+    layers = len(stage.layers) if stage else m.n_layer
+    in_flight = min(par.pp - pp_rank, cfg.local_batch_size // cfg.micro_batch) if stage else 1
     if cfg.parallel.sequence_parallel:
         per_layer = s * b * h * (34 / tp + 5 * a * s / (h * tp))
     else:
         per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
     per_layer *= 2 if cfg.train.precision == "fp32" else 1  # the formula counts 2-byte activations
-    logits = s * b * padded_vocab(m.vocab_size, tp) / tp * 4 * 3  # logits, their softmax, their gradient
+    last = stage is None or stage.last
+    logits = s * b * padded_vocab(m.vocab_size, tp) / tp * 4 * 3 if last else 0  # logits, softmax, gradient
     if cfg.train.activation_checkpointing:  # kept: each block's fp32 input; one block's worth recomputed
-        kept = layers * s * b * h * 4 / (tp if cfg.parallel.sequence_parallel else 1) + per_layer
+        kept = in_flight * layers * s * b * h * 4 / (tp if cfg.parallel.sequence_parallel else 1) + per_layer
     else:
-        kept = layers * per_layer
+        kept = in_flight * layers * per_layer
     activations = int(kept + logits + 2 * s * b * h * 4)
     snapshots = 2 * 12 * local if cfg.recovery.snapshot_every != 0 else 0  # null: on, at some interval
     return WorkerMemory(4 * local, 4 * local, 8 * local, activations, snapshots, cfg.runtime.device)

@@ -250,7 +250,8 @@ class WorkerGroup:
         (the tensor table, one ref per rank that resolves once its file is written)."""
         ranks = self.owner_workers()
         tables = ray.get([w.begin_save.remote(url, directory) for w in ranks], timeout=self.cfg.runtime.step_timeout_s)
-        return tables[0], [w.save_result.remote() for w in ranks]
+        table = {k: v for t in tables if t for k, v in t.items()}  # each stage's TP rank 0 tells its tensors
+        return table, [w.save_result.remote() for w in ranks]
 
     def probe_storage(self, url: str, token: str) -> list[str | None]:
         """Each worker reads the driver's probe file at `url` and writes its own (raytp.files.storage)."""
@@ -262,9 +263,11 @@ class WorkerGroup:
         ray.get([w.load.remote(source, step) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)
 
     def write_snapshot(self, url: str, directory: str, parts: list) -> list[dict]:
-        """A snapshot's parts (refs, one per TP rank) written as a checkpoint's files, by tasks."""
-        cfg = self.cfg
-        return self.fetch([write_part_task.remote(url, directory, t, ref, cfg.parallel.tp, model_args(cfg))
+        """A snapshot's parts (refs, one per owner: stage by stage, TP rank in each) written as a checkpoint's
+        files, by tasks."""
+        cfg, lay = self.cfg, self.layout
+        return self.fetch([write_part_task.remote(url, directory, t % lay.tp, ref, lay.tp, model_args(cfg),
+                                                  t // lay.tp if lay.pp > 1 else None, lay.pp)
                            for t, ref in enumerate(parts)])
 
     def copy_shards(self, donors: Mapping[int, int], step: int) -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from raytp.config import JobConfig
 from raytp.parallel.layout import Layout
+from raytp.parallel.ownership import Ownership
 from raytp.runtime import policy
 from raytp.runtime.driver import pipeline
 from raytp.runtime.recovery import recovery
@@ -65,7 +66,7 @@ class Driver(DriverControl, DriverResize):
         self.step = 0
         self.last: dict = {}
         self.first_step: float | None = None  # seconds from the command to the first completed step
-        self.snapshots = Snapshots(cfg.parallel.tp)
+        self.snapshots = Snapshots(Ownership(policy.layout_of(cfg)).parts)
         self.cadence = Cadence(cfg)  # how often replica 0 snapshots
         self.copy = self.copy_cls(run, self.log)
         self.spares = Spares(run, cfg.recovery.spares, self.log)
@@ -99,7 +100,7 @@ class Driver(DriverControl, DriverResize):
         """Switch the job to `group`: the one place the workers, their layout, config and placement change."""
         old = self.group
         if old is not None and group.layout != old.layout:
-            self.snapshots = Snapshots(group.layout.tp)  # snapshots of another layout are of no use
+            self.snapshots = Snapshots(Ownership(group.layout).parts)  # snapshots of another layout are of no use
         self.group = group
         if group.placement and (old is None or group.placement != old.placement):
             self.log.event("placed", ranks=list(group.placement))

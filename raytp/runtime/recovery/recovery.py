@@ -147,10 +147,10 @@ def restore(ctx: RecoveryContext, group, lost: list[int], completed: dict[int, i
     if snap is not None:
         copies.append(("snapshot", snap[0]))
         parts["snapshot"] = lambda: snap[1]
-    held = ctx.copy.held_step(lay.tp)
+    held = ctx.copy.held_step(Ownership(lay).parts)
     if held is not None:
         copies.append(("snapshot copy", held))
-        parts["snapshot copy"] = lambda: ctx.copy.parts(held, lay.tp)
+        parts["snapshot copy"] = lambda: ctx.copy.parts(held, Ownership(lay).parts)
     plan = policy.restore_plan(lay, lost, completed, copies)
     while plan:
         r = plan.pop(0)

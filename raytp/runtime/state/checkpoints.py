@@ -94,7 +94,7 @@ class Checkpoints:
             raise
         files = {w["file"]: w["bytes"] for w in written}
         lay = p.cfg.parallel
-        m = checkpoint.manifest(p.step, model_args(p.cfg), lay.tp, lay.dp, files, p.table)
+        m = checkpoint.manifest(p.step, model_args(p.cfg), lay.tp, lay.dp, files, p.table, lay.pp)
         path = self._commit(p.directory, p.step, m)
         self.log.event("checkpoint", step=p.step, path=path, bytes=sum(files.values()),
                        seconds=time.perf_counter() - p.t0)
@@ -143,20 +143,23 @@ class Checkpoints:
         cfg = group.cfg
         done = group.write_snapshot(self.storage.url, directory, parts)
         files = {d["file"]: d["bytes"] for d in done}
-        m = checkpoint.manifest(step, model_args(cfg), cfg.parallel.tp, cfg.parallel.dp, files, done[0]["table"])
+        table = {k: v for d in done if d["table"] for k, v in d["table"].items()}
+        m = checkpoint.manifest(step, model_args(cfg), cfg.parallel.tp, cfg.parallel.dp, files, table, cfg.parallel.pp)
         path = self._commit(directory, step, m)
         self.log.event("checkpoint", step=step, path=path, bytes=sum(files.values()), seconds=0.0,
                        source="snapshot")
         return path
 
 
-def write_part(url: str, directory: str, tp_rank: int, packed, tp: int, model_cfg) -> dict:
-    """TP rank `tp_rank`'s file of a checkpoint from its packed snapshot (run as a task: write_part_task);
-    `model_cfg`: the model's ModelArgs."""
+def write_part(url: str, directory: str, tp_rank: int, packed, tp: int, model_cfg, stage: int | None = None,
+               pp: int = 1) -> dict:
+    """TP rank `tp_rank`'s file (of pipeline stage `stage` of `pp`) of a checkpoint from its packed snapshot
+    (run as a task: write_part_task); `model_cfg`: the model's ModelArgs."""
     from raytp.train.shard_state import unpack_state
-    tensors = checkpoint.state_tensors(unpack_state(packed), model_cfg)
-    out = checkpoint.write_shard(Storage(url), directory, tensors, tp_rank, tp=tp)
-    out["table"] = checkpoint.tensor_table(tensors, tp, model_cfg.vocab_size) if tp_rank == 0 else None
+    tied_copy = model_cfg.tied and stage is not None and stage == pp - 1 and stage > 0
+    tensors = checkpoint.without_copies(checkpoint.state_tensors(unpack_state(packed), model_cfg), tied_copy)
+    out = checkpoint.write_shard(Storage(url), directory, tensors, tp_rank, tp=tp, stage=stage)
+    out["table"] = checkpoint.tensor_table(tensors, tp, model_cfg.vocab_size, stage) if tp_rank == 0 else None
     return out
 
 

@@ -29,6 +29,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytp import names
+from raytp.parallel.ownership import Ownership
 from raytp.runtime import policy
 from raytp.runtime.cluster import placement
 
@@ -172,7 +173,7 @@ class OffNodeCopy:
             if self.held is None:
                 self._report(step, node=self.node, first_step=held_step)
             self.held = (held_step, tp)
-        snap, tp = snapshots.latest(), group.layout.tp
+        snap, tp = snapshots.latest(), Ownership(group.layout).parts  # tp: the parts, stage by stage
         if snap is None or (self.held is not None and self.held == (snap[0], tp)):
             return
         self.pending = (snap[0], tp, self.keeper.hold.remote(snap[0], tp, list(snap[1])))

@@ -82,19 +82,29 @@ class WorkerState:
     def begin_save(self, url: str, directory: str) -> dict | None:
         """Start writing this rank's file of a checkpoint into `directory` of storage `url`, in the background
         (raytp.runtime.worker.background_save): from the snapshot of this step if one is packed (training never
-        waits for it), else from the live tensors. TP rank 0 returns the checkpoint's tensor table."""
+        waits for it), else from the live tensors. TP rank 0 (of each stage) returns its tensor table."""
         self._settle()
         g = self.groups
         held = self.snap_bufs.hold(self.completed)
+        stage = g.pp_rank if g.layout.pp > 1 else None  # its files and table entries name the stage
         if held is not None:
             packed, buf = held
-            tensors = checkpoint.state_tensors(unpack_state(packed, views=True), model_args(self.cfg))
+            tensors = checkpoint.without_copies(checkpoint.state_tensors(unpack_state(packed, views=True),
+                                                                         model_args(self.cfg)), self._tied_copy())
             self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, torch.device("cpu"),
-                                         staged=True, then=lambda: self.snap_bufs.release(buf), tp=g.layout.tp)
+                                         staged=True, then=lambda: self.snap_bufs.release(buf), tp=g.layout.tp,
+                                         stage=stage)
         else:
             tensors = checkpoint.named_tensors(self.model, self.optimizer)
-            self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, self.device, tp=g.layout.tp)
-        return checkpoint.tensor_table(tensors, g.layout.tp, self.cfg.model.vocab_size) if g.tp_rank == 0 else None
+            self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, self.device, tp=g.layout.tp,
+                                         stage=stage)
+        if g.tp_rank != 0:
+            return None
+        return checkpoint.tensor_table(tensors, g.layout.tp, self.cfg.model.vocab_size, stage)
+
+    def _tied_copy(self) -> bool:
+        stage = getattr(self.model, "stage", None)
+        return stage is not None and stage.tied_copy
 
     def probe_storage(self, url: str, token: str) -> str | None:
         """Whether this process reaches the checkpoint location as the driver does (None: it does)."""
