@@ -53,7 +53,7 @@ def test_save_at_tp4_dp2_resume_at_other_layouts(ray_local, tmp_path):
     close(d)
     ref = np.array(losses(tmp_path / "tp4")[10:])
     ckpt = checkpoint.find(str(tmp_path / "tp4" / "checkpoints" / "step-00000010"))
-    assert ckpt.manifest["layout"] == {"tp": 4, "dp": 2}
+    assert ckpt.manifest["layout"] == {"tp": 4, "pp": 1, "dp": 2}
     assert sorted(ckpt.manifest["files"]) == [f"tp{i:03d}.safetensors" for i in range(4)]
     for tp, dp in [(2, 1), (3, 1)]:
         run = f"from-tp4-to-tp{tp}-dp{dp}"
