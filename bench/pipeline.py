@@ -2,18 +2,24 @@
 
 Step time (issue 19, "Performance and memory"): the same GPT, the same stage split
 (raytp.models.stage's default), the same seeded weights and batches, trained at each layout
-(tp x pp) by raytp (``PipelineSchedule("1f1b")`` in ``train_step``) and by torch's
-``PipelineStage`` + ``Schedule1F1B`` on raytp's stage shard (bench/pipeline_peer.py), in one spawned
-process group per layout (gloo, one thread per rank). The two take turns step by step, the order
-alternating, after untimed warm-up steps; a step's time is the slowest rank's, every rank starting it
-at a barrier. Figures: median step times, their ratio, the median of paired ratios, and every step's
-loss of the two (the same maths: they agree to float rounding).
+(tp x pp) by raytp (``PipelineSchedule("1f1b")`` in ``train_step``), by torch's ``PipelineStage`` +
+``Schedule1F1B`` on raytp's stage shard (bench/pipeline_peer.py), and by raytp's interleaved 1F1B with
+2 model chunks per stage (``raytp_interleaved``: a smaller bubble, (p-1)/(2m+p-1); torch's interleaved
+schedule is not run), in one spawned process group per layout (gloo, one thread per rank). They take
+turns step by step, the order rotating, after untimed warm-up steps; a step's time is the slowest
+rank's, every rank starting it at a barrier. Figures: median step times, their ratios to torch's, the
+median of paired ratios (neighbouring steps: less sensitive to other programs' load on the shared
+cores), the CPU seconds a step costs (all ranks' processes: the work done, whatever else ran), and
+every step's loss (the same maths: equal to float rounding).
 
 Bubble: at pp = 2, raytp's step with m = 8, 16, 32 micro-batches of the same size; each rank's busy time
 is the wall time spent inside the stage's forwards (hooks on the model) and backwards
 (``Tensor.backward``) during the schedule, and its idle share is 1 - busy / (the schedule's span from the
 first rank's start to the last rank's end: one clock, CLOCK_MONOTONIC, across the processes), against
-1F1B's (p-1)/(m+p-1).
+1F1B's (p-1)/(m+p-1), which assumes equal stages, and against the idle the 1F1B table makes of the
+stages' measured forward and backward times (``one_f_one_b_idle``): what is left beyond that is the
+runtime's own cost (point-to-point, Python, the first micro-batch's slower start). ``cpu_share_while_busy``
+below 1 says other programs took the cores meanwhile (the figures are then worth less).
 
 Memory: in one more step of each m, the bytes of the activations autograd saves for backward that are
 alive at once (``saved_tensors_hooks``: each distinct storage counted once, parameters left out), peak
@@ -29,7 +35,6 @@ from __future__ import annotations
 import os
 import statistics
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +42,7 @@ import torch.distributed as dist
 
 from bench.common import HYPER, SEED, corpus, spawn, timed
 from bench.pipeline_peer import PEER, TorchPipeline
+from bench.pipeline_probes import BusyPipeline, SavedActivations, one_f_one_b_idle
 from raytp.models.args import ModelArgs
 from raytp.models.registry import model_class
 from raytp.models.shard import build_shard
@@ -48,7 +54,8 @@ from raytp.train.data import batch
 from raytp.train.pipeline import PipelineSchedule
 from raytp.train.step import make_optimizer, train_step
 
-IMPLS = ("raytp", "torch")
+INTERLEAVED, V = "raytp_interleaved", 2  # raytp's interleaved 1F1B, 2 model chunks per stage
+IMPLS = ("raytp", "torch", INTERLEAVED)  # trained side by side; raytp's 1F1B is the like-for-like one
 
 
 @dataclass(frozen=True)
@@ -64,9 +71,9 @@ class Size:
 
 
 FULL = Size(ModelArgs(n_layer=8, n_head=4, n_embd=256, block_size=128, vocab_size=1024, dropout=0.0),
-            mb_size=2, m=8, warmup=2, timed=10, layouts=((1, 2), (1, 4), (2, 2)), bubble_ms=(8, 16, 32),
-            bubble_steps=3)
-QUICK = Size(ModelArgs(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=256, dropout=0.0),
+            mb_size=2, m=8, warmup=2, timed=15, layouts=((1, 2), (1, 4), (2, 2)), bubble_ms=(8, 16, 32),
+            bubble_steps=5)
+QUICK = Size(ModelArgs(n_layer=8, n_head=2, n_embd=32, block_size=16, vocab_size=256, dropout=0.0),
              mb_size=1, m=4, warmup=1, timed=2, layouts=((1, 2), (1, 4), (2, 2)), bubble_ms=(4, 8),
              bubble_steps=1)
 
@@ -93,96 +100,6 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
                        if torch.is_tensor(t))
 
 
-# ---------------------------------------------------------------- probes
-
-class BusyPipeline(PipelineSchedule):
-    """PipelineSchedule that times its busy periods: the model's forwards (hooks) and the backwards
-    (``Tensor.backward``, wrapped while the schedule runs). After a step: ``busy`` (seconds) and
-    ``span`` (start, end) of the schedule on CLOCK_MONOTONIC."""
-
-    def __call__(self, model, micro_batches, groups, step, h):
-        self.busy, started = 0.0, []
-
-        def pre(mod, args):
-            started.append(time.perf_counter())
-
-        def post(mod, args, out):
-            self.busy += time.perf_counter() - started.pop()
-
-        backward = torch.Tensor.backward
-
-        def timed_backward(t, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return backward(t, *args, **kwargs)
-            finally:
-                self.busy += time.perf_counter() - t0
-
-        hooks = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
-        torch.Tensor.backward = timed_backward
-        t0 = time.perf_counter()  # CLOCK_MONOTONIC on Linux: one clock for every process
-        try:
-            return super().__call__(model, micro_batches, groups, step, h)
-        finally:
-            self.span = (t0, time.perf_counter())
-            torch.Tensor.backward = backward
-            for hook in hooks:
-                hook.remove()
-
-
-class SavedActivations:
-    """While active: the bytes of the tensors autograd saves for backward that are alive, each storage once,
-    the model's parameters left out; ``peak`` over the time active and ``first_forward``: the bytes alive
-    right after the model's first forward (one micro-batch)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model, self.params = model, {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, saved tensors holding it]
-        self.now = self.peak = 0
-        self.first_forward: int | None = None
-
-    def _pack(self, t: torch.Tensor):
-        key = t.untyped_storage().data_ptr()
-        if key in self.params:
-            return t
-        entry = self.live.setdefault(key, [t.untyped_storage().nbytes(), 0])
-        if entry[1] == 0:
-            self.now += entry[0]
-            self.peak = max(self.peak, self.now)
-        entry[1] += 1
-        holder = _Held(t)
-        weakref.finalize(holder, self._release, key)  # autograd drops it once backward has used it
-        return holder
-
-    def _release(self, key: int) -> None:
-        entry = self.live[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.now -= entry[0]
-            del self.live[key]
-
-    def _after_forward(self, mod, args, out):
-        if self.first_forward is None:
-            self.first_forward = self.now
-
-    def __enter__(self):
-        self.hook = self.model.register_forward_hook(self._after_forward)
-        self.ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.t if isinstance(h, _Held) else h)
-        self.ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.ctx.__exit__(*exc)
-        self.hook.remove()
-
-
-class _Held:
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t: torch.Tensor):
-        self.t = t
-
-
 # ---------------------------------------------------------------- ranks
 
 def _setup(rank: int, world: int, init: str, s: Size, tp: int, pp: int):
@@ -192,33 +109,38 @@ def _setup(rank: int, world: int, init: str, s: Size, tp: int, pp: int):
 
 
 def _compare(rank: int, world: int, init: str, quick: bool, tp: int, pp: int) -> dict:
-    """raytp and torch's pipelining taking turns on one layout; this rank's times, losses, state bytes."""
+    """raytp (1F1B and interleaved) and torch's pipelining taking turns on one layout; this rank's times,
+    CPU times and losses, and raytp's state bytes and bytes sent."""
     s = size(quick)
     groups, stage = _setup(rank, world, init, s, tp, pp)
-    models = {impl: build_shard(s.cfg, SEED, groups.tp, stage=stage) for impl in IMPLS}
+    stages = {"raytp": stage, "torch": stage, INTERLEAVED: stage_of(s.cfg, pp, groups.pp_rank, V)}
+    models = {impl: build_shard(s.cfg, SEED, groups.tp, stage=stages[impl]) for impl in IMPLS}
     opts = {impl: make_optimizer(models[impl], HYPER) for impl in IMPLS}
-    pipe = PipelineSchedule("1f1b", stage, False)
+    pipes = {"raytp": PipelineSchedule("1f1b", stage, False),
+             INTERLEAVED: PipelineSchedule("interleaved", stages[INTERLEAVED], False)}
     peer = TorchPipeline(models["torch"], stage, groups, s.m)
     text = corpus(quick)
     data = [step_batch(text, s, s.m, i) for i in range(s.warmup + s.timed)]
 
     def step(impl: str, i: int) -> float:
         x, y = data[i]
-        if impl == "raytp":
-            return train_step(models[impl], opts[impl], micro(x, y, s.m), groups, i, HYPER, schedule=pipe).loss
-        return peer.step(opts[impl], x, y, i, HYPER).loss
+        if impl == "torch":
+            return peer.step(opts[impl], x, y, i, HYPER).loss
+        return train_step(models[impl], opts[impl], micro(x, y, s.m), groups, i, HYPER, schedule=pipes[impl]).loss
 
-    out = {impl: {"times": [], "losses": []} for impl in IMPLS}
+    out = {impl: {"times": [], "cpu": [], "losses": []} for impl in IMPLS}
     for i in range(s.warmup + s.timed):
-        for impl in IMPLS if i % 2 == 0 else IMPLS[::-1]:
+        for impl in IMPLS[i % 3:] + IMPLS[:i % 3]:  # each first, second and third equally often
+            cpu = time.process_time()
             seconds, loss = timed(lambda: step(impl, i))
             out[impl]["losses"].append(loss)
             if i >= s.warmup:
                 out[impl]["times"].append(seconds)
+                out[impl]["cpu"].append(time.process_time() - cpu)
     out["state_bytes"] = state_bytes(models["raytp"], opts["raytp"])
     out["params"] = sum(p.numel() for p in models["raytp"].parameters())
     out["layers"] = list(stage.layers)
-    out["sent_bytes"] = pipe.sent_bytes
+    out["sent_bytes"] = pipes["raytp"].sent_bytes
     return out
 
 
@@ -231,19 +153,23 @@ def _bubble(rank: int, world: int, init: str, quick: bool) -> dict:
         model = build_shard(s.cfg, SEED, groups.tp, stage=stage)
         opt = make_optimizer(model, HYPER)
         pipe = BusyPipeline("1f1b", stage, False)
-        busy, spans = [], []
+        busy, fwd, bwd, busy_cpu, spans = [], [], [], [], []
         for i in range(1 + s.bubble_steps):  # the first: warm-up
             dist.barrier()
             train_step(model, opt, micro(*step_batch(text, s, m, i), m), groups, i, HYPER, schedule=pipe)
             if i:
                 busy.append(pipe.busy)
+                fwd.append(pipe.forward)
+                bwd.append(pipe.busy - pipe.forward)
+                busy_cpu.append(pipe.busy_cpu)
                 spans.append(pipe.span)
         with SavedActivations(model) as saved:
             dist.barrier()
             last = s.bubble_steps + 1
             train_step(model, opt, micro(*step_batch(text, s, m, last), m), groups, last, HYPER, schedule=pipe)
         assert saved.now == 0, f"{saved.now} saved bytes still alive after the step: the counter is wrong"
-        out[m] = {"busy": busy, "spans": spans, "peak": saved.peak, "one_mb": saved.first_forward}
+        out[m] = {"busy": busy, "fwd": fwd, "bwd": bwd, "busy_cpu": busy_cpu, "spans": spans, "peak": saved.peak,
+                  "one_mb": saved.first_forward}
     return out
 
 
@@ -253,12 +179,22 @@ def compare(tp: int, pp: int, quick: bool) -> dict:
     s = size(quick)
     ranks = spawn(tp * pp, _compare, quick, tp, pp)
     per_step = {impl: [max(t) for t in zip(*(r[impl]["times"] for r in ranks))] for impl in IMPLS}
-    fig: dict = {f"{impl}_median_step_s": round(statistics.median(per_step[impl]), 4) for impl in IMPLS}
-    fig["ratio_raytp_over_torch"] = round(fig["raytp_median_step_s"] / fig["torch_median_step_s"], 3)
-    fig["paired_ratio_median"] = round(statistics.median(a / b for a, b in zip(*per_step.values())), 3)
-    a, b = ranks[0]["raytp"]["losses"], ranks[0]["torch"]["losses"]
+    # CPU seconds of a step, all ranks' processes together: the work done, whatever else ran on the cores
+    cpu = {impl: statistics.median(map(sum, zip(*(r[impl]["cpu"] for r in ranks)))) for impl in IMPLS}
+    fig: dict = {}
+    for impl in IMPLS:
+        fig[f"{impl}_median_step_s"] = round(statistics.median(per_step[impl]), 4)
+    for impl in ("raytp", INTERLEAVED):
+        fig[f"ratio_{impl}_over_torch"] = round(fig[f"{impl}_median_step_s"] / fig["torch_median_step_s"], 3)
+        fig[f"paired_ratio_{impl}_over_torch"] = round(statistics.median(
+            a / b for a, b in zip(per_step[impl], per_step["torch"])), 3)
+        fig[f"cpu_ratio_{impl}_over_torch"] = round(cpu[impl] / cpu["torch"], 3)
+    fig["cpu_s_per_step"] = {impl: round(v, 4) for impl, v in cpu.items()}
     fig["losses"] = {impl: [round(v, 5) for v in ranks[0][impl]["losses"]] for impl in IMPLS}
-    fig["loss_max_rel_diff"] = float(f"{max(abs(u - v) / abs(v) for u, v in zip(a, b)):.2e}")
+    ref = ranks[0]["torch"]["losses"]
+    fig["loss_max_rel_diff_vs_torch"] = {
+        impl: float(f"{max(abs(u - v) / abs(v) for u, v in zip(ranks[0][impl]['losses'], ref)):.2e}")
+        for impl in ("raytp", INTERLEAVED)}
     fig["timed_steps_each"] = len(per_step["raytp"])
     stage0 = [r for i, r in enumerate(ranks) if i % tp == 0]  # TP rank 0 of each stage
     fig["stage_layers"] = [r["layers"] for r in stage0]
@@ -268,7 +204,7 @@ def compare(tp: int, pp: int, quick: bool) -> dict:
     fig["p2p_bytes_per_step"] = {"raytp": sum(r["sent_bytes"] for r in ranks),
                                  "torch": 2 * s.m * b_s_h * 4 * (pp - 1) * tp}
     if tp * pp > (os.cpu_count() or 1):
-        fig["note"] = f"{tp * pp} single-threaded ranks on {os.cpu_count()} cores: oversubscribed (both alike)"
+        fig["note"] = f"{tp * pp} single-threaded ranks on {os.cpu_count()} cores: oversubscribed (all alike)"
     fig["state"] = state_figures(s.cfg, pp, [r["state_bytes"] for r in stage0], [r["params"] for r in stage0])
     return fig
 
@@ -292,8 +228,14 @@ def bubble_figures(quick: bool) -> dict:
         spans = [max(r[m]["spans"][i][1] for r in ranks) - min(r[m]["spans"][i][0] for r in ranks)
                  for i in range(len(ranks[0][m]["spans"]))]
         idle = [statistics.median(1 - busy / span for busy, span in zip(r[m]["busy"], spans)) for r in ranks]
+        busy = [statistics.median(r[m]["busy"]) for r in ranks]
+        per_mb = [(statistics.median(r[m]["fwd"]) / m, statistics.median(r[m]["bwd"]) / m) for r in ranks]
         peaks = [r[m]["peak"] for r in ranks]
+        cpu = [sum(r[m]["busy_cpu"]) / sum(r[m]["busy"]) for r in ranks]
         out[f"m{m}"] = {"idle_share_per_rank": [round(v, 4) for v in idle], "formula": round(bubble(2, m), 4),
+                        "model_with_measured_stage_times": [round(v, 4) for v in one_f_one_b_idle(*zip(*per_mb), m)],
+                        "busy_over_busiest": [round(b / max(busy), 4) for b in busy],
+                        "cpu_share_while_busy": [round(v, 3) for v in cpu],
                         "median_schedule_s": round(statistics.median(spans), 4),
                         "saved_activation_peak_bytes": peaks,
                         "one_micro_batch_bytes": [r[m]["one_mb"] for r in ranks],
@@ -307,14 +249,17 @@ def bubble_figures(quick: bool) -> dict:
 def run(quick: bool = False) -> dict:
     s = size(quick)
     c = s.cfg
-    out: dict = {"peer": PEER, "goal": "ratio_raytp_over_torch <= 0.9; idle within 3 points of (p-1)/(m+p-1); "
-                 "stage 0 peak ~ p micro-batches, flat in m; state = params x 16; largest stage <= 1.3x",
+    out: dict = {"peer": PEER,
+                 "goal": "ratio_raytp_over_torch <= 0.9; idle within 3 points of (p-1)/(m+p-1); stage 0 peak "
+                         "~ p micro-batches, flat in m; state = params x 16; largest stage <= 1.3x the smallest",
                  "model": (f"GPT-2 {c.n_layer} layers x {c.n_embd} wide, {c.n_head} heads, vocab {c.vocab_size}, "
                            f"T={c.block_size}, micro-batch {s.mb_size} sequences, m={s.m}, AdamW + clip 1.0, "
                            f"tied embedding, fp32"),
                  "cpu_cores": os.cpu_count(), "torch": torch.__version__,
                  "pp1": "not measured: pp = 1 runs raytp.train.schedule.accumulate, not PipelineSchedule"}
+    load = os.getloadavg()[0]
     for tp, pp in s.layouts:
         out[f"tp{tp}_pp{pp}"] = compare(tp, pp, quick)
     out["bubble_pp2"] = bubble_figures(quick)
+    out["load_average_1min"] = {"start": round(load, 2), "end": round(os.getloadavg()[0], 2)}  # others' load
     return out
