@@ -1,11 +1,15 @@
 """Pipeline stages on the Ray runtime: a PP=2 (x DP=2) job trains like PP=1, writes one checkpoint file per
-(stage, TP rank) under global tensor names that reads back whole (so at any layout), resumes at PP=1, and a
-SIGKILLed last-stage worker is replaced with nothing lost, bit for bit."""
+(stage, TP rank) under global tensor names that reads back whole; a TP=2 x PP=2 checkpoint resumes at
+TP=1 x PP=3 and at one device and a one-device one at PP=2, each going on as the run that wrote it did, and
+at the same layout bit for bit; a SIGKILLed middle- or last-stage worker and a SIGSTOPped one are replaced
+with nothing lost, bit for bit."""
 import dataclasses
 import signal
 
 import numpy as np
 import pytest
+
+pytestmark = pytest.mark.slow  # Ray runs of 2 to 4 workers each
 
 from helpers import assert_bitwise_equal, events, final_state, job, losses, run, signal_rank
 from raytp.files import checkpoint
@@ -16,11 +20,23 @@ STEPS = 8
 MODEL = {"n_layer": 3}  # 3 layers on 2 stages: an uneven split
 
 
-def pp_job(pp, dp=1, steps=STEPS, **recovery):
-    """A checkpoint at the end, a snapshot after every step."""
-    cfg = job(1, dp, model=MODEL, steps=steps, checkpoint={"every": steps, "keep": 2},
-              recovery={"snapshot_every": 1, **recovery}, step_timeout_s=30.0)
+def pp_job(pp, dp=1, steps=STEPS, tp=1, every=None, step_timeout_s=30.0, **recovery):
+    """A checkpoint at the end (and every `every` steps), a snapshot after every step."""
+    cfg = job(tp, dp, model=MODEL, steps=steps, checkpoint={"every": every or steps, "keep": 3},
+              recovery={"snapshot_every": 1, **recovery}, step_timeout_s=step_timeout_s)
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=pp))
+
+
+def resumed(cfg, location, run_dir, name):
+    """Run `cfg` from the checkpoint at `location` to its end; the Driver's run dir."""
+    d = Driver(cfg, run_dir, name, out=open("/dev/null", "w"), init_state=from_checkpoint(str(location)))
+    try:
+        d.start()
+        d.train_loop()
+    finally:
+        d.release()
+        d.log.close()
+    return run_dir
 
 
 @pytest.fixture(scope="module")
@@ -52,28 +68,66 @@ def test_two_stages_train_like_one_and_write_a_file_per_stage(one_stage, two_sta
         assert diff < 1e-4, f"{name} differs by {diff:.2e}"
 
 
-def test_a_two_stage_checkpoint_resumes_at_one_stage(two_stages, tmp_path):
-    """Written at PP=2, resumed at PP=1: the first step after it trains on the same weights (the loss of
-    step 8 from the resumed run equals the PP=2 run's, which reads the same file)."""
-    cfg = pp_job(1, steps=STEPS + 2)
-    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, every=0))
-    d = Driver(cfg, tmp_path / "run", "pp1resume", out=open("/dev/null", "w"),
-               init_state=from_checkpoint(str(two_stages / "checkpoints" / checkpoint.step_dir(STEPS))))
-    try:
-        d.start()
-        assert d.step == STEPS
-        d.train_loop()
-    finally:
-        d.release()
-        d.log.close()
-    assert len(losses(tmp_path / "run")) == 2
+@pytest.fixture(scope="module")
+def tp2_pp2(ray_local, tmp_path_factory):
+    """TP=2 x PP=2 (4 workers) for STEPS + 2 steps, a checkpoint at STEPS and at the end."""
+    run_dir = tmp_path_factory.mktemp("tp2pp2") / "run"
+    run(pp_job(2, tp=2, steps=STEPS + 2, every=STEPS), run_dir, "tp2pp2")
+    return run_dir
 
 
-def test_sigkill_of_the_last_stage_loses_nothing(two_stages, tmp_path):
+@pytest.mark.parametrize("tp, pp", [(1, 3), (1, 1), (2, 2)])
+def test_a_tp2_pp2_checkpoint_resumes_at_any_layout(tp2_pp2, tp, pp, tmp_path):
+    """Resumed at step STEPS at TP x PP: its two steps' losses are those of the run that wrote it (within
+    1e-5), and at the writer's own layout its final state is that run's, bit for bit."""
+    ckpt = tp2_pp2 / "checkpoints" / checkpoint.step_dir(STEPS)
+    assert "pp001-tp001.safetensors" in checkpoint.find(str(ckpt)).manifest["files"]
+    run_dir = resumed(pp_job(pp, tp=tp, steps=STEPS + 2, every=STEPS + 2), ckpt, tmp_path / "run", f"res{tp}{pp}")
+    got, want = np.array(losses(run_dir)), np.array(losses(tp2_pp2)[STEPS:])
+    assert len(got) == 2 and np.abs(got - want).max() / want.max() < 1e-5, (got, want)
+    if (tp, pp) == (2, 2):
+        assert_bitwise_equal(final_state(run_dir, STEPS + 2), final_state(tp2_pp2, STEPS + 2))
+
+
+def test_a_one_device_checkpoint_resumes_at_two_stages(one_stage, tmp_path):
+    """Written by the PP=1 run at its last step, resumed at PP=2 for two more steps: the first step's
+    losses are those of a PP=1 run resumed from it."""
+    a = resumed(pp_job(2, steps=STEPS + 2, every=STEPS + 2), one_stage / "checkpoints" / checkpoint.step_dir(STEPS),
+                tmp_path / "a", "res1to2")
+    b = resumed(pp_job(1, steps=STEPS + 2, every=STEPS + 2), one_stage / "checkpoints" / checkpoint.step_dir(STEPS),
+                tmp_path / "b", "res1to1")
+    la, lb = np.array(losses(a)), np.array(losses(b))
+    assert len(la) == 2 and np.abs(la - lb).max() / lb.max() < 1e-5, (la, lb)
+
+
+@pytest.fixture(scope="module")
+def pp2_dp2(ray_local, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("pp2dp2") / "run"
+    run(pp_job(2, dp=2), run_dir, "pp2dp2")
+    return run_dir
+
+
+def test_sigkill_of_the_last_stage_loses_nothing(pp2_dp2, tmp_path):
     run(pp_job(2, dp=2), tmp_path / "run", "pp2kill", faults=[(3, signal_rank(3, signal.SIGKILL))])
     (fail,), (rec,) = events(tmp_path / "run", "failure"), events(tmp_path / "run", "recovered")
-    assert fail["rank"] == 3 and rec["lost_steps"] == 0
-    healed = final_state(tmp_path / "run", STEPS)
-    unhurt = tmp_path / "unhurt"
-    run(pp_job(2, dp=2), unhurt, "pp2dp2")
-    assert_bitwise_equal(healed, final_state(unhurt, STEPS))
+    assert fail["rank"] == 3 and rec["lost_steps"] == 0 and rec["source"] == "replica"
+    assert_bitwise_equal(final_state(tmp_path / "run", STEPS), final_state(pp2_dp2, STEPS))
+
+
+def test_a_hung_first_stage_worker_is_found_and_replaced(pp2_dp2, tmp_path):
+    """SIGSTOP: its peers block in their sends, receives and all-reduces; the step deadline finds it."""
+    cfg = pp_job(2, dp=2, step_timeout_s=4.0, ping_timeout_s=2.0)
+    run(cfg, tmp_path / "run", "pp2hang", faults=[(3, signal_rank(0, signal.SIGSTOP))])
+    (fail,), (rec,) = events(tmp_path / "run", "failure"), events(tmp_path / "run", "recovered")
+    assert fail["rank"] == 0 and fail["cause"] == "hung" and rec["lost_steps"] == 0
+    assert_bitwise_equal(final_state(tmp_path / "run", STEPS), final_state(pp2_dp2, STEPS))
+
+
+def test_sigkill_of_a_middle_stage_without_a_replica_restores_from_the_snapshot(ray_local, tmp_path):
+    """PP=3, one replica: the middle stage's rank has no DP replica; its snapshot part restores it."""
+    ref = tmp_path / "ref"
+    run(pp_job(3), ref, "pp3ref")
+    run(pp_job(3), tmp_path / "run", "pp3kill", faults=[(4, signal_rank(1, signal.SIGKILL))])
+    (fail,), (rec,) = events(tmp_path / "run", "failure"), events(tmp_path / "run", "recovered")
+    assert fail["rank"] == 1 and rec["source"] == "snapshot"
+    assert_bitwise_equal(final_state(tmp_path / "run", STEPS), final_state(ref, STEPS))
