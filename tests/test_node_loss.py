@@ -114,3 +114,28 @@ def test_lost_node_of_a_dp1_job_restores_from_the_snapshot_copy_on_another_node(
     assert rec["lost_steps"] <= 3  # the copy is refreshed as its pulls finish: it may trail by a step or two
     placed = events(run_dir, "placed")[-1]["ranks"]
     assert placed[0]["node_id"] == placed[1]["node_id"] != remove_workers_node.node_id
+
+
+def test_removed_node_of_a_pipeline_stage_loses_nothing(cluster, tmp_path):
+    """PP=2 x DP=2 (one placement group per stage and replica, aimed at nodes of their own): the node
+    of replica 1's last stage goes; its ranks come back on the spare capacity, restored bit for bit."""
+    by_id = {n.node_id: n for n in gpu_nodes(cluster, 3)}
+
+    def pp_job():
+        cfg = recovery_job(1, 2, gpus_per_worker=1.0)
+        return cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=1, pp=2, dp=2)})
+
+    run(pp_job(), tmp_path / "ref", "ppnref")
+
+    def remove_rank_3_node(run_name):
+        node_id = ray_actors(f"raytp.{run_name}.rank3")[f"raytp.{run_name}.rank3"]["node_id"]
+        cluster.remove_node(by_id[node_id])
+        remove_rank_3_node.node_id = node_id
+
+    run_dir = tmp_path / "run"
+    run(pp_job(), run_dir, "ppnloss", faults=[(6, remove_rank_3_node)])
+    assert_bitwise_equal(final_state(run_dir), final_state(tmp_path / "ref"))
+    fails = events(run_dir, "failure")
+    assert 3 in {f["rank"] for f in fails} and {f["node"] for f in fails} == {remove_rank_3_node.node_id}
+    (rec,) = events(run_dir, "recovered")
+    assert rec["lost_steps"] == 0
