@@ -43,6 +43,9 @@ def check_cluster_memory(cfg: config_mod.JobConfig, memory) -> None:
     biggest = max((n["Resources"].get("memory", 0.0) for n in nodes), default=0.0)
     problem = estimate.refusal(memory, cfg.parallel.tp, int(biggest), "the cluster's largest node")
     if problem:
+        pp = estimate.pp_that_fits(cfg, int(biggest))
+        if pp is not None:
+            problem += f"; or split the layers into stages: parallel.pp: {pp} fits (each stage's TP group on a node)"
         ray.shutdown()
         fail(problem)
 
@@ -94,7 +97,7 @@ def train(job, sets, address, run_dir, name, resume):
     check_data(cfg)  # against the model the job trains (model.init_from's shape, when given)
     if (path / "metrics.jsonl").exists() and resume != "latest":
         fail(f"run directory {path} already holds a run; pass --resume to continue it, or another --run-dir/--name")
-    from raytp.runtime import estimate
+    from raytp.runtime import estimate, policy
     memory = estimate.estimate(cfg)
     if not address and not os.environ.get("RAY_ADDRESS"):  # an embedded Ray: every worker on this machine
         problem = estimate.refusal(memory, cfg.world_size, estimate.available_here(), "this machine")
@@ -104,7 +107,7 @@ def train(job, sets, address, run_dir, name, resume):
     path.mkdir(parents=True, exist_ok=True)
     import yaml
     (path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    click.echo(f"[raytp] run {run}  dir {path}  layout TP={cfg.parallel.tp} x DP={cfg.parallel.dp}  "
+    click.echo(f"[raytp] run {run}  dir {path}  layout {policy.layout_of(cfg)}  "
                f"device {cfg.runtime.device}  memory {memory.line()}", err=True)
 
     embedded = connect_ray(address, cfg)

@@ -19,6 +19,7 @@ gradient norm, and only the first stage writes it (``replicated_copy``).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from raytp.models.base import CausalLM
@@ -72,10 +73,15 @@ def chunk_split(cfg, pp: int, v: int = 1, pp_layers: list[int] | None = None) ->
     embedding on the first chunk and the head and its loss on the last (raytp.parallel.pp_split)."""
     if pp_layers:
         return list(pp_layers)
+    return list(_balanced(cfg, pp, v))
+
+
+@functools.lru_cache(maxsize=64)
+def _balanced(cfg, pp: int, v: int) -> tuple[int, ...]:
     llama = cfg.arch == "llama"
     embed, head, layer = layer_costs(cfg.n_embd, cfg.vocab_size, cfg.mlp_width, ffn_matmuls=3 if llama else 2,
                                      kv_ratio=cfg.kv_heads / cfg.n_head)
-    return split_layers(cfg.n_layer, pp, embed_cost=embed, head_cost=head, layer_cost=layer, v=v)
+    return tuple(split_layers(cfg.n_layer, pp, embed_cost=embed, head_cost=head, layer_cost=layer, v=v))
 
 
 def stage_of(cfg, pp: int, pp_rank: int, v: int = 1, pp_layers: list[int] | None = None) -> Stage | None:
@@ -103,6 +109,21 @@ def keep_stage(model: CausalLM, stage: Stage | None) -> CausalLM:
             setattr(model, name, None)
     model.stage = stage
     return model
+
+
+def holds(parts: dict, stage: Stage | None, name: str) -> bool:
+    """Whether `stage` holds parameter `name` (its global name) of a model whose ``stage_parts()`` are
+    `parts`: what keep_stage keeps, told from the name alone (for counting without building)."""
+    if stage is None:
+        return True
+    head, _, rest = name.partition(".")
+    if head == parts["blocks"]:
+        return int(rest.partition(".")[0]) in stage.layers
+    if head in parts["first"]:
+        return stage.first or (stage.tied_copy and head == parts["embedding"])
+    if head in parts["last"]:
+        return stage.last
+    return True
 
 
 def replicated_copy(model: CausalLM, name: str) -> bool:

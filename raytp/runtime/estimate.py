@@ -14,6 +14,7 @@ rest is the GPU's.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -62,23 +63,37 @@ def estimate(cfg) -> WorkerMemory:
     return max((_stage_memory(cfg, s) for s in range(cfg.parallel.pp)), key=lambda w: w.on_device)
 
 
+@functools.lru_cache(maxsize=8)
+def _local_sizes(model_cfg, tp: int) -> dict[str, int]:
+    """Elements of each parameter's TP shard (global names; a block's summed under ``h.3``/``layers.3``),
+    of the whole model built on the meta device."""
+    import torch
+
+    from raytp.models.registry import build_model, sharding_of
+    from raytp.parallel.sharding import local_shape
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    blocks = model.stage_parts()["blocks"]
+    out: dict[str, int] = {}
+    for n, p in model.named_parameters():
+        head, _, rest = n.partition(".")
+        key = f"{head}.{rest.partition('.')[0]}" if head == blocks else n  # a block's parameters as one
+        out[key] = out.get(key, 0) + math.prod(local_shape(sharding_of(n, model_cfg), tuple(p.shape), tp))
+    return out
+
+
 def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
     """The memory of a worker of stage `pp_rank`: its layers' state, and the activations of the micro-batches
     1F1B keeps in flight there (pp - pp_rank of them at most; all of its model at pp == 1)."""
-    import torch
-
     from raytp.config.adapters import model_args
-    from raytp.models.registry import build_model
-    from raytp.models.registry import sharding_of
-    from raytp.models.stage import keep_stage, stage_of
-    from raytp.parallel.sharding import local_shape, padded_vocab
+    from raytp.models.registry import model_class
+    from raytp.models.stage import holds, stage_of
+    from raytp.parallel.sharding import padded_vocab
     m, par, model_cfg = cfg.model, cfg.parallel, model_args(cfg)
     tp = par.tp
     stage = stage_of(model_cfg, par.pp, pp_rank, par.pp_virtual, par.pp_layers)
-    with torch.device("meta"):
-        model = keep_stage(build_model(model_cfg), stage)
-    local = sum(math.prod(local_shape(sharding_of(n, model_cfg), tuple(p.shape), tp))
-                for n, p in model.named_parameters())
+    parts = model_class(model_cfg).stage_parts()
+    local = sum(n for name, n in _local_sizes(model_cfg, tp).items() if holds(parts, stage, name))
     s, b, h, a = m.block_size, cfg.micro_batch, m.n_embd, m.n_head
     layers = len(stage.layers) if stage else m.n_layer
     in_flight = min(par.pp - pp_rank, cfg.local_batch_size // cfg.micro_batch) if stage else 1
@@ -108,6 +123,17 @@ def available_here() -> int:
         pass
     import os
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def pp_that_fits(cfg, node_bytes: int) -> int | None:
+    """The fewest pipeline stages (more than the job's) whose largest stage's TP group fits a node of
+    `node_bytes` (each stage's TP group on a node of its own), if any."""
+    import dataclasses
+    for pp in range(cfg.parallel.pp + 1, cfg.model.n_layer + 1):
+        par = dataclasses.replace(cfg.parallel, pp=pp, pp_layers=None, pp_virtual=1, pp_schedule="1f1b")
+        if estimate(dataclasses.replace(cfg, parallel=par)).on_host * cfg.parallel.tp <= node_bytes:
+            return pp
+    return None
 
 
 def refusal(est: WorkerMemory, workers_per_node: int, node_bytes: int, where: str) -> str | None:

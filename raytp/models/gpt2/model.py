@@ -184,7 +184,8 @@ class GPT(CausalLM):
     @staticmethod
     def stage_parts() -> dict:
         """What only the first and only the last pipeline stage holds (raytp.models.stage)."""
-        return {"first": ("wte", "wpe"), "last": ("ln_f", "lm_head", "criterion"), "embedding": "wte"}
+        return {"first": ("wte", "wpe"), "last": ("ln_f", "lm_head", "criterion"), "embedding": "wte",
+                "blocks": "h"}
 
     def input_embedding(self) -> nn.Module:
         return self.wte

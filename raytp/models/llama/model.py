@@ -124,7 +124,8 @@ class Llama(CausalLM):
     @staticmethod
     def stage_parts() -> dict:
         """What only the first and only the last pipeline stage holds (raytp.models.stage)."""
-        return {"first": ("embed_tokens",), "last": ("norm", "lm_head", "criterion"), "embedding": "embed_tokens"}
+        return {"first": ("embed_tokens",), "last": ("norm", "lm_head", "criterion"), "embedding": "embed_tokens",
+                "blocks": "layers"}
 
     def input_embedding(self) -> nn.Module:
         return self.embed_tokens

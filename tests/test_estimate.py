@@ -1,0 +1,72 @@
+"""The memory estimate knows pipeline stages: the largest stage's worker, activations of the micro-batches
+1F1B keeps in flight on it, and the pp a refused job would fit at. Pure (meta-device models, no Ray)."""
+import dataclasses
+from pathlib import Path
+
+from raytp.config import from_dict, load
+from raytp.runtime.estimate import GiB, _stage_memory, estimate, pp_that_fits
+
+JOB70B = Path(__file__).resolve().parent.parent / "jobs" / "llama3-70b-tp8-pp8.yaml"
+
+
+def at_pp(cfg, pp):
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=pp))
+
+
+def small(pp):
+    return from_dict({"model": {"n_layer": 8, "n_embd": 256, "n_head": 8, "vocab_size": 1024},
+                      "parallel": {"pp": pp}, "train": {"batch_size": 16, "micro_batch_size": 2},
+                      "recovery": {"snapshot_every": 0}})
+
+
+def test_a_stage_holds_its_share_of_the_state_and_the_estimate_is_the_largest_stage():
+    whole = estimate(small(1)).weights
+    stages = [_stage_memory(small(4), s) for s in range(4)]
+    assert sum(w.weights for w in stages) > whole  # the tied embedding's copy on the last stage
+    assert max(w.weights for w in stages) < 0.45 * whole
+    assert estimate(small(4)) == max(stages, key=lambda w: w.on_device)
+
+
+def test_1f1b_keeps_pp_minus_s_micro_batches_in_flight_on_stage_s():
+    """Stages of equal layers (2 each): activations fall with the stage's in-flight count (4, 3, 2, 1),
+    the last stage adding the logits."""
+    acts = [_stage_memory(small(4), s).activations for s in range(4)]
+    assert acts[0] > acts[1] > acts[2]
+    assert _stage_memory(small(1), 0).activations < acts[0] * 2
+
+
+def test_llama_70b_per_gpu_fits_80_gb_only_with_stages():
+    cfg = load(JOB70B)
+    assert estimate(cfg).on_device < 24 * GiB
+    assert estimate(at_pp(cfg, 1)).on_device > 130 * GiB
+
+
+def test_the_pp_that_fits_is_the_fewest_stages_that_fit():
+    cfg = at_pp(load(JOB70B), 1)
+    node = int(8 * 40 * GiB)  # host memory of a node for its TP group's 8 workers
+    pp = pp_that_fits(cfg, node)
+    assert pp is not None and pp > 1
+    assert estimate(at_pp(cfg, pp)).on_host * 8 <= node < estimate(at_pp(cfg, pp - 1)).on_host * 8
+    assert pp_that_fits(cfg, 1) is None  # nothing fits a node of one byte
+
+
+def test_holds_tells_from_a_name_what_keep_stage_keeps():
+    """The count above reads names (raytp.models.stage.holds); the stages themselves are built by deleting
+    modules (keep_stage): both must agree, for either architecture, tied or not, on every stage."""
+    import torch
+
+    from raytp.models.args import ModelArgs
+    from raytp.models.registry import build_model, model_class
+    from raytp.models.stage import holds, keep_stage, stage_of
+    for cfg in (ModelArgs(n_layer=5, n_head=4, n_embd=32, vocab_size=64),
+                ModelArgs(arch="llama", n_layer=5, n_head=4, n_kv_head=2, n_embd=32, vocab_size=64),
+                ModelArgs(arch="llama", n_layer=5, n_head=4, n_embd=32, vocab_size=64, tie_embeddings=True)):
+        with torch.device("meta"):
+            names = [n for n, _ in build_model(cfg).named_parameters()]
+        for pp, v in ((2, 1), (3, 1), (2, 2)):
+            for s in range(pp):
+                stage = stage_of(cfg, pp, s, v)
+                with torch.device("meta"):
+                    kept = {n for n, _ in keep_stage(build_model(cfg), stage).named_parameters()}
+                parts = model_class(cfg).stage_parts()
+                assert kept == {n for n in names if holds(parts, stage, n)}, (cfg.arch, pp, v, s)
