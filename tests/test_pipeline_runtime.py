@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # Ray runs of 2 to 4 workers each
 
-from helpers import assert_bitwise_equal, events, final_state, job, losses, run, signal_rank
+from helpers import FIXED, assert_bitwise_equal, close, drive, events, final_state, job, losses, run, signal_rank
 from raytp.files import checkpoint
 from raytp.runtime.driver.driver import Driver
 from raytp.runtime.origin import from_checkpoint
@@ -131,3 +131,14 @@ def test_sigkill_of_a_middle_stage_without_a_replica_restores_from_the_snapshot(
     (fail,), (rec,) = events(tmp_path / "run", "failure"), events(tmp_path / "run", "recovered")
     assert fail["rank"] == 1 and rec["source"] == "snapshot"
     assert_bitwise_equal(final_state(tmp_path / "run", STEPS), final_state(ref, STEPS))
+
+
+def test_a_two_stage_model_gives_the_logits_of_one(ray_local, tmp_path):
+    """Driver.logits at PP=2 (through both stages) and at PP=1, on the same seeded weights."""
+    got = {}
+    for pp in (1, 2):
+        d, start, _ = drive(pp_job(pp), tmp_path / f"pp{pp}", f"logits{pp}", until=0)
+        close(d)
+        got[pp] = start
+    assert got[1].shape == got[2].shape == (FIXED.shape[0], FIXED.shape[1], 256)
+    assert float((got[1] - got[2]).abs().max()) < 1e-5

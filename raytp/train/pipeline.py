@@ -14,7 +14,7 @@ dropout keys, so masks are those of one device, and every stage accumulates
 its gradients in micro-batch order (the tables keep each chunk's backwards in
 order), as the accumulation loop does.
 
-``pipeline_eval`` is the forward-only pass for validation.
+``pipeline_forward`` is the forward-only pass (validation, sampling).
 """
 from __future__ import annotations
 
@@ -91,17 +91,18 @@ def hidden_shape(model, x: torch.Tensor, tp: int, sequence_parallel: bool) -> tu
 
 
 @torch.no_grad()
-def pipeline_eval(model: torch.nn.Module, micro_batches, groups: ProcessGroups, stage: Stage,
-                  sequence_parallel: bool, h: Hyper | None = None) -> torch.Tensor:
-    """This stage's sum of the losses of `micro_batches` (0 off the last stage), the forwards only: each
-    micro-batch through this stage's chunks in order, receiving and sending as the training pass does."""
+def pipeline_forward(model: torch.nn.Module, micro_batches, groups: ProcessGroups, stage: Stage,
+                     sequence_parallel: bool, h: Hyper | None = None) -> list:
+    """The forwards only, each micro-batch [(x, y or None)] through this stage's chunks in order, receiving
+    and sending as the training pass does: the last chunk's outputs (losses, or logits where y is None)
+    on the last stage, [] elsewhere."""
     lay, chunks = groups.layout, stage.all_chunks
-    p, stage, n_chunks = lay.pp, groups.pp_rank, len(chunks)
+    p, here, n_chunks = lay.pp, groups.pp_rank, len(chunks)
     link = StageLink(groups, sequence_parallel)
     device = next(model.parameters()).device
-    total = torch.zeros((), device=device)
+    outs = []
     for mb, (x, y) in enumerate(micro_batches):
-        for c in range(stage, n_chunks, p):
+        for c in range(here, n_chunks, p):
             hidden = None
             if c > 0:
                 hidden = link.recv(hidden_shape(model, x, lay.tp, sequence_parallel), _dtype(model), device,
@@ -109,11 +110,18 @@ def pipeline_eval(model: torch.nn.Module, micro_batches, groups: ProcessGroups, 
             with compute_precision(h or Hyper(), x.device):
                 out = model(x, y if c == n_chunks - 1 else None, hidden=hidden, layers=chunks[c])
             if c == n_chunks - 1:
-                total += out.float()
+                outs.append(out)
             else:
                 link.send(out, (c + 1) % p, tag_of("F", mb, c, n_chunks))
     link.finish()
-    return total
+    return outs
+
+
+def pipeline_eval(model: torch.nn.Module, micro_batches, groups: ProcessGroups, stage: Stage,
+                  sequence_parallel: bool, h: Hyper | None = None) -> torch.Tensor:
+    """This stage's sum of the losses of `micro_batches` (0 off the last stage)."""
+    outs = pipeline_forward(model, micro_batches, groups, stage, sequence_parallel, h)
+    return sum((o.float() for o in outs), torch.zeros((), device=next(model.parameters()).device))
 
 
 def sum_over_stages(t: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:

@@ -198,8 +198,8 @@ class WorkerGroup:
 
     def logits(self, idx):
         """Full-vocabulary logits of a batch from replica 0."""
-        return ray.get([w.logits.remote(idx) for w in self.owner_workers()],
-                       timeout=self.cfg.runtime.step_timeout_s)[0]
+        got = ray.get([w.logits.remote(idx) for w in self.owner_workers()], timeout=self.cfg.runtime.step_timeout_s)
+        return next(g for g in got if g is not None)  # the last stage's (every stage's at pp == 1)
 
     # -- health ----------------------------------------------------------------------------------
     def find_lost(self) -> dict[int, str]:

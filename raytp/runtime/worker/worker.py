@@ -32,12 +32,12 @@ from raytp.runtime.worker.calls import Calls, on_thread
 from raytp.runtime.worker.identity import WorkerIdentity
 from raytp.runtime.errors import WorkerAborted
 from raytp.runtime.worker.snapshot_buffers import SnapshotBuffers
+from raytp.runtime.worker.forwards import WorkerForwards
 from raytp.runtime.worker.worker_state import WorkerState
 from raytp.train.shard_state import live_state, state_bytes
 from raytp.train.data import batch, load_corpus
-from raytp.train.hyper import compute_precision
 from raytp.train.pipeline import PipelineSchedule
-from raytp.train.step import eval_loss, make_optimizer, train_step
+from raytp.train.step import make_optimizer, train_step
 
 
 def tune_malloc() -> None:
@@ -54,7 +54,7 @@ def tune_malloc() -> None:
         pass
 
 
-class Worker(WorkerState, WorkerIdentity):
+class Worker(WorkerState, WorkerForwards, WorkerIdentity):
     def __init__(self, job: dict, rank: int):
         tune_malloc()
         self.cfg = from_dict(job)
@@ -261,27 +261,6 @@ class Worker(WorkerState, WorkerIdentity):
                 buf.free.set()  # written to the object store: the buffer may be packed again
             else:
                 yield item
-
-    def evaluate(self, step: int) -> float:
-        cfg = self.cfg
-        batches = []
-        for i in range(cfg.train.eval_steps):
-            batches += self._micro_batches("val", step * cfg.train.eval_steps + i)
-        try:
-            return eval_loss(self.model, batches, self.groups, self.hyper, self.pipeline)
-        except Exception as e:  # noqa: BLE001 - as in run_steps: leave, so that peers get out too
-            failure = f"rank {self.rank} left evaluation: {type(e).__name__}: {e}"
-        self.leave_groups()
-        raise WorkerAborted(failure)
-
-    @torch.no_grad()
-    def logits(self, idx: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits (B, T, V) of a batch, gathered over TP (every TP rank must be called)."""
-        self.model.eval()
-        with compute_precision(self.hyper, self.device):
-            local = self.model(idx.to(self.device)).float()  # (B, T, V_pad/tp)
-        self.model.train()
-        return comm.gather_last(local, self.groups.tp)[..., :self.cfg.model.vocab_size].cpu()
 
     def ping(self) -> int:
         return self.rank
