@@ -179,30 +179,32 @@ def stop(run, address, timeout):
 @click.argument("run")
 @click.option("--workers", type=int, default=None, help="Total workers; keeps TP and sets DP = workers / TP.")
 @click.option("--tp", type=int, default=None, help="New tensor-parallel degree.")
+@click.option("--pp", type=int, default=None, help="New number of pipeline stages.")
 @click.option("--dp", type=int, default=None, help="New data-parallel degree.")
 @click.option("--address", default=None, help=ADDRESS_HELP)
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the resize.")
 @_cluster_errors
-def scale(run, workers, tp, dp, address, timeout):
-    """Change RUN's layout while it trains: --workers N, or --tp N and/or --dp M."""
+def scale(run, workers, tp, pp, dp, address, timeout):
+    """Change RUN's layout while it trains: --workers N, or any of --tp, --pp, --dp."""
     import ray
     from raytp.runtime.driver.control import find_control
-    if workers is None and tp is None and dp is None:
-        fail("give --workers N, or --tp N and/or --dp M")
-    if workers is not None and (tp is not None or dp is not None):
-        fail("--workers keeps TP and sets DP; give either it or --tp/--dp")
+    if workers is None and tp is None and pp is None and dp is None:
+        fail("give --workers N, or any of --tp N, --pp N, --dp N")
+    if workers is not None and (tp is not None or pp is not None or dp is not None):
+        fail("--workers keeps TP and PP and sets DP; give either it or --tp/--pp/--dp")
     _head(address).connect()
     ctl = find_control(run)
     if ctl is None:
         fail(f"no running run named {run!r} in this cluster (see `raytp status` for the runs it has)", 1)
     st = ray.get(ctl.get_status.remote(), timeout=30)
+    replica = st["tp"] * st.get("pp", 1)
     if workers is not None:
-        if workers % st["tp"]:
-            fail(f"--workers {workers} is not a multiple of the run's TP={st['tp']}; "
-                  f"valid: {', '.join(str(st['tp'] * k) for k in range(1, 5))}, ...")
-        tp, dp = st["tp"], workers // st["tp"]
-    tp, dp = tp or st["tp"], dp or st["dp"]
-    rid = ray.get(ctl.request.remote("scale", tp=tp, dp=dp), timeout=30)
+        if workers % replica:
+            fail(f"--workers {workers} is not a multiple of the run's replica size (TP x PP = {replica}); "
+                  f"valid: {', '.join(str(replica * k) for k in range(1, 5))}, ...")
+        tp, dp = st["tp"], workers // replica
+    tp, pp, dp = tp or st["tp"], pp or st.get("pp", 1), dp or st["dp"]
+    rid = ray.get(ctl.request.remote("scale", tp=tp, pp=pp, dp=dp), timeout=30)
     outcome = await_outcome(ctl, rid, timeout, "scale")
     if not outcome.get("ok"):
         fail(f"scale refused; the run goes on unchanged: {outcome.get('error')}", 1)

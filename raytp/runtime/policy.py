@@ -122,14 +122,16 @@ def choose_spares(layout: Layout, lost: Sequence[int], nodes: Sequence[str | Non
 
 # -- resizing ----------------------------------------------------------------------------------
 
-def resized_config(cfg: config_mod.JobConfig, tp: int, dp: int) -> config_mod.JobConfig:
-    """The job at layout tp x dp: the same global batch, the same micro-batch where it divides the
-    new per-replica share (so the micro-batches, hence the numbers, stay those of the old layout).
-    Raises ConfigError for a layout the job cannot take."""
+def resized_config(cfg: config_mod.JobConfig, tp: int, dp: int, pp: int | None = None) -> config_mod.JobConfig:
+    """The job at layout tp x pp x dp (pp: the job's if None; a new pp splits the layers by cost): the
+    same global batch, the same micro-batch where it divides the new per-replica share (so the
+    micro-batches, hence the numbers, stay those of the old layout). Raises ConfigError for a layout the
+    job cannot take."""
     local = cfg.train.batch_size // dp if cfg.train.batch_size % dp == 0 else cfg.train.batch_size
     micro = math.gcd(cfg.micro_batch, local)
+    stages = {} if pp is None or pp == cfg.parallel.pp else {"pp": pp, "pp_layers": None}
     new = dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, dp=dp),
+        cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, dp=dp, **stages),
         train=dataclasses.replace(cfg.train, micro_batch_size=micro))
     config_mod.validate(new, "scale request")
     return new
@@ -144,11 +146,13 @@ class RankPlan:
     removed: tuple[int, ...]             # old ranks that stop
 
 
-def dp_resize_ranks(tp: int, old_dp: int, new_dp: int) -> RankPlan:
-    """A DP change keeps the staying replicas' workers; added replicas' ranks are new numbers."""
-    keep = min(old_dp, new_dp) * tp
-    return RankPlan(tuple(range(keep)), tuple(range(old_dp * tp, new_dp * tp)), (),
-                    tuple(range(new_dp * tp, old_dp * tp)))
+def dp_resize_ranks(replica_size: int, old_dp: int, new_dp: int) -> RankPlan:
+    """A DP change keeps the staying replicas' workers (`replica_size` ranks each: tp x pp); added
+    replicas' ranks are new numbers."""
+    n = replica_size
+    keep = min(old_dp, new_dp) * n
+    return RankPlan(tuple(range(keep)), tuple(range(old_dp * n, new_dp * n)), (),
+                    tuple(range(new_dp * n, old_dp * n)))
 
 
 def tp_resize_ranks(old: Layout, new: Layout) -> RankPlan:

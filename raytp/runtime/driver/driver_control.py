@@ -15,7 +15,7 @@ def summary(view: dict) -> dict:
     """The status of a run from what the driver hands over (Driver.view)."""
     lay, last = view["layout"], view["last"]
     return {"state": view["state"].value, "step": view["step"], "steps": view["steps"],
-            "tp": lay.tp, "dp": lay.dp, "world_size": lay.world_size,
+            "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "world_size": lay.world_size,
             "loss": last.get("loss"), "val_loss": last.get("val_loss"),
             "tokens_per_s": last.get("tokens_per_s"), "step_time_s": last.get("step_time_s"),
             "failures": view["failures"], "spares": view["spares"], "run_dir": view["run_dir"]}
@@ -46,7 +46,7 @@ class DriverControl:
                 self.request_stop(req["id"])
             elif req["kind"] == "scale":
                 # answered now, or when the new layout takes over (advance_resize)
-                self._answer(req["id"], self.request_resize(req["tp"], req["dp"], req["id"]))
+                self._answer(req["id"], self.request_resize(req["tp"], req["dp"], req["id"], req.get("pp")))
                 self.publish()
             else:
                 self._answer(req["id"], Outcome.refused(f"unknown request {req['kind']!r}"))

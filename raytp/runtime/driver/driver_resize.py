@@ -12,18 +12,18 @@ class DriverResize:
     def pending_resize(self):
         return self.elastic.pending
 
-    def resize(self, tp: int, dp: int) -> Outcome:
-        """Move to layout tp x dp now: request, wait for the new ranks, switch (tests, benchmarks)."""
-        outcome = self.request_resize(tp, dp)
+    def resize(self, tp: int, dp: int, pp: int | None = None) -> Outcome:
+        """Move to layout tp x pp x dp now: request, wait for the new ranks, switch (tests, benchmarks)."""
+        outcome = self.request_resize(tp, dp, pp=pp)
         if outcome is None:
             self.group.answered(self.elastic.pending.ready, timeout_s=self.cfg.runtime.placement_timeout_s)
             outcome = self.advance_resize(now=True)
         return outcome
 
-    def request_resize(self, tp: int, dp: int, request_id: int | None = None) -> Outcome | None:
+    def request_resize(self, tp: int, dp: int, request_id: int | None = None, pp: int | None = None) -> Outcome | None:
         """Begin a resize; its outcome, or None while its new ranks start (`request_id` is answered when
         it finishes). One with nothing to start (a shrink) switches at once."""
-        got = self._take(self.elastic.request(self.group, tp, dp, self.step, request_id))
+        got = self._take(self.elastic.request(self.group, tp, dp, self.step, request_id, pp))
         return self.advance_resize() if got is None and self.elastic.due(self.group) else got
 
     def advance_resize(self, now: bool = False) -> Outcome | None:

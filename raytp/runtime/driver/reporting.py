@@ -11,7 +11,7 @@ from raytp.runtime.records import Healing, Resizing
 
 
 def layout_dict(lay: Layout) -> dict:
-    return {"tp": lay.tp, "dp": lay.dp}
+    return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp}
 
 
 def step_record(rec: dict, all_ranks: list[dict], cfg, layout: Layout) -> dict:
@@ -22,7 +22,7 @@ def step_record(rec: dict, all_ranks: list[dict], cfg, layout: Layout) -> dict:
     return {"step": rec["step"], "loss": rec["loss"], "lr": rec["lr"], "grad_norm": rec["grad_norm"],
             "tokens": tokens_per_step * (rec["step"] + 1), "step_time_s": step_time,
             "tokens_per_s": tokens_per_step / step_time, "comm_s": rec["comm_s"],
-            "tp": layout.tp, "dp": layout.dp, "time": time.time()}
+            "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "time": time.time()}
 
 
 def recovered(log, say, h: Healing, step: int) -> None:

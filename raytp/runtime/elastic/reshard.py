@@ -20,6 +20,8 @@ new one with every rank holding its shard, and the bytes that moved; or raises
 """
 from __future__ import annotations
 
+from raytp.config.adapters import model_args
+from raytp.models.stage import stage_of
 from raytp.parallel.ownership import Ownership
 from raytp.runtime import policy
 from raytp.runtime.errors import FAILURES
@@ -40,8 +42,8 @@ def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: di
     """`group` at DP degree new_cfg.parallel.dp: (new group, bytes moved). `reserved`: placement of the
     added replicas (reserved now if None); `early`: {rank: (actor, bundle)} of added ranks started ahead;
     `plan`: the request's policy.dp_resize_ranks (made here if None)."""
-    tp, old_dp, new_dp = group.layout.tp, group.layout.dp, new_cfg.parallel.dp
-    plan = plan or policy.dp_resize_ranks(tp, old_dp, new_dp)
+    old_dp, new_dp = group.layout.dp, new_cfg.parallel.dp
+    plan = plan or policy.dp_resize_ranks(group.layout.replica_size, old_dp, new_dp)
     added = list(range(old_dp, new_dp))
     if reserved is None:
         reserved = group.reserve(new_cfg, group.launcher.run, added,
@@ -142,33 +144,57 @@ def restart_tp(group, new_cfg):
 
 
 def restart_in(group, new_cfg, new_pgs: dict):
-    """Every worker of `group` cuts its shard into bundles for the new layout (in the object store), stops,
-    and the new layout's workers start in `new_pgs` and fill their shards from the bundles: (new group,
-    bytes moved). On a failure the old layout starts again, in its own placement, from the same bundles."""
+    """Every worker of `group` cuts its shard into bundles for the new layout (in the object store: one per
+    new TP rank and stage, each holding only that stage's layers), stops, and the new layout's workers
+    start in `new_pgs` and fill their shards from the bundles: (new group, bytes moved). On a failure the
+    old layout starts again, in its own placement, from the same bundles."""
     old, new = group.layout, policy.layout_of(new_cfg)
+    stages = new_stages(new_cfg)
     try:
-        exported = group.export_pieces(new.tp)
+        exported = group.export_pieces(new.tp, stages=stages)
     except FAILURES as e:
         raise SwitchFailed(group, e) from e
     refs, replicated, sizes = exported
+    owners = Ownership(old).parts
+
+    def slot(r: int) -> int:  # the bundle of each old owner that new rank r takes
+        at = new.coords(r)
+        return at.tp * len(stages) + (at.pp if new.pp > 1 else 0)
+
     group.kill(range(old.world_size))  # the new ranks take the old names (and, in place, the old bundles)
     nxt = None
     try:
         nxt = type(group).create(group.launcher, new_cfg, new_pgs)
-        sources = {r: PiecesSource(tuple(refs[i][new.coords(r).tp] for i in range(old.tp)), new_cfg.model.vocab_size)
+        sources = {r: PiecesSource(tuple(refs[i][slot(r)] for i in range(owners)), new_cfg.model.vocab_size)
                    for r in range(new.world_size)}
         nxt = nxt.join(setup=range(new.world_size), states=sources)
     except FAILURES as e:
         if nxt is not None:
             nxt.kill(range(new.world_size))
-        fresh = type(group).create(group.launcher, group.cfg, group.pgs)
-        sources = {r: RebuildSource(tuple(refs[old.coords(r).tp]), replicated[0]) for r in range(old.world_size)}
-        try:
-            fresh = fresh.join(setup=range(old.world_size), states=sources)
-        except FAILURES:
-            pass
-        raise SwitchFailed(fresh, e) from e
-    return nxt, sum(sizes[i][new.coords(r).tp] for r in range(new.world_size) for i in range(old.tp))
+        raise SwitchFailed(_restarted_from(group, refs, replicated), e) from e
+    return nxt, sum(sizes[i][slot(r)] for r in range(new.world_size) for i in range(owners))
+
+
+def new_stages(cfg) -> list:
+    """The Stage of each pipeline stage of `cfg`'s layout ([None] at pp == 1: the whole model)."""
+    p = cfg.parallel
+    return [stage_of(model_args(cfg), p.pp, s, p.pp_virtual, p.pp_layers) for s in range(p.pp)]
+
+
+def _restarted_from(group, refs, replicated):
+    """The old layout started again in its own placement from the bundles its owners exported (each old
+    rank takes back the pieces its part gave away, and its stage's replicated tensors)."""
+    lay = group.layout
+    own = Ownership(lay)
+    fresh = type(group).create(group.launcher, group.cfg, group.pgs)
+
+    def source(r: int):
+        part, at = own.part(r), lay.coords(r)
+        return RebuildSource(tuple(refs[part]), replicated[own.part(lay.rank(tp=0, pp=at.pp))])
+    try:
+        return fresh.join(setup=range(lay.world_size), states={r: source(r) for r in range(lay.world_size)})
+    except FAILURES:
+        return fresh
 
 
 def _rejoined(group):

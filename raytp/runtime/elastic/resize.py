@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from raytp import config as config_mod
 from raytp.parallel.layout import Layout
 from raytp.runtime import policy
+from raytp.runtime.driver.reporting import layout_dict
 from raytp.runtime.elastic import reshard
 from raytp.runtime.cluster import slots
 from raytp.runtime.errors import FAILURES, PlacementError
@@ -85,28 +86,29 @@ class Elastic:
         self.pending: PendingResize | None = None
         self.growing: GrowBack | None = None
 
-    def request(self, group, tp: int, dp: int, step: int, request_id: int | None = None):
-        """Begin moving `group` to layout tp x dp: an Outcome if it is refused or trivial, a Switched if it
-        had to be done at once (a TP grow restarting every worker), else None while its new ranks start
-        (``pending``; ``finish`` completes it at a step boundary where it is ``due``)."""
+    def request(self, group, tp: int, dp: int, step: int, request_id: int | None = None, pp: int | None = None):
+        """Begin moving `group` to layout tp x pp x dp (pp: the job's if None): an Outcome if it is refused
+        or trivial, a Switched if it had to be done at once (a TP grow restarting every worker; any change
+        of the stages), else None while its new ranks start (``pending``; ``finish`` completes it at a
+        step boundary where it is ``due``)."""
         if self.pending is not None:
             new = self.pending.new_cfg.parallel
             return Outcome.refused(f"a resize to TP={new.tp} x DP={new.dp} is in progress")
         t0, old = time.perf_counter(), group.layout
-        if old.pp > 1:
-            return Outcome.refused(f"a live resize of a pipelined job ({old}) is not supported yet; stop it and "
-                                   "resume its checkpoint at the new layout (checkpoints load at any TP x PP x DP)")
+        pp = old.pp if pp is None else pp
         try:
-            new_cfg = policy.resized_config(group.cfg, tp, dp)
+            new_cfg = policy.resized_config(group.cfg, tp, dp, pp)
         except config_mod.ConfigError as e:
             return Outcome.refused("; ".join(e.problems))
-        if (tp, dp) == (old.tp, old.dp):
+        if (tp, pp, dp) == (old.tp, old.pp, old.dp):
             return Outcome(ok=True, layout=str(old), note="already at this layout")
+        if pp != old.pp or (pp > 1 and tp != old.tp):
+            return self._restage(group, new_cfg, t0, step)
         self.say(f"resizing {old} -> TP={tp} x DP={dp} (requested at step {step})")
         run = group.launcher.run
         try:
             if tp == old.tp:
-                kind, plan = "dp", policy.dp_resize_ranks(tp, old.dp, dp)
+                kind, plan = "dp", policy.dp_resize_ranks(old.replica_size, old.dp, dp)
                 added = list(range(old.dp, dp))
                 reserved = group.reserve(new_cfg, run, added, avoid_nodes=group.placer.nodes_of(group.pgs)) \
                     if added else {}
@@ -134,6 +136,18 @@ class Elastic:
         self.pending = PendingResize(t0, new_cfg, kind, plan, base(group), reserved, requested, early,
                                      group.pinged(a for a, _ in early.values()), request_id if early else None)
         return None
+
+    def _restage(self, group, new_cfg, t0: float, step: int):
+        """A change of the stages (or of TP at pp > 1): the new layout's placement is reserved beside the
+        job, then every worker hands its shard over for the new stages worker to worker and the new
+        layout's workers start in it (raytp.runtime.elastic.reshard.restart_tp): each byte moves once."""
+        new = policy.layout_of(new_cfg)
+        self.say(f"resizing {group.layout} -> {new} (requested at step {step}): every worker restarts")
+        try:
+            return carry_out(group, lambda: reshard.restart_tp(group, new_cfg), t0, "requested", step)
+        except PlacementError as e:
+            self.log.event("resize_refused", old=layout_dict(group.layout), new=layout_dict(new), error=str(e))
+            return Outcome.refused(str(e))
 
     def due(self, group, now: bool = False) -> bool:
         """Whether the pending resize switches at this step boundary: at once if `now` or it has no new

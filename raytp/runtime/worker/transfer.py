@@ -22,6 +22,7 @@ import torch
 
 from raytp.parallel.reshard_plan import pieces
 from raytp.models.registry import sharding_of, tensor_sharding
+from raytp.models.stage import holds
 from raytp.parallel.sharding import Sharding
 from raytp.files.checkpoint import named_tensors
 
@@ -33,20 +34,26 @@ def _full_size(s: Sharding, t: torch.Tensor, tp: int, vocab_size: int) -> int:
 
 
 def export_pieces(model, optimizer, tp_rank: int, old_tp: int, new_tp: int, vocab_size: int,
-                  skip: set[int] = frozenset(), only: int | None = None) -> list[dict]:
+                  skip: set[int] = frozenset(), only: int | None = None, stages: list | None = None) -> list[dict]:
     """For each new TP rank j (but those in `skip`; only `only` if given), a bundle of the slices of this
-    rank's shard that go there: [(key, src_at, dst_at, tensor)] packed into one buffer."""
+    rank's shard that go there: [(key, src_at, dst_at, tensor)] packed into one buffer. `stages`: the new
+    layout's pipeline stages (raytp.models.stage.Stage, or [None] for the whole model): then one bundle per
+    (j, stage), j-major, each with only the tensors that stage holds."""
     out = []
     tensors = named_tensors(model, optimizer)
+    parts = model.stage_parts()
     for j in range(new_tp):
-        entries = []
-        if j not in skip and (only is None or j == only):
-            for key, (s, t) in tensors.items():
-                for p in pieces(s, _full_size(s, t, old_tp, vocab_size), old_tp, new_tp, j):
-                    if p.src == tp_rank:
-                        part = t if s.dim is None else t.narrow(s.dim, p.src_at, p.length)
-                        entries.append((key, p.src_at, p.dst_at, part))
-        out.append(pack(entries))
+        for stage in (stages or [None]):
+            entries = []
+            if j not in skip and (only is None or j == only):
+                for key, (s, t) in tensors.items():
+                    if stages is not None and not holds(parts, stage, key.split("/")[1]):
+                        continue
+                    for p in pieces(s, _full_size(s, t, old_tp, vocab_size), old_tp, new_tp, j):
+                        if p.src == tp_rank:
+                            part = t if s.dim is None else t.narrow(s.dim, p.src_at, p.length)
+                            entries.append((key, p.src_at, p.dst_at, part))
+            out.append(pack(entries))
     return out
 
 

@@ -45,13 +45,14 @@ class WorkerState:
         extra = {"own": own} if own is not None and isinstance(source, PiecesSource) else {}
         source.fill(self.model, self.optimizer, g.tp_rank, g.layout.tp, **extra)
 
-    def export_pieces(self, new_tp: int, skip: list[int]):
-        """For a live TP resize: one bundle per new TP rank j of the slices of this shard that go there
-        (none for j in `skip`: those this process keeps), then the replicated tensors alone, then the
-        bundles' sizes (raytp.runtime.worker.transfer). Call with num_returns=new_tp + 2."""
+    def export_pieces(self, new_tp: int, skip: list[int], stages: list | None = None):
+        """For a live resize: one bundle per new TP rank j (and new stage, given the new layout's `stages`)
+        of the slices of this shard that go there (none for j in `skip`: those this process keeps), then
+        the replicated tensors alone, then the bundles' sizes (raytp.runtime.worker.transfer). Call with
+        num_returns=new_tp * len(stages or [None]) + 2."""
         g = self.groups
         bundles = transfer.export_pieces(self.model, self.optimizer, g.tp_rank, g.layout.tp, new_tp,
-                                         self.cfg.model.vocab_size, set(skip))
+                                         self.cfg.model.vocab_size, set(skip), stages=stages)
         return (*bundles, transfer.replicated(self.model, self.optimizer), [transfer.bundle_bytes(b) for b in bundles])
 
     def commit_reshape(self) -> None:

@@ -1,0 +1,66 @@
+"""Live resizes of the stages: TP=2 x PP=1 -> TP=1 x PP=2 -> TP=2 x PP=2 -> TP=2 x PP=2 x DP=2 -> TP=1 x PP=3,
+while training, in memory (each new stage's shards from the old owners' bundles, each byte once); the loss
+tracks an unresized run within 1e-4 and the model's logits do not move at a switch. The second phase is
+filed as `raytp scale` files it (the control actor), the others through Driver.resize."""
+import dataclasses
+import io
+import json
+
+import numpy as np
+import pytest
+import ray
+
+from helpers import FIXED, job, losses
+from raytp.runtime.driver.driver import Driver
+
+pytestmark = pytest.mark.slow  # up to 8 workers and two layouts at once on 2 cores
+
+PHASES = [(2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 2, 2), (1, 3, 1)]  # (tp, pp, dp), 3 steps each
+STEPS = 3 * len(PHASES)
+
+
+@pytest.fixture(scope="module")
+def ray_wide():
+    ray.init(address="local", num_cpus=16, include_dashboard=False, namespace="raytp", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def the_job():
+    cfg = job(2, 1, model={"n_layer": 3}, steps=STEPS)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps_per_call=3, eval_interval=0))
+
+
+def test_stages_resize_live_and_the_loss_tracks_an_unresized_run(ray_wide, tmp_path):
+    Driver(the_job(), tmp_path / "ref", "ppunresized", out=io.StringIO()).run_to_end()
+    d = Driver(the_job(), tmp_path / "run", "ppresized", out=io.StringIO())
+    try:
+        d.start()
+        for i, (tp, pp, dp) in enumerate(PHASES):
+            if i:
+                before = d.logits(FIXED)
+                if i == 1:  # what `raytp scale RUN --tp 1 --pp 2` files, served at the next step boundary
+                    rid = ray.get(d.control.actor.request.remote("scale", tp=tp, pp=pp, dp=dp))
+                    d.handle_requests()
+                    outcome = ray.get(d.control.actor.outcome.remote(rid))
+                    assert outcome["ok"], outcome
+                else:
+                    outcome = d.resize(tp, dp, pp=pp)
+                    assert outcome.ok, outcome
+                assert (d.layout.tp, d.layout.pp, d.layout.dp) == (tp, pp, dp)
+                after = d.logits(FIXED)
+                assert float((after - before).abs().max()) < 1e-5, f"logits moved at {PHASES[i - 1]} -> {tp, pp, dp}"
+            d.train_loop(until=3 * (i + 1))
+    finally:
+        d.release()
+        d.log.close()
+    ours, theirs = np.array(losses(tmp_path / "run")), np.array(losses(tmp_path / "ref"))
+    assert len(ours) == STEPS
+    rel = np.abs(ours - theirs) / theirs
+    assert rel.max() < 1e-4, f"loss curve left the unresized one by {rel.max():.2e}"
+    events = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl")]
+    resized = [e for e in events if e["kind"] == "resized"]
+    assert [tuple(e["new"][k] for k in ("tp", "pp", "dp")) for e in resized] == PHASES[1:]
+    assert all(e["lost_steps"] == 0 and e["bytes"] > 0 for e in resized)
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [(m["tp"], m["pp"], m["dp"]) for m in metrics[::3]] == PHASES
