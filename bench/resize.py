@@ -51,11 +51,20 @@ PEER = ("stop + restart with the same code: Driver.save_checkpoint() to disk (th
 GOAL_RATIO = 0.3
 FULL = {"model": MODEL["FULL"], "batch_size": 8, "warmup": 3, "reps": 3}
 QUICK = {"model": MODEL["QUICK"], "batch_size": 4, "warmup": 2, "reps": 1}
-CASES = {"tp_2_to_4": ((2, 1), (4, 1)), "dp_2_to_1": ((2, 2), (2, 1))}
+CASES = {"tp_2_to_4": ((2, 1), (4, 1)), "dp_2_to_1": ((2, 2), (2, 1)),
+         "pp_1_to_2": ((2, 1, 1), (2, 1, 2))}  # layouts (tp, dp[, pp])
 
 
-def _started(p: dict, tp: int, dp: int, run_dir: Path):
-    d = driver(job(p["model"], p["batch_size"], tp, dp, p["warmup"] + 1000), run_dir)
+def _lay(d) -> tuple:
+    return (d.layout.tp, d.layout.dp, d.layout.pp)
+
+
+def _same(d, layout: tuple) -> bool:
+    return _lay(d) == (*layout, 1)[:3]
+
+
+def _started(p: dict, tp: int, dp: int, run_dir: Path, pp: int = 1):
+    d = driver(job(p["model"], p["batch_size"], tp, dp, p["warmup"] + 1000, parallel={"pp": pp}), run_dir)
     d.start()
     d.train_loop(until=p["warmup"])
     return d
@@ -64,7 +73,7 @@ def _started(p: dict, tp: int, dp: int, run_dir: Path):
 def _one_step_at(d, layout: tuple, p: dict) -> float:
     """Train one step, which must run at `layout` right after the warm-up; when it ended."""
     d.train_loop(until=d.step + 1)
-    assert (d.layout.tp, d.layout.dp) == layout and d.step == p["warmup"] + 1
+    assert _same(d, layout) and d.step == p["warmup"] + 1
     return time.perf_counter()
 
 
@@ -74,7 +83,7 @@ def _accepted(outcome, old: tuple, new: tuple) -> None:
 
 
 def in_memory(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
-    d = _started(p, *old, run_dir)
+    d = _started(p, *old[:2], run_dir, *old[2:])
     try:
         w0, t0 = time.time(), time.perf_counter()
         outcome = d.resize(*new)
@@ -93,12 +102,12 @@ def in_memory(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
 def training_on(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
     """What `raytp scale` does: request, then the job trains on (one step per call) until the new
     ranks are up and it switches at a step boundary."""
-    d = _started(p, *old, run_dir)
+    d = _started(p, *old[:2], run_dir, *old[2:])
     try:
         t0 = time.perf_counter()
-        _accepted(d.request_resize(*new), old, new)
+        _accepted(d.request_resize(*new[:2], pp=(new[2:] or (None,))[0]), old, new)
         at_request = d.step
-        while d.pending_resize is not None or (d.layout.tp, d.layout.dp) != new:
+        while d.pending_resize is not None or not _same(d, new):
             d.train_loop(until=d.step + 1)
         if d.resizing is not None:  # switched at the request (a shrink): one step at the new layout
             d.train_loop(until=d.step + 1)
@@ -113,7 +122,7 @@ def training_on(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
 def restart(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
     from raytp.runtime import policy
     from raytp.runtime.origin import from_checkpoint
-    d = _started(p, *old, run_dir)
+    d = _started(p, *old[:2], run_dir, *old[2:])
     try:
         t0 = time.perf_counter()
         path = d.save_checkpoint()
@@ -138,16 +147,19 @@ def restart(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
 def changing_owner_bytes(p: dict, old: tuple, new: tuple) -> int:
     """From the reshard plan alone: bytes of weights and AdamW moments whose holder changes process (the
     figure the resize's own count of bytes moved is held against). A DP change copies whole shards to
-    the added replicas; a shrink moves nothing."""
+    the added replicas; a shrink moves nothing; a change of the stages restarts every process (raytp's
+    restage path): all of the state moves."""
     import torch
 
     from raytp.models.args import ModelArgs
     from raytp.models.gpt2.model import GPT
     from raytp.parallel.reshard_plan import pieces
     from raytp.models.registry import sharding_of
-    (old_tp, old_dp), (new_tp, new_dp) = old, new
+    (old_tp, old_dp), (new_tp, new_dp) = old[:2], new[:2]
     with torch.device("meta"):
         model = GPT(ModelArgs(**p["model"], dropout=0.0))
+    if old[2:] != new[2:]:
+        return sum(t.numel() for t in model.parameters()) * 4 * 3
     total = 0
     for name, t in model.named_parameters():
         s = sharding_of(name)
@@ -188,7 +200,8 @@ def run(quick: bool = False) -> dict:
     for case, (old, new) in CASES.items():
         mem, rst = res[(case, "raytp")], res[(case, "restart")]
         a, b = med([r["request_to_step_s"] for r in mem]), med([r["request_to_step_s"] for r in rst])
-        fig[case] = {"layouts": f"TP={old[0]} x DP={old[1]} -> TP={new[0]} x DP={new[1]}",
+        name = lambda lay: f"TP={lay[0]} x " + (f"PP={lay[2]} x " if lay[2:] else "") + f"DP={lay[1]}"  # noqa: E731
+        fig[case] = {"layouts": f"{name(old)} -> {name(new)}",
                      "raytp_request_to_step_s": a, "restart_request_to_step_s": b,
                      "ratio_raytp_to_restart": round(a / b, 4),
                      "raytp_runs_s": [round(r["request_to_step_s"], 2) for r in mem],

@@ -126,7 +126,7 @@ def test_a_scale_request_trains_on_while_the_new_ranks_start_then_switches(tmp_p
         d.log.close()
     assert x_saved(tmp_path) == expected_x(STEPS)
     (ev,) = events(tmp_path, "resized")
-    assert (ev["old"], ev["new"]) == ({"tp": 2, "dp": 1}, {"tp": 4, "dp": 1}) and 0 < ev["stall_s"] < ev["seconds"]
+    assert (ev["old"], ev["new"]) == ({"tp": 2, "pp": 1, "dp": 1}, {"tp": 4, "pp": 1, "dp": 1}) and 0 < ev["stall_s"] < ev["seconds"]
     assert not cluster.pgs, "placement groups left after release"
 
 

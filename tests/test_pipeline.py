@@ -117,6 +117,7 @@ def test_pipeline_trains_like_one_device(world, references):
             assert diff < 1e-5, f"{name}: final {k} differs by {diff:.2e}"
 
 
+@pytest.mark.slow
 def test_stages_send_one_tp_share_of_the_activations_across_nodes():
     """Bytes a stage sends per step: 2 x m x b x s x h x 4 x (p-1) per pipeline in all, split over the TP
     ranks (1/tp each, without SP too: the receiving stage all-gathers inside its node)."""

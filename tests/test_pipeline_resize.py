@@ -1,7 +1,8 @@
-"""Live resizes of the stages: TP=2 x PP=1 -> TP=1 x PP=2 -> TP=2 x PP=2 -> TP=2 x PP=2 x DP=2 -> TP=1 x PP=3,
+"""Live resizes of the stages: TP=2 x PP=1 -> TP=2 x PP=2 -> TP=2 x PP=2 x DP=2 -> TP=2 x PP=1 -> TP=1 x PP=3,
 while training, in memory (each new stage's shards from the old owners' bundles, each byte once); the loss
-tracks an unresized run within 1e-4 and the model's logits do not move at a switch. The second phase is
-filed as `raytp scale` files it (the control actor), the others through Driver.resize."""
+tracks an unresized run within 1e-4 and the model's logits do not move at a switch; a change of the stages
+at the same TP degree keeps the processes of replica 0's stages present at both layouts. The first switch
+is filed as `raytp scale` files it (the control actor), the others through Driver.resize."""
 import dataclasses
 import io
 import json
@@ -10,13 +11,13 @@ import numpy as np
 import pytest
 import ray
 
-from helpers import FIXED, job, losses
+from helpers import FIXED, job, losses, ray_actors
 from raytp.runtime.driver.driver import Driver
 
 pytestmark = pytest.mark.slow  # up to 8 workers and two layouts at once on 2 cores
 
-PHASES = [(2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 2, 2), (1, 3, 1)]  # (tp, pp, dp), 3 steps each
-STEPS = 3 * len(PHASES)
+PHASES = [(2, 1, 1), (2, 2, 1), (2, 2, 2), (2, 1, 1), (1, 3, 1)]  # (tp, pp, dp), 3 steps each at least
+STEPS = 200  # room for the first switch's new ranks to start while the job trains on
 
 
 @pytest.fixture(scope="module")
@@ -39,18 +40,27 @@ def test_stages_resize_live_and_the_loss_tracks_an_unresized_run(ray_wide, tmp_p
         for i, (tp, pp, dp) in enumerate(PHASES):
             if i:
                 before = d.logits(FIXED)
-                if i == 1:  # what `raytp scale RUN --tp 1 --pp 2` files, served at the next step boundary
+                pids = {n: a["pid"] for n, a in ray_actors("raytp.ppresized.rank").items()}
+                if i == 1:  # what `raytp scale RUN --pp 2` files, served at the next step boundary
                     rid = ray.get(d.control.actor.request.remote("scale", tp=tp, pp=pp, dp=dp))
-                    d.handle_requests()
-                    outcome = ray.get(d.control.actor.outcome.remote(rid))
-                    assert outcome["ok"], outcome
+                    while ray.get(d.control.actor.outcome.remote(rid)) is None:  # trains on while ranks start
+                        assert d.step < STEPS, "the new ranks did not start before the job's end"
+                        d.train_loop(until=d.step + 1)
+                    assert ray.get(d.control.actor.outcome.remote(rid))["ok"]
                 else:
                     outcome = d.resize(tp, dp, pp=pp)
                     assert outcome.ok, outcome
                 assert (d.layout.tp, d.layout.pp, d.layout.dp) == (tp, pp, dp)
-                after = d.logits(FIXED)
-                assert float((after - before).abs().max()) < 1e-5, f"logits moved at {PHASES[i - 1]} -> {tp, pp, dp}"
-            d.train_loop(until=3 * (i + 1))
+                if i > 1:  # (the first switch came after the steps trained while its ranks started)
+                    after = d.logits(FIXED)
+                    assert float((after - before).abs().max()) < 1e-5, f"logits moved at {PHASES[i - 1]} -> {tp, pp, dp}"
+                names = ray_actors("raytp.ppresized.rank")
+                assert sorted(names) == sorted(f"raytp.ppresized.rank{r}" for r in range(tp * pp * dp))
+                if tp == PHASES[i - 1][0]:  # the stages of replica 0 present at both layouts keep their processes
+                    stay = [f"raytp.ppresized.rank{r}" for r in range(tp * min(pp, PHASES[i - 1][1]))]
+                    assert {n: names[n]["pid"] for n in stay} == {n: pids[n] for n in stay}
+            d.train_loop(until=d.step + 3)
+        d.train_loop()
     finally:
         d.release()
         d.log.close()
@@ -63,4 +73,5 @@ def test_stages_resize_live_and_the_loss_tracks_an_unresized_run(ray_wide, tmp_p
     assert [tuple(e["new"][k] for k in ("tp", "pp", "dp")) for e in resized] == PHASES[1:]
     assert all(e["lost_steps"] == 0 and e["bytes"] > 0 for e in resized)
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert [(m["tp"], m["pp"], m["dp"]) for m in metrics[::3]] == PHASES
+    assert [(m["tp"], m["pp"], m["dp"]) for m in metrics][0] == PHASES[0] and metrics[-1]["pp"] == 3
+    assert {(m["tp"], m["pp"], m["dp"]) for m in metrics} == set(PHASES)

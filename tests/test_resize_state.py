@@ -92,6 +92,6 @@ def test_a_reshape_on_a_cluster_the_job_fills_switches_in_its_own_bundles(ray_lo
         d.log.close()
     import json
     (ev,) = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl") if '"resized"' in line]
-    assert (ev["old"], ev["new"]) == ({"tp": 4, "dp": 1}, {"tp": 1, "dp": 2}) and ev["lost_steps"] == 0
+    assert (ev["old"], ev["new"]) == ({"tp": 4, "pp": 1, "dp": 1}, {"tp": 1, "pp": 1, "dp": 2}) and ev["lost_steps"] == 0
     assert "in place" in ev["reason"]
     print(ev, file=sys.stderr)

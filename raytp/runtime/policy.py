@@ -172,6 +172,22 @@ def tp_resize_ranks(old: Layout, new: Layout) -> RankPlan:
                     tuple(r for r in starting if not free(r)), tuple(range(keep, old.world_size)))
 
 
+def stage_resize_ranks(old: Layout, new: Layout) -> RankPlan:
+    """A change of the stages at the same TP degree keeps the processes of the ranks whose number, TP
+    rank, stage and replica are the same at both layouts (replica 0's stages present at both: their
+    placement groups stay, raytp.runtime.cluster.placement.reserve_stages); every other rank starts
+    anew, early where its name is free and its bundle is not an old worker's (an old stage group)."""
+    kept = tuple(r for r in range(min(old.world_size, new.world_size)) if old.coords(r) == new.coords(r))
+
+    def free(r: int) -> bool:
+        at = new.coords(r)
+        return r >= old.world_size and not (at.dp < old.dp and at.pp < old.pp)
+
+    starting = [r for r in range(new.world_size) if r not in kept]
+    return RankPlan(kept, tuple(r for r in starting if free(r)), tuple(r for r in starting if not free(r)),
+                    tuple(r for r in range(old.world_size) if r not in kept))
+
+
 GROW_REQUEST, GROW_WAIT, GROW_NOW = "request", "wait", "grow"
 
 

@@ -215,3 +215,52 @@ def reserve_tp(cfg: JobConfig, run: str, pgs: dict, old_dp: int):
     for q, (pg, _) in ext.items():
         out[q] = extended(pgs[q], pg, tp - size_of(pgs[q]))
     return {**out, **added}, requested, unused
+
+
+def reserve_stages(cfg: JobConfig, run: str, pgs: dict, old_dp: int, old_pp: int):
+    """The placement of layout `cfg` for a change of the stages at the same TP degree that keeps the
+    processes of replica 0's stages present at both layouts: each replica's stage s < old_pp keeps its
+    old group; other stages get groups of their own. (dp_rank -> placement, groups requested, groups no
+    longer used once it is done). Raises PlacementError (leaving nothing behind) if the capacity is not
+    there in time."""
+    tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp
+
+    def old_stages(q: int) -> list:  # replica q's placement, stage by stage (runs of tp bundles)
+        replica = pgs[q]
+        if old_pp == 1:
+            return [replica]
+        out, run_, n = [], [], 0
+        for part in replica.parts:
+            run_.append(part)
+            n += part[2]
+            if n >= tp:
+                out.append(Slots(tuple(run_)))
+                run_, n = [], 0
+        return out
+
+    out, requested, unused = {}, [], []
+    for q in range(max(dp, old_dp)):
+        have = old_stages(q) if q < old_dp else []
+        if q >= dp:
+            unused += [g for st in have for g in groups_of(st)]
+            continue
+        unused += [g for st in have[pp:] for g in groups_of(st)]
+        stages = []
+        for s in range(pp):
+            if s < len(have):
+                stages.append(have[s])
+                continue
+            g = placement_group([worker_resources(cfg)] * tp, strategy="STRICT_PACK",
+                                name=f"{names.replica_group(run, q, next(_GENERATION))}-pp{s}")
+            requested.append(g)
+            stages.append(g)
+        out[q] = stages[0] if pp == 1 else Slots(tuple(
+            part for st in stages for part in (st.parts if isinstance(st, Slots) else ((st, 0, tp),))))
+    timeout = cfg.runtime.placement_timeout_s
+    if requested:
+        ready, _ = ray.wait([g.ready() for g in requested], num_returns=len(requested), timeout=timeout)
+        if len(ready) < len(requested):
+            release(requested)
+            raise PlacementError(f"could not place the workers within {timeout:g}s: "
+                                 + explain_shortfall(cfg, tp, dp))
+    return out, requested, unused

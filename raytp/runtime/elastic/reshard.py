@@ -16,7 +16,13 @@ new one with every rank holding its shard, and the bytes that moved; or raises
   restarts the old layout from it.
 - TP change where the bundles could not be had on a replica's node
   (``restart_tp``): new placement groups for every replica, every worker
-  started anew.
+  started anew (also any TP change at pp > 1).
+- Change of the stages at the same TP degree (``switch_stages``): replica 0's
+  stages present at both layouts keep their processes and placement groups
+  and reshape to their new layers; the others start (ahead where they can);
+  every old owner cuts one bundle per new TP rank and stage, holding only
+  that stage's layers, so each byte moves once (a tied embedding's second
+  copy twice).
 """
 from __future__ import annotations
 
@@ -172,6 +178,45 @@ def restart_in(group, new_cfg, new_pgs: dict):
         if nxt is not None:
             nxt.kill(range(new.world_size))
         raise SwitchFailed(_restarted_from(group, refs, replicated), e) from e
+    return nxt, sum(sizes[i][slot(r)] for r in range(new.world_size) for i in range(owners))
+
+
+def switch_stages(group, new_cfg, reserved: tuple, early: dict, plan):
+    """`group` at another number of stages (the same TP degree), keeping the processes of `plan.kept`
+    (raytp.runtime.policy.stage_resize_ranks; their placement groups stay): every old owner cuts its
+    shard into one bundle per new stage (raytp.runtime.worker.transfer), kept processes reshape to
+    their new stage from them and the others start (or started ahead, `early`) and fill theirs: (new
+    group, bytes moved). On a failure after the export the old layout starts again from the bundles."""
+    old, new = group.layout, policy.layout_of(new_cfg)
+    new_pgs, requested, unused = reserved
+    stages = new_stages(new_cfg)
+    started = [a for a, _ in early.values()]
+    try:
+        refs, replicated, sizes = group.export_pieces(new.tp, stages=stages)
+    except FAILURES as e:
+        group.kill_actors(started)
+        group.placer.release(requested)
+        raise SwitchFailed(group, e) from e
+    slot = lambda r: new.coords(r).tp * len(stages) + new.coords(r).pp  # noqa: E731
+    owners = Ownership(old).parts
+    try:
+        group.kill(plan.removed)  # their names and bundles go to the new layout; their bundles stay in the store
+        late = {r: group.start_worker(r, new_cfg, new_pgs) for r in plan.late}
+        started += [a for a, _ in late.values()]
+        news = {**late, **early}
+        workers = [group.workers[r] if r in plan.kept else news[r][0] for r in range(new.world_size)]
+        nxt = group.successor(new_cfg, new_pgs, workers, bundles={actor_id(a): k for a, k in news.values()})
+        sources = {r: PiecesSource(tuple(refs[i][slot(r)] for i in range(owners)), new_cfg.model.vocab_size)
+                   for r in range(new.world_size)}
+        nxt = nxt.join(setup=[r for r in range(new.world_size) if r not in plan.kept], reshape=plan.kept,
+                       states=sources)
+        nxt.commit_reshape(plan.kept)
+    except FAILURES as e:
+        group.kill_actors(started)
+        group.kill(range(old.world_size))
+        group.placer.release(requested)
+        raise SwitchFailed(_restarted_from(group, refs, replicated), e) from e
+    group.placer.release(unused)
     return nxt, sum(sizes[i][slot(r)] for r in range(new.world_size) for i in range(owners))
 
 

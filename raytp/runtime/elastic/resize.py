@@ -102,12 +102,16 @@ class Elastic:
             return Outcome.refused("; ".join(e.problems))
         if (tp, pp, dp) == (old.tp, old.pp, old.dp):
             return Outcome(ok=True, layout=str(old), note="already at this layout")
-        if pp != old.pp or (pp > 1 and tp != old.tp):
+        if tp != old.tp and (pp > 1 or old.pp > 1):
             return self._restage(group, new_cfg, t0, step)
-        self.say(f"resizing {old} -> TP={tp} x DP={dp} (requested at step {step})")
+        self.say(f"resizing {old} -> {policy.layout_of(new_cfg)} (requested at step {step})")
         run = group.launcher.run
         try:
-            if tp == old.tp:
+            if pp != old.pp:
+                kind, plan = "pp", policy.stage_resize_ranks(old, policy.layout_of(new_cfg))
+                reserved = group.placer.reserve_stages(new_cfg, run, group.pgs, old.dp, old.pp)
+                requested, pgs = reserved[1], reserved[0]
+            elif tp == old.tp:
                 kind, plan = "dp", policy.dp_resize_ranks(old.replica_size, old.dp, dp)
                 added = list(range(old.dp, dp))
                 reserved = group.reserve(new_cfg, run, added, avoid_nodes=group.placer.nodes_of(group.pgs)) \
@@ -138,9 +142,9 @@ class Elastic:
         return None
 
     def _restage(self, group, new_cfg, t0: float, step: int):
-        """A change of the stages (or of TP at pp > 1): the new layout's placement is reserved beside the
-        job, then every worker hands its shard over for the new stages worker to worker and the new
-        layout's workers start in it (raytp.runtime.elastic.reshard.restart_tp): each byte moves once."""
+        """A TP change at pp > 1 (or to or from it): the new layout's placement is reserved beside the job,
+        then every worker hands its shard over for the new layout worker to worker and the new layout's
+        workers start in it (raytp.runtime.elastic.reshard.restart_tp): each byte moves once."""
         new = policy.layout_of(new_cfg)
         self.say(f"resizing {group.layout} -> {new} (requested at step {step}): every worker restarts")
         try:
@@ -170,6 +174,8 @@ class Elastic:
                                                  "(a failure was healed)")
         if p.kind == "dp":
             switch = lambda: reshard.switch_dp(group, p.new_cfg, step, p.reserved, p.early, p.plan)  # noqa: E731
+        elif p.kind == "pp":
+            switch = lambda: reshard.switch_stages(group, p.new_cfg, p.reserved, p.early, p.plan)  # noqa: E731
         else:
             switch = lambda: reshard.switch_tp(group, p.new_cfg, p.reserved, p.early, p.plan)  # noqa: E731
         return p.request_id, carry_out(group, switch, p.t0, "requested", step)

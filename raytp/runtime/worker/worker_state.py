@@ -42,7 +42,9 @@ class WorkerState:
         self.hyper = hyper(self.cfg)
         self.optimizer = make_optimizer(self.model, self.hyper)
         source = StateSource(source) if isinstance(source, dict) else source
-        extra = {"own": own} if own is not None and isinstance(source, PiecesSource) else {}
+        # A kept process copies its own slices locally where the bundles leave them out (a TP resize: None)
+        keep_own = own is not None and isinstance(source, PiecesSource) and None in source.refs
+        extra = {"own": own} if keep_own else {}
         source.fill(self.model, self.optimizer, g.tp_rank, g.layout.tp, **extra)
 
     def export_pieces(self, new_tp: int, skip: list[int], stages: list | None = None):
