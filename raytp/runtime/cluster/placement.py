@@ -202,19 +202,25 @@ def reserve_tp(cfg: JobConfig, run: str, pgs: dict, old_dp: int):
             ext[q] = request_extension(cfg, run, q, pgs[q], tp - have)
     added = request_replicas(cfg, run, tp, list(range(old_dp, dp)), avoid_nodes=nodes_of(pgs)) if dp > old_dp else {}
     requested = [pg for pg, _ in ext.values()] + list(added.values())
-    timeout = cfg.runtime.placement_timeout_s
-    if requested:
-        ready, _ = ray.wait([pg.ready() for pg in requested], num_returns=len(requested), timeout=timeout)
-        if len(ready) < len(requested):
-            release(requested)
-            raise PlacementError(f"could not place the workers within {timeout:g}s: "
-                                 + explain_shortfall(cfg, tp, dp))
+    wait_placed(cfg, requested)
     if not all(extension_placed(pg, node) for pg, node in ext.values()):
         release(requested)
         return None
     for q, (pg, _) in ext.items():
         out[q] = extended(pgs[q], pg, tp - size_of(pgs[q]))
     return {**out, **added}, requested, unused
+
+
+def wait_placed(cfg: JobConfig, requested: list) -> None:
+    """Wait for the placement groups `requested` for layout `cfg`; raises PlacementError (releasing them)
+    if they are not all placed within runtime.placement_timeout_s."""
+    timeout = cfg.runtime.placement_timeout_s
+    if requested:
+        ready, _ = ray.wait([g.ready() for g in requested], num_returns=len(requested), timeout=timeout)
+        if len(ready) < len(requested):
+            release(requested)
+            raise PlacementError(f"could not place the workers within {timeout:g}s: "
+                                 + explain_shortfall(cfg, cfg.parallel.tp, cfg.parallel.dp))
 
 
 def reserve_stages(cfg: JobConfig, run: str, pgs: dict, old_dp: int, old_pp: int):
@@ -256,11 +262,5 @@ def reserve_stages(cfg: JobConfig, run: str, pgs: dict, old_dp: int, old_pp: int
             stages.append(g)
         out[q] = stages[0] if pp == 1 else Slots(tuple(
             part for st in stages for part in (st.parts if isinstance(st, Slots) else ((st, 0, tp),))))
-    timeout = cfg.runtime.placement_timeout_s
-    if requested:
-        ready, _ = ray.wait([g.ready() for g in requested], num_returns=len(requested), timeout=timeout)
-        if len(ready) < len(requested):
-            release(requested)
-            raise PlacementError(f"could not place the workers within {timeout:g}s: "
-                                 + explain_shortfall(cfg, tp, dp))
+    wait_placed(cfg, requested)
     return out, requested, unused
