@@ -69,12 +69,12 @@ def state_tensors(state: dict, cfg: ModelArgs | None = None) -> dict[str, tuple[
     return out
 
 
-def without_copies(tensors: dict, tied_copy: bool) -> dict:
-    """`tensors` (keys as named_tensors') less the tied embedding's copy, if they are those of a last pipeline
-    stage holding one (`tied_copy`, raytp.models.stage.Stage.tied_copy)."""
-    if not tied_copy:
+def without_copies(tensors: dict, copy: str | None) -> dict:
+    """`tensors` (keys as named_tensors') less those of parameter `copy`: the tied embedding's copy a last
+    pipeline stage holds (raytp.models.stage.copied_name), which the first stage writes; None: all."""
+    if copy is None:
         return tensors
-    return {k: v for k, v in tensors.items() if not k.split("/")[1].startswith(("wte.", "embed_tokens."))}
+    return {k: v for k, v in tensors.items() if k.split("/")[1] != copy}
 
 
 def tensor_table(tensors: dict[str, tuple[Sharding, torch.Tensor]], tp: int, vocab_size: int,

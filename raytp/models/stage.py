@@ -126,8 +126,13 @@ def holds(parts: dict, stage: Stage | None, name: str) -> bool:
     return True
 
 
+def copied_name(parts: dict, stage: Stage | None) -> str | None:
+    """The parameter `stage` holds as a copy another stage owns (the tied embedding on a last stage that is
+    not the first), given its model's ``stage_parts()``; None if it holds none."""
+    return f"{parts['embedding']}.weight" if stage is not None and stage.tied_copy else None
+
+
 def replicated_copy(model: CausalLM, name: str) -> bool:
     """Whether parameter `name` of this stage is a copy another stage owns (the tied embedding on the last
     stage): it is written, snapshotted and counted in the gradient norm by the first stage only."""
-    stage = getattr(model, "stage", None)
-    return stage is not None and stage.tied_copy and name == f"{model.stage_parts()['embedding']}.weight"
+    return name == copied_name(model.stage_parts(), getattr(model, "stage", None))

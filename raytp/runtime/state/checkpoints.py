@@ -156,8 +156,11 @@ def write_part(url: str, directory: str, tp_rank: int, packed, tp: int, model_cf
     """TP rank `tp_rank`'s file (of pipeline stage `stage` of `pp`) of a checkpoint from its packed snapshot
     (run as a task: write_part_task); `model_cfg`: the model's ModelArgs."""
     from raytp.train.shard_state import unpack_state
-    tied_copy = model_cfg.tied and stage is not None and stage == pp - 1 and stage > 0
-    tensors = checkpoint.without_copies(checkpoint.state_tensors(unpack_state(packed), model_cfg), tied_copy)
+    from raytp.models.registry import model_class
+    from raytp.models.stage import Stage, copied_name
+    here = Stage((), pp, stage, model_cfg.tied) if stage is not None else None  # only whether it holds a copy
+    copy = copied_name(model_class(model_cfg).stage_parts(), here)
+    tensors = checkpoint.without_copies(checkpoint.state_tensors(unpack_state(packed), model_cfg), copy)
     out = checkpoint.write_shard(Storage(url), directory, tensors, tp_rank, tp=tp, stage=stage)
     out["table"] = checkpoint.tensor_table(tensors, tp, model_cfg.vocab_size, stage) if tp_rank == 0 else None
     return out

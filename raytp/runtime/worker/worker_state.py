@@ -17,6 +17,7 @@ import torch
 from raytp.config.adapters import model_args, hyper
 from raytp.parallel.groups import destroy_process_groups
 from raytp.models.shard import build_empty_shard, rebind_groups
+from raytp.models.stage import copied_name
 from raytp.runtime.worker import transfer
 from raytp.runtime.worker.background_save import BackgroundSave
 from raytp.runtime.worker.transfer import PiecesSource
@@ -93,7 +94,8 @@ class WorkerState:
         if held is not None:
             packed, buf = held
             tensors = checkpoint.without_copies(checkpoint.state_tensors(unpack_state(packed, views=True),
-                                                                         model_args(self.cfg)), self._tied_copy())
+                                                                         model_args(self.cfg)),
+                                                copied_name(self.model.stage_parts(), getattr(self.model, "stage", None)))
             self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, torch.device("cpu"),
                                          staged=True, then=lambda: self.snap_bufs.release(buf), tp=g.layout.tp,
                                          stage=stage)
@@ -104,10 +106,6 @@ class WorkerState:
         if g.tp_rank != 0:
             return None
         return checkpoint.tensor_table(tensors, g.layout.tp, self.cfg.model.vocab_size, stage)
-
-    def _tied_copy(self) -> bool:
-        stage = getattr(self.model, "stage", None)
-        return stage is not None and stage.tied_copy
 
     def probe_storage(self, url: str, token: str) -> str | None:
         """Whether this process reaches the checkpoint location as the driver does (None: it does)."""
