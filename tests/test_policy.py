@@ -141,3 +141,18 @@ def test_a_replica_elsewhere_is_one_on_nodes_replica_0_does_not_use():
     assert not policy.replica_elsewhere(TP2_DP2, ["A", "A", "A", "A"])
     assert not policy.replica_elsewhere(Layout(2, dp=1), ["A", "A"])
     assert not policy.replica_elsewhere(TP2_DP2, ["A", "A"])  # not placed yet
+
+
+def test_placement_aims_keep_a_stages_replicas_on_different_nodes():
+    # Enough nodes: one (replica, stage) group per node, in order.
+    assert policy.spread_targets(4, 2, 2) == [0, 1, 2, 3]
+    # 3 nodes for 2 replicas x 2 stages: the fourth group shares a node, but not with the other replica's
+    # copy of its stage, so losing any one node leaves every stage a replica.
+    aims = policy.spread_targets(3, 2, 2)
+    assert aims[:3] == [0, 1, 2] and aims[3] != aims[1]
+    for node in range(3):
+        lost = {k % 2 for k, n in enumerate(aims) if n == node}  # stages on that node
+        assert all(any(aims[r * 2 + s] != node for r in range(2)) for s in lost)
+    # Fewer nodes than replicas of a stage: the least loaded.
+    assert policy.spread_targets(2, 3, 1) == [0, 1, 0]
+    assert policy.spread_targets(0, 2, 1) == [None, None]

@@ -264,3 +264,21 @@ def keeper_node(layout: Layout, nodes: Sequence[str | None], alive: Sequence[str
     if current in others:
         return current, None
     return (here if here in others else others[0]), None
+
+
+def spread_targets(nodes: int, replicas: int, pp: int) -> list[int | None]:
+    """Which of `nodes` candidate nodes (indices) each (replica, stage) placement group aims at, replica by
+    replica, stage by stage: the least loaded node that holds no other replica's copy of the same stage,
+    if any (so one node's loss leaves every stage a replica), else the least loaded; None without nodes."""
+    load, stages, out = [0] * nodes, [set() for _ in range(nodes)], []
+    for _ in range(replicas):
+        for s in range(pp):
+            if not nodes:
+                out.append(None)
+                continue
+            n = min(range(nodes), key=lambda i: (s in stages[i], load[i], i))
+            load[n] += 1
+            stages[n].add(s)
+            out.append(n)
+    return out
+

@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raytp import names
 from raytp.config import JobConfig
 from raytp.runtime.errors import PlacementError
+from raytp.runtime.policy import spread_targets
 from raytp.runtime.cluster.slots import (Slots, bundle_of, carve, extended, groups_of, size_of, trimmed,  # noqa: F401
                                  unused_groups)
 
@@ -83,12 +84,13 @@ def request_replicas(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int],
     need = _replica_need(cfg, tp)
     targets = _candidate_nodes(need, set(avoid_nodes))
     pp = cfg.parallel.pp
+    aims = spread_targets(len(targets), len(dp_ranks), pp)
     pgs = {}
     for i, d in enumerate(dp_ranks):
         stages = []
         for s in range(pp):  # one group per stage, the stages (and replicas) aimed at nodes of their own
             k = i * pp + s
-            target = targets[k] if k < len(targets) else None
+            target = targets[aims[k]] if aims[k] is not None else None
             name = names.replica_group(run, d, next(_GENERATION)) + (f"-pp{s}" if pp > 1 else "")
             stages.append(placement_group([worker_resources(cfg)] * tp, strategy="STRICT_PACK", name=name,
                                           _soft_target_node_id=target))
