@@ -32,12 +32,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+def held_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
     """Storage bytes of params, grads and optimizer state on this rank (each storage once)."""
     groups = {
         "params": [p for p in model.parameters()],
         "grads": [p.grad for p in model.parameters() if p.grad is not None],
-        "optimizer": [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
+        "optimizer": [v for st in optimizer.named_state().values() for v in st.values() if isinstance(v, torch.Tensor)],
     }
     out, seen = {}, set()
     for kind, tensors in groups.items():

@@ -236,7 +236,9 @@ def small_state(tp):
     cfg = ModelArgs(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=37)
     torch.manual_seed(0)
     model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters())
+    from raytp.train.hyper import Hyper
+    from raytp.train.optimizer import make_optimizer
+    opt = make_optimizer(model, Hyper())
     model(torch.randint(37, (2, 8)), torch.randint(37, (2, 8))).backward()
     opt.step()
     from raytp.train.shard_state import shard_state, slice_state

@@ -103,6 +103,9 @@ class ParallelConfig:
                                             "the first stage and the head and loss on the last")
     sequence_parallel: bool = _f(
         False, "shard LayerNorm/dropout activations along the sequence over TP ranks")
+    zero: int = _f(0, "distributed optimizer: 0 = every DP replica keeps all the AdamW state; 1 = each DP rank "
+                      "keeps the AdamW state of its 1/dp of the parameters' rows (ZeRO-1: 8 + 8/dp bytes a "
+                      "parameter instead of 16)", (0, 1))
     min_dp: Optional[int] = _f(
         None, "elastic floor: when lost workers cannot be replaced, shrink to as few as this many "
               "replicas instead of failing, and grow back to dp when capacity returns; null = never shrink",

@@ -36,8 +36,9 @@ from raytp.models.args import ModelArgs
 from raytp.models.registry import sharding_of, tensor_sharding
 from raytp.models.stage import replicated_copy
 from raytp.parallel.reshard_plan import pieces
+from raytp.parallel.zero_plan import BUCKET_NUMEL
 from raytp.parallel.sharding import Sharding, local_shape
-from raytp.files import safetensors_io
+from raytp.files import checkpoint_blocks, safetensors_io
 from raytp.files.checkpoint_format import (FORMAT, FORMAT_V1, MANIFEST, STEP_DIR, CheckpointError,  # noqa: F401
                                            check_files, check_model, list_checkpoints, manifest, read_manifest, shard_file,
                                            step_dir, step_of)
@@ -45,19 +46,43 @@ from raytp.files.checkpoint_v1 import LegacyCheckpoint
 from raytp.files.storage import Storage
 
 # -- what a rank holds, as named tensors --------------------------------------------------------
-def named_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, tuple[Sharding, torch.Tensor]]:
-    """key -> (how it splits, live tensor) for the weights and the optimizer state of a shard (a tied
-    embedding's copy on the last pipeline stage left out: the first stage writes it)."""
+def named_tensors(model: torch.nn.Module, optimizer, weights: bool = True) -> dict[str, tuple[Sharding, torch.Tensor]]:
+    """key -> (how it splits, live tensor) for the weights (unless not `weights`) and the optimizer state
+    of a shard (a tied embedding's copy on the last pipeline stage left out: the first stage writes it).
+    Under the distributed optimizer the AdamW tensors are those of the rows this rank keeps."""
     out = {}
+    state = optimizer.named_state() if optimizer is not None else {}
     for name, p in model.named_parameters():
         if replicated_copy(model, name):
             continue
         s = sharding_of(name, model.cfg)
-        out[f"model/{name}"] = (s, p.detach())
-        for k, v in (optimizer.state.get(p, {}) if optimizer is not None else {}).items():
+        if weights:
+            out[f"model/{name}"] = (s, p.detach())
+        for k, v in state.get(name, {}).items():
             if torch.is_tensor(v):
                 out[f"optim/{name}/{k}"] = (s if v.dim() else Sharding(), v.detach())
     return out
+
+
+def zero_table(params: dict[str, torch.Tensor], cfg: ModelArgs, tp: int, dp: int, stage: int | None = None,
+               copy: str | None = None, bucket_numel: int = BUCKET_NUMEL) -> dict[str, dict]:
+    """For the manifest under the distributed optimizer: the AdamW entries of a shard whose parameters are
+    `params` (name -> tensor of the local shape, every one, in the model's order), each moment's rows in
+    blocks over the `dp` ranks' files, each step count in the file of the holder of its first row
+    (raytp.files.checkpoint_blocks); parameter `copy` (a tied embedding's second copy) left out."""
+    blocks = checkpoint_blocks.blocks_of([tuple(t.shape) for t in params.values()], dp, bucket_numel)
+    virtual = {}
+    for name, t in params.items():
+        if name != copy:
+            virtual.update({f"optim/{name}/{k}": (sharding_of(name, cfg), t) for k in checkpoint_blocks.MOMENTS})
+            virtual[f"optim/{name}/step"] = (Sharding(), torch.zeros((), dtype=torch.float32))
+    table = tensor_table(virtual, tp, cfg.vocab_size, stage)
+    for name, blk in zip(params, blocks):
+        if name != copy:
+            for k in checkpoint_blocks.MOMENTS:
+                table[f"optim/{name}/{k}"]["blocks"] = blk
+            table[f"optim/{name}/step"]["dp"] = checkpoint_blocks.step_holder(blk)
+    return table
 
 
 def state_tensors(state: dict, cfg: ModelArgs | None = None) -> dict[str, tuple[Sharding, torch.Tensor]]:
@@ -96,7 +121,7 @@ def tensor_table(tensors: dict[str, tuple[Sharding, torch.Tensor]], tp: int, voc
 
 
 def write_shard(storage: Storage, directory: str, tensors: dict[str, tuple[Sharding, torch.Tensor]], tp_rank: int,
-                to_host=None, written=None, tp: int = 1, stage: int | None = None) -> dict:
+                to_host=None, written=None, tp: int = 1, stage: int | None = None, dp_rank: int = 0) -> dict:
     """Write TP rank `tp_rank`'s file of a checkpoint, one tensor at a time, each with its split dim first
     (the caller keeps the tensors unchanged until `written()` is called, or until this returns: once
     every byte is handed to the file the tensors may change while it is made durable; a device tensor
@@ -108,7 +133,7 @@ def write_shard(storage: Storage, directory: str, tensors: dict[str, tuple[Shard
             continue  # replicated: written once, by TP rank 0; a shared KV head by its owner
         stored = t.t() if s.dim == 1 and t.dim() == 2 else t
         items.append((key, t.dtype, tuple(stored.shape), lambda stored=stored: to_host(stored).contiguous()))
-    name = shard_file(tp_rank, stage)
+    name = shard_file(tp_rank, stage, dp_rank)
     with storage.open_write(f"{directory}/{name}") as f:
         n = safetensors_io.write(f, items, {"format": FORMAT, "tp_rank": str(tp_rank)})
         if storage.local:
@@ -159,14 +184,23 @@ class Checkpoint:
         s, shape = Sharding(spec["dim"], spec["parts"], spec["pad"], spec.get("heads", 0)), tuple(spec["shape"])
         dtype = safetensors_io.TORCH[spec["dtype"]]
         stage = spec.get("stage")
-        if s.dim is None:
-            return self._rows(shard_file(0, stage), key, None, None, dtype, shape, out)
-        local = local_shape(s, shape, tp)
+        blocks = spec.get("blocks")  # rows written by several DP ranks (raytp.files.checkpoint_blocks)
+        if s.dim is None and not blocks:
+            return self._rows(shard_file(0, stage, spec.get("dp", 0)), key, None, None, dtype, shape, out)
+        local = local_shape(s, shape, tp) if s.dim is not None else shape
         flip = spec["transposed"] and stored
         if out is None:
             out = torch.zeros(local[::-1] if flip else local, dtype=dtype)
         elif s.pad:
             out.zero_()  # padding positions are read from nowhere
+        if blocks:
+            def read_rows(src, d, start, count):
+                return self._rows(shard_file(src, stage, d), key, start, count, dtype, None)
+            spans = [(0, 0, shape[0], 0)] if s.dim is None else \
+                [(p.src, p.src_at, p.length, p.dst_at) for p in pieces(s, shape[s.dim], self.tp, tp, rank)]
+            for src, src_at, length, dst_at in spans:
+                checkpoint_blocks.read_blocks(read_rows, spec, src, src_at, length, out, dst_at, flip)
+            return out
         for p in pieces(s, shape[s.dim], self.tp, tp, rank):
             if spec["transposed"] and not stored:
                 rows = self._rows(shard_file(p.src, stage), key, p.src_at, p.length, dtype, None)
@@ -218,8 +252,8 @@ def load_into(ckpt, model, optimizer, rank: int, tp: int) -> None:
                 else:
                     v = ckpt.read(f"optim/{name}/{k}", rank, tp)
                     state[k] = v if k == "step" else v.to(p.device)
-            if state:
-                optimizer.state[p] = state
+            if state:  # the whole TP slice; under the distributed optimizer this rank keeps its rows of it
+                optimizer.load_param_state(name, state, whole=True)
 
 
 def find(location: str, cfg: ModelArgs | None = None, warn=None):

@@ -28,14 +28,17 @@ def step_dir(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def shard_file(tp_rank: int, stage: int | None = None) -> str:
-    """TP rank `tp_rank`'s file (of pipeline stage `stage`, when the checkpoint was written by stages)."""
-    return f"tp{tp_rank:03d}.safetensors" if stage is None else f"pp{stage:03d}-tp{tp_rank:03d}.safetensors"
+def shard_file(tp_rank: int, stage: int | None = None, dp_rank: int = 0) -> str:
+    """TP rank `tp_rank`'s file (of pipeline stage `stage`, when the checkpoint was written by stages; of DP
+    rank `dp_rank` > 0 when the optimizer was sharded over DP, raytp.files.checkpoint_blocks)."""
+    name = f"tp{tp_rank:03d}" if stage is None else f"pp{stage:03d}-tp{tp_rank:03d}"
+    return f"{name}-dp{dp_rank:03d}.safetensors" if dp_rank else f"{name}.safetensors"
 
 
-def manifest(step: int, cfg: ModelArgs, tp: int, dp: int, files: dict[str, int], tensors: dict, pp: int = 1) -> dict:
+def manifest(step: int, cfg: ModelArgs, tp: int, dp: int, files: dict[str, int], tensors: dict, pp: int = 1,
+             zero: int = 0) -> dict:
     return {"format": FORMAT, "step": step, "time": time.time(), "model": asdict(cfg),
-            "layout": {"tp": tp, "pp": pp, "dp": dp}, "files": files, "tensors": tensors}
+            "layout": {"tp": tp, "pp": pp, "dp": dp, "zero": zero}, "files": files, "tensors": tensors}
 
 
 def list_checkpoints(storage: Storage) -> list[str]:

@@ -51,4 +51,4 @@ class StateSource:
     state: object     # {"model": {...}, "optim": {...}} of the one-device model
 
     def fill(self, model, optimizer, rank: int, tp: int) -> None:
-        load_shard_state(model, optimizer, slice_state(self.state, rank, tp, model.cfg))
+        load_shard_state(model, optimizer, slice_state(self.state, rank, tp, model.cfg), whole=True)

@@ -74,6 +74,16 @@ def _reduce_scatter_into(out, x, group):
     STATS.timed(getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor, out, x, group=group)
 
 
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """`out` = this rank's 1/n of `x` summed over `group` (gloo: an all-reduce and a slice), timed."""
+    _reduce_scatter_into(out, x, group)
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """`out` = every rank's `x` of `group`, rank after rank, timed."""
+    _gather_into(out, x, group)
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     all_reduce(x, group)

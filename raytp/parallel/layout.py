@@ -1,4 +1,4 @@
-"""Layout(tp, pp=, dp=): pure rank arithmetic of a TP x PP x DP mesh, no processes.
+"""Layout(tp, pp=, dp=, zero=): pure rank arithmetic of a TP x PP x DP mesh, no processes.
 
 Rank order is TP fastest, then pipeline stage, then replica:
 ``rank = (dp * pp_degree + pp) * tp_degree + tp``. So the ranks of one TP
@@ -32,12 +32,20 @@ class Layout:
     _: KW_ONLY
     pp: int = 1
     dp: int = 1
+    zero: int = 0  # 1: AdamW state sharded over DP (raytp.train.optimizer): who owns what changes
 
     def __post_init__(self):
         for key in ("tp", "pp", "dp"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Layout.{key} must be a positive integer, got {v!r}")
+        if self.zero not in (0, 1):
+            raise ValueError(f"Layout.zero must be 0 or 1, got {self.zero!r}")
+
+    @property
+    def sharded_optimizer(self) -> bool:
+        """Whether each DP rank keeps its own part of the AdamW state (zero 1 with more than one replica)."""
+        return self.zero == 1 and self.dp > 1
 
     @property
     def world_size(self) -> int:
@@ -97,4 +105,5 @@ class Layout:
         return [self.embedding_group(t, d) for d in range(self.dp) for t in range(self.tp)]
 
     def __str__(self) -> str:
-        return f"TP={self.tp} x " + (f"PP={self.pp} x " if self.pp > 1 else "") + f"DP={self.dp}"
+        return (f"TP={self.tp} x " + (f"PP={self.pp} x " if self.pp > 1 else "") + f"DP={self.dp}"
+                + (" (ZeRO-1)" if self.sharded_optimizer else ""))

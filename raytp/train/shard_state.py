@@ -20,25 +20,24 @@ class StateError(RuntimeError):
     """A state that does not fit the shard it is loaded into."""
 
 
-def shard_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, copy: bool = True) -> dict:
-    """This rank's weights and AdamW state, keyed by parameter name, on the CPU.
+def shard_state(model: torch.nn.Module, optimizer, copy: bool = True) -> dict:
+    """This rank's weights and AdamW state, keyed by parameter name, on the CPU (the AdamW state of the
+    rows it keeps only, under the distributed optimizer: raytp.train.optimizer).
 
     With copy=False, CPU tensors are the live ones: only for a caller that serializes them at once
     (a yield to Ray copies them into the object store), which saves a copy per snapshot."""
-    params = dict(model.named_parameters())
-    by_param = {id(p): n for n, p in params.items()}
-
     def out(t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
         return t.clone() if copy and t.device.type == "cpu" else t.cpu()
 
-    optim = {by_param[id(p)]: {k: out(v) for k, v in st.items()} for p, st in optimizer.state.items()}
-    return {"model": {n: out(p) for n, p in params.items()}, "optim": optim}
+    optim = {n: {k: out(v) for k, v in st.items()} for n, st in optimizer.named_state().items()}
+    return {"model": {n: out(p) for n, p in model.named_parameters()}, "optim": optim}
 
 
 @torch.no_grad()
-def load_shard_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Copy a shard_state (of this rank's shapes) into the model and optimizer."""
+def load_shard_state(model: torch.nn.Module, optimizer, state: dict, whole: bool = False) -> None:
+    """Copy a shard_state (of this rank's shapes) into the model and optimizer. `whole`: its AdamW state is
+    of whole parameters (a one-device state sliced over TP), of which this rank takes the rows it keeps."""
     params = dict(model.named_parameters())
     missing = set(params) - set(state["model"])
     if missing:
@@ -48,19 +47,18 @@ def load_shard_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
         if src.shape != p.shape:
             raise StateError(f"{n}: state has shape {tuple(src.shape)}, this shard needs {tuple(p.shape)}")
         p.copy_(src)
-    optimizer.state.clear()
+    optimizer.clear_state()
     for n, st in state["optim"].items():
-        p = params[n]
-        # Copies: `state` may be a read-only view of Ray's object store.
-        optimizer.state[p] = {k: (v.to(p.device, copy=True) if k != "step" else v.clone()) for k, v in st.items()}
+        try:  # copies: `state` may be a read-only view of Ray's object store
+            optimizer.load_param_state(n, st, whole=whole)
+        except ValueError as e:
+            raise StateError(str(e)) from None
 
 
-def live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def live_state(model: torch.nn.Module, optimizer) -> dict:
     """shard_state's layout holding the live tensors themselves, on their device (no copy)."""
-    params = dict(model.named_parameters())
-    by_param = {id(p): n for n, p in params.items()}
-    optim = {by_param[id(p)]: {k: v.detach() for k, v in st.items()} for p, st in optimizer.state.items()}
-    return {"model": {n: p.detach() for n, p in params.items()}, "optim": optim}
+    optim = {n: {k: v.detach() for k, v in st.items()} for n, st in optimizer.named_state().items()}
+    return {"model": {n: p.detach() for n, p in model.named_parameters()}, "optim": optim}
 
 
 def state_bytes(state: dict) -> int:

@@ -7,8 +7,11 @@ The *finish* (``finish_step``) synchronises the gradients, clips them and update
 the weights; it is the same whatever schedule ran.
 
 Gradient synchronisation happens once per step, after all micro-batches:
-- DP: the gradients of every parameter (plus the loss, for reporting) are
-  averaged over the DP group in one flat all-reduce;
+- DP: the loss (for reporting) is averaged over the DP group, and the
+  gradients, laid out flat in buckets, are averaged by the optimizer
+  (raytp.train.optimizer): all-reduced, or reduce-scattered under the
+  distributed optimizer (``parallel.zero`` 1), which then all-gathers the
+  updated weights;
 - SP: replicated parameters that saw only this rank's slice of the sequence
   (LayerNorms, row-parallel biases, position embedding; tagged
   ``sequence_parallel`` by the TP plan) have their gradients summed over TP;
@@ -17,7 +20,8 @@ Gradient synchronisation happens once per step, after all micro-batches:
   copies of a head have their gradients summed over the ranks sharing it
   (in the same all-reduce as SP's).
 Clipping uses the global norm: sharded parameters' squares are summed over
-TP (a shared head's once), replicated ones counted once.
+TP (a shared head's once), replicated ones counted once; with DP replicas
+each DP rank sums the rows it owns and the sums are added over DP.
 """
 from __future__ import annotations
 
@@ -30,19 +34,9 @@ from raytp.models.stage import replicated_copy
 from raytp.parallel import comm
 from raytp.parallel.groups import ProcessGroups
 from raytp.train.hyper import Hyper, compute_precision, lr_at
+from raytp.train.optimizer import DistributedAdamW, make_optimizer  # noqa: F401 (make_optimizer: callers' import)
 from raytp.train.pipeline import pipeline_eval, sum_over_stages
 from raytp.train.schedule import accumulate
-
-
-def make_optimizer(model: torch.nn.Module, h: Hyper) -> torch.optim.AdamW:
-    """AdamW; matrices and embeddings decay, biases and LayerNorms do not (as nanoGPT)."""
-    params = list(dict(model.named_parameters()).items())
-    decay = [p for _, p in params if p.dim() >= 2]
-    no_decay = [p for _, p in params if p.dim() < 2]
-    cuda = params[0][1].is_cuda  # fused: one kernel for the whole update on a GPU
-    return torch.optim.AdamW([{"params": decay, "weight_decay": h.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=h.lr, betas=(h.beta1, h.beta2), foreach=False, fused=cuda or None)
 
 
 def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float = 1.0) -> None:
@@ -74,13 +68,18 @@ def _sum_over_tp(params: list, group) -> None:
         p.grad.copy_(buf[head])
 
 
-def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups) -> torch.Tensor:
+def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups, optimizer: DistributedAdamW | None = None
+                     ) -> torch.Tensor:
     """The norm of the whole model's gradient: squares summed over TP where sharded (a shared head's
-    once), over the pipeline stages, and a tied embedding's second copy left out (raytp.models.stage)."""
+    once), over the pipeline stages, and a tied embedding's second copy left out (raytp.models.stage).
+    With DP replicas and `optimizer`, each DP rank sums the rows it owns (raytp.train.optimizer) and the
+    sums are added over DP: the same at zero 0 and zero 1."""
     sharded, replicated = [], []
-    for name, p in model.named_parameters():
-        if p.grad is not None and not replicated_copy(model, name):
-            sq = p.grad.float().pow(2).sum()
+    over_dp = optimizer is not None and groups.dp is not None
+    grads = optimizer.owned_grads() if over_dp else ((n, p, p.grad) for n, p in model.named_parameters())
+    for name, p, g in grads:
+        if g is not None and not replicated_copy(model, name):
+            sq = g.float().pow(2).sum()
             if hasattr(p, "shared_head"):
                 sharded.append(sq / p.shared_head[2])  # held by that many ranks: counted once in the sum
             elif sharding_of(name, model.cfg).dim is not None:
@@ -89,9 +88,13 @@ def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups) -> torch.Ten
                 replicated.append(sq)
     zero = torch.zeros((), device=next(model.parameters()).device)
     sq_sharded = torch.stack(sharded).sum() if sharded else zero
+    sq_replicated = torch.stack(replicated).sum() if replicated else zero
+    if over_dp:
+        both = torch.stack([sq_sharded, sq_replicated])
+        comm.all_reduce(both, groups.dp)
+        sq_sharded, sq_replicated = both[0], both[1]
     if groups.tp is not None:
         comm.all_reduce(sq_sharded, groups.tp)
-    sq_replicated = torch.stack(replicated).sum() if replicated else zero
     return sum_over_stages(sq_sharded + sq_replicated, groups).sqrt()
 
 
@@ -124,21 +127,21 @@ def finish_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups
     if groups.emb is not None and model.cfg.tied:  # the first and the last stage's copies of the embedding
         comm.all_reduce(model.input_embedding().weight.grad, groups.emb)
     mean_loss = sum_over_stages(local_loss.detach().reshape(1), groups)  # the last stage's, on every stage
-    if groups.dp is not None:
-        dp = groups.layout.dp
-        _flat_all_reduce([p.grad for p in params] + [mean_loss], groups.dp, scale=1.0 / dp)
+    optimizer.follow(groups.layout.dp, groups.dp_rank)
+    if groups.dp is not None:  # the loss, then the gradients in buckets (reduce-scattered under zero 1)
+        comm.all_reduce(mean_loss, groups.dp)
+        mean_loss /= groups.layout.dp
+        optimizer.reduce_gradients(groups.dp, 1.0 / groups.layout.dp)
 
-    norm = global_grad_norm(model, groups)
+    norm = global_grad_norm(model, groups, optimizer)
     if h.grad_clip > 0:
-        coef = torch.clamp(h.grad_clip / (norm + 1e-6), max=1.0)
-        for p in params:
-            p.grad.mul_(coef)
+        optimizer.scale_gradients(torch.clamp(h.grad_clip / (norm + 1e-6), max=1.0))
     lr = lr_at(step, h)
     for g in optimizer.param_groups:
         g["lr"] = lr
     if before_update is not None:
         before_update()
-    optimizer.step()
+    optimizer.step(groups.dp)  # under zero 1 also gives every replica the new weights
     return StepResult(float(mean_loss), float(norm), lr)
 
 

@@ -29,6 +29,7 @@ import ray
 from raytp.config.adapters import model_args
 from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import Ownership
+from raytp.runtime import policy
 from raytp.runtime.cluster import health, placement as placements, relay
 from raytp.runtime.cluster.streaming import StepStream, direct_ranks
 from raytp.runtime.state.checkpoints import write_part_task
@@ -82,7 +83,7 @@ class WorkerGroup:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.cfg.parallel.tp, pp=self.cfg.parallel.pp, dp=self.cfg.parallel.dp)
+        return policy.layout_of(self.cfg)
 
     def start_worker(self, rank: int, cfg=None, pgs=None) -> tuple[object, tuple]:
         """A new actor for `rank` (of this group's layout, or of `cfg`/`pgs` not yet switched to)."""
@@ -269,9 +270,12 @@ class WorkerGroup:
         """A snapshot's parts (refs, one per owner: stage by stage, TP rank in each) written as a checkpoint's
         files, by tasks."""
         cfg, lay = self.cfg, self.layout
-        return self.fetch([write_part_task.remote(url, directory, t % lay.tp, ref, lay.tp, model_args(cfg),
-                                                  t // lay.tp if lay.pp > 1 else None, lay.pp)
-                           for t, ref in enumerate(parts)])
+        own = Ownership(lay)
+        where = [lay.coords(own.owner(t)) for t in range(len(parts))]
+        return self.fetch([write_part_task.remote(url, directory, c.tp, ref, lay.tp, model_args(cfg),
+                                                  c.pp if lay.pp > 1 else None, lay.pp,
+                                                  c.dp if lay.sharded_optimizer else 0, lay.dp, lay.sharded_optimizer)
+                           for c, ref in zip(where, parts)])
 
     def copy_shards(self, donors: Mapping[int, int], step: int) -> int:
         """Ranks take their shards from donors holding the same ones ({rank: donor rank}), worker to

@@ -14,7 +14,7 @@ import ray
 from ray.exceptions import ActorAlreadyExistsError
 
 from raytp import names
-from raytp.parallel.layout import Layout
+from raytp.runtime import policy
 from raytp.runtime.cluster import placement
 
 CONCURRENCY = 4  # a step, its stream, and the pings and status calls that watch it
@@ -41,7 +41,7 @@ class Launcher:
     def start(self, cfg, pgs: dict, rank: int, timeout_s: float = 30.0) -> tuple[object, tuple[str, int]]:
         """The actor of `rank` of layout `cfg` placed in `pgs` (dp_rank -> replica placement), and the
         bundle it sits in."""
-        lay = Layout(cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp)
+        lay = policy.layout_of(cfg)
         at = lay.coords(rank)
         pg, index = placement.bundle_of(pgs[at.dp], at.pp * lay.tp + at.tp)  # stage by stage, TP rank in each
         self.evict(pg, index)

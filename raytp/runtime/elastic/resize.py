@@ -96,6 +96,10 @@ class Elastic:
             return Outcome.refused(f"a resize to TP={new.tp} x DP={new.dp} is in progress")
         t0, old = time.perf_counter(), group.layout
         pp = old.pp if pp is None else pp
+        if old.zero and (tp, pp, dp) != (old.tp, old.pp, old.dp):
+            return Outcome.refused("a live resize under parallel.zero: 1 is not supported yet (each DP rank's "
+                                   "AdamW rows would have to be cut anew): stop the run and resume it at the new "
+                                   "layout from its checkpoint (any layout, zero 0 or 1, reads it)")
         try:
             new_cfg = policy.resized_config(group.cfg, tp, dp, pp)
         except config_mod.ConfigError as e:
@@ -119,7 +123,7 @@ class Elastic:
                 requested = list(reserved.values())
                 pgs = {**{q: pg for q, pg in group.pgs.items() if q < dp}, **reserved}
             else:
-                kind, plan = "tp", policy.tp_resize_ranks(old, Layout(tp, dp=dp))
+                kind, plan = "tp", policy.tp_resize_ranks(old, Layout(tp, dp=dp, zero=old.zero))
                 reserved = group.placer.reserve_tp(new_cfg, run, group.pgs, old.dp)
                 if reserved is None:  # an extension landed on another node than its replica
                     self.say("more bundles could not be had on a replica's node: restarting every worker")

@@ -94,7 +94,7 @@ class Checkpoints:
             raise
         files = {w["file"]: w["bytes"] for w in written}
         lay = p.cfg.parallel
-        m = checkpoint.manifest(p.step, model_args(p.cfg), lay.tp, lay.dp, files, p.table, lay.pp)
+        m = checkpoint.manifest(p.step, model_args(p.cfg), lay.tp, lay.dp, files, p.table, lay.pp, lay.zero)
         path = self._commit(p.directory, p.step, m)
         self.log.event("checkpoint", step=p.step, path=path, bytes=sum(files.values()),
                        seconds=time.perf_counter() - p.t0)
@@ -144,7 +144,8 @@ class Checkpoints:
         done = group.write_snapshot(self.storage.url, directory, parts)
         files = {d["file"]: d["bytes"] for d in done}
         table = {k: v for d in done if d["table"] for k, v in d["table"].items()}
-        m = checkpoint.manifest(step, model_args(cfg), cfg.parallel.tp, cfg.parallel.dp, files, table, cfg.parallel.pp)
+        m = checkpoint.manifest(step, model_args(cfg), cfg.parallel.tp, cfg.parallel.dp, files, table, cfg.parallel.pp,
+                                cfg.parallel.zero)
         path = self._commit(directory, step, m)
         self.log.event("checkpoint", step=step, path=path, bytes=sum(files.values()), seconds=0.0,
                        source="snapshot")
@@ -152,17 +153,26 @@ class Checkpoints:
 
 
 def write_part(url: str, directory: str, tp_rank: int, packed, tp: int, model_cfg, stage: int | None = None,
-               pp: int = 1) -> dict:
-    """TP rank `tp_rank`'s file (of pipeline stage `stage` of `pp`) of a checkpoint from its packed snapshot
-    (run as a task: write_part_task); `model_cfg`: the model's ModelArgs."""
+               pp: int = 1, dp_rank: int = 0, dp: int = 1, sharded: bool = False) -> dict:
+    """TP rank `tp_rank`'s file (of pipeline stage `stage` of `pp`; of DP rank `dp_rank` of `dp` when the
+    optimizer is `sharded` over DP, whose other ranks write their AdamW rows only) of a checkpoint from its
+    packed snapshot (run as a task: write_part_task); `model_cfg`: the model's ModelArgs."""
     from raytp.train.shard_state import unpack_state
     from raytp.models.registry import model_class
     from raytp.models.stage import Stage, copied_name
     here = Stage((), pp, stage, model_cfg.tied) if stage is not None else None  # only whether it holds a copy
     copy = copied_name(model_class(model_cfg).stage_parts(), here)
-    tensors = checkpoint.without_copies(checkpoint.state_tensors(unpack_state(packed), model_cfg), copy)
-    out = checkpoint.write_shard(Storage(url), directory, tensors, tp_rank, tp=tp, stage=stage)
-    out["table"] = checkpoint.tensor_table(tensors, tp, model_cfg.vocab_size, stage) if tp_rank == 0 else None
+    state = unpack_state(packed)
+    tensors = checkpoint.without_copies(checkpoint.state_tensors(state, model_cfg), copy)
+    if dp_rank:
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("model/")}
+    out = checkpoint.write_shard(Storage(url), directory, tensors, tp_rank, tp=tp, stage=stage, dp_rank=dp_rank)
+    out["table"] = None
+    if tp_rank == 0 and dp_rank == 0:
+        weights = {k: v for k, v in tensors.items() if k.startswith("model/")} if sharded else tensors
+        out["table"] = checkpoint.tensor_table(weights, tp, model_cfg.vocab_size, stage)
+        if sharded:
+            out["table"].update(checkpoint.zero_table(state["model"], model_cfg, tp, dp, stage, copy))
     return out
 
 

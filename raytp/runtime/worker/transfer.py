@@ -98,7 +98,7 @@ class _Targets:
         p = self.params[name]
         if section == "model":
             return p.data, sharding_of(name, self.model.cfg)
-        state = self.optimizer.state.setdefault(p, {})
+        state = self.optimizer.state_of(name)  # the whole parameter's: a live resize runs at zero 0
         if k[0] not in state:
             state[k[0]] = torch.zeros((), dtype=like.dtype) if like.dim() == 0 else torch.zeros_like(p.data)
         t = state[k[0]]

@@ -94,7 +94,7 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity):
 
     def _layout(self, tp: int, dp: int) -> Layout:
         """The layout of `tp` x `dp` at the job's pipeline degree (a live resize keeps it)."""
-        return Layout(tp, pp=self.cfg.parallel.pp, dp=dp)
+        return Layout(tp, pp=self.cfg.parallel.pp, dp=dp, zero=self.cfg.parallel.zero)
 
     def _stage(self):
         """This rank's pipeline stage (raytp.models.stage), None at pp == 1; its schedule is set with it."""
@@ -128,7 +128,8 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity):
                                      self.cfg.parallel.sequence_parallel, self.device, self._stage())
             self.model.activation_checkpointing = self.cfg.train.activation_checkpointing
             self.hyper = hyper(self.cfg)
-            self.optimizer = make_optimizer(self.model, self.hyper)
+            self.optimizer = make_optimizer(self.model, self.hyper, self.groups.layout.dp, self.groups.dp_rank,
+                                            self.groups.layout.zero)
         else:
             self._build_from(source)
         n_local = sum(p.numel() for p in self.model.parameters())

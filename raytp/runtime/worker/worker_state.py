@@ -16,6 +16,7 @@ import torch
 
 from raytp.config.adapters import model_args, hyper
 from raytp.parallel.groups import destroy_process_groups
+from raytp.parallel.ownership import Ownership
 from raytp.models.shard import build_empty_shard, rebind_groups
 from raytp.models.stage import copied_name
 from raytp.runtime.worker import transfer
@@ -41,7 +42,7 @@ class WorkerState:
                                        self._stage())
         self.model.activation_checkpointing = self.cfg.train.activation_checkpointing
         self.hyper = hyper(self.cfg)
-        self.optimizer = make_optimizer(self.model, self.hyper)
+        self.optimizer = make_optimizer(self.model, self.hyper, g.layout.dp, g.dp_rank, g.layout.zero)
         source = StateSource(source) if isinstance(source, dict) else source
         # A kept process copies its own slices locally where the bundles leave them out (a TP resize: None)
         keep_own = own is not None and isinstance(source, PiecesSource) and None in source.refs
@@ -86,26 +87,36 @@ class WorkerState:
     def begin_save(self, url: str, directory: str) -> dict | None:
         """Start writing this rank's file of a checkpoint into `directory` of storage `url`, in the background
         (raytp.runtime.worker.background_save): from the snapshot of this step if one is packed (training never
-        waits for it), else from the live tensors. TP rank 0 (of each stage) returns its tensor table."""
+        waits for it), else from the live tensors. Replica 0's ranks write their weights; under the
+        distributed optimizer every rank writes the AdamW state of its rows. TP rank 0 (of each stage, of
+        replica 0) returns its tensor table."""
         self._settle()
         g = self.groups
         held = self.snap_bufs.hold(self.completed)
         stage = g.pp_rank if g.layout.pp > 1 else None  # its files and table entries name the stage
+        weights = Ownership(g.layout).writes_weights(g.rank)
+        copy = copied_name(self.model.stage_parts(), getattr(self.model, "stage", None))
+        kw = {"tp": g.layout.tp, "stage": stage, "dp_rank": g.dp_rank if g.layout.sharded_optimizer else 0}
         if held is not None:
             packed, buf = held
             tensors = checkpoint.without_copies(checkpoint.state_tensors(unpack_state(packed, views=True),
-                                                                         model_args(self.cfg)),
-                                                copied_name(self.model.stage_parts(), getattr(self.model, "stage", None)))
+                                                                         model_args(self.cfg)), copy)
+            if not weights:
+                tensors = {k: v for k, v in tensors.items() if not k.startswith("model/")}
             self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, torch.device("cpu"),
-                                         staged=True, then=lambda: self.snap_bufs.release(buf), tp=g.layout.tp,
-                                         stage=stage)
+                                         staged=True, then=lambda: self.snap_bufs.release(buf), **kw)
         else:
-            tensors = checkpoint.named_tensors(self.model, self.optimizer)
-            self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, self.device, tp=g.layout.tp,
-                                         stage=stage)
-        if g.tp_rank != 0:
+            tensors = checkpoint.named_tensors(self.model, self.optimizer, weights=weights)
+            self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, self.device, **kw)
+        if g.tp_rank != 0 or not weights:
             return None
-        return checkpoint.tensor_table(tensors, g.layout.tp, self.cfg.model.vocab_size, stage)
+        if not g.layout.sharded_optimizer:
+            return checkpoint.tensor_table(tensors, g.layout.tp, self.cfg.model.vocab_size, stage)
+        table = checkpoint.tensor_table({k: v for k, v in tensors.items() if k.startswith("model/")}, g.layout.tp,
+                                        self.cfg.model.vocab_size, stage)
+        params = {n: p.detach() for n, p in self.model.named_parameters()}
+        table.update(checkpoint.zero_table(params, model_args(self.cfg), g.layout.tp, g.layout.dp, stage, copy))
+        return table
 
     def probe_storage(self, url: str, token: str) -> str | None:
         """Whether this process reaches the checkpoint location as the driver does (None: it does)."""
@@ -124,9 +135,7 @@ class WorkerState:
 
     def state_nbytes(self) -> int:
         """Bytes of this rank's weights and optimizer state."""
-        tensors = list(self.model.parameters()) + [t for st in self.optimizer.state.values()
-                                                   for t in st.values() if torch.is_tensor(t)]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + self.optimizer.state_nbytes()
 
     def set_shard(self, state: dict, completed: int) -> None:
         """Take a shard_state (or a packed one) of this rank's own shape (from a DP replica or a snapshot)."""

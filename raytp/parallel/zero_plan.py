@@ -1,0 +1,121 @@
+"""Which rows of a shard's parameters each data-parallel rank owns under the distributed optimizer.
+
+A pure function of the parameters' shapes (in the model's parameter order,
+the order checkpoints list them), the DP degree and a bucket size. The
+parameters are grouped into *buckets* of consecutive whole tensors (a tensor
+larger than a bucket is a bucket of its own); each bucket's rows (the rows of
+its tensors along dim 0, in order; a 1-D tensor's rows are its elements) are
+cut into dp consecutive ranges of about equal elements, cut only between
+rows. DP rank d owns range d of every bucket: it keeps the AdamW moments of
+those rows only, receives their reduced gradients (the bucket laid out flat,
+rank after rank, each rank's range padded to the bucket's ``chunk``, is what
+the reduce-scatter splits), updates them, and gives them to the others (the
+all-gather on the same layout). Because a range is whole rows of whole
+tensors, rank d's part of a tensor is a contiguous block of its rows:
+``Piece`` names it, and checkpoints store it as such (raytp.files.checkpoint).
+
+Megatron's distributed optimizer cuts its buffers at any element; cutting
+between rows costs at most one row of padding per rank and buys state that is
+plain tensor rows wherever it goes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+BUCKET_NUMEL = 40_000_000  # elements per bucket (Megatron's default gradient bucket: 40M)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows start..stop of parameter `index`, at element `at` of its owner's chunk of the bucket."""
+
+    index: int
+    start: int
+    stop: int
+    row: int  # elements per row
+    at: int
+
+    @property
+    def numel(self) -> int:
+        return (self.stop - self.start) * self.row
+
+
+@dataclass(frozen=True)
+class Bucket:
+    params: tuple[int, ...]                  # parameter indices, in order
+    chunk: int                               # elements of each rank's (padded) range
+    ranges: tuple[tuple[Piece, ...], ...]    # per DP rank: the pieces it owns, in order
+
+    @property
+    def numel(self) -> int:
+        """The flat buffer's elements: dp chunks."""
+        return self.chunk * len(self.ranges)
+
+
+def rows_of(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, elements per row) of a tensor of `shape`: dim 0's rows; a 0-d tensor is one row of one."""
+    if not shape:
+        return 1, 1
+    return shape[0], prod(shape[1:])
+
+
+def buckets_of(shapes: list[tuple[int, ...]], bucket_numel: int) -> list[list[int]]:
+    """Consecutive parameter indices grouped into buckets of at most `bucket_numel` elements (a larger
+    tensor alone)."""
+    out: list[list[int]] = []
+    size = 0
+    for i, shape in enumerate(shapes):
+        n = prod(shape)
+        if not out or size + n > bucket_numel:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += n
+    return out
+
+
+def cut(shapes: list[tuple[int, ...]], indices: list[int], dp: int) -> Bucket:
+    """Bucket `indices` cut into dp ranges between rows: boundary d at the row edge nearest d/dp of the
+    bucket's elements."""
+    spans = []   # (index, first element offset, rows, row)
+    total = 0
+    for i in indices:
+        rows, row = rows_of(shapes[i])
+        spans.append((i, total, rows, row))
+        total += rows * row
+    cuts = [0]
+    for d in range(1, dp):
+        target = total * d / dp
+        best = cuts[-1]
+        for _, off, rows, row in spans:  # the edge nearest the target, at or after the last cut
+            if off + rows * row < target:
+                continue
+            k = min(max(round((target - off) / row), 0), rows) if row else 0
+            best = max(off + k * row, cuts[-1])
+            break
+        cuts.append(best)
+    cuts.append(total)
+    ranges = []
+    for d in range(dp):
+        lo, hi = cuts[d], cuts[d + 1]
+        pieces, at = [], 0
+        for i, off, rows, row in spans:
+            a, b = max(lo, off), min(hi, off + rows * row)
+            if b > a:
+                pieces.append(Piece(i, (a - off) // row, (b - off) // row, row, at))
+                at += b - a
+        ranges.append(tuple(pieces))
+    chunk = max((cuts[d + 1] - cuts[d] for d in range(dp)), default=0)
+    return Bucket(tuple(indices), chunk, tuple(ranges))
+
+
+def plan(shapes: list[tuple[int, ...]], dp: int, bucket_numel: int = BUCKET_NUMEL) -> list[Bucket]:
+    """Every bucket of a shard whose parameters have `shapes`, cut for `dp` ranks."""
+    return [cut(shapes, idx, dp) for idx in buckets_of(shapes, bucket_numel)]
+
+
+def owned_rows(buckets: list[Bucket], dp_rank: int) -> dict[int, tuple[int, int]]:
+    """{parameter index: (first row, end row)} that `dp_rank` owns (a rank owns at most one block of a
+    tensor, since a tensor lies in one bucket and ranges are consecutive)."""
+    return {p.index: (p.start, p.stop) for b in buckets for p in b.ranges[dp_rank]}

@@ -1,0 +1,211 @@
+"""AdamW over data-parallel replicas: replicated (``zero`` 0) or sharded over DP (``zero`` 1, ZeRO-1).
+
+One object does a step's data-parallel part for both: the gradients of a
+shard's parameters are laid out flat in buckets (raytp.parallel.zero_plan),
+summed over DP, clipped by the global norm and applied.
+
+- ``zero`` 0: each bucket is all-reduced; every replica updates every weight
+  (torch's AdamW on the whole parameters) and keeps all the moments.
+- ``zero`` 1 (Megatron's distributed optimizer): each bucket is
+  reduce-scattered, so DP rank d receives the summed gradients of the rows it
+  owns only; it keeps AdamW moments for those rows only (torch's AdamW on
+  views of them), updates them, and the bucket is all-gathered so every
+  replica has every new weight again. Training state: 8 + 8/dp bytes per
+  fp32 parameter instead of 16.
+
+Both compute the gradient norm from each DP rank's owned rows, summed over DP,
+and reduce the same flat buffers (gloo's reduce-scatter is an all-reduce and a
+slice), so zero 0 and zero 1 take the same steps, bit for bit on gloo:
+AdamW's update is elementwise, and a view of a row block updates exactly as
+the whole tensor does.
+
+The state in *parameter space* (``named_state``): per parameter name, the
+AdamW tensors this rank keeps; under zero 1 those of rows ``rows(name)`` of
+the parameter only. Snapshots, checkpoints and restores read and write it
+through ``named_state`` / ``load_param_state``.
+"""
+from __future__ import annotations
+
+import torch
+
+from raytp.parallel import comm
+from raytp.parallel.zero_plan import BUCKET_NUMEL, Bucket, owned_rows, plan
+from raytp.train.hyper import Hyper
+
+
+class DistributedAdamW:
+    """AdamW of one shard (one rank's parameters), replicated or sharded over its DP group."""
+
+    def __init__(self, model: torch.nn.Module, h: Hyper, dp: int = 1, dp_rank: int = 0, zero: int = 0,
+                 bucket_numel: int = BUCKET_NUMEL):
+        named = list(model.named_parameters())
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.sharded, self.bucket_numel = bool(zero) and dp > 1, bucket_numel
+        self.dp = self.dp_rank = None
+        self.follow(dp, dp_rank)
+        if self.sharded:  # leaves whose data are views of the owned rows: AdamW updates them in place
+            self.targets = {}
+            for i, (a, b) in self.owned.items():
+                leaf = torch.nn.Parameter(torch.empty(0, dtype=self.params[i].dtype, device=self.params[i].device))
+                leaf.data = self.params[i].data[a:b]
+                self.targets[i] = leaf
+        else:
+            self.targets = dict(enumerate(self.params))
+        decay = [t for i, t in self.targets.items() if self.params[i].dim() >= 2]
+        no_decay = [t for i, t in self.targets.items() if self.params[i].dim() < 2]
+        cuda = self.params[0].is_cuda  # fused: one kernel for the whole update on a GPU
+        self.inner = torch.optim.AdamW([{"params": decay, "weight_decay": h.weight_decay},
+                                        {"params": no_decay, "weight_decay": 0.0}],
+                                       lr=h.lr, betas=(h.beta1, h.beta2), foreach=False, fused=cuda or None)
+        self._index = {n: i for i, n in enumerate(self.names)}
+
+    def follow(self, dp: int, dp_rank: int) -> None:
+        """Cut the rows for DP rank `dp_rank` of `dp` (again, after a live DP resize at zero 0; the state
+        of whole parameters does not change). Under zero 1 the cut is fixed: its rows' state is all it has."""
+        if (dp, dp_rank) == (self.dp, self.dp_rank):
+            return
+        if self.sharded and self.dp is not None:
+            raise ValueError(f"the distributed optimizer's rows are cut for DP={self.dp}; it cannot follow "
+                             f"DP={dp} in place")
+        self.dp, self.dp_rank = dp, dp_rank
+        self.buckets: list[Bucket] = plan([tuple(p.shape) for p in self.params], dp, self.bucket_numel)
+        self.owned = owned_rows(self.buckets, dp_rank)  # index -> (first row, end row)
+
+    # -- what torch's optimizer offers that callers use -------------------------------------------
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    # -- the step -------------------------------------------------------------------------------
+    def reduce_gradients(self, group, scale: float) -> None:
+        """Sum the gradients over the DP `group` (then * scale): every rank's whole gradients (zero 0), or
+        the owned rows' only (zero 1, into the leaves' ``.grad``)."""
+        for b in self.buckets:
+            flat = torch.zeros(b.numel, dtype=torch.float32, device=self.params[b.params[0]].device)
+            for d, pieces in enumerate(b.ranges):
+                for pc in pieces:
+                    g = self.params[pc.index].grad
+                    if g is not None:
+                        flat[d * b.chunk + pc.at:d * b.chunk + pc.at + pc.numel].copy_(g[pc.start:pc.stop].reshape(-1))
+            if self.sharded:
+                mine = torch.empty(b.chunk, dtype=flat.dtype, device=flat.device)
+                comm.reduce_scatter_into(mine, flat, group)
+                mine *= scale
+                for pc in b.ranges[self.dp_rank]:
+                    t = self.targets[pc.index]
+                    t.grad = mine[pc.at:pc.at + pc.numel].view(t.shape)
+            else:
+                if group is not None:
+                    comm.all_reduce(flat, group)
+                if scale != 1.0:
+                    flat *= scale
+                for d, pieces in enumerate(b.ranges):
+                    for pc in pieces:
+                        g = self.params[pc.index].grad
+                        if g is None:
+                            continue
+                        g[pc.start:pc.stop].copy_(flat[d * b.chunk + pc.at:d * b.chunk + pc.at + pc.numel]
+                                                  .view_as(g[pc.start:pc.stop]))
+
+    def owned_grads(self):
+        """(name, parameter, gradient of the rows this DP rank owns) for every owned block: what the global
+        norm sums (over DP)."""
+        for i, (a, b) in self.owned.items():
+            p = self.params[i]
+            if p.grad is None and not self.sharded:
+                continue
+            g = self.targets[i].grad if self.sharded else p.grad[a:b]
+            if g is not None:
+                yield self.names[i], p, g
+
+    def scale_gradients(self, coef: torch.Tensor) -> None:
+        """Multiply the gradients the update reads by `coef` (the clip)."""
+        for i, t in self.targets.items():
+            if t.grad is not None:
+                t.grad.mul_(coef)
+
+    def step(self, group=None) -> None:
+        """Update what this rank owns, then (zero 1) give every replica the new weights."""
+        self.inner.step()
+        if not self.sharded:
+            return
+        for b in self.buckets:
+            flat = torch.empty(b.numel, dtype=self.params[b.params[0]].dtype,
+                               device=self.params[b.params[0]].device)
+            at = self.dp_rank * b.chunk
+            mine = flat[at:at + b.chunk]
+            for pc in b.ranges[self.dp_rank]:
+                mine[pc.at:pc.at + pc.numel].copy_(self.targets[pc.index].data.reshape(-1))
+            comm.all_gather_into(flat, mine.clone(), group)
+            with torch.no_grad():
+                for d, pieces in enumerate(b.ranges):
+                    if d == self.dp_rank:
+                        continue
+                    for pc in pieces:
+                        p = self.params[pc.index]
+                        p.data[pc.start:pc.stop].copy_(flat[d * b.chunk + pc.at:d * b.chunk + pc.at + pc.numel]
+                                                       .view_as(p.data[pc.start:pc.stop]))
+
+    # -- the state in parameter space -----------------------------------------------------------
+    def rows(self, name: str) -> tuple[int, int] | None:
+        """The rows of parameter `name` whose AdamW state this rank keeps: None for all of them (zero 0),
+        else (first, end) (zero 1; end == first when it keeps none)."""
+        if not self.sharded:
+            return None
+        return self.owned.get(self._index[name], (0, 0))
+
+    def named_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{parameter name: {"step", "exp_avg", "exp_avg_sq"}} of the state this rank keeps (live tensors)."""
+        out = {}
+        for i, t in self.targets.items():
+            st = self.inner.state.get(t)
+            if st:
+                out[self.names[i]] = dict(st)
+        return out
+
+    def load_param_state(self, name: str, state: dict[str, torch.Tensor], whole: bool = False) -> None:
+        """Set parameter `name`'s AdamW state from `state` (copies): of the rows this rank keeps, or, with
+        `whole`, of the whole parameter (this rank takes its rows of it)."""
+        i = self._index[name]
+        if i not in self.targets:
+            return
+        t = self.targets[i]
+        a, b = self.owned[i] if (whole and self.sharded) else (0, None)
+        out = {}
+        for k, v in state.items():
+            if k == "step" or v.dim() == 0:
+                out[k] = v.clone()
+            else:
+                v = v[a:b]
+                if tuple(v.shape) != tuple(t.shape):
+                    raise ValueError(f"{name}/{k}: state has shape {tuple(v.shape)}, this rank keeps "
+                                     f"{tuple(t.shape)}")
+                out[k] = v.to(t.device, copy=True)
+        self.inner.state[t] = out
+
+    def state_of(self, name: str) -> dict:
+        """The live AdamW state dict of parameter `name` (made empty if it has none yet), to fill in place;
+        of the whole parameter at zero 0, of its kept rows under zero 1."""
+        return self.inner.state[self.targets[self._index[name]]]
+
+    def clear_state(self) -> None:
+        self.inner.state.clear()
+
+    def state_nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for st in self.named_state().values() for v in st.values())
+
+
+def make_optimizer(model: torch.nn.Module, h: Hyper, dp: int = 1, dp_rank: int = 0, zero: int = 0,
+                   bucket_numel: int = BUCKET_NUMEL) -> DistributedAdamW:
+    """AdamW; matrices and embeddings decay, biases and LayerNorms do not (as nanoGPT); its state
+    replicated over the `dp` replicas (`zero` 0) or sharded over them (`zero` 1)."""
+    return DistributedAdamW(model, h, dp, dp_rank, zero, bucket_numel)
