@@ -38,7 +38,8 @@ def shard_file(tp_rank: int, stage: int | None = None, dp_rank: int = 0) -> str:
 def manifest(step: int, cfg: ModelArgs, tp: int, dp: int, files: dict[str, int], tensors: dict, pp: int = 1,
              zero: int = 0) -> dict:
     return {"format": FORMAT, "step": step, "time": time.time(), "model": asdict(cfg),
-            "layout": {"tp": tp, "pp": pp, "dp": dp, "zero": zero}, "files": files, "tensors": tensors}
+            "layout": {"tp": tp, "pp": pp, "dp": dp, **({"zero": zero} if zero else {})}, "files": files,
+            "tensors": tensors}
 
 
 def list_checkpoints(storage: Storage) -> list[str]:

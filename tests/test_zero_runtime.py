@@ -1,0 +1,36 @@
+"""The distributed optimizer on Ray: a SIGKILLed rank under zero 1 (whose AdamW rows no other rank holds) is
+restored from the newest snapshot, every rank rolled back and the steps replayed, and the run ends bit for
+bit where an uninterrupted zero 0 run does (the checkpoint of every rank's rows read back as one device)."""
+import dataclasses
+import json
+import os
+import random
+import signal
+
+import pytest
+
+from helpers import (RECOVERY_STEPS, assert_bitwise_equal, events, final_state, recovery_job, run, signal_rank)
+from raytp.files import checkpoint
+
+pytestmark = pytest.mark.slow  # two jobs of four workers
+
+
+def zero1(cfg):
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=1))
+
+
+def test_sigkill_under_zero1_restores_from_the_snapshot_and_ends_as_zero0(ray_local, tmp_path):
+    ref = tmp_path / "ref"
+    run(recovery_job(2, 2), ref, "z0ref")
+    rng = random.Random(f"zero{os.environ.get('RAYTP_TEST_SEED', '')}")
+    rank, step = rng.randrange(4), rng.randrange(2, RECOVERY_STEPS - 4)
+    run_dir = tmp_path / "run"
+    run(zero1(recovery_job(2, 2)), run_dir, "z1kill", faults=[(step, signal_rank(rank, signal.SIGKILL))])
+    assert_bitwise_equal(final_state(run_dir), final_state(ref))
+    (fail,), (rec,) = events(run_dir, "failure"), events(run_dir, "recovered")
+    assert fail["rank"] == rank and fail["cause"] == "died", f"killed rank {rank} after step {step}"
+    assert rec["source"] == "snapshot", rec  # no replica holds a rank's rows of the AdamW state
+    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == list(range(RECOVERY_STEPS))
+    ckpt = checkpoint.find(str(run_dir / "checkpoints"))
+    assert ckpt.manifest["layout"]["zero"] == 1 and len(ckpt.manifest["files"]) == 4  # every rank wrote
