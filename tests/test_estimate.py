@@ -1,10 +1,11 @@
-"""The memory estimate knows pipeline stages: the largest stage's worker, activations of the micro-batches
-1F1B keeps in flight on it, and the pp a refused job would fit at. Pure (meta-device models, no Ray)."""
+"""The memory estimate knows pipeline stages (the largest stage's worker, activations of the micro-batches
+1F1B keeps in flight on it, and the pp a refused job would fit at) and the distributed optimizer (AdamW
+state / dp, and whether zero 1 would fit). Pure (meta-device models, no Ray)."""
 import dataclasses
 from pathlib import Path
 
 from raytp.config import from_dict, load
-from raytp.runtime.estimate import GiB, _stage_memory, estimate, pp_that_fits
+from raytp.runtime.estimate import GiB, _stage_memory, estimate, pp_that_fits, zero_fits
 
 JOB70B = Path(__file__).resolve().parent.parent / "jobs" / "llama3-70b-tp8-pp8.yaml"
 
@@ -70,3 +71,18 @@ def test_holds_tells_from_a_name_what_keep_stage_keeps():
                     kept = {n for n, _ in keep_stage(build_model(cfg), stage).named_parameters()}
                 parts = model_class(cfg).stage_parts()
                 assert kept == {n for n in names if holds(parts, stage, n)}, (cfg.arch, pp, v, s)
+
+
+def with_parallel(cfg, **kw):
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **kw))
+
+
+def test_zero1_keeps_one_dp_share_of_the_adamw_state_and_a_refusal_says_when_it_fits():
+    cfg = with_parallel(small(1), dp=4, min_dp=None)
+    z0, z1 = estimate(cfg), estimate(with_parallel(cfg, zero=1))
+    assert (z1.weights, z1.grads) == (z0.weights, z0.grads)
+    assert abs(z1.optimizer - z0.optimizer / 4) <= 1  # 8 + 8/dp bytes a parameter instead of 16
+    assert estimate(with_parallel(cfg, dp=1, zero=1)).optimizer == estimate(with_parallel(cfg, dp=1)).optimizer
+    between = (z0.on_host + z1.on_host) // 2  # a node for one worker that only zero 1 fits
+    assert zero_fits(cfg, between) and not zero_fits(cfg, z1.on_host - 1)
+    assert not zero_fits(with_parallel(cfg, zero=1), 10**15)  # already sharded: nothing to suggest

@@ -43,6 +43,8 @@ def check_cluster_memory(cfg: config_mod.JobConfig, memory) -> None:
     biggest = max((n["Resources"].get("memory", 0.0) for n in nodes), default=0.0)
     problem = estimate.refusal(memory, cfg.parallel.tp, int(biggest), "the cluster's largest node")
     if problem:
+        if estimate.zero_fits(cfg, int(biggest)):
+            problem += f"; or shard the AdamW state over the {cfg.parallel.dp} replicas: parallel.zero: 1 fits"
         pp = estimate.pp_that_fits(cfg, int(biggest))
         if pp is not None:
             problem += f"; or split the layers into stages: parallel.pp: {pp} fits (each stage's TP group on a node)"

@@ -1,13 +1,14 @@
 """What one worker will need, estimated from the job before anything starts.
 
 Per rank: its slices of the weights, their gradients, AdamW's two moments (4,
-4 and 8 bytes a parameter in float32), the activations one micro-batch keeps
+4 and 8 bytes a parameter in float32; the moments of 1/dp of them under
+``parallel.zero: 1``), the activations one micro-batch keeps
 for the backward pass (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", eq. 2 with tensor parallelism,
 doubled for float32: per layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in
 half precision, or s*b*h*(34/t + 5*a*s/(h*t)) with sequence parallelism; plus
 the vocabulary-parallel logits), the host buffers of in-memory snapshots (two
-copies of the weights and AdamW state on each rank of replica 0), and a fixed
+copies of the weights and AdamW state it keeps on each rank that owns a part), and a fixed
 allowance for the process (Python, torch, Ray). On cpu all of it is host
 memory; on cuda the snapshot buffers and the allowance are host memory and the
 rest is the GPU's.
@@ -109,8 +110,9 @@ def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
     else:
         kept = in_flight * layers * per_layer
     activations = int(kept + logits + 2 * s * b * h * 4)
-    snapshots = 2 * 12 * local if cfg.recovery.snapshot_every != 0 else 0  # null: on, at some interval
-    return WorkerMemory(4 * local, 4 * local, 8 * local, activations, snapshots, cfg.runtime.device)
+    adam = 8 * local if par.zero == 0 or par.dp == 1 else math.ceil(8 * local / par.dp)  # zero 1: its rows
+    snapshots = 2 * (4 * local + adam) if cfg.recovery.snapshot_every != 0 else 0  # null: on, at some interval
+    return WorkerMemory(4 * local, 4 * local, adam, activations, snapshots, cfg.runtime.device)
 
 
 def available_here() -> int:
@@ -134,6 +136,16 @@ def pp_that_fits(cfg, node_bytes: int) -> int | None:
         if estimate(dataclasses.replace(cfg, parallel=par)).on_host * cfg.parallel.tp <= node_bytes:
             return pp
     return None
+
+
+def zero_fits(cfg, node_bytes: int) -> bool:
+    """Whether the job's workers of one node would fit `node_bytes` with the AdamW state sharded over DP
+    (parallel.zero: 1), where it is not and there are replicas to shard it over."""
+    import dataclasses
+    if cfg.parallel.zero or cfg.parallel.dp == 1:
+        return False
+    par = dataclasses.replace(cfg.parallel, zero=1, min_dp=None)
+    return estimate(dataclasses.replace(cfg, parallel=par)).on_host * cfg.parallel.tp <= node_bytes
 
 
 def refusal(est: WorkerMemory, workers_per_node: int, node_bytes: int, where: str) -> str | None:
