@@ -35,4 +35,5 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "llama_tp": lazy("bench.llama_tp:run"),
     "driver_scale": lazy("bench.driver_scale:run"),
     "pipeline": lazy("bench.pipeline:run"),
+    "zero": lazy("bench.zero:run"),
 }
