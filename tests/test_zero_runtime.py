@@ -1,7 +1,9 @@
 """The distributed optimizer on Ray: a SIGKILLed rank under zero 1 (whose AdamW rows no other rank holds) is
 restored from the newest snapshot, every rank rolled back and the steps replayed, and the run ends bit for
-bit where an uninterrupted zero 0 run does (the checkpoint of every rank's rows read back as one device)."""
+bit where an uninterrupted zero 0 run does (the checkpoint of every rank's rows read back as one device).
+A live resize under zero 1 is refused with what to do instead, and the job trains on."""
 import dataclasses
+import io
 import json
 import os
 import random
@@ -9,8 +11,9 @@ import signal
 
 import pytest
 
-from helpers import (RECOVERY_STEPS, assert_bitwise_equal, events, final_state, recovery_job, run, signal_rank)
+from helpers import (RECOVERY_STEPS, assert_bitwise_equal, events, final_state, job, recovery_job, run, signal_rank)
 from raytp.files import checkpoint
+from raytp.runtime.driver.driver import Driver
 
 pytestmark = pytest.mark.slow  # two jobs of four workers
 
@@ -34,3 +37,19 @@ def test_sigkill_under_zero1_restores_from_the_snapshot_and_ends_as_zero0(ray_lo
     assert [m["step"] for m in metrics] == list(range(RECOVERY_STEPS))
     ckpt = checkpoint.find(str(run_dir / "checkpoints"))
     assert ckpt.manifest["layout"]["zero"] == 1 and len(ckpt.manifest["files"]) == 4  # every rank wrote
+
+
+def test_a_live_resize_under_zero1_is_refused_and_the_job_trains_on(ray_local, tmp_path):
+    d = Driver(zero1(job(1, 2, steps=3)), tmp_path / "run", "z1scale", out=io.StringIO())
+    try:
+        d.start()
+        d.train_loop(until=1)
+        for tp, dp in ((1, 1), (2, 2)):
+            outcome = d.resize(tp, dp)
+            assert not outcome.ok and "not supported yet" in outcome.error and "resume" in outcome.error
+        assert (d.layout.tp, d.layout.dp, d.layout.zero) == (1, 2, 1)
+        d.train_loop()
+        assert d.step == 3
+    finally:
+        d.release()
+        d.log.close()
