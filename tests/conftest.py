@@ -16,3 +16,21 @@ def ray_local():
              log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def recovery_reference(tmp_path_factory):
+    """reference(tp, dp, **runtime): the final state of an uninterrupted helpers.recovery_job(tp, dp) run,
+    run in the Ray the first asking test is connected to and shared by every module of the session.
+    `runtime` placement keys (gpus_per_worker) choose where the workers run, not what they compute
+    (runtime.device is cpu), so they are not part of what is shared."""
+    from helpers import final_state, recovery_job, run
+    done = {}
+
+    def final(tp, dp, **runtime):
+        if (tp, dp) not in done:
+            run_dir = tmp_path_factory.mktemp(f"ref-tp{tp}-dp{dp}")
+            run(recovery_job(tp, dp, **runtime), run_dir, f"ref{tp}{dp}")
+            done[(tp, dp)] = final_state(run_dir)
+        return done[(tp, dp)]
+    return final

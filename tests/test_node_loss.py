@@ -6,7 +6,8 @@ import pytest
 import ray
 from faulty import HOLD_S, WaitsForSnapshotCopy
 from helpers import (NEVER_S, assert_bitwise_equal, events, final_state, gpu_cluster, job, ray_actors,
-                     recovery_job, run, wait_for)
+                     recovery_job, run, steps_logged, wait_for)
+from raytp.runtime.driver.control import find_control
 
 pytestmark = pytest.mark.slow  # a simulated cluster of up to 4 nodes, and two jobs per test
 
@@ -31,10 +32,9 @@ def gpu_nodes(cluster, n):
     return nodes
 
 
-def test_removed_node_is_replaced_from_the_dp_replica(cluster, tmp_path):
+def test_removed_node_is_replaced_from_the_dp_replica(cluster, recovery_reference, tmp_path):
     nodes = gpu_nodes(cluster, 3)  # two used, one spare
-    ref_dir = tmp_path / "ref"
-    run(recovery_job(2, 2, gpus_per_worker=1.0), ref_dir, "nref")
+    reference = recovery_reference(2, 2, gpus_per_worker=1.0)  # (test_recovery's too, in a whole run)
     by_id = {n.node_id: n for n in nodes}
 
     def remove_replica_1_node(run_name):
@@ -44,7 +44,7 @@ def test_removed_node_is_replaced_from_the_dp_replica(cluster, tmp_path):
 
     run_dir = tmp_path / "run"
     run(recovery_job(2, 2, gpus_per_worker=1.0), run_dir, "nloss", faults=[(6, remove_replica_1_node)])
-    assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
+    assert_bitwise_equal(final_state(run_dir), reference)
     fails = events(run_dir, "failure")
     assert sorted(f["rank"] for f in fails) == [2, 3] and {f["node"] for f in fails} == {remove_replica_1_node.node_id}
     (rec,) = events(run_dir, "recovered")
@@ -54,9 +54,10 @@ def test_removed_node_is_replaced_from_the_dp_replica(cluster, tmp_path):
 
 
 def test_elastic_job_shrinks_without_capacity_and_grows_back(cluster, tmp_path):
-    """Two GPU nodes, both used: lose one with no spare -> DP 2 -> 1; add a node -> DP 2."""
+    """Two GPU nodes, both used: lose one with no spare -> DP 2 -> 1; add a node -> DP 2; a few steps at
+    DP 2 later the job is stopped as `raytp stop` stops it (`steps` only keeps it alive until then)."""
     alive = {n.node_id: n for n in gpu_nodes(cluster, 2)}
-    steps = 400
+    steps, after_grow = 400, 3
     cfg = job(2, 2, steps=steps, gpus_per_worker=1.0, recovery={"replace_timeout_s": 3.0})
     cfg = cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=2, dp=2, min_dp=1)})
     run_dir = tmp_path / "run"
@@ -69,13 +70,22 @@ def test_elastic_job_shrinks_without_capacity_and_grows_back(cluster, tmp_path):
         wait_for(lambda: [e for e in events(run_dir, "resized") if e["new"]["dp"] == 1], "the job did not shrink")
         cluster.add_node(num_cpus=2, num_gpus=2)
 
-    run(cfg, run_dir, "elastic", faults=[(6, remove_replica_1_node), (7, add_node_once_shrunk)])
+    def stop_a_few_steps_after_the_grow_back(run_name):
+        wait_for(lambda: [e for e in events(run_dir, "resized") if e["new"]["dp"] == 2], "the job did not grow back")
+        grown_at = steps_logged(run_dir)
+        wait_for(lambda: steps_logged(run_dir) >= grown_at + after_grow, "the job did not train on at DP 2")
+        ray.get(find_control(run_name).request.remote("stop"))  # what `raytp stop` files
+
+    run(cfg, run_dir, "elastic", faults=[(6, remove_replica_1_node), (7, add_node_once_shrunk),
+                                         (8, stop_a_few_steps_after_the_grow_back)])
     resized = events(run_dir, "resized")
     assert [(e["old"]["dp"], e["new"]["dp"]) for e in resized] == [(2, 1), (1, 2)]
     assert resized[0]["reason"].startswith("lost capacity") and resized[1]["reason"] == "capacity returned"
+    (stopped,) = events(run_dir, "stopped")
+    assert stopped["reason"] == "requested" and stopped["step"] < steps, "the job ended before the grow-back"
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    assert [m["step"] for m in metrics] == list(range(steps))
-    assert {m["dp"] for m in metrics} == {1, 2} and metrics[-1]["dp"] == 2
+    assert [m["step"] for m in metrics] == list(range(stopped["step"]))
+    assert {m["dp"] for m in metrics} == {1, 2} and [m["dp"] for m in metrics[-after_grow:]] == [2] * after_grow
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 1.0
     assert sorted(ray_actors("raytp.elastic.rank")) == []  # released at the end
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import ray
 
-from helpers import FIXED, job, losses, ray_actors
+from helpers import FIXED, close, drive, job, losses, ray_actors
 from raytp.runtime.driver.driver import Driver
 
 pytestmark = pytest.mark.slow  # up to 8 workers and two layouts at once on 2 cores
 
 PHASES = [(2, 1, 1), (2, 2, 1), (2, 2, 2), (2, 1, 1), (1, 3, 1)]  # (tp, pp, dp), 3 steps each at least
-STEPS = 200  # room for the first switch's new ranks to start while the job trains on
+STEPS = 200  # room for the first switch's new ranks to start while the job trains on (not all trained)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,6 @@ def the_job():
 
 
 def test_stages_resize_live_and_the_loss_tracks_an_unresized_run(ray_wide, tmp_path):
-    Driver(the_job(), tmp_path / "ref", "ppunresized", out=io.StringIO()).run_to_end()
     d = Driver(the_job(), tmp_path / "run", "ppresized", out=io.StringIO())
     try:
         d.start()
@@ -60,12 +59,13 @@ def test_stages_resize_live_and_the_loss_tracks_an_unresized_run(ray_wide, tmp_p
                     stay = [f"raytp.ppresized.rank{r}" for r in range(tp * min(pp, PHASES[i - 1][1]))]
                     assert {n: names[n]["pid"] for n in stay} == {n: pids[n] for n in stay}
             d.train_loop(until=d.step + 3)
-        d.train_loop()
     finally:
         d.release()
         d.log.close()
+    ref, _, _ = drive(the_job(), tmp_path / "ref", "ppunresized", until=d.step)  # as far as the resized run
+    close(ref)
     ours, theirs = np.array(losses(tmp_path / "run")), np.array(losses(tmp_path / "ref"))
-    assert len(ours) == STEPS
+    assert len(ours) == len(theirs) == d.step
     rel = np.abs(ours - theirs) / theirs
     assert rel.max() < 1e-4, f"loss curve left the unresized one by {rel.max():.2e}"
     events = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl")]
@@ -73,5 +73,7 @@ def test_stages_resize_live_and_the_loss_tracks_an_unresized_run(ray_wide, tmp_p
     assert [tuple(e["new"][k] for k in ("tp", "pp", "dp")) for e in resized] == PHASES[1:]
     assert all(e["lost_steps"] == 0 and e["bytes"] > 0 for e in resized)
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert [(m["tp"], m["pp"], m["dp"]) for m in metrics][0] == PHASES[0] and metrics[-1]["pp"] == 3
+    assert [m["step"] for m in metrics] == list(range(d.step))
+    assert [(m["tp"], m["pp"], m["dp"]) for m in metrics][0] == PHASES[0]
+    assert [(m["tp"], m["pp"], m["dp"]) for m in metrics[-3:]] == [PHASES[-1]] * 3
     assert {(m["tp"], m["pp"], m["dp"]) for m in metrics} == set(PHASES)

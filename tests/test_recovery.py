@@ -20,23 +20,16 @@ STEPS = RECOVERY_STEPS
 
 
 @pytest.fixture(scope="module")
-def reference(ray_local, tmp_path_factory):
-    """reference(tp, dp): the final state of an uninterrupted run at that layout, run when a test of the
-    module first asks for it (a test run alone runs only its own)."""
-    done = {}
-
-    def final(tp, dp):
-        if (tp, dp) not in done:
-            run_dir = tmp_path_factory.mktemp(f"ref-tp{tp}-dp{dp}")
-            run(recovery_job(tp, dp), run_dir, f"ref{tp}{dp}")
-            done[(tp, dp)] = final_state(run_dir)
-        return done[(tp, dp)]
-    return final
+def reference(ray_local, recovery_reference):
+    """reference(tp, dp): the final state of an uninterrupted run at that layout (conftest's, shared with
+    test_node_loss), run when a test first asks for it (a test run alone runs only its own)."""
+    return recovery_reference
 
 
 @pytest.mark.slow  # as is every test here that kills a worker (two jobs each); the quick tier keeps the last
-@pytest.mark.parametrize("tp, dp", [(2, 2), (4, 1)])
-def test_sigkill_of_a_random_worker_loses_nothing(reference, tmp_path, tp, dp):
+def test_sigkill_of_a_random_worker_loses_nothing(reference, tmp_path):
+    """TP=2 x DP=2: restored from the DP replica (without a replica, from the snapshot: test_two_failures_in_one_run)."""
+    tp, dp = 2, 2
     rng = random.Random(f"{tp}{dp}{os.environ.get('RAYTP_TEST_SEED', '')}")
     rank, step = rng.randrange(tp * dp), rng.randrange(2, STEPS - 4)
     run_dir = tmp_path / "run"
@@ -44,10 +37,7 @@ def test_sigkill_of_a_random_worker_loses_nothing(reference, tmp_path, tp, dp):
     assert_bitwise_equal(final_state(run_dir), reference(tp, dp))
     (fail,), (rec,) = events(run_dir, "failure"), events(run_dir, "recovered")
     assert fail["rank"] == rank and fail["cause"] == "died", f"killed rank {rank} after step {step}"
-    if dp > 1:
-        assert rec["source"] == "replica" and rec["lost_steps"] == 0
-    else:
-        assert rec["source"] == "snapshot" and rec["lost_steps"] <= 1  # snapshot_every = 1
+    assert rec["source"] == "replica" and rec["lost_steps"] == 0
     assert rec["seconds"] > 0  # how fast is measured in bench/recovery.py, not asserted here
     metrics = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
     assert metrics == list(range(STEPS)), "one metrics line per step, none twice"
@@ -100,13 +90,23 @@ def test_hung_worker_is_detected_by_the_step_deadline_and_replaced(reference, tm
 
 @pytest.mark.slow
 def test_two_failures_in_one_run(reference, tmp_path):
+    """TP=4 x DP=1, no replica: a random rank SIGKILLed at a random step, then another after step 10; each
+    restored from the snapshot (the first alone is the single-kill case at this layout)."""
+    rng = random.Random(f"41{os.environ.get('RAYTP_TEST_SEED', '')}")
+    rank, step = rng.randrange(4), rng.randrange(2, 7)
+    second = (rank + 2) % 4
     run_dir = tmp_path / "run"
     run(recovery_job(4, 1), run_dir, "twice",
-        faults=[(4, signal_rank(2, signal.SIGKILL)), (10, signal_rank(0, signal.SIGKILL))])
+        faults=[(step, signal_rank(rank, signal.SIGKILL)), (10, signal_rank(second, signal.SIGKILL))])
     assert_bitwise_equal(final_state(run_dir), reference(4, 1))
-    assert [e["rank"] for e in events(run_dir, "failure")] == [2, 0]
+    fails = events(run_dir, "failure")
+    assert [(f["rank"], f["cause"]) for f in fails] == [(rank, "died"), (second, "died")], \
+        f"killed rank {rank} after step {step}, then rank {second} after step 10"
     recs = events(run_dir, "recovered")
-    assert len(recs) == 2 and all(r["source"] == "snapshot" and r["lost_steps"] <= 1 for r in recs)
+    assert len(recs) == 2 and all(r["source"] == "snapshot" and r["lost_steps"] <= 1 and r["seconds"] > 0
+                                  for r in recs)
+    metrics = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
+    assert metrics == list(range(STEPS)), "one metrics line per step, none twice"
 
 
 @pytest.mark.slow
