@@ -1,5 +1,6 @@
 """Losing a whole node of a simulated cluster (fake GPUs, CPU compute) with a spare node present."""
 
+import dataclasses
 import json
 
 import pytest
@@ -94,9 +95,10 @@ def test_elastic_job_shrinks_without_capacity_and_grows_back(cluster, tmp_path):
 COPY_STEPS = 24
 
 
-def copy_job():
-    return job(2, 1, steps=COPY_STEPS, checkpoint={"every": COPY_STEPS, "keep": 2},
-               recovery={"snapshot_every": 1}, step_timeout_s=2 * HOLD_S, gpus_per_worker=1.0)
+def copy_job(tp=2, dp=1, zero=0):
+    cfg = job(tp, dp, steps=COPY_STEPS, checkpoint={"every": COPY_STEPS, "keep": 2},
+              recovery={"snapshot_every": 1}, step_timeout_s=2 * HOLD_S, gpus_per_worker=1.0)
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=zero))
 
 
 def test_lost_node_of_a_dp1_job_restores_from_the_snapshot_copy_on_another_node(cluster, tmp_path):
@@ -124,6 +126,28 @@ def test_lost_node_of_a_dp1_job_restores_from_the_snapshot_copy_on_another_node(
     assert rec["lost_steps"] <= 3  # the copy is refreshed as its pulls finish: it may trail by a step or two
     placed = events(run_dir, "placed")[-1]["ranks"]
     assert placed[0]["node_id"] == placed[1]["node_id"] != remove_workers_node.node_id
+
+
+def test_removed_node_under_zero1_restores_from_the_snapshot_copy(cluster, tmp_path):
+    """TP=1 x DP=2 under parallel.zero: 1, the replicas on nodes of their own: replica 1's node goes, and with
+    it the only copy of its rank's AdamW rows and that rank's snapshot. The keeper's off-node copy of every
+    rank's part brings the job back, bit for bit where the same job at zero 0 ends uninterrupted."""
+    gpu_nodes(cluster, 3)  # two used, one to move to
+    ref_dir = tmp_path / "ref"
+    run(copy_job(1, 2), ref_dir, "zref")
+
+    def remove_rank_1_node(run_name):
+        node_id = ray_actors(f"raytp.{run_name}.rank1")[f"raytp.{run_name}.rank1"]["node_id"]
+        wait_for(lambda: events(run_dir, "snapshot_copy"), "no snapshot copy was placed")
+        cluster.remove_node({n.node_id: n for n in cluster.list_all_nodes()}[node_id])
+
+    run_dir = tmp_path / "run"
+    WaitsForSnapshotCopy.run, WaitsForSnapshotCopy.marker = "zloss", str(tmp_path / "copy-awaited")
+    run(copy_job(1, 2, zero=1), run_dir, "zloss", faults=[(6, remove_rank_1_node)], worker_cls=WaitsForSnapshotCopy)
+    assert_bitwise_equal(final_state(run_dir, COPY_STEPS), final_state(ref_dir, COPY_STEPS))
+    assert [f["rank"] for f in events(run_dir, "failure")] == [1]
+    (rec,) = events(run_dir, "recovered")
+    assert rec["source"] == "snapshot copy" and rec["lost_steps"] <= 3, rec
 
 
 def test_removed_node_of_a_pipeline_stage_loses_nothing(cluster, tmp_path):

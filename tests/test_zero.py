@@ -124,3 +124,30 @@ def test_zero1_steps_equal_zero0_bit_for_bit_and_one_device(world, references):
             for k in ref_state:
                 diff = float((s1[k] - ref_state[k]).abs().max())
                 assert diff < 1e-5, f"{name}: final {k} differs from one device by {diff:.2e}"
+
+
+def in_place_collectives(rank, world, init):
+    """The distributed optimizer's collectives, in place on one flat buffer: NCCL's path (a reduce-scatter whose
+    output is the rank's chunk of its input, an all-gather whose input is the rank's chunk of its output) and
+    gloo's (an all-reduce, a broadcast per chunk) give the same as an all-reduce and a gather, run here on gloo."""
+    from raytp.parallel import comm
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    world_group, chunk = dist.group.WORLD, 5
+    flat = torch.arange(world * chunk, dtype=torch.float32) * (rank + 1) + 0.1 * rank
+    summed = flat.clone()
+    comm.all_reduce(summed, world_group)
+    comm.reduce_scatter_into(flat[rank * chunk:(rank + 1) * chunk], flat, world_group)
+    scattered = torch.equal(flat[rank * chunk:(rank + 1) * chunk], summed[rank * chunk:(rank + 1) * chunk])
+    flat[rank * chunk:(rank + 1) * chunk] = float(rank)
+    comm.all_gather_into(flat, flat[rank * chunk:(rank + 1) * chunk], world_group)
+    gathered = torch.equal(flat, torch.arange(world).repeat_interleave(chunk).float())
+    flat2 = torch.arange(world * chunk, dtype=torch.float32) * (rank + 1) + 0.1 * rank
+    mine = comm.reduce_scatter_in_place(flat2, world_group)  # the gloo path: an all-reduce
+    scattered &= torch.equal(mine, summed[rank * chunk:(rank + 1) * chunk])
+    flat2[rank * chunk:(rank + 1) * chunk] = float(rank)
+    comm.all_gather_in_place(flat2, world_group)  # the gloo path: a broadcast per chunk
+    return scattered, gathered and torch.equal(flat2, flat)
+
+
+def test_the_nccl_paths_in_place_collectives_give_the_gloo_paths_result():
+    assert run_ranks(2, in_place_collectives) == [(True, True), (True, True)]

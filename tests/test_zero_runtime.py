@@ -22,14 +22,13 @@ def zero1(cfg):
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=1))
 
 
-def test_sigkill_under_zero1_restores_from_the_snapshot_and_ends_as_zero0(ray_local, tmp_path):
-    ref = tmp_path / "ref"
-    run(recovery_job(2, 2), ref, "z0ref")
+def test_sigkill_under_zero1_restores_from_the_snapshot_and_ends_as_zero0(ray_local, recovery_reference, tmp_path):
+    reference = recovery_reference(2, 2)  # zero 0's uninterrupted run (test_recovery's too, in a whole run)
     rng = random.Random(f"zero{os.environ.get('RAYTP_TEST_SEED', '')}")
     rank, step = rng.randrange(4), rng.randrange(2, RECOVERY_STEPS - 4)
     run_dir = tmp_path / "run"
     run(zero1(recovery_job(2, 2)), run_dir, "z1kill", faults=[(step, signal_rank(rank, signal.SIGKILL))])
-    assert_bitwise_equal(final_state(run_dir), final_state(ref))
+    assert_bitwise_equal(final_state(run_dir), reference)
     (fail,), (rec,) = events(run_dir, "failure"), events(run_dir, "recovered")
     assert fail["rank"] == rank and fail["cause"] == "died", f"killed rank {rank} after step {step}"
     assert rec["source"] == "snapshot", rec  # no replica holds a rank's rows of the AdamW state

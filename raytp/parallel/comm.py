@@ -56,6 +56,11 @@ def all_reduce(x: torch.Tensor, group, op=None) -> None:
     STATS.timed(dist.all_reduce, x, op=dist.ReduceOp.SUM if op is None else op, group=group)
 
 
+def backend(group) -> str:
+    """The backend of `group` ("gloo", "nccl")."""
+    return str(dist.get_backend(group))
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -82,6 +87,34 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
     """`out` = every rank's `x` of `group`, rank after rank, timed."""
     _gather_into(out, x, group)
+
+
+def reduce_scatter_in_place(flat: torch.Tensor, group) -> torch.Tensor:
+    """Rank r's 1/n chunk of `flat` becomes that chunk summed over `group`, in place; returns the chunk (the
+    rest of `flat` is left undefined). NCCL reduce-scatters in place; gloo's reduce-scatter is an all-reduce
+    plus copies, so there `flat` is all-reduced in place (the same bits)."""
+    chunk = flat.numel() // group_size(group)
+    mine = flat[group_rank(group) * chunk:(group_rank(group) + 1) * chunk]
+    if backend(group) == "gloo":
+        all_reduce(flat, group)
+    else:
+        _reduce_scatter_into(mine, flat, group)
+    return mine
+
+
+def all_gather_in_place(flat: torch.Tensor, group) -> None:
+    """Every rank's 1/n chunk of `flat` (each set by its rank) on every rank, in place. NCCL all-gathers in
+    place; gloo's all-gather allocates a copy of the whole output (measured), so there each chunk is
+    broadcast from its rank instead."""
+    n = group_size(group)
+    chunk = flat.numel() // n
+    if backend(group) == "gloo":
+        for d in range(n):
+            src = d if group is None else dist.get_global_rank(group, d)
+            STATS.timed(dist.broadcast, flat[d * chunk:(d + 1) * chunk], src=src, group=group)
+    else:
+        r = group_rank(group)
+        _gather_into(flat, flat[r * chunk:(r + 1) * chunk], group)
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:

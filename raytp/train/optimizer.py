@@ -43,6 +43,7 @@ class DistributedAdamW:
         self.params = [p for _, p in named]
         self.sharded, self.bucket_numel = bool(zero) and dp > 1, bucket_numel
         self.dp = self.dp_rank = None
+        self._flats: list[torch.Tensor] = []  # zero 1: each bucket's buffer, from the reduce to the gather
         self.follow(dp, dp_rank)
         if self.sharded:  # leaves whose data are views of the owned rows: AdamW updates them in place
             self.targets = {}
@@ -89,6 +90,7 @@ class DistributedAdamW:
     def reduce_gradients(self, group, scale: float) -> None:
         """Sum the gradients over the DP `group` (then * scale): every rank's whole gradients (zero 0), or
         the owned rows' only (zero 1, into the leaves' ``.grad``)."""
+        self._flats = []
         for b in self.buckets:
             flat = torch.zeros(b.numel, dtype=torch.float32, device=self.params[b.params[0]].device)
             for d, pieces in enumerate(b.ranges):
@@ -96,10 +98,10 @@ class DistributedAdamW:
                     g = self.params[pc.index].grad
                     if g is not None:
                         flat[d * b.chunk + pc.at:d * b.chunk + pc.at + pc.numel].copy_(g[pc.start:pc.stop].reshape(-1))
-            if self.sharded:
-                mine = torch.empty(b.chunk, dtype=flat.dtype, device=flat.device)
-                comm.reduce_scatter_into(mine, flat, group)
+            if self.sharded:  # in place: this rank's chunk of the bucket receives its rows' sums
+                mine = comm.reduce_scatter_in_place(flat, group)
                 mine *= scale
+                self._flats.append(flat)  # the all-gather of the new weights reuses it
                 for pc in b.ranges[self.dp_rank]:
                     t = self.targets[pc.index]
                     t.grad = mine[pc.at:pc.at + pc.numel].view(t.shape)
@@ -138,14 +140,13 @@ class DistributedAdamW:
         self.inner.step()
         if not self.sharded:
             return
-        for b in self.buckets:
-            flat = torch.empty(b.numel, dtype=self.params[b.params[0]].dtype,
-                               device=self.params[b.params[0]].device)
+        flats, self._flats = self._flats, []
+        for b, flat in zip(self.buckets, flats):  # the gradients' buffers, their chunks read by the update
             at = self.dp_rank * b.chunk
             mine = flat[at:at + b.chunk]
             for pc in b.ranges[self.dp_rank]:
                 mine[pc.at:pc.at + pc.numel].copy_(self.targets[pc.index].data.reshape(-1))
-            comm.all_gather_into(flat, mine.clone(), group)
+            comm.all_gather_in_place(flat, group)
             with torch.no_grad():
                 for d, pieces in enumerate(b.ranges):
                     if d == self.dp_rank:

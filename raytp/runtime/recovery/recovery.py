@@ -113,7 +113,9 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, par
         give_up(ctx, group, f"{attempt.failures} worker losses exceed recovery.max_failures="
                             f"{cfg.recovery.max_failures}")
 
-    snap_nodes = {group.placement[r].get("node_id") for r in Ownership(lay).owners() if r < len(group.placement)}
+    own = Ownership(lay)  # where the snapshot parts of the lost ranks' state were made
+    snap_nodes = {group.placement[o].get("node_id") for o in {own.owner(own.part(r)) for r in lost}
+                  if o < len(group.placement)}
     group.kill(lost)  # also frees the actors' names for the replacements
     promoted = ctx.spares.take(group, list(lost))  # warm spares first: no process to start
     group = group.with_workers({r: s.actor for r, s in promoted.items()},
@@ -130,8 +132,8 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, par
         return _shrink(ctx, attempt, shrink, lost, t0)
     group = attempt.group = group.join(setup=lost)
     restored, source = restore(ctx, group, list(lost), completed)
-    if source == "snapshot" and not snap_nodes & set(group.placer.alive_nodes()):
-        source = "snapshot copy"  # its own node is gone: Ray served the copy kept on another node
+    if source == "snapshot" and not snap_nodes <= set(group.placer.alive_nodes()):
+        source = "snapshot copy"  # a part's own node is gone: Ray served the copy kept on another node
     ahead = max(completed.values(), default=restored)
     replayed = partial if partial is not None and partial["step"] == step and restored > step else None
     healing = Healing(t0, max(ahead - restored, 0), source, tuple(sorted(lost)),
