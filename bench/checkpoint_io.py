@@ -21,7 +21,8 @@ trained with AdamW so its optimizer state exists. Measured in one run:
 Files go to a temporary directory on the system disk; saves are written and
 read back soon after, so reads are usually served by the page cache for both
 alike. Medians over ``reps`` saves and loads; the order of the two sides
-alternates.
+alternates. Quick mode (a smoke test of this code, no figure to quote) runs each side once, the
+sides' saves in one spawn of four ranks and their loads in one spawn of two.
 """
 from __future__ import annotations
 
@@ -60,6 +61,18 @@ def _batch(p: dict, step: int):
     return x, torch.roll(x, -1, 1)
 
 
+def _join(rank: int, world: int, init: str) -> None:
+    """Joins the ranks' gloo group, unless an earlier side in the same spawn did (quick mode: `_in_turn`)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+
+
+def _in_turn(rank: int, world: int, init: str, calls: list) -> list:
+    """Each (fn, *args) of `calls` on these ranks, one after another: quick mode runs every side's save in one
+    spawn and every side's load in another, not a spawn each (the process starts would be most of its time)."""
+    return [fn(rank, world, init, *args) for fn, *args in calls]
+
+
 def _commit(root: str, step: int, cfg: ModelArgs, table: dict, files: dict) -> str:
     """Rank 0 does what the driver does: the manifest last (no Ray here)."""
     import json
@@ -82,7 +95,7 @@ def raytp_save(rank: int, world: int, init: str, p: dict, root: str, staged: boo
     from raytp.train.shard_state import live_state, pack_state, state_bytes, unpack_state
     from raytp.files.storage import Storage
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    _join(rank, world, init)
     groups = build_groups(Layout(world, dp=1), rank)
     model = build_shard(p["cfg"], SEED, groups.tp)
     opt = make_optimizer(model, HYPER)
@@ -143,7 +156,7 @@ def raytp_load(rank: int, world: int, init: str, p: dict, directory: str) -> dic
     from raytp.files.storage import Storage
     torch.set_num_threads(1)
     importlib.import_module("torch._dynamo")  # what the first optimizer imports, paid by a worker at its start
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    _join(rank, world, init)
     groups = build_groups(Layout(world, dp=1), rank)
     dist.barrier()
     t0 = time.perf_counter()
@@ -160,7 +173,7 @@ def dcp_save(rank: int, world: int, init: str, p: dict, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    _join(rank, world, init)
     model = build_dtensor_gpt(p["cfg"], world)
     opt = torch.optim.AdamW(model.parameters(), lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2),
                             weight_decay=HYPER.weight_decay, foreach=False)
@@ -185,7 +198,7 @@ def dcp_load(rank: int, world: int, init: str, p: dict, directory: str) -> dict:
     from torch.distributed.checkpoint.state_dict import _init_optim_state, get_state_dict, set_state_dict
     torch.set_num_threads(1)
     importlib.import_module("torch._dynamo")  # as on the raytp side
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    _join(rank, world, init)
     dist.barrier()
     t0 = time.perf_counter()
     model = build_dtensor_gpt(p["cfg"], world)
@@ -213,26 +226,34 @@ def run(quick: bool = False) -> dict:
         saves: dict = {k: [] for k in sides}
         loads: dict = {k: [] for k in sides}
         sizes: dict = {}
-        for i, side in enumerate(order):
-            root = str(tmp / f"{side}-{i}")
-            os.makedirs(root)
-            save_fn, load_fn, extra = sides[side]
-            res = spawn(TP_SAVED, save_fn, p, root, *extra)
-            plain = statistics.median(t for r in res for t in r["plain"])
-            if side == "dcp":  # synchronous: the save is the pause (the slowest rank's)
-                saves[side] += [max(r["saving"][k] for r in res) for k in range(p["reps"])]
-            else:  # the steps it spanned against as many plain steps
-                saves[side] += [max(r["saving"][k][0] for r in res) - res[0]["saving"][k][1] * plain
-                                for k in range(p["reps"])]
-            last = res[0]["last_step"]
-            directory = f"{root}/step-{last:08d}" if side != "dcp" else f"{root}/dcp-{last}"
-            sizes[side] = _dir_bytes(directory)
-            if load_fn is not None:
-                loaded = spawn(TP_LOADED, load_fn, p, directory)
-                loads[side].append(max(r["seconds"] for r in loaded))
-                if side == "raytp":
-                    out["raytp_load_checked"] = _check(p, loaded)
-            shutil.rmtree(root)
+        spawns = [list(enumerate(order))] if quick else [[(i, side)] for i, side in enumerate(order)]
+        for batch in spawns:
+            roots = {i: str(tmp / f"{side}-{i}") for i, side in batch}
+            for root in roots.values():
+                os.makedirs(root)
+            saved = spawn(TP_SAVED, _in_turn, [(sides[side][0], p, roots[i], *sides[side][2]) for i, side in batch])
+            directories = {}
+            for j, (i, side) in enumerate(batch):
+                res = [r[j] for r in saved]
+                plain = statistics.median(t for r in res for t in r["plain"])
+                if side == "dcp":  # synchronous: the save is the pause (the slowest rank's)
+                    saves[side] += [max(r["saving"][k] for r in res) for k in range(p["reps"])]
+                else:  # the steps it spanned against as many plain steps
+                    saves[side] += [max(r["saving"][k][0] for r in res) - res[0]["saving"][k][1] * plain
+                                    for k in range(p["reps"])]
+                last = res[0]["last_step"]
+                directories[i] = f"{roots[i]}/step-{last:08d}" if side != "dcp" else f"{roots[i]}/dcp-{last}"
+                sizes[side] = _dir_bytes(directories[i])
+            loading = [(i, side) for i, side in batch if sides[side][1] is not None]
+            if loading:
+                loaded = spawn(TP_LOADED, _in_turn, [(sides[side][1], p, directories[i]) for i, side in loading])
+                for j, (i, side) in enumerate(loading):
+                    res = [r[j] for r in loaded]
+                    loads[side].append(max(r["seconds"] for r in res))
+                    if side == "raytp":
+                        out["raytp_load_checked"] = _check(p, res)
+            for root in roots.values():
+                shutil.rmtree(root)
         med = {f"{k}_{what}": statistics.median(v) for what, d in (("pause_s", saves), ("load_s", loads))
                for k, v in d.items() if v}
         with torch.device("meta"):

@@ -8,14 +8,40 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import pytest  # noqa: E402
 
 
+_shared_ray = []  # [True] while ray_local's Ray is up
+
+
 @pytest.fixture(scope="module")
 def ray_local():
-    """A fresh local Ray instance with 4 CPUs (enough for TP=2 x DP=2), shut down afterwards."""
+    """A local Ray instance with 4 CPUs (enough for TP=2 x DP=2). The first module that asks starts it and
+    later modules that ask share it (a start and a shutdown cost ~5 s each), so a module leaves no actor or
+    placement group of its own behind. It ends at the end of the session, or before a module starts a Ray of
+    its own in this process: that module's fixture asks for `no_shared_ray`."""
     import ray
-    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="raytp",
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    if not _shared_ray:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="raytp",
+                 log_to_driver=False)
+        _shared_ray.append(True)
+    return ray
+
+
+def _end_shared_ray():
+    if _shared_ray:
+        import ray
+        ray.shutdown()
+        _shared_ray.clear()
+
+
+@pytest.fixture(scope="module")
+def no_shared_ray():
+    """Asked for by a fixture that starts its own Ray in this process: ends ray_local's first."""
+    _end_shared_ray()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_ray_ends_with_the_session():
+    yield
+    _end_shared_ray()
 
 
 @pytest.fixture(scope="session")

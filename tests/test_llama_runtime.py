@@ -25,7 +25,7 @@ def llama_job(tp, dp):
 
 
 @pytest.fixture(scope="module")
-def ray_eight():
+def ray_eight(no_shared_ray):
     """Room for two TP=4 layouts at once (a resize reserves the new one first)."""
     ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="raytp", log_to_driver=False)
     yield

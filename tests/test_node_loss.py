@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # a simulated cluster of up to 4 nodes, and two j
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(no_shared_ray):
     """A head without GPUs, shared by the module; each test sets its GPU nodes with `gpu_nodes`."""
     # Objects of more than 1 KB go to the node's object store, as a real model's shards do (by default
     # Ray keeps objects under 100 KB, all of this test model's snapshots, in the owner's own memory).

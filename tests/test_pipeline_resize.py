@@ -21,7 +21,7 @@ STEPS = 200  # room for the first switch's new ranks to start while the job trai
 
 
 @pytest.fixture(scope="module")
-def ray_wide():
+def ray_wide(no_shared_ray):
     ray.init(address="local", num_cpus=16, include_dashboard=False, namespace="raytp", log_to_driver=False)
     yield
     ray.shutdown()

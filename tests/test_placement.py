@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # a simulated cluster of two GPU nodes (decisions
 
 
 @pytest.fixture(scope="module")
-def two_gpu_nodes():
+def two_gpu_nodes(no_shared_ray):
     with gpu_cluster(2) as cluster_and_nodes:
         yield cluster_and_nodes
 

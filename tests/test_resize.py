@@ -15,7 +15,7 @@ STEPS = 4 * len(PHASES)
 
 
 @pytest.fixture(scope="module")
-def ray_wide():
+def ray_wide(no_shared_ray):
     """A local Ray with room for two layouts at once (resizes reserve the new one first)."""
     ray.init(address="local", num_cpus=12, include_dashboard=False, namespace="raytp", log_to_driver=False)
     yield

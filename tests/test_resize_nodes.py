@@ -21,7 +21,7 @@ class Hog:
 
 
 @pytest.mark.slow  # a simulated cluster, three resizes, a restart on another node
-def test_tp_grow_stays_on_the_replicas_node_or_restarts_where_it_fits(tmp_path):
+def test_tp_grow_stays_on_the_replicas_node_or_restarts_where_it_fits(no_shared_ray, tmp_path):
     with gpu_cluster(0) as (cluster, _):
         node_a = cluster.add_node(num_cpus=4, num_gpus=4)
         cluster.wait_for_nodes()

@@ -28,7 +28,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def s3():
+def s3(no_shared_ray):
     """moto's S3 server on a loopback port; the AWS_* environment pointing at it, set before Ray starts
     (so the workers have it too); a fresh local Ray; shut down afterwards."""
     server = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
