@@ -52,6 +52,11 @@ class Bucket:
         """The flat buffer's elements: dp chunks."""
         return self.chunk * len(self.ranges)
 
+    def span(self, d: int, piece: Piece) -> slice:
+        """Where DP rank `d`'s `piece` lies in the bucket's flat buffer."""
+        at = d * self.chunk + piece.at
+        return slice(at, at + piece.numel)
+
 
 def rows_of(shape: tuple[int, ...]) -> tuple[int, int]:
     """(rows, elements per row) of a tensor of `shape`: dim 0's rows; a 0-d tensor is one row of one."""

@@ -97,7 +97,7 @@ class DistributedAdamW:
                 for pc in pieces:
                     g = self.params[pc.index].grad
                     if g is not None:
-                        flat[d * b.chunk + pc.at:d * b.chunk + pc.at + pc.numel].copy_(g[pc.start:pc.stop].reshape(-1))
+                        flat[b.span(d, pc)].copy_(g[pc.start:pc.stop].reshape(-1))
             if self.sharded:  # in place: this rank's chunk of the bucket receives its rows' sums
                 mine = comm.reduce_scatter_in_place(flat, group)
                 mine *= scale
@@ -115,8 +115,7 @@ class DistributedAdamW:
                         g = self.params[pc.index].grad
                         if g is None:
                             continue
-                        g[pc.start:pc.stop].copy_(flat[d * b.chunk + pc.at:d * b.chunk + pc.at + pc.numel]
-                                                  .view_as(g[pc.start:pc.stop]))
+                        g[pc.start:pc.stop].copy_(flat[b.span(d, pc)].view_as(g[pc.start:pc.stop]))
 
     def owned_grads(self):
         """(name, parameter, gradient of the rows this DP rank owns) for every owned block: what the global
@@ -153,8 +152,7 @@ class DistributedAdamW:
                         continue
                     for pc in pieces:
                         p = self.params[pc.index]
-                        p.data[pc.start:pc.stop].copy_(flat[d * b.chunk + pc.at:d * b.chunk + pc.at + pc.numel]
-                                                       .view_as(p.data[pc.start:pc.stop]))
+                        p.data[pc.start:pc.stop].copy_(flat[b.span(d, pc)].view_as(p.data[pc.start:pc.stop]))
 
     # -- the state in parameter space -----------------------------------------------------------
     def rows(self, name: str) -> tuple[int, int] | None:
