@@ -151,3 +151,35 @@ def in_place_collectives(rank, world, init):
 
 def test_the_nccl_paths_in_place_collectives_give_the_gloo_paths_result():
     assert run_ranks(2, in_place_collectives) == [(True, True), (True, True)]
+
+
+@pytest.mark.parametrize("old_dp,new_dp", [(4, 2), (2, 4), (2, 1), (1, 3)])
+def test_a_dp_resize_recuts_the_rows_and_every_rank_ends_with_its_rows_of_the_same_state(old_dp, new_dp):
+    """Process-free: each old rank hands its rows (rows_for) to the new ranks (put_rows); each new rank then
+    keeps exactly its rows of the state the old ranks kept together."""
+    model = build_model(config("llama"))
+    names = [n for n, _ in model.named_parameters()]
+    gen = torch.Generator().manual_seed(SEED)
+    whole = {n: {"step": torch.tensor(7.0), "exp_avg": torch.randn(p.shape, generator=gen),
+                 "exp_avg_sq": torch.rand(p.shape, generator=gen)} for n, p in model.named_parameters()}
+    old = [make_optimizer(model, HYPER, old_dp, r, 1, bucket_numel=BUCKET) for r in range(old_dp)]
+    for opt in old:
+        for n in names:
+            opt.load_param_state(n, whole[n], whole=True)
+    given = [opt.rows_for(new_dp) for opt in old]
+    for d in range(new_dp):
+        new = make_optimizer(model, HYPER, old_dp, 0, 1, bucket_numel=BUCKET)
+        new.recut(new_dp, d)
+        assert not new.named_state()
+        for rows in given:
+            for name, key, a, b, t in rows[d]:
+                new.put_rows(name, key, a, t)
+        state = new.named_state()
+        for n in names:
+            a, b = new.rows(n) or (0, len(whole[n]["exp_avg"]))
+            if b == a:
+                assert n not in state
+                continue
+            assert torch.equal(state[n]["step"], whole[n]["step"])
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[n][k], whole[n][k][a:b]), f"DP rank {d} of {new_dp}: {n}/{k}"

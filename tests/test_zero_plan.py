@@ -3,7 +3,7 @@ from math import prod
 
 import pytest
 
-from raytp.parallel.zero_plan import buckets_of, owned_rows, plan, rows_of
+from raytp.parallel.zero_plan import buckets_of, handover, owned_rows, plan, rows_of
 
 SHAPES = [(50, 8), (8,), (8,), (24, 8), (24,), (8, 24), (8,), (33, 8), (3, 2, 4)]
 
@@ -51,3 +51,18 @@ def test_more_ranks_than_rows_leave_some_ranks_empty_but_lose_nothing():
     b = plan([(2, 4)], 4)[0]
     assert sum(pc.numel for r in b.ranges for pc in r) == 8
     assert b.chunk == 4
+
+
+@pytest.mark.parametrize("old_dp,new_dp", [(4, 2), (2, 4), (3, 5), (4, 1), (1, 3)])
+def test_a_dp_resize_hands_every_new_rank_its_rows_each_from_one_old_rank(old_dp, new_dp):
+    for bucket in (10**9, 700):
+        given = [handover(SHAPES, old_dp, r, new_dp, bucket) for r in range(old_dp)]
+        for d in range(new_dp):
+            want = owned_rows(plan(SHAPES, new_dp, bucket), d)
+            rows = {i: [] for i in want}
+            for r in range(old_dp):
+                for i, (a, b) in given[r][d].items():
+                    old = owned_rows(plan(SHAPES, old_dp, bucket), r)[i]
+                    assert old[0] <= a < b <= old[1], "an old rank hands over rows it does not own"
+                    rows[i].extend(range(a, b))
+            assert {i: sorted(v) for i, v in rows.items()} == {i: list(range(a, b)) for i, (a, b) in want.items()}

@@ -1,7 +1,8 @@
 """The distributed optimizer on Ray: a SIGKILLed rank under zero 1 (whose AdamW rows no other rank holds) is
 restored from the newest snapshot, every rank rolled back and the steps replayed, and the run ends bit for
 bit where an uninterrupted zero 0 run does (the checkpoint of every rank's rows read back as one device).
-A live resize under zero 1 is refused with what to do instead, and the job trains on."""
+A live DP resize 4 -> 2 -> 4 under zero 1 re-cuts the rows (each byte moved once) and ends bit for bit as the
+same resizes at zero 0; a TP resize under zero 1 is refused with what to do instead."""
 import dataclasses
 import io
 import json
@@ -11,7 +12,8 @@ import signal
 
 import pytest
 
-from helpers import (RECOVERY_STEPS, assert_bitwise_equal, events, final_state, job, recovery_job, run, signal_rank)
+from helpers import (RECOVERY_STEPS, assert_bitwise_equal, events, final_state, job, losses, recovery_job, run,
+                     signal_rank)
 from raytp.files import checkpoint
 from raytp.runtime.driver.driver import Driver
 
@@ -38,17 +40,45 @@ def test_sigkill_under_zero1_restores_from_the_snapshot_and_ends_as_zero0(ray_lo
     assert ckpt.manifest["layout"]["zero"] == 1 and len(ckpt.manifest["files"]) == 4  # every rank wrote
 
 
-def test_a_live_resize_under_zero1_is_refused_and_the_job_trains_on(ray_local, tmp_path):
-    d = Driver(zero1(job(1, 2, steps=3)), tmp_path / "run", "z1scale", out=io.StringIO())
+RESIZES = [(3, 2), (6, 4)]  # (after step, DP degree): 4 -> 2 -> 4
+RESIZE_STEPS = 9
+
+
+def resized_run(cfg, run_dir, name):
+    d = Driver(cfg, run_dir, name, out=io.StringIO())
     try:
         d.start()
-        d.train_loop(until=1)
-        for tp, dp in ((1, 1), (2, 2)):
-            outcome = d.resize(tp, dp)
-            assert not outcome.ok and "not supported yet" in outcome.error and "resume" in outcome.error
-        assert (d.layout.tp, d.layout.dp, d.layout.zero) == (1, 2, 1)
+        for step, dp in RESIZES:
+            d.train_loop(until=step)
+            outcome = d.resize(1, dp)
+            assert outcome.ok, outcome
+            assert (d.layout.dp, d.layout.zero) == (dp, cfg.parallel.zero)
         d.train_loop()
-        assert d.step == 3
+        assert d.step == RESIZE_STEPS
     finally:
         d.release()
         d.log.close()
+
+
+def test_a_live_dp_resize_under_zero1_recuts_the_rows_and_ends_as_zero0_resized_alike(ray_local, tmp_path):
+    cfg = job(1, 4, steps=RESIZE_STEPS, checkpoint={"every": RESIZE_STEPS, "keep": 1})
+    resized_run(cfg, tmp_path / "z0", "z0scale")
+    resized_run(zero1(cfg), tmp_path / "z1", "z1scale")
+    assert losses(tmp_path / "z1") == losses(tmp_path / "z0")
+    state = final_state(tmp_path / "z1", RESIZE_STEPS)
+    assert_bitwise_equal(state, final_state(tmp_path / "z0", RESIZE_STEPS))
+    n = sum(t.numel() for t in state["model"].values())
+    shrink, grow = [(e["new"]["dp"], e["bytes"]) for e in events(tmp_path / "z1", "resized")]
+    steps = 4 * len(state["model"]) * 4  # a 4-byte step count per parameter and (at most) per new rank
+    assert shrink[0] == 2 and 8 * n <= shrink[1] <= 8 * n + steps, "the AdamW rows did not move once each"
+    assert grow[0] == 4 and 16 * n <= grow[1] <= 16 * n + steps, "weights to 2 new ranks plus every AdamW row"
+    with pytest.raises(AssertionError, match="not supported yet"):
+        cfg = zero1(job(1, 2, steps=2))
+        d = Driver(cfg, tmp_path / "tp", "z1tp", out=io.StringIO())
+        try:
+            d.start()
+            outcome = d.resize(2, 2)
+            assert outcome.ok, outcome.error
+        finally:
+            d.release()
+            d.log.close()

@@ -124,3 +124,22 @@ def owned_rows(buckets: list[Bucket], dp_rank: int) -> dict[int, tuple[int, int]
     """{parameter index: (first row, end row)} that `dp_rank` owns (a rank owns at most one block of a
     tensor, since a tensor lies in one bucket and ranges are consecutive)."""
     return {p.index: (p.start, p.stop) for b in buckets for p in b.ranges[dp_rank]}
+
+
+def handover(shapes: list[tuple[int, ...]], old_dp: int, old_rank: int, new_dp: int,
+             bucket_numel: int = BUCKET_NUMEL) -> list[dict[int, tuple[int, int]]]:
+    """A DP resize's re-cut: for each DP rank of `new_dp`, {parameter index: (first row, end row)} of the rows
+    that rank owns at `new_dp` and DP rank `old_rank` owns at `old_dp` (what old_rank hands it). Over every
+    old rank the blocks a new rank receives are exactly its rows, each row from one old rank."""
+    mine = owned_rows(plan(shapes, old_dp, bucket_numel), old_rank)
+    new = plan(shapes, new_dp, bucket_numel)
+    out = []
+    for d in range(new_dp):
+        got = {}
+        for i, (c, e) in owned_rows(new, d).items():
+            a, b = mine.get(i, (0, 0))
+            lo, hi = max(a, c), min(b, e)
+            if hi > lo:
+                got[i] = (lo, hi)
+        out.append(got)
+    return out

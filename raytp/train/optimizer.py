@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from raytp.parallel import comm
-from raytp.parallel.zero_plan import BUCKET_NUMEL, Bucket, owned_rows, plan
+from raytp.parallel.zero_plan import BUCKET_NUMEL, Bucket, handover, owned_rows, plan
 from raytp.train.hyper import Hyper
 
 
@@ -41,9 +41,17 @@ class DistributedAdamW:
         named = list(model.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.sharded, self.bucket_numel = bool(zero) and dp > 1, bucket_numel
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self.h, self.zero, self.bucket_numel = h, zero, bucket_numel
         self.dp = self.dp_rank = None
         self._flats: list[torch.Tensor] = []  # zero 1: each bucket's buffer, from the reduce to the gather
+        self.recut(dp, dp_rank)
+
+    def recut(self, dp: int, dp_rank: int) -> None:
+        """Keep the rows of DP rank `dp_rank` of `dp` from now on, with no AdamW state yet (a DP resize under
+        zero 1 fills it with ``put_rows``; at construction there is none)."""
+        self.dp = None
+        self.sharded = bool(self.zero) and dp > 1
         self.follow(dp, dp_rank)
         if self.sharded:  # leaves whose data are views of the owned rows: AdamW updates them in place
             self.targets = {}
@@ -53,13 +61,13 @@ class DistributedAdamW:
                 self.targets[i] = leaf
         else:
             self.targets = dict(enumerate(self.params))
+        h = self.h
         decay = [t for i, t in self.targets.items() if self.params[i].dim() >= 2]
         no_decay = [t for i, t in self.targets.items() if self.params[i].dim() < 2]
         cuda = self.params[0].is_cuda  # fused: one kernel for the whole update on a GPU
         self.inner = torch.optim.AdamW([{"params": decay, "weight_decay": h.weight_decay},
                                         {"params": no_decay, "weight_decay": 0.0}],
                                        lr=h.lr, betas=(h.beta1, h.beta2), foreach=False, fused=cuda or None)
-        self._index = {n: i for i, n in enumerate(self.names)}
 
     def follow(self, dp: int, dp_rank: int) -> None:
         """Cut the rows for DP rank `dp_rank` of `dp` (again, after a live DP resize at zero 0; the state
@@ -195,6 +203,34 @@ class DistributedAdamW:
         """The live AdamW state dict of parameter `name` (made empty if it has none yet), to fill in place;
         of the whole parameter at zero 0, of its kept rows under zero 1."""
         return self.inner.state[self.targets[self._index[name]]]
+
+    def rows_for(self, dp: int) -> list[list[tuple[str, str, int, int, torch.Tensor]]]:
+        """A DP resize under zero 1: for each DP rank of degree `dp`, the AdamW state of the rows it will keep
+        that this rank keeps now, as [(name, key, first row, end row, tensor: those rows; "step": 0-d)]
+        (raytp.parallel.zero_plan.handover). Live views: copy them before the state changes."""
+        shapes = [tuple(p.shape) for p in self.params]
+        out = []
+        for mine in handover(shapes, self.dp, self.dp_rank, dp, self.bucket_numel):
+            entries = []
+            for i, (a, b) in mine.items():
+                lo = self.owned[i][0]
+                for k, v in self.inner.state.get(self.targets[i], {}).items():
+                    entries.append((self.names[i], k, a, b, v if v.dim() == 0 else v[a - lo:b - lo]))
+            out.append(entries)
+        return out
+
+    def put_rows(self, name: str, key: str, start: int, t: torch.Tensor) -> None:
+        """Set AdamW state `key` of parameter `name` at its rows start.. from `t` (a copy; "step" whole): rows this
+        rank keeps (what ``rows_for`` gave it)."""
+        state = self.state_of(name)
+        if t.dim() == 0:
+            state[key] = t.clone()
+            return
+        target = self.targets[self._index[name]]
+        if key not in state:
+            state[key] = torch.zeros_like(target.data)
+        lo = self.owned[self._index[name]][0]
+        state[key][start - lo:start - lo + t.shape[0]].copy_(t)
 
     def clear_state(self) -> None:
         self.inner.state.clear()

@@ -36,8 +36,9 @@ def shard_state(model: torch.nn.Module, optimizer, copy: bool = True) -> dict:
 
 @torch.no_grad()
 def load_shard_state(model: torch.nn.Module, optimizer, state: dict, whole: bool = False) -> None:
-    """Copy a shard_state (of this rank's shapes) into the model and optimizer. `whole`: its AdamW state is
-    of whole parameters (a one-device state sliced over TP), of which this rank takes the rows it keeps."""
+    """Copy a shard_state (of this rank's shapes) into the model and optimizer (None: the weights only).
+    `whole`: its AdamW state is of whole parameters (a one-device state sliced over TP), of which this rank
+    takes the rows it keeps."""
     params = dict(model.named_parameters())
     missing = set(params) - set(state["model"])
     if missing:
@@ -47,6 +48,8 @@ def load_shard_state(model: torch.nn.Module, optimizer, state: dict, whole: bool
         if src.shape != p.shape:
             raise StateError(f"{n}: state has shape {tuple(src.shape)}, this shard needs {tuple(p.shape)}")
         p.copy_(src)
+    if optimizer is None:
+        return
     optimizer.clear_state()
     for n, st in state["optim"].items():
         try:  # copies: `state` may be a read-only view of Ray's object store

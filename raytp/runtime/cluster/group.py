@@ -277,13 +277,31 @@ class WorkerGroup:
                                                   c.dp if lay.sharded_optimizer else 0, lay.dp, lay.sharded_optimizer)
                            for c, ref in zip(where, parts)])
 
-    def copy_shards(self, donors: Mapping[int, int], step: int) -> int:
-        """Ranks take their shards from donors holding the same ones ({rank: donor rank}), worker to
-        worker through the object store; returns the bytes moved."""
+    def copy_shards(self, donors: Mapping[int, int], step: int, weights_only: bool = False) -> int:
+        """Ranks take their shards from donors holding the same ones ({rank: donor rank}; `weights_only`:
+        their weights), worker to worker through the object store; returns the bytes moved."""
         ws = self.workers
-        ray.get([ws[r].set_shard.remote(ws[d].get_state.remote(), step) for r, d in donors.items()],
-                timeout=self.cfg.runtime.step_timeout_s)
+        ray.get([ws[r].set_shard.remote(ws[d].get_state.remote(weights_only), step, weights_only)
+                 for r, d in donors.items()], timeout=self.cfg.runtime.step_timeout_s)
+        if weights_only:
+            return sum(ray.get([ws[d].weights_nbytes.remote() for d in donors.values()]))
         return sum(ray.get([ws[d].state_nbytes.remote() for d in donors.values()]))
+
+    def export_rows(self, new_dp: int) -> tuple[list, list]:
+        """A DP resize under zero 1: every rank cuts the AdamW rows it keeps into one bundle per DP rank of
+        `new_dp` (raytp.runtime.worker.worker_state export_rows), kept in the object store, owned here and
+        never fetched: (refs[rank][new DP rank], bytes[rank][new DP rank])."""
+        refs, sizes = [], []
+        for w in self.workers:
+            out = w.export_rows.options(num_returns=new_dp + 1).remote(new_dp)
+            refs.append(list(out[:new_dp]))
+            sizes.append(out[new_dp])
+        return refs, self.fetch(sizes)
+
+    def take_rows(self, refs: Mapping[int, list]) -> None:
+        """Ranks keep the AdamW rows of their DP position, filled from the bundles `refs` ({rank: [ref]})."""
+        ray.get([self.workers[r].take_rows.remote(rs) for r, rs in refs.items()],
+                timeout=self.cfg.runtime.step_timeout_s)
 
     def load_parts(self, ranks: Iterable[int], parts: Mapping[int, object], step: int) -> None:
         """Ranks take their part of a snapshot ({part: ref}, raytp.parallel.ownership) as the state after

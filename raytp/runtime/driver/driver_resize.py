@@ -39,9 +39,12 @@ class DriverResize:
         return outcome
 
     def _take(self, got):
-        """Adopt the group of a switch (resize.Switched); the outcome."""
+        """Adopt the group of a switch (resize.Switched); the outcome. A requested DP degree is the one an
+        elastic job grows back to from then on (not the one it started at)."""
         if isinstance(got, resize.Switched):
             self.adopt(got.group)
             self.resizing = got.resizing or self.resizing
+            if got.resizing is not None and got.resizing.reason.startswith("requested"):
+                self.elastic.target_dp = got.group.layout.dp
             return got.outcome
         return got

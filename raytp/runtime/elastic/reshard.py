@@ -47,7 +47,8 @@ class SwitchFailed(Exception):
 def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: dict | None = None, plan=None):
     """`group` at DP degree new_cfg.parallel.dp: (new group, bytes moved). `reserved`: placement of the
     added replicas (reserved now if None); `early`: {rank: (actor, bundle)} of added ranks started ahead;
-    `plan`: the request's policy.dp_resize_ranks (made here if None)."""
+    `plan`: the request's policy.dp_resize_ranks (made here if None). Under zero 1 every rank first cuts
+    the AdamW rows it keeps into bundles for the new DP ranks (``_rows``); added ranks copy only the weights."""
     old_dp, new_dp = group.layout.dp, new_cfg.parallel.dp
     plan = plan or policy.dp_resize_ranks(group.layout.replica_size, old_dp, new_dp)
     added = list(range(old_dp, new_dp))
@@ -56,7 +57,10 @@ def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: di
                                  avoid_nodes=group.placer.nodes_of(group.pgs)) if added else {}
     early = dict(early or {})
     pgs = {**{q: pg for q, pg in group.pgs.items() if q < new_dp}, **reserved}
+    rows = None
     try:
+        if group.layout.zero:
+            rows = group.export_rows(new_dp)
         group.leave()
         for r in plan.early:
             if r not in early:
@@ -64,15 +68,31 @@ def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: di
         workers = list(group.workers[:len(plan.kept)]) + [early[r][0] for r in plan.early]
         nxt = group.successor(new_cfg, pgs, workers, bundles={actor_id(a): k for a, k in early.values()})
         nxt = nxt.join(setup=plan.early)
-        own = Ownership(nxt.layout)  # an added rank takes the bytes it holds from their owner
-        moved = nxt.copy_shards({r: own.owner(own.part(r)) for r in plan.early}, step)
+        own, lay = Ownership(nxt.layout), nxt.layout
+        zero = rows is not None  # weights from replica 0 (under zero 1 each rank owns its own part)
+        donors = {r: lay.rank(tp=lay.coords(r).tp, pp=lay.coords(r).pp) if zero else own.owner(own.part(r))
+                  for r in plan.early}  # an added rank takes the bytes it holds from their owner
+        moved = nxt.copy_shards(donors, step, weights_only=zero)
+        if zero:
+            nxt.take_rows(_rows(group.layout, nxt.layout, rows[0]))
+            moved += sum(map(sum, rows[1]))
     except FAILURES as e:
         group.kill_actors(a for a, _ in early.values())
         group.placer.release(reserved.values())
-        raise SwitchFailed(_rejoined(group), e) from e
+        raise SwitchFailed(_rejoined(group, rows), e) from e
     group.kill(plan.removed)
     group.placer.release(unused_groups([group.pgs[q] for q in range(new_dp, old_dp)], nxt.pgs.values()))
     return nxt, moved
+
+
+def _rows(old, new, refs: list) -> dict[int, list]:
+    """{rank of layout `new`: the bundles of AdamW rows it takes}: from every rank of `old` at its TP rank and
+    stage, the bundle cut for its DP rank (`refs[old rank][new DP rank]`, Group.export_rows)."""
+    out = {}
+    for r in range(new.world_size):
+        at = new.coords(r)
+        out[r] = [refs[old.rank(tp=at.tp, pp=at.pp, dp=d)][at.dp] for d in range(old.dp)]
+    return out
 
 
 def switch_tp(group, new_cfg, reserved: tuple, early: dict, plan):
@@ -242,9 +262,13 @@ def _restarted_from(group, refs, replicated):
         return fresh
 
 
-def _rejoined(group):
-    """The old layout's workers, wired again (the shards they hold are untouched)."""
+def _rejoined(group, rows=None):
+    """The old layout's workers, wired again (the shards they hold are untouched; under zero 1 each takes
+    back its AdamW rows from the bundles it cut, `rows`: Group.export_rows')."""
     try:
-        return group.join()
+        group = group.join()
+        if rows is not None:
+            group.take_rows({r: list(rows[0][r]) for r in range(group.layout.world_size)})
+        return group
     except FAILURES:
         return group  # the next step fails and recovers

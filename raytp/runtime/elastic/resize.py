@@ -96,10 +96,10 @@ class Elastic:
             return Outcome.refused(f"a resize to TP={new.tp} x DP={new.dp} is in progress")
         t0, old = time.perf_counter(), group.layout
         pp = old.pp if pp is None else pp
-        if old.zero and (tp, pp, dp) != (old.tp, old.pp, old.dp):
-            return Outcome.refused("a live resize under parallel.zero: 1 is not supported yet (each DP rank's "
-                                   "AdamW rows would have to be cut anew): stop the run and resume it at the new "
-                                   "layout from its checkpoint (any layout, zero 0 or 1, reads it)")
+        if old.zero and (tp, pp) != (old.tp, old.pp):
+            return Outcome.refused("a live TP or stage resize under parallel.zero: 1 is not supported yet (DP "
+                                   "resizes are): stop the run and resume it at the new layout from its "
+                                   "checkpoint (any layout, zero 0 or 1, reads it)")
         try:
             new_cfg = policy.resized_config(group.cfg, tp, dp, pp)
         except config_mod.ConfigError as e:
@@ -131,7 +131,7 @@ class Elastic:
                 requested, pgs = reserved[1], reserved[0]
             early = {r: group.start_worker(r, new_cfg, pgs) for r in plan.early}
         except PlacementError as e:
-            carved = slots.carve(group.pgs, tp, dp)
+            carved = None if old.zero else slots.carve(group.pgs, tp, dp)  # in place: whole states only
             if carved is None:
                 self.log.event("resize_refused", old={"tp": old.tp, "dp": old.dp}, new={"tp": tp, "dp": dp},
                                error=str(e))

@@ -59,6 +59,26 @@ class WorkerState:
                                          self.cfg.model.vocab_size, set(skip), stages=stages)
         return (*bundles, transfer.replicated(self.model, self.optimizer), [transfer.bundle_bytes(b) for b in bundles])
 
+    def export_rows(self, new_dp: int):
+        """A DP resize under zero 1: one bundle per DP rank of `new_dp` of the AdamW rows this rank keeps that
+        that rank will keep (raytp.train.optimizer rows_for), then the bundles' sizes. Call with
+        num_returns=new_dp + 1."""
+        self._settle()
+        bundles = [transfer.pack([(f"optim/{n}/{k}", a, a, t) for n, k, a, _, t in rows])
+                   for rows in self.optimizer.rows_for(new_dp)]
+        return (*bundles, [transfer.bundle_bytes(b) for b in bundles])
+
+    def take_rows(self, refs: list) -> None:
+        """Keep the AdamW rows of this rank's DP position in the layout it has joined, filled from the bundles
+        `refs` (export_rows' of the ranks that kept them: a DP resize under zero 1, or its rollback)."""
+        import ray
+        self._settle()
+        self.optimizer.recut(self.groups.layout.dp, self.groups.dp_rank)
+        for ref in refs:
+            for key, start, _, t in transfer.unpack(ray.get(ref)):  # one bundle in memory at a time
+                _, name, k = key.split("/")
+                self.optimizer.put_rows(name, k, start, t)
+
     def commit_reshape(self) -> None:
         """The switch took: the old shard kept by `reshape` goes."""
         self.previous = None
@@ -72,8 +92,11 @@ class WorkerState:
             rebind_groups(self.model, None)
             self.groups, self.previous = None, None
 
-    def get_state(self) -> dict:
-        """This rank's weights and AdamW state (CPU tensors), e.g. for a DP replica to copy."""
+    def get_state(self, weights_only: bool = False) -> dict:
+        """This rank's weights and AdamW state (CPU tensors), e.g. for a DP replica to copy; `weights_only`:
+        without the AdamW state (a DP replica under zero 1 keeps other rows of it)."""
+        if weights_only:
+            return {"model": shard_state(self.model, self.optimizer, copy=True)["model"], "optim": {}}
         return shard_state(self.model, self.optimizer)
 
     def load(self, source, completed: int) -> None:
@@ -133,12 +156,16 @@ class WorkerState:
         if self.saving is not None:
             self.saving.copied.wait()
 
+    def weights_nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
     def state_nbytes(self) -> int:
         """Bytes of this rank's weights and optimizer state."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + self.optimizer.state_nbytes()
+        return self.weights_nbytes() + self.optimizer.state_nbytes()
 
-    def set_shard(self, state: dict, completed: int) -> None:
-        """Take a shard_state (or a packed one) of this rank's own shape (from a DP replica or a snapshot)."""
+    def set_shard(self, state: dict, completed: int, weights_only: bool = False) -> None:
+        """Take a shard_state (or a packed one) of this rank's own shape (from a DP replica or a snapshot);
+        `weights_only`: its weights, leaving the AdamW state as it is."""
         self._settle()
-        load_shard_state(self.model, self.optimizer, unpack_state(state))
+        load_shard_state(self.model, None if weights_only else self.optimizer, unpack_state(state))
         self.completed = completed
