@@ -36,4 +36,5 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "driver_scale": lazy("bench.driver_scale:run"),
     "pipeline": lazy("bench.pipeline:run"),
     "zero": lazy("bench.zero:run"),
+    "overlap": lazy("bench.overlap:run"),
 }

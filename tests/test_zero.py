@@ -39,16 +39,17 @@ def micro_batches(data, cfg, step, dp_rank, dp):
 
 
 def train_layout(rank, world, init, runs):
-    """Each run (arch, tp, pp, dp, sp, zero, precision) -> (losses, grad norms, final weights gathered over TP
-    on DP rank 0's TP rank 0 of each stage, bytes of AdamW state this rank keeps, bytes it would keep at zero 0)."""
+    """Each run (arch, tp, pp, dp, sp, zero, overlap, precision) -> (losses, grad norms, final weights gathered
+    over TP on DP rank 0's TP rank 0 of each stage, bytes of AdamW state this rank keeps, bytes it would keep
+    at zero 0, buckets of the last step reduced from its backward pass, buckets)."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     out = []
-    for arch, tp, pp, dp, sp, zero, precision in runs:
+    for arch, tp, pp, dp, sp, zero, overlap, precision in runs:
         cfg, h = config(arch), hyper(precision)
         groups = build_groups(Layout(tp, pp=pp, dp=dp, zero=zero), rank)
         stage = stage_of(cfg, pp, groups.pp_rank) if pp > 1 else None
         model = build_shard(cfg, SEED, groups.tp, sp, stage=stage)
-        opt = make_optimizer(model, h, dp, groups.dp_rank, zero, bucket_numel=BUCKET)
+        opt = make_optimizer(model, h, dp, groups.dp_rank, zero, bucket_numel=BUCKET, overlap=overlap)
         pipe = PipelineSchedule("1f1b", stage, sp) if pp > 1 else None
         data = corpus(cfg.vocab_size)
         results = [train_step(model, opt, micro_batches(data, cfg, step, groups.dp_rank, dp), groups, step, h,
@@ -57,7 +58,7 @@ def train_layout(rank, world, init, runs):
         keep = groups.dp_rank == 0 and groups.tp_rank == 0
         replicated = sum(8 * p.numel() + 4 for p in model.parameters())  # two fp32 moments and a step count
         out.append(([r.loss for r in results], [r.grad_norm for r in results], state if keep else {},
-                    opt.state_nbytes(), replicated))
+                    opt.state_nbytes(), replicated, opt.grads.early, len(opt.buckets)))
     return out
 
 
@@ -75,7 +76,8 @@ def one_device(rank, world, init, keys):
     return out
 
 
-# (arch, tp, pp, dp, sp, precision) each at zero 0 and zero 1, by world size: one spawn each
+# (arch, tp, pp, dp, sp, precision) each at zero 0, zero 0 with overlap and zero 1 with overlap, by world size:
+# one spawn each
 LAYOUTS = {
     2: [("gpt2", 1, 1, 2, False, "fp32")],
     4: [("llama", 2, 1, 2, True, "fp32"), ("gpt2", 1, 1, 4, False, "fp32"), ("gpt2", 1, 2, 2, False, "fp32"),
@@ -98,19 +100,27 @@ def merged(per_rank, i):
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_zero1_steps_equal_zero0_bit_for_bit_and_one_device(world, references):
-    runs = [(a, tp, pp, dp, sp, zero, prec) for a, tp, pp, dp, sp, prec in LAYOUTS[world] for zero in (0, 1)]
+    """zero 0, zero 0 with its DP reduction overlapping the backward pass, and zero 1 with overlap: the same
+    bits; the overlapped runs did reduce buckets from the backward pass."""
+    runs = [(a, tp, pp, dp, sp, zero, overlap, prec) for a, tp, pp, dp, sp, prec in LAYOUTS[world]
+            for zero, overlap in ((0, False), (0, True), (1, True))]
     per_rank = run_ranks(world, train_layout, runs, timeout_s=600)
     for j, (arch, tp, pp, dp, sp, prec) in enumerate(LAYOUTS[world]):
         name = f"{arch} TP={tp} x PP={pp} x DP={dp} sp={sp} {prec}"
-        z0, z1 = 2 * j, 2 * j + 1
+        z0, o0, z1 = 3 * j, 3 * j + 1, 3 * j + 2
         for rank in range(world):
-            losses0, norms0, _, kept0, full = per_rank[rank][z0]
-            losses1, norms1, _, kept1, _ = per_rank[rank][z1]
+            losses0, norms0, _, kept0, full, early0, _ = per_rank[rank][z0]
+            losses1, norms1, _, kept1, _, early1, buckets = per_rank[rank][z1]
+            assert early0 == 0 and 0 < early1 <= buckets, f"{name}: rank {rank} reduced {early1} buckets early"
+            assert 0 < per_rank[rank][o0][5], f"{name}: rank {rank} reduced no bucket early at zero 0"
+            assert per_rank[rank][o0][:2] == (losses0, norms0), f"{name}: rank {rank}: overlap changed a step"
             assert losses1 == losses0, f"{name}: rank {rank}'s losses differ between zero 0 and zero 1"
             assert norms1 == norms0, f"{name}: rank {rank}'s gradient norms differ"
             assert kept0 == full, f"{name}: zero 0 keeps {kept0} bytes of AdamW state, not params x 8 (+ steps)"
             assert abs(kept1 - full / dp) <= 0.05 * full / dp, \
                 f"{name}: rank {rank} keeps {kept1} bytes of AdamW state at zero 1, not ~{full / dp:.0f}"
+        for k, t in merged(per_rank, o0).items():
+            assert torch.equal(t, merged(per_rank, z0)[k]), f"{name}: final {k} differs with overlap"
         s0, s1 = merged(per_rank, z0), merged(per_rank, z1)
         assert s0.keys() == s1.keys() and s0
         for k in s0:

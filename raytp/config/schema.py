@@ -106,6 +106,9 @@ class ParallelConfig:
     zero: int = _f(0, "distributed optimizer: 0 = every DP replica keeps all the AdamW state; 1 = each DP rank "
                       "keeps the AdamW state of its 1/dp of the parameters' rows (ZeRO-1: 8 + 8/dp bytes a "
                       "parameter instead of 16)", (0, 1))
+    overlap_grad_reduce: bool = _f(
+        True, "sum each gradient bucket over the DP replicas while the backward pass goes on (the same "
+              "bits as after it: Megatron's overlap_grad_reduce)")
     min_dp: Optional[int] = _f(
         None, "elastic floor: when lost workers cannot be replaced, shrink to as few as this many "
               "replicas instead of failing, and grow back to dp when capacity returns; null = never shrink",

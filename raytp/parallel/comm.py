@@ -89,17 +89,29 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
     _gather_into(out, x, group)
 
 
+def start_reduce(flat: torch.Tensor, group, scatter: bool = False):
+    """Start summing `flat` over `group` in place, asynchronously; the work to ``wait`` on. `scatter`: only
+    rank r's 1/n chunk need come out summed (NCCL reduce-scatters in place; gloo's reduce-scatter is an
+    all-reduce plus copies, so there `flat` is all-reduced in place: the same bits)."""
+    if scatter and backend(group) != "gloo":
+        chunk = flat.numel() // group_size(group)
+        r = group_rank(group)
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return STATS.timed(fn, flat[r * chunk:(r + 1) * chunk], flat, group=group, async_op=True)
+    return STATS.timed(dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def wait(work) -> None:
+    """Wait for a collective started asynchronously (the time spent waiting counts as collective time)."""
+    STATS.timed(work.wait)
+
+
 def reduce_scatter_in_place(flat: torch.Tensor, group) -> torch.Tensor:
     """Rank r's 1/n chunk of `flat` becomes that chunk summed over `group`, in place; returns the chunk (the
-    rest of `flat` is left undefined). NCCL reduce-scatters in place; gloo's reduce-scatter is an all-reduce
-    plus copies, so there `flat` is all-reduced in place (the same bits)."""
+    rest of `flat` is left undefined; see start_reduce)."""
     chunk = flat.numel() // group_size(group)
-    mine = flat[group_rank(group) * chunk:(group_rank(group) + 1) * chunk]
-    if backend(group) == "gloo":
-        all_reduce(flat, group)
-    else:
-        _reduce_scatter_into(mine, flat, group)
-    return mine
+    wait(start_reduce(flat, group, scatter=True))
+    return flat[group_rank(group) * chunk:(group_rank(group) + 1) * chunk]
 
 
 def all_gather_in_place(flat: torch.Tensor, group) -> None:

@@ -1,7 +1,8 @@
 """What one worker will need, estimated from the job before anything starts.
 
-Per rank: its slices of the weights, their gradients, AdamW's two moments (4,
-4 and 8 bytes a parameter in float32; the moments of 1/dp of them under
+Per rank: its slices of the weights, their gradients (and, with DP replicas,
+their flat bucket buffers), AdamW's two moments (4, 4 (+4) and 8 bytes a
+parameter in float32; the moments of 1/dp of them under
 ``parallel.zero: 1``), the activations one micro-batch keeps
 for the backward pass (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", eq. 2 with tensor parallelism,
@@ -112,7 +113,10 @@ def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
     activations = int(kept + logits + 2 * s * b * h * 4)
     adam = 8 * local if par.zero == 0 or par.dp == 1 else math.ceil(8 * local / par.dp)  # zero 1: its rows
     snapshots = 2 * (4 * local + adam) if cfg.recovery.snapshot_every != 0 else 0  # null: on, at some interval
-    return WorkerMemory(4 * local, 4 * local, adam, activations, snapshots, cfg.runtime.device)
+    # The gradients, and with DP replicas their flat bucket buffers (raytp.train.grad_buckets): all alive at
+    # once when they are reduced during the backward pass, or kept to the weight gather under zero 1.
+    buffers = 4 * local if par.dp > 1 and (par.zero or par.overlap_grad_reduce) else 0
+    return WorkerMemory(4 * local, 4 * local + buffers, adam, activations, snapshots, cfg.runtime.device)
 
 
 def available_here() -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from raytp.parallel import comm
+from raytp.train.grad_buckets import GradBuckets
 from raytp.parallel.zero_plan import BUCKET_NUMEL, Bucket, handover, owned_rows, plan
 from raytp.train.hyper import Hyper
 
@@ -37,13 +38,13 @@ class DistributedAdamW:
     """AdamW of one shard (one rank's parameters), replicated or sharded over its DP group."""
 
     def __init__(self, model: torch.nn.Module, h: Hyper, dp: int = 1, dp_rank: int = 0, zero: int = 0,
-                 bucket_numel: int = BUCKET_NUMEL):
+                 bucket_numel: int = BUCKET_NUMEL, overlap: bool = False):
         named = list(model.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self._index = {n: i for i, n in enumerate(self.names)}
-        self.h, self.zero, self.bucket_numel = h, zero, bucket_numel
-        self.dp = self.dp_rank = None
+        self.h, self.zero, self.bucket_numel, self.overlap = h, zero, bucket_numel, overlap
+        self.dp = self.dp_rank = self.grads = None
         self._flats: list[torch.Tensor] = []  # zero 1: each bucket's buffer, from the reduce to the gather
         self.recut(dp, dp_rank)
 
@@ -80,6 +81,9 @@ class DistributedAdamW:
         self.dp, self.dp_rank = dp, dp_rank
         self.buckets: list[Bucket] = plan([tuple(p.shape) for p in self.params], dp, self.bucket_numel)
         self.owned = owned_rows(self.buckets, dp_rank)  # index -> (first row, end row)
+        if self.grads is not None:
+            self.grads.close()
+        self.grads = GradBuckets(self.params, self.buckets, self.sharded)
 
     # -- what torch's optimizer offers that callers use -------------------------------------------
     @property
@@ -95,27 +99,27 @@ class DistributedAdamW:
                     p.grad.zero_()
 
     # -- the step -------------------------------------------------------------------------------
+    def arm(self, group, backwards: int, hold=()) -> None:
+        """Overlap this step's DP reduction with its backward pass (raytp.train.grad_buckets): each bucket is
+        reduced over `group` once its parameters have accumulated `backwards` gradients; buckets holding a
+        parameter in `hold` wait for ``reduce_gradients``."""
+        held = {id(p) for p in hold}
+        self.grads.arm(group, backwards, frozenset(i for i, p in enumerate(self.params) if id(p) in held))
+
     def reduce_gradients(self, group, scale: float) -> None:
         """Sum the gradients over the DP `group` (then * scale): every rank's whole gradients (zero 0), or
         the owned rows' only (zero 1, into the leaves' ``.grad``)."""
         self._flats = []
-        for b in self.buckets:
-            flat = torch.zeros(b.numel, dtype=torch.float32, device=self.params[b.params[0]].device)
-            for d, pieces in enumerate(b.ranges):
-                for pc in pieces:
-                    g = self.params[pc.index].grad
-                    if g is not None:
-                        flat[b.span(d, pc)].copy_(g[pc.start:pc.stop].reshape(-1))
-            if self.sharded:  # in place: this rank's chunk of the bucket receives its rows' sums
-                mine = comm.reduce_scatter_in_place(flat, group)
+        for b, flat in zip(self.buckets, self.grads.finish(group)):
+            if self.sharded:  # in place: this rank's chunk of the bucket received its rows' sums
+                at = self.dp_rank * b.chunk
+                mine = flat[at:at + b.chunk]
                 mine *= scale
                 self._flats.append(flat)  # the all-gather of the new weights reuses it
                 for pc in b.ranges[self.dp_rank]:
                     t = self.targets[pc.index]
                     t.grad = mine[pc.at:pc.at + pc.numel].view(t.shape)
             else:
-                if group is not None:
-                    comm.all_reduce(flat, group)
                 if scale != 1.0:
                     flat *= scale
                 for d, pieces in enumerate(b.ranges):
@@ -124,6 +128,13 @@ class DistributedAdamW:
                         if g is None:
                             continue
                         g[pc.start:pc.stop].copy_(flat[b.span(d, pc)].view_as(g[pc.start:pc.stop]))
+
+    def update_grads(self):
+        """(parameter, the gradient its update reads) for each parameter with one: the whole gradient at zero
+        0, the owned rows' at zero 1 (after ``reduce_gradients``)."""
+        for i, t in self.targets.items():
+            if t.grad is not None:
+                yield self.params[i], t.grad
 
     def owned_grads(self):
         """(name, parameter, gradient of the rows this DP rank owns) for every owned block: what the global
@@ -240,7 +251,8 @@ class DistributedAdamW:
 
 
 def make_optimizer(model: torch.nn.Module, h: Hyper, dp: int = 1, dp_rank: int = 0, zero: int = 0,
-                   bucket_numel: int = BUCKET_NUMEL) -> DistributedAdamW:
+                   bucket_numel: int = BUCKET_NUMEL, overlap: bool = False) -> DistributedAdamW:
     """AdamW; matrices and embeddings decay, biases and LayerNorms do not (as nanoGPT); its state
-    replicated over the `dp` replicas (`zero` 0) or sharded over them (`zero` 1)."""
-    return DistributedAdamW(model, h, dp, dp_rank, zero, bucket_numel)
+    replicated over the `dp` replicas (`zero` 0) or sharded over them (`zero` 1); `overlap`: the DP reduction
+    runs while the backward pass goes on (``arm``)."""
+    return DistributedAdamW(model, h, dp, dp_rank, zero, bucket_numel, overlap)

@@ -6,13 +6,16 @@ gradient-accumulation loop; a pipeline schedule replaces exactly this part).
 The *finish* (``finish_step``) synchronises the gradients, clips them and updates
 the weights; it is the same whatever schedule ran.
 
-Gradient synchronisation happens once per step, after all micro-batches:
+Gradient synchronisation happens once per step, after all micro-batches (the
+DP part may start during the last backward passes: ``parallel.overlap_grad_reduce``):
+- a tied embedding's copies on the first and the last stage are summed;
 - DP: the loss (for reporting) is averaged over the DP group, and the
   gradients, laid out flat in buckets, are averaged by the optimizer
-  (raytp.train.optimizer): all-reduced, or reduce-scattered under the
-  distributed optimizer (``parallel.zero`` 1), which then all-gathers the
-  updated weights;
-- SP: replicated parameters that saw only this rank's slice of the sequence
+  (raytp.train.optimizer, raytp.train.grad_buckets): all-reduced, or
+  reduce-scattered under the distributed optimizer (``parallel.zero`` 1),
+  which then all-gathers the updated weights;
+- then (after DP, as Megatron does, on the rows each DP rank updates) SP:
+  replicated parameters that saw only this rank's slice of the sequence
   (LayerNorms, row-parallel biases, position embedding; tagged
   ``sequence_parallel`` by the TP plan) have their gradients summed over TP;
 - shared KV heads (grouped-query attention at tp > n_kv_head; tagged
@@ -51,21 +54,22 @@ def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float = 1.0) -> 
         t.copy_(chunk.view_as(t))
 
 
-def _sum_over_tp(params: list, group) -> None:
-    """Sum over TP, in one all-reduce, the gradients TP ranks each hold a part of: SP-tagged ones, and
-    shared KV-head copies (each placed at its head's slot of a buffer of all heads, so the sum adds up
-    the copies of each head and nothing else)."""
-    sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+def _sum_over_tp(grads: list, group) -> None:
+    """Sum over TP, in one all-reduce, the gradients TP ranks each hold a part of ([(parameter, gradient)]:
+    the whole gradient, or the rows of it this DP rank owns, the same rows on every TP rank): SP-tagged
+    ones, and shared KV-head copies (each placed at its head's slot of a buffer of all heads, so the sum
+    adds up the copies of each head and nothing else)."""
+    sp = [g for p, g in grads if getattr(p, "sequence_parallel", False)]
     shared = []
-    for p in params:
+    for p, g in grads:
         if hasattr(p, "shared_head"):
             head, heads, _ = p.shared_head
-            buf = p.grad.new_zeros((heads, *p.grad.shape))
-            buf[head] = p.grad
-            shared.append((p, head, buf))
+            buf = g.new_zeros((heads, *g.shape))
+            buf[head] = g
+            shared.append((g, head, buf))
     _flat_all_reduce(sp + [buf for _, _, buf in shared], group)
-    for p, head, buf in shared:
-        p.grad.copy_(buf[head])
+    for g, head, buf in shared:
+        g.copy_(buf[head])
 
 
 def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups, optimizer: DistributedAdamW | None = None
@@ -108,22 +112,25 @@ class StepResult:
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches, groups: ProcessGroups,
                step: int, h: Hyper, before_update=None, schedule=None) -> StepResult:
     """One optimizer step over this rank's micro-batches [(x, y), ...] of global step `step`: `schedule`
-    (default: raytp.train.schedule.accumulate), then finish_step. `before_update`: see finish_step."""
+    (default: raytp.train.schedule.accumulate), then finish_step. `before_update`: see finish_step. With an
+    optimizer that overlaps, the DP reduction starts during the schedule's last backward passes."""
     model.train()
     optimizer.zero_grad(set_to_none=False)  # the same buffers every step: no allocator churn
+    optimizer.follow(groups.layout.dp, groups.dp_rank)
+    if groups.dp is not None and getattr(optimizer, "overlap", False):  # a tied copy's bucket waits (its sum)
+        tied = [model.input_embedding().weight] if groups.emb is not None and model.cfg.tied else []
+        optimizer.arm(groups.dp, len(micro_batches), hold=tied)
     local_loss = (schedule or accumulate)(model, micro_batches, groups, step, h)
     return finish_step(model, optimizer, groups, step, h, local_loss, before_update)
 
 
 def finish_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups, step: int,
                 h: Hyper, local_loss: torch.Tensor, before_update=None) -> StepResult:
-    """Sync the gradients a schedule left in ``.grad`` (TP sums, then the DP mean, with the loss), clip by
-    the global norm, and update. `local_loss`: this rank's mean loss over its micro-batches.
-    `before_update`: called right before the weights and optimizer state change (the optimizer's
-    step); until then they are only read, so a snapshot of them may still be being copied."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if groups.tp is not None:
-        _sum_over_tp(params, groups.tp)
+    """Sync the gradients a schedule left in ``.grad`` (a tied embedding's two copies summed, the DP mean
+    with the loss, then the TP sums), clip by the global norm, and update. `local_loss`: this rank's mean
+    loss over its micro-batches. `before_update`: called right before the weights and optimizer state
+    change (the optimizer's step); until then they are only read, so a snapshot of them may still be
+    being copied."""
     if groups.emb is not None and model.cfg.tied:  # the first and the last stage's copies of the embedding
         comm.all_reduce(model.input_embedding().weight.grad, groups.emb)
     mean_loss = sum_over_stages(local_loss.detach().reshape(1), groups)  # the last stage's, on every stage
@@ -132,6 +139,8 @@ def finish_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups
         comm.all_reduce(mean_loss, groups.dp)
         mean_loss /= groups.layout.dp
         optimizer.reduce_gradients(groups.dp, 1.0 / groups.layout.dp)
+    if groups.tp is not None:  # after the DP sum (Megatron's order), so DP buckets need not wait for it
+        _sum_over_tp(list(optimizer.update_grads()), groups.tp)
 
     norm = global_grad_norm(model, groups, optimizer)
     if h.grad_clip > 0:

@@ -129,7 +129,8 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity):
             self.model.activation_checkpointing = self.cfg.train.activation_checkpointing
             self.hyper = hyper(self.cfg)
             self.optimizer = make_optimizer(self.model, self.hyper, self.groups.layout.dp, self.groups.dp_rank,
-                                            self.groups.layout.zero)
+                                            self.groups.layout.zero,
+                                            overlap=self.cfg.parallel.overlap_grad_reduce)
         else:
             self._build_from(source)
         n_local = sum(p.numel() for p in self.model.parameters())

@@ -42,7 +42,8 @@ class WorkerState:
                                        self._stage())
         self.model.activation_checkpointing = self.cfg.train.activation_checkpointing
         self.hyper = hyper(self.cfg)
-        self.optimizer = make_optimizer(self.model, self.hyper, g.layout.dp, g.dp_rank, g.layout.zero)
+        self.optimizer = make_optimizer(self.model, self.hyper, g.layout.dp, g.dp_rank, g.layout.zero,
+                                        overlap=self.cfg.parallel.overlap_grad_reduce)
         source = StateSource(source) if isinstance(source, dict) else source
         # A kept process copies its own slices locally where the bundles leave them out (a TP resize: None)
         keep_own = own is not None and isinstance(source, PiecesSource) and None in source.refs
