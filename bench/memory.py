@@ -33,10 +33,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def held_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
-    """Storage bytes of params, grads and optimizer state on this rank (each storage once)."""
+    """Storage bytes of params, grads and optimizer state on this rank (each storage once). The grads include
+    the distributed optimizer's bucket buffers while it holds them (from the reduce to the update, where its
+    parameters' ``.grad`` are dropped: raytp.train.grad_buckets)."""
     groups = {
         "params": [p for p in model.parameters()],
-        "grads": [p.grad for p in model.parameters() if p.grad is not None],
+        "grads": [p.grad for p in model.parameters() if p.grad is not None] + list(getattr(optimizer, "_flats", [])),
         "optimizer": [v for st in optimizer.named_state().values() for v in st.values() if isinstance(v, torch.Tensor)],
     }
     out, seen = {}, set()

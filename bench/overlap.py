@@ -2,7 +2,8 @@
 
 At DP = 2 (gloo, one thread per rank), the same GPT on the same batches, two micro-batches a step, taking
 turns step by step after untimed warm-up steps (a step's time is the slowest rank's; every rank starts it at
-a barrier): raytp zero 0 and zero 1, each with its buckets reduced after the backward pass and during it,
+a barrier): raytp zero 0 and zero 1, each with its buckets reduced after the backward pass and during it
+(zero 1 with overlap also gathers its new weights during the next forward pass),
 against PyTorch DDP (which overlaps its bucketed all-reduce with the backward pass, ``no_sync`` on the first
 micro-batch, the same bucket size). The buckets are 1M elements (the model has ~9M), so the backward pass
 has several to reduce while it runs; a job's default is Megatron's 40M.
@@ -85,7 +86,8 @@ def _rank(rank, world, init, p):
         zero, overlap = int(impl[4]), impl.endswith("overlap")
         groups = build_groups(Layout(1, dp=world, zero=zero), rank)
         model = build_shard(p["cfg"], SEED, None, False)
-        sides[impl] = (model, make_optimizer(model, HYPER, world, rank, zero, p["bucket"], overlap), groups)
+        opt = make_optimizer(model, HYPER, world, rank, zero, p["bucket"], overlap, overlap_gather=overlap and zero)
+        sides[impl] = (model, opt, groups)
     sides["ddp"] = (*_ddp(p, world), None)
 
     def one(impl, step):

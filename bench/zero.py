@@ -1,7 +1,8 @@
 """zero: the distributed optimizer (``parallel.zero: 1``) against the replicated one and PyTorch FSDP2.
 
-Memory (issue 20, "Performance and memory"): per DP rank, the bytes of parameters + gradients + AdamW
-state held after a few steps (each storage counted once, bench.memory.held_bytes), at DP = 2, 4, 8 (a small
+Memory (issue 20, "Performance and memory"): per DP rank, the bytes of parameters + gradients (or, under
+zero 1, the bucket buffers that replace them) + AdamW state held at the update of a step (each storage
+counted once, bench.memory.held_bytes), at DP = 2, 4, 8 (a small
 model, one process per rank, gloo), at zero 0 and zero 1, against 16 and 8 + 8/dp bytes a parameter
 (AdamW's step counts make it a little more); and each worker process's peak resident memory
 (ru_maxrss), zero 0 against zero 1.
@@ -52,9 +53,10 @@ def _memory_rank(rank, world, init, p, zero):
     groups = build_groups(Layout(1, dp=world, zero=zero), rank)
     model = build_shard(p["cfg"], SEED, None, False)
     opt = make_optimizer(model, HYPER, world, rank, zero)
-    for step in range(p["mem_steps"]):
-        train_step(model, opt, [_batch(p, step, rank, world)], groups, step, HYPER)
-    held = held_bytes(model, opt)
+    held = {}
+    for step in range(p["mem_steps"]):  # held at the update: gradients (or their buffers) and state all alive
+        train_step(model, opt, [_batch(p, step, rank, world)], groups, step, HYPER,
+                   before_update=lambda: held.update(held_bytes(model, opt)))
     return {"held": held, "params": sum(q.numel() for q in model.parameters()),
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
@@ -107,12 +109,15 @@ def _step_rank(rank, world, init, p):
         sides[f"zero{zero}"] = (model, make_optimizer(model, HYPER, world, rank, zero), groups)
     sides["fsdp2"] = (*_fsdp2(cfg, world), None)
 
+    held = {}
+
     def one(impl, step):
         model, opt, groups = sides[impl]
         x, y = _batch(p, step, rank, world)
         if impl == "fsdp2":
             return _fsdp2_step(model, opt, x, y, step)
-        return train_step(model, opt, [(x, y)], groups, step, HYPER).loss
+        return train_step(model, opt, [(x, y)], groups, step, HYPER,
+                          before_update=lambda: held.update({impl: held_bytes(model, opt)["total"]})).loss
 
     times = {k: [] for k in IMPLS}
     losses = {k: [] for k in IMPLS}
@@ -123,8 +128,7 @@ def _step_rank(rank, world, init, p):
             losses[impl].append(loss)
             if step >= p["warmup"]:
                 times[impl].append(t)
-    held = {impl: (held_bytes(m, o)["total"] if impl != "fsdp2" else _local_bytes(m, o))
-            for impl, (m, o, _) in sides.items()}
+    held["fsdp2"] = _local_bytes(*sides["fsdp2"][:2])
     return {"times": times, "losses": losses, "held": held}
 
 

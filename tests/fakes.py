@@ -277,7 +277,7 @@ class FakeGroup(WorkerGroup):
         return [write_part(url, directory, t, ref.value, self.layout.tp, model_args(self.cfg))
                 for t, ref in enumerate(parts)]
 
-    def copy_shards(self, donors, step):
+    def copy_shards(self, donors, step, weights_only=False):
         for r, d in donors.items():
             self.workers[r].x, self.workers[r].completed = self.workers[d].x, step
         return 8 * len(donors)

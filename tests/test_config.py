@@ -103,7 +103,8 @@ def test_round_trip_through_dict_and_yaml():
     assert from_dict(d) == cfg
     assert from_dict(yaml.safe_load(yaml.safe_dump(d))) == cfg
     assert d["parallel"] == {"tp": 2, "pp": 1, "dp": 2, "pp_schedule": "1f1b", "pp_virtual": 1, "pp_layers": None,
-                             "sequence_parallel": False, "zero": 0, "overlap_grad_reduce": True, "min_dp": None}
+                             "sequence_parallel": False, "zero": 0, "overlap_grad_reduce": True,
+                             "overlap_param_gather": False, "min_dp": None}
 
 
 @pytest.mark.parametrize("path", sorted(JOBS.glob("*.yaml")), ids=lambda p: p.name)

@@ -63,8 +63,8 @@ def ours_at_tp(rank, world, init, model_dir):
     x, y = batch()
     logits = comm.gather_last(model(x), groups.tp)[..., :V].detach()
     model(x, y).backward()
-    params = [p for p in model.parameters() if p.grad is not None]
-    _sum_over_tp(params, groups.tp)  # what the step does: shared KV heads' copies summed
+    _sum_over_tp([(p, p.grad) for p in model.parameters() if p.grad is not None], groups.tp)  # as the step does:
+    # shared KV heads' copies summed
     grads = {}
     for name, p in model.named_parameters():
         parts = [torch.empty_like(p.grad) for _ in range(world)]

@@ -49,16 +49,19 @@ def train_layout(rank, world, init, runs):
         groups = build_groups(Layout(tp, pp=pp, dp=dp, zero=zero), rank)
         stage = stage_of(cfg, pp, groups.pp_rank) if pp > 1 else None
         model = build_shard(cfg, SEED, groups.tp, sp, stage=stage)
-        opt = make_optimizer(model, h, dp, groups.dp_rank, zero, bucket_numel=BUCKET, overlap=overlap)
+        opt = make_optimizer(model, h, dp, groups.dp_rank, zero, bucket_numel=BUCKET, overlap=overlap,
+                             overlap_gather=overlap and zero == 1)
         pipe = PipelineSchedule("1f1b", stage, sp) if pp > 1 else None
         data = corpus(cfg.vocab_size)
         results = [train_step(model, opt, micro_batches(data, cfg, step, groups.dp_rank, dp), groups, step, h,
                               schedule=pipe) for step in range(STEPS)]
+        opt.settle()  # the last gather (overlapping a next forward pass that never comes)
         state = {k: t for k, t in gather_full_state(model, groups.tp).items() if not replicated_copy(model, k)}
         keep = groups.dp_rank == 0 and groups.tp_rank == 0
         replicated = sum(8 * p.numel() + 4 for p in model.parameters())  # two fp32 moments and a step count
         out.append(([r.loss for r in results], [r.grad_norm for r in results], state if keep else {},
-                    opt.state_nbytes(), replicated, opt.grads.early, len(opt.buckets)))
+                    opt.state_nbytes(), replicated, opt.grads.early, len(opt.buckets),
+                    opt.gather.in_forward if opt.gather else 0))
     return out
 
 
@@ -100,8 +103,9 @@ def merged(per_rank, i):
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_zero1_steps_equal_zero0_bit_for_bit_and_one_device(world, references):
-    """zero 0, zero 0 with its DP reduction overlapping the backward pass, and zero 1 with overlap: the same
-    bits; the overlapped runs did reduce buckets from the backward pass."""
+    """zero 0, zero 0 with its DP reduction overlapping the backward pass, and zero 1 with overlap (of the
+    gradients' reduction with the backward pass and of the weights' gather with the next forward pass): the
+    same bits; the overlapped runs did reduce buckets from the backward pass."""
     runs = [(a, tp, pp, dp, sp, zero, overlap, prec) for a, tp, pp, dp, sp, prec in LAYOUTS[world]
             for zero, overlap in ((0, False), (0, True), (1, True))]
     per_rank = run_ranks(world, train_layout, runs, timeout_s=600)
@@ -109,9 +113,11 @@ def test_zero1_steps_equal_zero0_bit_for_bit_and_one_device(world, references):
         name = f"{arch} TP={tp} x PP={pp} x DP={dp} sp={sp} {prec}"
         z0, o0, z1 = 3 * j, 3 * j + 1, 3 * j + 2
         for rank in range(world):
-            losses0, norms0, _, kept0, full, early0, _ = per_rank[rank][z0]
-            losses1, norms1, _, kept1, _, early1, buckets = per_rank[rank][z1]
+            losses0, norms0, _, kept0, full, early0, _, _ = per_rank[rank][z0]
+            losses1, norms1, _, kept1, _, early1, buckets, in_forward = per_rank[rank][z1]
             assert early0 == 0 and 0 < early1 <= buckets, f"{name}: rank {rank} reduced {early1} buckets early"
+            assert in_forward >= (STEPS - 1) * buckets * 0.5, \
+                f"{name}: rank {rank} gathered only {in_forward} buckets of new weights from forward passes"
             assert 0 < per_rank[rank][o0][5], f"{name}: rank {rank} reduced no bucket early at zero 0"
             assert per_rank[rank][o0][:2] == (losses0, norms0), f"{name}: rank {rank}: overlap changed a step"
             assert losses1 == losses0, f"{name}: rank {rank}'s losses differ between zero 0 and zero 1"

@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow  # two jobs of four workers
 
 
 def zero1(cfg):
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=1))
+    """`cfg` under zero 1, its weights gathered during the next forward pass (so snapshots, checkpoints and
+    resizes find gathers in flight and must settle them first)."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=1, overlap_param_gather=True))
 
 
 def test_sigkill_under_zero1_restores_from_the_snapshot_and_ends_as_zero0(ray_local, recovery_reference, tmp_path):

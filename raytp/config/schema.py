@@ -109,6 +109,9 @@ class ParallelConfig:
     overlap_grad_reduce: bool = _f(
         True, "sum each gradient bucket over the DP replicas while the backward pass goes on (the same "
               "bits as after it: Megatron's overlap_grad_reduce)")
+    overlap_param_gather: bool = _f(
+        False, "under zero: 1, gather the updated weights while the next forward pass goes on, each layer "
+               "waiting only for its own (Megatron's overlap_param_gather; the same bits)")
     min_dp: Optional[int] = _f(
         None, "elastic floor: when lost workers cannot be replaced, shrink to as few as this many "
               "replicas instead of failing, and grow back to dp when capacity returns; null = never shrink",

@@ -51,6 +51,8 @@ def named_tensors(model: torch.nn.Module, optimizer, weights: bool = True) -> di
     of a shard (a tied embedding's copy on the last pipeline stage left out: the first stage writes it).
     Under the distributed optimizer the AdamW tensors are those of the rows this rank keeps."""
     out = {}
+    if optimizer is not None:
+        optimizer.settle()  # the new weights all here (zero 1 may still be gathering them)
     state = optimizer.named_state() if optimizer is not None else {}
     for name, p in model.named_parameters():
         if replicated_copy(model, name):

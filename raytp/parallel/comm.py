@@ -114,19 +114,25 @@ def reduce_scatter_in_place(flat: torch.Tensor, group) -> torch.Tensor:
     return flat[group_rank(group) * chunk:(group_rank(group) + 1) * chunk]
 
 
-def all_gather_in_place(flat: torch.Tensor, group) -> None:
-    """Every rank's 1/n chunk of `flat` (each set by its rank) on every rank, in place. NCCL all-gathers in
-    place; gloo's all-gather allocates a copy of the whole output (measured), so there each chunk is
-    broadcast from its rank instead."""
+def start_all_gather_in_place(flat: torch.Tensor, group) -> list:
+    """Start giving every rank each rank's 1/n chunk of `flat` (each set by its rank), in place, asynchronously;
+    the works to ``wait`` on. NCCL all-gathers in place; gloo's all-gather allocates a copy of the whole output
+    (measured), so there each chunk is broadcast from its rank instead."""
     n = group_size(group)
     chunk = flat.numel() // n
     if backend(group) == "gloo":
-        for d in range(n):
-            src = d if group is None else dist.get_global_rank(group, d)
-            STATS.timed(dist.broadcast, flat[d * chunk:(d + 1) * chunk], src=src, group=group)
-    else:
-        r = group_rank(group)
-        _gather_into(flat, flat[r * chunk:(r + 1) * chunk], group)
+        return [STATS.timed(dist.broadcast, flat[d * chunk:(d + 1) * chunk],
+                            src=d if group is None else dist.get_global_rank(group, d), group=group, async_op=True)
+                for d in range(n)]
+    r = group_rank(group)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return [STATS.timed(fn, flat, flat[r * chunk:(r + 1) * chunk], group=group, async_op=True)]
+
+
+def all_gather_in_place(flat: torch.Tensor, group) -> None:
+    """start_all_gather_in_place, waited for."""
+    for work in start_all_gather_in_place(flat, group):
+        wait(work)
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:

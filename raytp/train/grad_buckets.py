@@ -18,6 +18,11 @@ graph, so all launch their buckets in the same order, and the buffers, their
 layout and the collectives are the same with or without overlap: the result
 is the same to the bit.
 
+When scattering (the distributed optimizer), a parameter's ``.grad`` is dropped
+once copied into its bucket's buffer: from then on the buffer is the gradient
+(the optimizer reads its own chunk of it), so a rank never holds both, and the
+next backward pass makes ``.grad`` again.
+
 The hooks are registered once per plan and do nothing while not armed (an
 evaluation, a step without overlap).
 """
@@ -81,6 +86,9 @@ class GradBuckets:
                 g = self.params[pc.index].grad
                 if g is not None:
                     flat[b.span(d, pc)].copy_(g[pc.start:pc.stop].reshape(-1))
+        if self.scatter:  # the buffer is the gradient from now on: the optimizer reads its own chunk only
+            for i in b.params:
+                self.params[i].grad = None
         self._started[k] = (flat, comm.start_reduce(flat, group, self.scatter))
 
     def finish(self, group) -> list[torch.Tensor]:

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from raytp.parallel import comm
 from raytp.train.grad_buckets import GradBuckets
+from raytp.train.weight_gather import WeightGather
 from raytp.parallel.zero_plan import BUCKET_NUMEL, Bucket, handover, owned_rows, plan
 from raytp.train.hyper import Hyper
 
@@ -38,19 +38,21 @@ class DistributedAdamW:
     """AdamW of one shard (one rank's parameters), replicated or sharded over its DP group."""
 
     def __init__(self, model: torch.nn.Module, h: Hyper, dp: int = 1, dp_rank: int = 0, zero: int = 0,
-                 bucket_numel: int = BUCKET_NUMEL, overlap: bool = False):
+                 bucket_numel: int = BUCKET_NUMEL, overlap: bool = False, overlap_gather: bool = False):
         named = list(model.named_parameters())
+        self.model, self.overlap_gather = model, overlap_gather
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self._index = {n: i for i, n in enumerate(self.names)}
         self.h, self.zero, self.bucket_numel, self.overlap = h, zero, bucket_numel, overlap
-        self.dp = self.dp_rank = self.grads = None
+        self.dp = self.dp_rank = self.grads = self.gather = None
         self._flats: list[torch.Tensor] = []  # zero 1: each bucket's buffer, from the reduce to the gather
         self.recut(dp, dp_rank)
 
     def recut(self, dp: int, dp_rank: int) -> None:
         """Keep the rows of DP rank `dp_rank` of `dp` from now on, with no AdamW state yet (a DP resize under
         zero 1 fills it with ``put_rows``; at construction there is none)."""
+        self.settle()
         self.dp = None
         self.sharded = bool(self.zero) and dp > 1
         self.follow(dp, dp_rank)
@@ -83,7 +85,12 @@ class DistributedAdamW:
         self.owned = owned_rows(self.buckets, dp_rank)  # index -> (first row, end row)
         if self.grads is not None:
             self.grads.close()
+        if self.gather is not None:
+            self.gather.close()
         self.grads = GradBuckets(self.params, self.buckets, self.sharded)
+        self.gather = WeightGather(self.params, self.buckets, dp_rank) if self.sharded else None
+        if self.gather is not None and self.overlap_gather:
+            self.gather.hook(self.model)
 
     # -- what torch's optimizer offers that callers use -------------------------------------------
     @property
@@ -109,6 +116,7 @@ class DistributedAdamW:
     def reduce_gradients(self, group, scale: float) -> None:
         """Sum the gradients over the DP `group` (then * scale): every rank's whole gradients (zero 0), or
         the owned rows' only (zero 1, into the leaves' ``.grad``)."""
+        self.settle()  # a parameter no forward pass used may still be being gathered
         self._flats = []
         for b, flat in zip(self.buckets, self.grads.finish(group)):
             if self.sharded:  # in place: this rank's chunk of the bucket received its rows' sums
@@ -154,7 +162,8 @@ class DistributedAdamW:
                 t.grad.mul_(coef)
 
     def step(self, group=None) -> None:
-        """Update what this rank owns, then (zero 1) give every replica the new weights."""
+        """Update what this rank owns, then (zero 1) give every replica the new weights: at once, or, with
+        `overlap_gather`, during the next forward pass (raytp.train.weight_gather)."""
         self.inner.step()
         if not self.sharded:
             return
@@ -164,14 +173,15 @@ class DistributedAdamW:
             mine = flat[at:at + b.chunk]
             for pc in b.ranges[self.dp_rank]:
                 mine[pc.at:pc.at + pc.numel].copy_(self.targets[pc.index].data.reshape(-1))
-            comm.all_gather_in_place(flat, group)
-            with torch.no_grad():
-                for d, pieces in enumerate(b.ranges):
-                    if d == self.dp_rank:
-                        continue
-                    for pc in pieces:
-                        p = self.params[pc.index]
-                        p.data[pc.start:pc.stop].copy_(flat[b.span(d, pc)].view_as(p.data[pc.start:pc.stop]))
+        self.gather.start(flats, group)
+        if not self.overlap_gather:
+            self.gather.settle()
+
+    def settle(self) -> None:
+        """Finish giving this replica every new weight (zero 1 with ``overlap_gather``: what the forward pass
+        has not yet): before anything but a forward pass reads the weights."""
+        if self.gather is not None:
+            self.gather.settle()
 
     # -- the state in parameter space -----------------------------------------------------------
     def rows(self, name: str) -> tuple[int, int] | None:
@@ -251,8 +261,10 @@ class DistributedAdamW:
 
 
 def make_optimizer(model: torch.nn.Module, h: Hyper, dp: int = 1, dp_rank: int = 0, zero: int = 0,
-                   bucket_numel: int = BUCKET_NUMEL, overlap: bool = False) -> DistributedAdamW:
+                   bucket_numel: int = BUCKET_NUMEL, overlap: bool = False, overlap_gather: bool = False
+                   ) -> DistributedAdamW:
     """AdamW; matrices and embeddings decay, biases and LayerNorms do not (as nanoGPT); its state
     replicated over the `dp` replicas (`zero` 0) or sharded over them (`zero` 1); `overlap`: the DP reduction
-    runs while the backward pass goes on (``arm``)."""
-    return DistributedAdamW(model, h, dp, dp_rank, zero, bucket_numel, overlap)
+    runs while the backward pass goes on (``arm``); `overlap_gather` (zero 1): the new weights are gathered
+    while the next forward pass goes on."""
+    return DistributedAdamW(model, h, dp, dp_rank, zero, bucket_numel, overlap, overlap_gather)

@@ -30,6 +30,7 @@ def shard_state(model: torch.nn.Module, optimizer, copy: bool = True) -> dict:
         t = t.detach()
         return t.clone() if copy and t.device.type == "cpu" else t.cpu()
 
+    optimizer.settle()  # the new weights all here (zero 1 may still be gathering them)
     optim = {n: {k: out(v) for k, v in st.items()} for n, st in optimizer.named_state().items()}
     return {"model": {n: out(p) for n, p in model.named_parameters()}, "optim": optim}
 
@@ -60,6 +61,7 @@ def load_shard_state(model: torch.nn.Module, optimizer, state: dict, whole: bool
 
 def live_state(model: torch.nn.Module, optimizer) -> dict:
     """shard_state's layout holding the live tensors themselves, on their device (no copy)."""
+    optimizer.settle()
     optim = {n: {k: v.detach() for k, v in st.items()} for n, st in optimizer.named_state().items()}
     return {"model": {n: p.detach() for n, p in model.named_parameters()}, "optim": optim}
 

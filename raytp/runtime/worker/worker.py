@@ -130,7 +130,8 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity):
             self.hyper = hyper(self.cfg)
             self.optimizer = make_optimizer(self.model, self.hyper, self.groups.layout.dp, self.groups.dp_rank,
                                             self.groups.layout.zero,
-                                            overlap=self.cfg.parallel.overlap_grad_reduce)
+                                            overlap=self.cfg.parallel.overlap_grad_reduce,
+                                            overlap_gather=self.cfg.parallel.overlap_param_gather)
         else:
             self._build_from(source)
         n_local = sum(p.numel() for p in self.model.parameters())

@@ -43,7 +43,8 @@ class WorkerState:
         self.model.activation_checkpointing = self.cfg.train.activation_checkpointing
         self.hyper = hyper(self.cfg)
         self.optimizer = make_optimizer(self.model, self.hyper, g.layout.dp, g.dp_rank, g.layout.zero,
-                                        overlap=self.cfg.parallel.overlap_grad_reduce)
+                                        overlap=self.cfg.parallel.overlap_grad_reduce,
+                                        overlap_gather=self.cfg.parallel.overlap_param_gather)
         source = StateSource(source) if isinstance(source, dict) else source
         # A kept process copies its own slices locally where the bundles leave them out (a TP resize: None)
         keep_own = own is not None and isinstance(source, PiecesSource) and None in source.refs
@@ -156,6 +157,8 @@ class WorkerState:
             snapshot.packed.wait()
         if self.saving is not None:
             self.saving.copied.wait()
+        if self.optimizer is not None:
+            self.optimizer.settle()  # zero 1 may still be gathering the new weights
 
     def weights_nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
