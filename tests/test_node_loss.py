@@ -128,13 +128,21 @@ def test_lost_node_of_a_dp1_job_restores_from_the_snapshot_copy_on_another_node(
     assert placed[0]["node_id"] == placed[1]["node_id"] != remove_workers_node.node_id
 
 
-def test_removed_node_under_zero1_restores_from_the_snapshot_copy(cluster, tmp_path):
+@pytest.fixture(scope="module")
+def zero_reference(cluster, tmp_path_factory):
+    """The uninterrupted TP=1 x DP=2 copy_job at zero 0 (run once for the zero-1 tests of this module)."""
+    gpu_nodes(cluster, 2)
+    ref_dir = tmp_path_factory.mktemp("zref")
+    run(copy_job(1, 2), ref_dir, "zref")
+    return ref_dir
+
+
+def test_removed_node_under_zero1_restores_from_the_snapshot_copy(cluster, zero_reference, tmp_path):
     """TP=1 x DP=2 under parallel.zero: 1, the replicas on nodes of their own: replica 1's node goes, and with
     it the only copy of its rank's AdamW rows and that rank's snapshot. The keeper's off-node copy of every
     rank's part brings the job back, bit for bit where the same job at zero 0 ends uninterrupted."""
+    ref_dir = zero_reference
     gpu_nodes(cluster, 3)  # two used, one to move to
-    ref_dir = tmp_path / "ref"
-    run(copy_job(1, 2), ref_dir, "zref")
 
     def remove_rank_1_node(run_name):
         node_id = ray_actors(f"raytp.{run_name}.rank1")[f"raytp.{run_name}.rank1"]["node_id"]
@@ -173,3 +181,35 @@ def test_removed_node_of_a_pipeline_stage_loses_nothing(cluster, tmp_path):
     assert 3 in {f["rank"] for f in fails} and {f["node"] for f in fails} == {remove_rank_3_node.node_id}
     (rec,) = events(run_dir, "recovered")
     assert rec["lost_steps"] == 0
+
+
+def test_elastic_shrink_under_zero1_recuts_the_lost_rows_from_the_snapshot(cluster, zero_reference, tmp_path):
+    """TP=1 x DP=2 under zero 1 with parallel.min_dp 1 and no spare capacity: replica 1's node goes, with the
+    only live copy of its rank's AdamW rows. The job shrinks to DP=1: the kept rank takes every rank's rows
+    of the newest snapshot (whose parts the keeper also holds off both nodes), replays from it, and ends
+    where the uninterrupted job at DP=2 does, to within the reduction order (without the lost rows the
+    weights end 3e-2 away, tried)."""
+    alive = {n.node_id: n for n in gpu_nodes(cluster, 2)}  # both filled: nothing to replace with
+
+    def remove_rank_1_node(run_name):
+        node_id = ray_actors(f"raytp.{run_name}.rank1")[f"raytp.{run_name}.rank1"]["node_id"]
+        wait_for(lambda: events(run_dir, "snapshot_copy"), "no snapshot copy was placed")
+        cluster.remove_node(alive[node_id])
+
+    cfg = copy_job(1, 2, zero=1)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, min_dp=1),
+                              recovery=dataclasses.replace(cfg.recovery, replace_timeout_s=3.0),
+                              runtime=dataclasses.replace(cfg.runtime, gpus_per_worker=2.0))  # a node each
+    run_dir = tmp_path / "run"
+    WaitsForSnapshotCopy.run, WaitsForSnapshotCopy.marker = "zshrink", str(tmp_path / "copy-awaited")
+    run(cfg, run_dir, "zshrink", faults=[(6, remove_rank_1_node)], worker_cls=WaitsForSnapshotCopy)
+    (resized,) = events(run_dir, "resized")
+    assert (resized["old"]["dp"], resized["new"]["dp"]) == (2, 1) and resized["reason"].startswith("lost capacity")
+    (rec,) = events(run_dir, "recovered")
+    assert rec["source"].startswith("shrink to DP=1 from the snapshot"), rec
+    ours, ref = final_state(run_dir, COPY_STEPS), final_state(zero_reference, COPY_STEPS)
+    for n in ref["model"]:
+        diff = float((ours["model"][n] - ref["model"][n]).abs().max())
+        assert diff < 1e-5, f"{n} left the uninterrupted run by {diff:.2e}"
+    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == list(range(COPY_STEPS)) and metrics[-1]["dp"] == 1

@@ -88,10 +88,6 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
     (("parallel.min_dp", "parallel.dp"),
      lambda v: v["parallel.min_dp"] is None or v["parallel.min_dp"] <= v["parallel.dp"],
      lambda v: f"{v['parallel.min_dp']} exceeds parallel.dp={v['parallel.dp']}; valid: 1 to {v['parallel.dp']}"),
-    (("parallel.min_dp", "parallel.zero", "parallel.dp"),
-     lambda v: v["parallel.min_dp"] is None or v["parallel.zero"] == 0 or v["parallel.dp"] == 1,
-     lambda v: f"{v['parallel.min_dp']} (elastic shrink) needs parallel.zero: 0 today: under zero 1 the "
-               "replicas kept would lack the AdamW state of those lost"),
     (("train.batch_size", "parallel.dp"),
      lambda v: v["train.batch_size"] % v["parallel.dp"] == 0,
      lambda v: f"{v['train.batch_size']} is not divisible by "

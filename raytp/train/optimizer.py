@@ -240,6 +240,15 @@ class DistributedAdamW:
             out.append(entries)
         return out
 
+    def take_part(self, state: dict[str, dict[str, torch.Tensor]], old_dp: int, old_rank: int) -> None:
+        """Keep, of the AdamW state `state` that DP rank `old_rank` of `old_dp` kept under zero 1 ({name:
+        {key: its rows}}, e.g. its snapshot part), the rows this rank keeps now."""
+        shapes = [tuple(p.shape) for p in self.params]
+        old = owned_rows(plan(shapes, old_dp, self.bucket_numel), old_rank)
+        for i, (a, b) in handover(shapes, old_dp, old_rank, self.dp, self.bucket_numel)[self.dp_rank].items():
+            for k, v in state.get(self.names[i], {}).items():
+                self.put_rows(self.names[i], k, a, v if v.dim() == 0 else v[a - old[i][0]:b - old[i][0]])
+
     def put_rows(self, name: str, key: str, start: int, t: torch.Tensor) -> None:
         """Set AdamW state `key` of parameter `name` at its rows start.. from `t` (a copy; "step" whole): rows this
         rank keeps (what ``rows_for`` gave it)."""

@@ -298,6 +298,13 @@ class WorkerGroup:
             sizes.append(out[new_dp])
         return refs, self.fetch(sizes)
 
+    def recut_parts(self, refs: Mapping[int, list], old_dp: int, step: int) -> None:
+        """Under zero 1, ranks take a snapshot's weights and their rows of its AdamW state at this layout's DP
+        degree ({rank: the parts of old DP ranks 0.. at its TP rank and stage}, cut at `old_dp`) as the state
+        after `step`."""
+        ray.get([self.workers[r].recut_parts.remote(rs, old_dp, step) for r, rs in refs.items()],
+                timeout=self.cfg.runtime.step_timeout_s)
+
     def take_rows(self, refs: Mapping[int, list]) -> None:
         """Ranks keep the AdamW rows of their DP position, filled from the bundles `refs` ({rank: [ref]})."""
         ray.get([self.workers[r].take_rows.remote(rs) for r, rs in refs.items()],

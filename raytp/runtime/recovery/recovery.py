@@ -178,7 +178,9 @@ def restore(ctx: RecoveryContext, group, lost: list[int], completed: dict[int, i
 
 
 def _shrink(ctx: RecoveryContext, attempt: _Attempt, shrink: policy.Shrink, lost: dict, t0: float) -> Recovered:
-    """Go on with the whole replicas, renumbered in order; the others' workers and groups go."""
+    """Go on with the whole replicas, renumbered in order; the others' workers and groups go. Under zero 1 the
+    lost ranks' AdamW rows have no replica: every kept rank takes the newest snapshot (or its copy, or the
+    checkpoint) at the new DP degree, its rows cut anew, and the job replays from there."""
     group = attempt.group
     lay = group.layout
     group.kill(r for q in range(lay.dp) if q not in shrink.keep for r in lay.replica(q))
@@ -188,9 +190,38 @@ def _shrink(ctx: RecoveryContext, attempt: _Attempt, shrink: policy.Shrink, lost
     workers = [group.workers[r] for q in shrink.keep for r in lay.replica(q)]
     pgs = {i: group.pgs[q] for i, q in enumerate(shrink.keep)}
     group = attempt.group = group.successor(new_cfg, pgs, workers).join()
+    step, source = (shrink.step, "") if not lay.sharded_optimizer else _recut_from_snapshot(ctx, group, lay)
     resizing = Resizing(t0, t0, lay, group.layout, 0, f"lost capacity; kept replicas {list(shrink.keep)} of {lay.dp}")
-    healing = Healing(t0, 0, f"shrink to DP={shrink.new_dp}", tuple(sorted(lost)))
-    return Recovered(group, shrink.step, healing, attempt.counted, resizing=resizing)
+    healing = Healing(t0, max(shrink.step - step, 0), f"shrink to DP={shrink.new_dp}" + source, tuple(sorted(lost)))
+    return Recovered(group, step, healing, attempt.counted, resizing=resizing)
+
+
+def _recut_from_snapshot(ctx: RecoveryContext, group, old) -> tuple[int, str]:
+    """Every rank of `group` (shrunk from layout `old` under zero 1) takes the weights and its rows of the AdamW
+    state, cut for the new DP degree, from the newest snapshot whose parts all answer, else from its copy on
+    another node, else from the checkpoint: (step, " from <source>")."""
+    own, new = Ownership(old), group.layout
+    sources = []
+    snap = ctx.snapshots.latest()
+    if snap is not None:
+        sources.append(("snapshot", snap[0], lambda: snap[1]))
+    held = ctx.copy.held_step(own.parts)
+    if held is not None:
+        sources.append(("snapshot copy", held, lambda: ctx.copy.parts(held, own.parts)))
+    for name, step, parts in sorted(sources, key=lambda s: -s[1]):
+        got = parts()
+        refs = {r: [got[own.part(old.rank(tp=c.tp, pp=c.pp, dp=d))] for d in range(old.dp)]
+                for r, c in ((r, new.coords(r)) for r in range(new.world_size))}
+        try:
+            group.recut_parts(refs, old.dp, step)
+            return step, f" from the {name}"
+        except (ObjectLostError, OwnerDiedError, RayTaskError) as e:
+            ctx.say(f"{name} of step {step} unavailable ({type(e).__name__}); trying the next source")
+    try:
+        step, path = ctx.checkpoints.restore(group, warn=ctx.say)
+    except CheckpointError as e:
+        raise RecoveryFailed(f"no snapshot or checkpoint holds the lost AdamW rows: {e}")
+    return step, f" from checkpoint {path}"
 
 
 def give_up(ctx: RecoveryContext, group, reason: str) -> None:

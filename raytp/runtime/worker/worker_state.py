@@ -81,6 +81,20 @@ class WorkerState:
                 _, name, k = key.split("/")
                 self.optimizer.put_rows(name, k, start, t)
 
+    def recut_parts(self, refs: list, old_dp: int, completed: int) -> None:
+        """Take the weights and this rank's AdamW rows at its DP position from snapshot parts of old DP ranks
+        0.. (`refs`, cut at `old_dp`: each holds the rows its rank kept) as the state after `completed` steps
+        (an elastic shrink under zero 1). One part in memory at a time."""
+        import ray
+        self._settle()
+        self.optimizer.recut(self.groups.layout.dp, self.groups.dp_rank)
+        for d, ref in enumerate(refs):
+            part = unpack_state(ray.get(ref), views=True)
+            if d == 0:  # every replica's weights are the same
+                load_shard_state(self.model, None, part)
+            self.optimizer.take_part(part["optim"], old_dp, d)
+        self.completed = completed
+
     def commit_reshape(self) -> None:
         """The switch took: the old shard kept by `reshape` goes."""
         self.previous = None
