@@ -230,6 +230,15 @@ class NoCollectives(DistApiCounter):
         return self
 
 
+def torch_adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    """A peer's torch AdamW set as raytp's: HYPER's lr and betas, matrices and embeddings decayed, the rest not."""
+    decay = [q for q in model.parameters() if q.dim() >= 2]
+    no_decay = [q for q in model.parameters() if q.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": HYPER.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), foreach=False)
+
+
 def spawn(world: int, fn, *args, timeout_s: float = 1800, tries: int = 3) -> list:
     """raytp.parallel.spawn.run_ranks, tried again when the rendezvous port it picked was taken
     meanwhile (EADDRINUSE: another program grabbed it between free_port() and the bind)."""

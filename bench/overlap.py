@@ -21,7 +21,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from bench.common import HYPER, SEED, spawn, timed
+from bench.common import HYPER, SEED, spawn, timed, torch_adamw
 from raytp.models.args import ModelArgs
 from raytp.models.registry import build_model
 from raytp.models.shard import build_shard
@@ -50,12 +50,7 @@ def _ddp(p: dict, world: int):
     from torch.nn.parallel import DistributedDataParallel
     model = DistributedDataParallel(build_model(p["cfg"], SEED), bucket_cap_mb=p["bucket"] * 4 / 2**20,
                                     gradient_as_bucket_view=True)
-    decay = [q for q in model.parameters() if q.dim() >= 2]
-    no_decay = [q for q in model.parameters() if q.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": HYPER.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), foreach=False)
-    return model, opt
+    return model, torch_adamw(model)
 
 
 def _ddp_step(model, opt, micro, step) -> float:

@@ -21,7 +21,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from bench.common import HYPER, SEED, spawn, timed
+from bench.common import HYPER, SEED, spawn, timed, torch_adamw
 from bench.memory import held_bytes
 from raytp.models.args import ModelArgs
 from raytp.models.registry import build_model
@@ -69,12 +69,7 @@ def _fsdp2(cfg: ModelArgs, world: int):
     for block in model.blocks(range(cfg.n_layer)):
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    decay = [q for q in model.parameters() if q.dim() >= 2]
-    no_decay = [q for q in model.parameters() if q.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": HYPER.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), foreach=False)
-    return model, opt
+    return model, torch_adamw(model)
 
 
 def _fsdp2_step(model, opt, x, y, step) -> float:

@@ -12,11 +12,14 @@ is reached through raytp.head.Head.
 """
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from raytp import names
 from raytp.head import Head, Unreachable
@@ -143,11 +146,32 @@ class Submission:
         return submission_id(self.run)
 
 
+def read_runtime_env(text: str) -> dict:
+    """A user's Ray runtime env: a YAML or JSON file, or inline JSON. ValueError (saying what is wrong) for one
+    that is not a mapping, sets raytp's own `working_dir`, or has env_vars that are not strings."""
+    path = Path(text)
+    try:
+        env = yaml.safe_load(path.read_text()) if path.is_file() else json.loads(text)
+    except (OSError, yaml.YAMLError, json.JSONDecodeError) as e:
+        raise ValueError(f"neither a readable YAML/JSON file nor inline JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(env, dict):
+        raise ValueError(f"must be a mapping of runtime env fields, got {type(env).__name__}")
+    if "working_dir" in env:
+        raise ValueError("working_dir is raytp's (it ships the job file); put code in py_modules or pip instead")
+    bad = {k: v for k, v in (env.get("env_vars") or {}).items() if not isinstance(v, str)}
+    if bad:
+        raise ValueError(f"env_vars values must be strings (quote them): {sorted(bad)}")
+    return env
+
+
 def make_submission(job_file: Path, sets: tuple[str, ...], run: str, run_dir: str | None,
-                    stop_wait_s: float, staging: Path, resume: str | None = None) -> Submission:
+                    stop_wait_s: float, staging: Path, resume: str | None = None, extra: dict | None = None
+                    ) -> Submission:
     """The Ray job of a run: `job_file` copied into `staging` (shipped as the working_dir), the
     raytp package beside it (py_modules), and `raytp train` as the entrypoint (with `--resume`, as
-    train takes it: "latest" for the run dir's own checkpoints, or a path or URL on the cluster)."""
+    train takes it: "latest" for the run dir's own checkpoints, or a path or URL on the cluster). `extra`: the
+    user's runtime env (read_runtime_env), merged in: its env_vars and py_modules beside raytp's, the rest as
+    given. Actors inherit their job's runtime env, so every worker has it too."""
     import raytp
     shutil.copyfile(job_file, staging / job_file.name)
     run_dir = run_dir or f"{RUN_ROOT}/{run}"
@@ -156,14 +180,16 @@ def make_submission(job_file: Path, sets: tuple[str, ...], run: str, run_dir: st
         args += ["--set", s]
     if resume is not None:
         args += ["--resume"] + ([] if resume == "latest" else [resume])
+    extra = dict(extra or {})
     return Submission(
         run=run, run_dir=run_dir, entrypoint=" ".join(shlex.quote(a) for a in args),
         runtime_env={
+            **extra,
             "working_dir": str(staging),
-            "py_modules": [str(Path(raytp.__file__).resolve().parent)],
+            "py_modules": [str(Path(raytp.__file__).resolve().parent), *extra.get("py_modules", [])],
             # `stop_job` sends SIGTERM, on which `raytp train` stops at its next step boundary with a
             # checkpoint; give it a call and a save before Ray's SIGKILL (3 s by default).
-            "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(int(stop_wait_s))},
+            "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(int(stop_wait_s)), **(extra.get("env_vars") or {})},
         },
         metadata={"raytp_run": run, "raytp_job_file": job_file.name, "raytp_run_dir": run_dir},
     )

@@ -96,6 +96,15 @@ class WaitsForSnapshotCopy(Worker):
         return super()._step(step, before_update)
 
 
+class SlowData(Worker):
+    """Rank 1 takes 0.2 s longer to build each batch (a slow disk, a busy host): the others wait for it."""
+
+    def _micro_batches(self, split, step):
+        if self.rank == 1 and split == "train":
+            time.sleep(0.2)
+        return super()._micro_batches(split, step)
+
+
 class Buggy(Worker):
     """Its step raises at step 3, on every rank: an error of the job's code, not a lost worker."""
 

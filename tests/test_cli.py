@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-REQUIRED = {"step", "loss", "lr", "tokens", "step_time_s", "tokens_per_s", "tp", "dp"}
+REQUIRED = {"step", "loss", "lr", "tokens", "step_time_s", "tokens_per_s", "tp", "dp", "tflops", "mfu",
+            "peak_mem_bytes", "data_s"}
 
 
 def raytp(*args, timeout=300):
@@ -33,6 +34,9 @@ def test_default_job_trains_and_writes_run_dir(tmp_path):
     events = [json.loads(line) for line in open(run_dir / "events.jsonl")]
     kinds = [e["kind"] for e in events]
     assert kinds[0] == "started" and kinds[-1] == "finished" and all("time" in e for e in events)
+    assert all(m["tflops"] > 0 and m["mfu"] is None and m["peak_mem_bytes"] > 2**20 for m in metrics)  # cpu
+    (memory,) = [e for e in events if e["kind"] == "memory"]  # measured against the start line's estimate
+    assert memory["where"] == "host" and 0.2 < memory["ratio"] < 5, memory
     assert (run_dir / "config.yaml").exists()
     assert "step 40/40" in p.stderr
 

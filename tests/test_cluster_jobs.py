@@ -108,22 +108,57 @@ def alive_actors(head, prefix: str) -> list[str]:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("env, why", [
+    ('[1, 2]', "must be a mapping"), ('{"working_dir": "."}', "working_dir is raytp's"),
+    ('{"env_vars": {"N": 1}}', "must be strings"), ("{not json", "neither a readable"),
+])
+def test_a_bad_runtime_env_says_what_is_wrong(env, why):
+    from raytp.jobs import read_runtime_env
+    with pytest.raises(ValueError, match=why):
+        read_runtime_env(env)
+
+
+def test_a_runtime_env_file_is_read_and_merged_beside_raytps_own(tmp_path):
+    from raytp.jobs import make_submission, read_runtime_env
+    (tmp_path / "env.yaml").write_text("env_vars: {NCCL_DEBUG: INFO}\npip: [einops]\npy_modules: [/opt/mine]\n")
+    (tmp_path / "job.yaml").write_text("name: j\n")
+    (tmp_path / "stage").mkdir()
+    sub = make_submission(tmp_path / "job.yaml", (), "r", None, 60, tmp_path / "stage", None,
+                          read_runtime_env(str(tmp_path / "env.yaml")))
+    env = sub.runtime_env
+    assert env["env_vars"] == {"RAY_JOB_STOP_WAIT_TIME_S": "60", "NCCL_DEBUG": "INFO"} and env["pip"] == ["einops"]
+    assert env["py_modules"][1:] == ["/opt/mine"] and env["py_modules"][0].endswith("raytp")
+    assert env["working_dir"] == str(tmp_path / "stage")
+
+
+def test_a_bad_runtime_env_is_refused_before_the_cluster_is_asked():
+    p = raytp("submit", "jobs/default.yaml", "--address", "http://127.0.0.1:9", "--runtime-env", '{"working_dir": 1}')
+    assert p.returncode == 2 and "error: --runtime-env: working_dir is raytp's" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+
+
 @pytest.mark.slow  # every test given the head is: it starts a real head (and runs jobs on it)
 def test_submitted_run_runs_to_success_with_status_and_logs(head, tmp_path):
     run_dir = tmp_path / "short"
     p = raytp("submit", "jobs/default.yaml", "--address", head.dashboard, "--name", "short", "--run-dir",
-              str(run_dir), "--set", "train.steps=30", *SMALL)
+              str(run_dir), "--set", "train.steps=30", *SMALL,
+              "--runtime-env", '{"env_vars": {"RAYTP_PROBE": "every worker sees it"}}')
     assert p.returncode == 0, p.stderr[-3000:]
     assert "submitted run short as Ray job raytp-short" in p.stdout
     assert "raytp status short" in p.stdout and "raytp logs short --follow" in p.stdout
+    seen = raytp("status", "short", "--address", head.dashboard)
+    assert seen.returncode == 0, seen.stderr[-2000:]
+    assert re.search(r"Ray job raytp-short: (PENDING|RUNNING)", seen.stdout), seen.stdout
+    # Every worker process has the env var the submission's --runtime-env set (read while they run).
+    placed = wait_for("workers placed", lambda: (run_dir / "events.jsonl").exists() and [
+        json.loads(line) for line in open(run_dir / "events.jsonl") if '"placed"' in line], every=0.05)
+    for worker in placed[0]["ranks"]:
+        environ = Path(f"/proc/{worker['pid']}/environ").read_bytes().split(b"\0")
+        assert b"RAYTP_PROBE=every worker sees it" in environ, f"rank {worker['rank']} lacks the env var"
 
     # A second run of the same name is refused, and nothing replaces the first.
     again = raytp("submit", "jobs/default.yaml", "--address", head.dashboard, "--name", "short")
     assert again.returncode == 1 and "already submitted" in again.stderr
-
-    seen = raytp("status", "short", "--address", head.dashboard)
-    assert seen.returncode == 0, seen.stderr[-2000:]
-    assert re.search(r"Ray job raytp-short: (PENDING|RUNNING)", seen.stdout), seen.stdout
 
     follow = raytp("logs", "short", "--follow", "--address", head.dashboard)
     assert follow.returncode == 0, follow.stderr[-2000:]

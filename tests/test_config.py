@@ -98,13 +98,15 @@ def test_vocab_need_not_divide_tp():
 
 def test_round_trip_through_dict_and_yaml():
     cfg = from_dict({"name": "r1", "parallel": {"tp": 2, "dp": 2},
-                     "train": {"micro_batch_size": 2}, "model": {"init_from": "gpt2"}})
+                     "train": {"micro_batch_size": 2}, "model": {"init_from": "gpt2"},
+                     "profile": {"steps": [3, 4], "ranks": [0, 3]}})
     d = cfg.to_dict()
     assert from_dict(d) == cfg
     assert from_dict(yaml.safe_load(yaml.safe_dump(d))) == cfg
     assert d["parallel"] == {"tp": 2, "pp": 1, "dp": 2, "pp_schedule": "1f1b", "pp_virtual": 1, "pp_layers": None,
                              "sequence_parallel": False, "zero": 0, "overlap_grad_reduce": True,
                              "overlap_param_gather": False, "min_dp": None}
+    assert d["profile"] == {"steps": [3, 4], "ranks": [0, 3], "memory": False}
 
 
 @pytest.mark.parametrize("path", sorted(JOBS.glob("*.yaml")), ids=lambda p: p.name)

@@ -1,4 +1,5 @@
-"""Export to one file and to a GPT-2 directory; start from a GPT-2 directory; sample."""
+"""Export to one file and to a GPT-2 directory (fp32, and bf16 in shards); start from a GPT-2 directory;
+sample."""
 import pytest
 import torch
 
@@ -39,6 +40,19 @@ def test_hf_export_loads_in_transformers_with_same_logits_and_greedy_text(traine
         prompt = FIXED[:1, :8]
         theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert torch.equal(ours.generate(prompt, 12, temperature=0.0), theirs)
+
+
+def test_gpt2_bf16_sharded_export_holds_the_fp32_export_rounded(trained_tp2, tmp_path):
+    """Conv1D weights (stored transposed, written 64 rows at a time) rounded chunk by chunk, across shards."""
+    run_dir, _ = trained_tp2
+    raytp_cli("export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "fp32"))
+    raytp_cli("export", str(run_dir), "--format", "hf", "--dtype", "bf16", "--max-shard-size", "40KB",
+              "--out", str(tmp_path / "bf16"))
+    assert len(list((tmp_path / "bf16").glob("model-*-of-*.safetensors"))) > 2
+    fp32 = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "fp32", torch_dtype=torch.float32)
+    bf16 = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "bf16", torch_dtype=torch.bfloat16)
+    want, got = fp32.state_dict(), bf16.state_dict()
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
 
 
 def hf_cfg(path):

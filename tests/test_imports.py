@@ -23,9 +23,11 @@ LAYERS = {
                       "raytp.config", "raytp.seeds"},
     "raytp.head": {"raytp.names", "raytp.runtime"},
     "raytp.jobs": {"raytp.names", "raytp.runtime", "raytp.head", "raytp.config"},
+    "raytp.api": {"raytp.names", "raytp.config", "raytp.runtime", "raytp.train", "raytp.files", "raytp.parallel",
+                  "raytp.head"},
     "raytp.cli": {"raytp.names", "raytp.config", "raytp.runtime", "raytp.train", "raytp.files", "raytp.models",
                   "raytp.head",
-                  "raytp.jobs"},
+                  "raytp.jobs", "raytp.api"},
 }
 
 
@@ -51,8 +53,9 @@ def imports_of(module: str) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found |= {f"{node.module}.{a.name}" for a in node.names}
+            # `from raytp import names` imports the module raytp.names, as `import raytp.names` does
+            subs = {f"{node.module}.{a.name}" for a in node.names} & known
+            found |= subs | ({node.module} if len(subs) < len(node.names) else set())
     return {m for m in found if m in known and m.startswith("raytp") and m != module}
 
 

@@ -103,7 +103,8 @@ def test_unsupported_llama_configs_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError) as e:
         hf.inspect(tmp_path)
     msg = str(e.value)
-    assert "hidden_act 'gelu'" in msg and "attention_bias is true" in msg and "rope_scaling" in msg
+    assert "hidden_act 'gelu'" in msg and "attention_bias is true" in msg
+    assert "rope_scaling" in msg and "rope_type 'linear' is not supported; valid: llama3" in msg
 
 
 @pytest.mark.slow

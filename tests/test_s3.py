@@ -1,6 +1,7 @@
 """Checkpoints in an object store: a real S3-compatible server (moto's, on loopback) started here; the
 workers write their own objects, a resume at another layout reads their slices by range, and broken or
 unreachable locations are refused by name."""
+import json
 import os
 import shutil
 import socket
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import NEVER_S, close, drive, full_state, job, losses
+from helpers import NEVER_S, close, drive, full_state, job, losses, run
 from raytp.runtime.origin import from_checkpoint
 from raytp.files import checkpoint
 from raytp.files.storage import Storage
@@ -109,3 +110,24 @@ def test_broken_objects_are_refused_by_name_and_a_missing_bucket_before_anything
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "checkpoint.dir" in p.stderr and "no-such-bucket" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_a_run_mirrored_to_s3_is_described_from_there_after_its_directory_is_gone(s3, tmp_path):
+    """runtime.storage on the S3 server: the run's records are copied there as they are written; with the run
+    directory (the head) gone, `raytp status RUN --storage URL` reads the finished run from the bucket."""
+    url = f"s3://{BUCKET}/runs"
+    cfg = job(1, 1, steps=3, storage=url)
+    run_dir = tmp_path / "mirrored"
+    run(cfg, run_dir, "mirrored")
+    local = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    from raytp.runtime.driver.mirror import read_run
+    assert read_run(url, "mirrored")[0] == local
+    shutil.rmtree(run_dir)
+    p = subprocess.run([sys.executable, "-m", "raytp.cli", "status", "mirrored", "--storage", url],
+                       capture_output=True, text=True, timeout=NEVER_S)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"mirrored: FINISHED  step 3/3  TP=1 x PP=1 x DP=1  loss {local[-1]['loss']:.4f}" in p.stdout, p.stdout
+    missing = subprocess.run([sys.executable, "-m", "raytp.cli", "status", "nosuch", "--storage", url],
+                             capture_output=True, text=True, timeout=NEVER_S)
+    assert missing.returncode == 1 and "error: no run 'nosuch' under" in missing.stderr

@@ -9,11 +9,12 @@ that failed; a Python traceback only with ``raytp --debug``.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 
 from raytp import config as config_mod
+from raytp.api import job as api_job
+from raytp.api.errors import BadJob, message_of
 
 EXIT_BAD_CONFIG, EXIT_FAILED = 2, 1
 DEBUG = {"on": False}
@@ -30,31 +31,9 @@ def load_job(job: str, sets: tuple[str, ...]) -> config_mod.JobConfig:
     """The job, checked (exit 2 with a line per problem) and adjusted where a short run needs it (a
     warning per change)."""
     try:
-        cfg = config_mod.load(job, sets)
-    except config_mod.ConfigError as e:
-        for line in e.problems:
-            click.echo(f"error: {line}", err=True)
-        sys.exit(EXIT_BAD_CONFIG)
-    cfg, notes = config_mod.adjusted(cfg)
-    for note in notes:
-        click.echo(f"warning: {note}", err=True)
-    return cfg
-
-
-def check_data(cfg: config_mod.JobConfig) -> None:
-    """The data source exists and its token ids fit the model's vocabulary (exit 2 otherwise)."""
-    src = cfg.data.source
-    if src != "builtin" and not Path(src).expanduser().exists():
-        fail(f"data.source: {src} does not exist; valid: 'builtin', a directory of text files, "
-             "or a .bin file of uint16 token ids")
-    from raytp.train.data import load_corpus
-    try:
-        corpus = load_corpus(src, cfg.data.val_fraction, cfg.data.tokenizer, progress=True)
-    except ValueError as e:
+        return api_job.load_job(job, sets, say=lambda line: click.echo(line, err=True))
+    except BadJob as e:
         fail(str(e))
-    if corpus.vocab_size > cfg.model.vocab_size:
-        fail(f"model.vocab_size: {cfg.model.vocab_size} is smaller than data.source's vocabulary: it has token ids "
-             f"up to {corpus.vocab_size - 1}; valid: model.vocab_size >= {corpus.vocab_size}")
 
 
 @click.group()
@@ -76,7 +55,5 @@ def failed(e: BaseException, code: int = EXIT_FAILED):
     if DEBUG["on"]:
         import traceback
         traceback.print_exception(e)
-    if type(e).__module__.startswith("raytp"):  # raytp's own errors say what is wrong and where
-        fail(str(e).strip() or type(e).__name__, code)
-    first = (str(e).strip().splitlines() or [""])[0]
-    fail(f"{type(e).__name__}: {first}" + ("" if DEBUG["on"] else "  (raytp --debug shows the traceback)"), code)
+    own = type(e).__module__.startswith("raytp")  # raytp's own errors say what is wrong and where
+    fail(message_of(e) + ("" if own or DEBUG["on"] else "  (raytp --debug shows the traceback)"), code)

@@ -1,4 +1,4 @@
-"""Commands on a cluster's runs, from any machine that reaches it: submit, status, logs, stop, scale."""
+"""Commands on a cluster's runs, from any machine that reaches it: submit, status, logs, stop, scale, profile."""
 from __future__ import annotations
 
 import time
@@ -33,7 +33,8 @@ def _cluster_errors(fn):
     return wrapper
 
 
-def await_outcome(ctl, rid: int, timeout_s: float, what: str) -> dict:
+def await_outcome(ctl, rid: int, timeout_s: float, what: str, until=lambda outcome: True) -> dict:
+    """The run's answer to request `rid` (the first one `until` accepts), or the end of the run."""
     import ray
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -41,7 +42,7 @@ def await_outcome(ctl, rid: int, timeout_s: float, what: str) -> dict:
             outcome = ray.get(ctl.outcome.remote(rid), timeout=10)
         except ray.exceptions.RayActorError:
             return {"ok": True, "note": "the run has ended"}
-        if outcome is not None:
+        if outcome is not None and until(outcome):
             return outcome
         time.sleep(0.2)
     fail(f"no answer to the {what} request within {timeout_s:g}s (the run answers at step boundaries)", 1)
@@ -60,12 +61,20 @@ def await_outcome(ctl, rid: int, timeout_s: float, what: str) -> dict:
 @click.option("--resume", is_flag=False, flag_value="latest", default=None, metavar="[PATH]",
               help="Resume from a checkpoint (a path or URL on the cluster), or alone from the newest whole "
                    "checkpoint of --run-dir (or checkpoint.dir); any valid layout, as with train.")
+@click.option("--runtime-env", "runtime_env", default=None, metavar="FILE|JSON",
+              help="A Ray runtime env (a YAML/JSON file, or inline JSON) merged into the run's: its env_vars "
+                   "(NCCL settings, WANDB_API_KEY, HF_TOKEN), pip packages, container, ... reach the driver and "
+                   "every worker.")
 @_cluster_errors
-def submit(job, address, sets, name, run_dir, resume):
+def submit(job, address, sets, name, run_dir, resume, runtime_env):
     """Run JOB on a Ray cluster as a Ray job, checked here first; returns once it is submitted."""
     import tempfile
     from raytp import jobs
     cfg = load_job(job, sets)  # a bad job exits 2 here, before anything reaches the cluster
+    try:
+        extra = jobs.read_runtime_env(runtime_env) if runtime_env else None
+    except ValueError as e:
+        fail(f"--runtime-env: {e}")
     run = name or cfg.name or names.default_run_name(job)
     problem = names.check_run_name(run)
     if problem:
@@ -73,7 +82,7 @@ def submit(job, address, sets, name, run_dir, resume):
     head = _head(address)
     with tempfile.TemporaryDirectory(prefix="raytp-submit-") as staging:
         sub = jobs.make_submission(Path(job), sets, run, run_dir, cfg.runtime.step_timeout_s + 120, Path(staging),
-                                   resume)
+                                   resume, extra)
         jobs.submit(head, sub)
     where = f" --address {address}" if address else ""
     click.echo(f"submitted run {run} as Ray job {sub.submission_id} to {head.dashboard}\n"
@@ -90,12 +99,24 @@ def submit(job, address, sets, name, run_dir, resume):
 @click.argument("run", required=False)
 @click.option("--address", default=None, help=ADDRESS_HELP)
 @click.option("--ranks", is_flag=True, help="Also list which process holds each rank: actor, node, pid, GPU.")
+@click.option("--storage", default=None, metavar="URL",
+              help="Read RUN from the shared storage its job mirrored its records to (runtime.storage), not from "
+                   "a cluster: works after the head is gone.")
 @_cluster_errors
-def status(run, address, ranks):
+def status(run, address, ranks, storage):
     """State, step, layout, loss and tokens/s of RUN; of every run without RUN.
 
     A submitted run also shows its Ray job's status (PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED),
     after it ended too."""
+    if storage:
+        from raytp.runtime.driver.mirror import describe_stored
+        if not run:
+            fail("--storage needs RUN (the run's name under that storage)")
+        try:
+            click.echo("\n".join(describe_stored(storage, run)))
+        except FileNotFoundError as e:
+            fail(str(e), 1)
+        return
     from raytp import jobs
     head = _head(address)
     lines = jobs.describe(head, run, ranks=ranks) if run else jobs.all_runs(head)
@@ -211,3 +232,45 @@ def scale(run, workers, tp, pp, dp, address, timeout):
     click.echo(f"[raytp] {run} now runs at {outcome.get('layout')} (step {outcome.get('step', '?')})"
                + (f"; {outcome['bytes'] / 1e6:.1f} MB moved" if outcome.get("bytes") else ""))
 
+
+@main.command()
+@click.argument("run")
+@click.option("--steps", type=click.IntRange(min=1), required=True,
+              help="How many steps to trace, from the run's next step boundary.")
+@click.option("--ranks", default="0", show_default=True, help="The ranks that trace them, e.g. 0,1.")
+@click.option("--memory", is_flag=True, help="Also record memory: allocations in the trace and, on cuda, a CUDA "
+              "memory snapshot.")
+@click.option("--address", default=None, help=ADDRESS_HELP)
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the traces.")
+@_cluster_errors
+def profile(run, steps, ranks, memory, address, timeout):
+    """Trace RUN's next --steps steps with torch.profiler on --ranks; say where the traces go, and wait for them.
+
+    Each rank writes a Chrome trace (chrome://tracing, ui.perfetto.dev) under the run's checkpoint location:
+    profiles/steps-FIRST-LAST/rankNNN.json, as the job's profile section does."""
+    import ray
+    from raytp.runtime.driver.control import find_control
+    try:
+        wanted = sorted({int(r) for r in ranks.split(",")})
+    except ValueError:
+        fail(f"--ranks {ranks}: expected rank numbers separated by commas, e.g. 0,1")
+    _head(address).connect()
+    ctl = find_control(run)
+    if ctl is None:
+        fail(f"no running run named {run!r} in this cluster (see `raytp status` for the runs it has)", 1)
+    rid = ray.get(ctl.request.remote("profile", steps=steps, ranks=wanted, memory=memory), timeout=30)
+    taken = await_outcome(ctl, rid, timeout, "profile")
+    if not taken.get("ok"):
+        fail(f"profile refused; the run goes on unchanged: {taken.get('error')}", 1)
+    if "steps" not in taken:
+        fail(f"{run} ended before it took the request", 1)
+    first, last = taken["steps"]
+    click.echo(f"[raytp] {run} traces steps {first}-{last} on rank(s) {', '.join(map(str, taken['ranks']))}; "
+               f"the traces go to {taken['where']}")
+    done = await_outcome(ctl, rid, timeout, "profile", until=lambda outcome: outcome.get("written"))
+    if not done.get("written"):
+        fail(f"{run} ended before its step {last}: no traces were written", 1)
+    if not done.get("ok"):
+        fail(f"profile of steps {first}-{last}: {done.get('error')}", 1)
+    click.echo("[raytp] written: " + ", ".join(done["files"])
+               + (f" (none from rank(s) {', '.join(map(str, done['missing']))})" if done.get("missing") else ""))

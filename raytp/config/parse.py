@@ -33,9 +33,11 @@ _ACCEPT = {  # base type -> (accepts a parsed YAML value?, what was expected)
 def _coerce(value: Any, tp: Any, cli_text: Optional[str]) -> Any:
     """Type a parsed YAML value as `tp`; raises ValueError('expected ..., got ...')."""
     base, optional = unwrap(tp)
-    accepts, expected = _ACCEPT[base]
     if value is None and optional:
         return None
+    if hasattr(base, "parse"):  # a mapping that checks itself (model.rope_scaling)
+        return base.parse(value)
+    accepts, expected = _ACCEPT[base]
     if accepts(value):
         return base(value)
     if base is str and cli_text is not None and isinstance(value, (int, float)):

@@ -1,8 +1,10 @@
 """Checks of a whole job: ranges, choices, and the rules between keys (tp divides the heads, ...)."""
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
+from raytp.config.tracking import LIBRARIES
 from raytp.config.schema import LEAVES, ConfigError, JobConfig, Range, at, show
 from raytp.models.args import ModelArgs
 from raytp.models.registry import SPECS
@@ -57,6 +59,30 @@ def _pp_layers_problem(v) -> str | None:
     return None
 
 
+def _profile_steps_problem(v) -> str | None:
+    """What is wrong with profile.steps (None: nothing)."""
+    steps, total = list(v["profile.steps"]), v["train.steps"]
+    if len(steps) != 2:
+        return f"{show(v['profile.steps'])} has {len(steps)} entries; it needs two: [first, last]"
+    if not 0 <= steps[0] <= steps[1]:
+        return f"{show(v['profile.steps'])}: needs 0 <= first <= last (steps as metrics.jsonl numbers them)"
+    if steps[1] >= total:
+        return (f"{show(v['profile.steps'])} ends past the run's last step, {total - 1} (train.steps={total}, "
+                "numbered from 0)")
+    return None
+
+
+def _profile_ranks_problem(v) -> str | None:
+    """What is wrong with profile.ranks (None: nothing)."""
+    world = v["parallel.tp"] * v["parallel.pp"] * v["parallel.dp"]
+    outside = [r for r in v["profile.ranks"] if not 0 <= r < world]
+    if not v["profile.ranks"] or outside:
+        what = f"names rank {outside[0]}, but" if outside else "names no rank;"
+        return (f"{show(v['profile.ranks'])} {what} the job has {world} rank{'s' if world > 1 else ''} "
+                f"(tp x pp x dp); valid: 0 to {world - 1}")
+    return None
+
+
 _MODEL = ("model.n_head", "model.n_embd", "model.arch", "model.n_kv_head", "model.intermediate_size")
 
 
@@ -85,6 +111,11 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
      or v["model.block_size"] % v["parallel.tp"] == 0,
      lambda v: f"needs model.block_size={v['model.block_size']} divisible by "
                f"parallel.tp={v['parallel.tp']}; set it to false or change block_size"),
+    # An experiment tracker the job names must be importable here (raytp[tracking] installs them all).
+    *[((key,), (lambda v, key=key, lib=lib: v[key] is None or importlib.util.find_spec(lib) is not None),
+       (lambda v, lib=lib: f"needs the {lib} library, which is not installed here "
+                           "(pip install 'raytp[tracking]')"))
+      for key, lib in LIBRARIES.items()],
     (("parallel.min_dp", "parallel.dp"),
      lambda v: v["parallel.min_dp"] is None or v["parallel.min_dp"] <= v["parallel.dp"],
      lambda v: f"{v['parallel.min_dp']} exceeds parallel.dp={v['parallel.dp']}; valid: 1 to {v['parallel.dp']}"),
@@ -115,6 +146,12 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
      lambda v: v["parallel.pp_schedule"] != "interleaved" or _micro_batches(v) % v["parallel.pp"] == 0,
      lambda v: f"interleaved needs the micro-batches per step ({_micro_batches(v)}: train.batch_size / "
                f"parallel.dp / train.micro_batch_size) to be a multiple of parallel.pp={v['parallel.pp']}"),
+    (("profile.steps", "train.steps"),
+     lambda v: v["profile.steps"] is None or _profile_steps_problem(v) is None,
+     lambda v: _profile_steps_problem(v)),
+    (("profile.ranks", "parallel.tp", "parallel.pp", "parallel.dp"),
+     lambda v: _profile_ranks_problem(v) is None,
+     lambda v: _profile_ranks_problem(v)),
     (("name",),
      lambda v: v["name"] is None or RUN_NAME.fullmatch(v["name"]),
      lambda v: f"{v['name']!r} is not a valid run name; use letters, digits, "
@@ -126,7 +163,7 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
 # (raytp.runtime.origin checks the job again once it has it), so the job's defaults refuse nothing.
 FROM_MODEL = frozenset({"model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "model.vocab_size",
                         "model.arch", "model.n_kv_head", "model.intermediate_size", "model.rope_theta",
-                        "model.tie_embeddings", "model.norm_eps"})
+                        "model.tie_embeddings", "model.norm_eps", "model.rope_scaling"})
 
 
 def check(cfg: JobConfig, where, bad: set[str], shape_known: bool = True) -> list[str]:

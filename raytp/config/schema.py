@@ -12,6 +12,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from raytp.config.tracking import MlflowTarget, WandbTarget
+from raytp.models.args import RopeScaling
 from raytp.models.registry import SPECS
 
 
@@ -83,6 +85,10 @@ class ModelConfig:
                                   POSITIVE)
     intermediate_size: Optional[int] = _f(None, "llama: SwiGLU hidden width; null = 4*n_embd", POSITIVE)
     rope_theta: float = _f(10000.0, "llama: base of the rotary position embedding", POSITIVE)
+    rope_scaling: Optional[RopeScaling] = _f(
+        None, "llama: Llama 3.1+'s rescaling of the rotary frequencies, {rope_type: llama3, factor, "
+              "low_freq_factor, high_freq_factor, original_max_position_embeddings} (transformers' "
+              "rope_scaling); null = unscaled")
     tie_embeddings: bool = _f(False, "llama: the output head shares the token embedding's weight "
                                      "(gpt2 always ties)")
     norm_eps: float = _f(1e-5, "llama: RMSNorm epsilon", POSITIVE)
@@ -181,6 +187,14 @@ class RuntimeConfig:
                                       "checked for a hang", POSITIVE)
     collective_timeout_s: float = _f(120.0, "seconds before a collective gives up",
                                      POSITIVE)
+    peak_tflops: Optional[float] = _f(None, "peak dense bf16 TFLOP/s of one device, for MFU; null = from the "
+                                            "device's name (known GPUs; none on cpu: TFLOP/s only)", POSITIVE)
+    storage: Optional[str] = _f(None, "a shared path or URL where the run directory's records (config.yaml, "
+                                      "metrics.jsonl, events.jsonl) are mirrored as they are written, under "
+                                      "<storage>/<run>/: `raytp status RUN --storage` reads them after the head "
+                                      "is gone; null = none")
+    straggler_ratio: float = _f(1.2, "a rank whose step compute time stays above this many times the median "
+                                     "rank's for 5 steps in a row is named in a straggler event", POSITIVE)
 
 
 @dataclass(frozen=True)
@@ -199,6 +213,27 @@ class RecoveryConfig:
 
 
 @dataclass(frozen=True)
+class TrackingConfig:
+    tensorboard: Optional[str] = _f(None, "a TensorBoard log directory (local, or a storage URL it is copied to) "
+                                          "the run's step and event records also go to; null = none")
+    wandb: Optional[WandbTarget] = _f(None, "a Weights & Biases run, {project, entity, name}: the run's records "
+                                            "also go there (its id kept in the run dir: --resume goes on with it)")
+    mlflow: Optional[MlflowTarget] = _f(None, "an MLflow run, {uri, experiment}: the run's records also go "
+                                              "there (its id kept in the run dir: --resume goes on with it)")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    steps: Optional[IntList] = _f(
+        None, "[first, last]: the steps (numbered as metrics.jsonl numbers them) that torch.profiler traces, both "
+              "included; null = no profile")
+    ranks: IntList = _f(IntList((0,)), "the ranks that trace them, each writing <checkpoint.dir, else <run "
+                                       "dir>/checkpoints>/profiles/steps-<first>-<last>/rank<NNN>.json")
+    memory: bool = _f(False, "also record memory: allocations in the trace (profile_memory) and, on cuda, a CUDA "
+                             "memory snapshot rank<NNN>-memory.pickle (pytorch.org/memory_viz)")
+
+
+@dataclass(frozen=True)
 class JobConfig:
     name: Optional[str] = _f(None, "run name; null = derived from the run directory")
     model: ModelConfig = _f(None, "model shape", factory=ModelConfig)
@@ -208,6 +243,8 @@ class JobConfig:
     checkpoint: CheckpointConfig = _f(None, "checkpointing", factory=CheckpointConfig)
     runtime: RuntimeConfig = _f(None, "Ray and torch runtime", factory=RuntimeConfig)
     recovery: RecoveryConfig = _f(None, "fault recovery", factory=RecoveryConfig)
+    profile: ProfileConfig = _f(None, "torch.profiler traces of chosen steps", factory=ProfileConfig)
+    tracking: TrackingConfig = _f(None, "experiment trackers", factory=TrackingConfig)
 
     @property
     def world_size(self) -> int:
@@ -261,7 +298,8 @@ def unwrap(tp: Any) -> tuple[type, bool]:
 
 def type_name(tp: Any) -> str:
     base, optional = unwrap(tp)
-    return ("list of integers" if base is IntList else base.__name__) + (" or null" if optional else "")
+    name = "list of integers" if base is IntList else "mapping" if dataclasses.is_dataclass(base) else base.__name__
+    return name + (" or null" if optional else "")
 
 
 def show(v: Any) -> str:

@@ -1,20 +1,34 @@
-"""`raytp export`: one unsharded model from a checkpoint, written tensor by tensor.
+"""`raytp export`: a checkpoint as one raytp model file, or as a Hugging Face directory that serves.
 
 Each tensor is read whole from the checkpoint's slices (raytp.files.checkpoint,
-TP degree 1) and written to the output file at once, so the export holds one
-tensor at a time, never the model. The raytp format is a safetensors file with
-the model's config in its metadata (``raytp.models.files.load_model`` reads it); the
-Hugging Face format is raytp.files.hf.save.
+TP degree 1) and written to the output at once, so the export holds one tensor
+at a time, never the model. The raytp format is a safetensors file with the
+model's config in its metadata (``raytp.models.files.load_model`` reads it).
+The Hugging Face format (write_hf) is a directory as transformers, vLLM and
+lm-eval expect one: the weights in fp32 or bf16 (raytp.files.hf: one file, or
+shards with their index past a size), config.json with the special token ids,
+generation_config.json, and the tokenizer with its side files
+(raytp.files.hf_tokenizer). Both are written under a hidden name beside the
+output and renamed into place whole, so a failed export leaves nothing that
+looks like one.
 """
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 from pathlib import Path
 
 import torch
 
+from raytp.models.args import ModelArgs
 from raytp.models.base import MODEL_FORMAT
-from raytp.files import safetensors_io
+from raytp.files import hf, hf_tokenizer, safetensors_io
+
+# What an hf export writes: an --out directory holding only these is a previous export, replaced whole.
+EXPORT_FILE = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map)\.json"
+                         r"|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 
 
 def unmap_large_frees() -> None:
@@ -31,7 +45,8 @@ def unmap_large_frees() -> None:
 
 def write_model(ckpt, out: Path, tokenizer: Path | None = None) -> int:
     """The weights of `ckpt` (a Checkpoint) as a raytp model file at `out`, with the text of `tokenizer`
-    (a tokenizer.json) in its metadata so that `raytp sample` finds it; bytes written."""
+    (a tokenizer.json) in its metadata so that `raytp sample` finds it; bytes written. Written beside `out`
+    under a hidden name and renamed into place."""
     unmap_large_frees()
     items = []
     for key in ckpt.keys():
@@ -44,12 +59,123 @@ def write_model(ckpt, out: Path, tokenizer: Path | None = None) -> int:
         dtype = safetensors_io.TORCH[spec["dtype"]] if spec else torch.float32
         items.append((key.removeprefix("model/"), dtype, t_shape,
                       lambda key=key, spec=spec: _whole(ckpt, key, spec)))
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": MODEL_FORMAT, "config": json.dumps(ckpt.manifest["model"])}
     if tokenizer is not None:
         meta["tokenizer"] = Path(tokenizer).read_text()
-    with open(out, "wb") as f:
-        return safetensors_io.write(f, items, meta)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            n = safetensors_io.write(f, items, meta)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return n
+
+
+def write_hf(ckpt, out: Path, dtype: str = "fp32", max_shard_size: str | int = hf.DEFAULT_SHARD_SIZE,
+             tokenizer: Path | None = None, init_from: Path | None = None) -> list[str]:
+    """The checkpoint `ckpt` as a Hugging Face directory `out` of its architecture, weights in `dtype`
+    ("fp32" or "bf16") in files of at most `max_shard_size` ("5GB", "500MB", bytes). With `tokenizer` (a
+    tokenizer.json) the tokenizer and its side files, and the special token ids in config.json and
+    generation_config.json; `init_from` (the model.init_from directory the run started from) gives the
+    model's own ids, generation_config.json and side files where it has them. `out` must be new, empty or
+    a previous export (replaced whole). The names of the files written; ValueError for a bad argument."""
+    out = Path(out).absolute()
+    _check_out(out)
+    if dtype not in hf.DTYPES:
+        raise ValueError(f"--dtype: {dtype!r}; valid: {', '.join(hf.DTYPES)}")
+    hf.parse_size(max_shard_size)  # refused before anything is written
+    files = _beside_weights(ModelArgs(**ckpt.manifest["model"]), hf.DTYPES[dtype], tokenizer,
+                            Path(init_from) if init_from else None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    unmap_large_frees()
+    try:
+        written = hf.save_weights(ckpt, tmp, hf.DTYPES[dtype], max_shard_size)
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        _swap_in(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sorted([*written, *files])
+
+
+def _beside_weights(cfg: ModelArgs, dtype: torch.dtype, tokenizer: Path | None,
+                    init_from: Path | None) -> dict[str, bytes]:
+    """Every file of the export but the weights: config.json, generation_config.json (init_from's, else
+    the special ids), and the tokenizer's files, by name."""
+    files, tokens = hf_tokenizer.tokenizer_files(Path(tokenizer), init_from, cfg.block_size) if tokenizer else ({}, {})
+    ids = hf_tokenizer.special_ids(tokens, _token_ids(files), _json_of(init_from, "config.json"))
+    config = hf.config_json(cfg, dtype, ids)
+    files["config.json"] = json.dumps(config, indent=2).encode()
+    own = init_from / "generation_config.json" if init_from is not None else None
+    if own is not None and own.is_file():
+        files["generation_config.json"] = own.read_bytes()
+    else:
+        ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+        files["generation_config.json"] = json.dumps(ids, indent=2).encode()
+    return files
+
+
+def _check_out(out: Path) -> None:
+    """An hf export replaces `out` whole: refuse a file, or a directory holding anything an export does not
+    write (whatever --out names, nothing else is ever deleted)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: is a file; give a directory (--format hf writes one)")
+    others = sorted(p.name for p in out.iterdir() if not EXPORT_FILE.fullmatch(p.name)) if out.is_dir() else []
+    if others:
+        raise ValueError(f"--out {out}: holds files an export does not write ({', '.join(others[:3])}"
+                         f"{', ...' if len(others) > 3 else ''}); give a new or empty directory, or a previous export")
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """`tmp` renamed to `out`; a previous `out` moved aside first and removed after."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old)
+
+
+def _token_ids(files: dict[str, bytes]):
+    """token -> id of the tokenizer.json among `files` (none: no id)."""
+    if "tokenizer.json" not in files:
+        return lambda token: None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_str(files["tokenizer.json"].decode()).token_to_id
+
+
+def _json_of(directory: Path | None, name: str) -> dict | None:
+    """The JSON of `directory`/`name`, if both exist."""
+    path = directory / name if directory is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+
+
+def run_sources(source: str) -> tuple[str | None, str | None]:
+    """(data.tokenizer, model.init_from) of the run whose run dir is `source`, if it is one and names them."""
+    job = Path(source) / "config.yaml"
+    if not job.is_file():
+        return None, None
+    import yaml
+    try:
+        d = yaml.safe_load(job.read_text()) or {}
+    except yaml.YAMLError:
+        return None, None
+    if not isinstance(d, dict):
+        return None, None
+    tok, init = (d.get("data") or {}).get("tokenizer"), (d.get("model") or {}).get("init_from")
+    return (tok if isinstance(tok, str) else None), (init if isinstance(init, str) else None)
 
 
 def _whole(ckpt, key: str, spec: dict | None):

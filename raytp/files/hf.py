@@ -1,15 +1,19 @@
 """The Hugging Face bridge: raytp's models <-> Hugging Face model directories, for every architecture.
 
 Each architecture's spelling (config.json, weight names, transposed layouts)
-is its spec's ``hf`` adapter (raytp.models.<arch>.hf). A directory written here
-(config.json + model.safetensors) loads with transformers' ``from_pretrained``
-and no raytp installed; one written by transformers (one safetensors file, or
+is its spec's ``hf`` adapter (raytp.models.<arch>.hf). The weights written here
+(one model.safetensors, or shards with their index as transformers names them,
+fp32 or bf16) with config_json's config.json load with transformers'
+``from_pretrained`` and no raytp installed (raytp.files.export.write_hf writes
+the whole directory); one written by transformers (one safetensors file, or
 several with their index) loads into raytp (``model.init_from: DIR``), each
 rank reading only the byte ranges of its slices.
 """
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import torch
@@ -121,16 +125,71 @@ def load_into(model_dir, model, rank: int, tp: int) -> None:
                 at += len(r)
 
 
-def save(ckpt, out_dir: Path) -> None:
-    """Write a checkpoint as a Hugging Face directory of its architecture, tensor by tensor (one whole tensor
-    in memory at a time)."""
-    from raytp.files.export import unmap_large_frees
-    unmap_large_frees()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = ModelArgs(**ckpt.manifest["model"])
+DEFAULT_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
+UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # config.json's torch_dtype
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes of a size as transformers spells it: "5GB" (10^9), "500MiB" (2^20), "100KB", or a number of
+    bytes; ValueError naming what is valid."""
+    if isinstance(text, int):
+        n = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(text), re.IGNORECASE)
+        if not m:
+            raise ValueError(f"--max-shard-size: {text!r} is not a size (e.g. 5GB, 500MB, 1GiB, or bytes)")
+        n = int(float(m.group(1)) * UNITS[(m.group(2) or "B").upper()])
+    if n <= 0:
+        raise ValueError(f"--max-shard-size: {text!r} must be more than 0 bytes")
+    return n
+
+
+def plan_shards(sizes: list[int], limit: int) -> list[list[int]]:
+    """Tensors (their sizes in bytes, in order) grouped in order into files of at most `limit` bytes; a
+    tensor larger than the limit gets a file of its own (as transformers' save_pretrained does)."""
+    shards: list[list[int]] = []
+    used = limit
+    for i, n in enumerate(sizes):
+        if not shards or used + n > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += n
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    """transformers' names: model.safetensors alone, else model-00001-of-0000N.safetensors."""
+    if count <= 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def config_json(cfg: ModelArgs, dtype: torch.dtype, special_ids: dict) -> dict:
+    """The config.json of a model of `cfg` exported in `dtype`: its architecture's, with the tokenizer's
+    special token ids (`special_ids`: bos/eos/pad_token_id) where known; unknown bos/eos are null rather
+    than transformers' defaults (a Llama's 1 and 2 would be ordinary tokens), unless the architecture
+    names its own (GPT-2: the last id, its <|endoftext|>)."""
     config = spec(cfg).hf.config_to_hf(cfg)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for key in ("bos_token_id", "eos_token_id"):
+        config[key] = special_ids.get(key, config.get(key))
+    if special_ids.get("pad_token_id") is not None:
+        config["pad_token_id"] = special_ids["pad_token_id"]
+    config["torch_dtype"] = DTYPE_NAMES[dtype]
+    return config
+
+
+def save_weights(ckpt, out_dir: Path, dtype: torch.dtype = torch.float32,
+                 max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> list[str]:
+    """Write a checkpoint's weights in `dtype` into `out_dir` as its architecture's Hugging Face names:
+    one model.safetensors, or files of at most `max_shard_size` with model.safetensors.index.json
+    (written last). Tensor by tensor: one whole tensor in memory at a time, in the checkpoint's dtype
+    and in `dtype` (export.unmap_large_frees keeps freed ones from piling up). The files written."""
+    out_dir = Path(out_dir)
+    cfg = ModelArgs(**ckpt.manifest["model"])
     items = []
     for key in ckpt.keys():
         if not key.startswith("model/"):
@@ -143,11 +202,21 @@ def save(ckpt, out_dir: Path) -> None:
         def produce(key=key, conv=conv):
             entry = ckpt.manifest.get("tensors", {}).get(key, {})
             if conv and entry.get("transposed"):  # stored (in, out): already the Conv1D layout
-                return ckpt.read(key, 0, 1, stored=True).float()
-            t = ckpt.read(key, 0, 1).float()
+                return ckpt.read(key, 0, 1, stored=True).to(dtype)
+            t = ckpt.read(key, 0, 1).to(dtype)
             if not conv:
                 return t
             return (t[:, i:i + 64].t() for i in range(0, t.shape[1], 64))  # the transpose, 64 rows at a time
-        items.append((hf_name, torch.float32, shape[::-1] if conv else shape, produce))
-    with open(out_dir / "model.safetensors", "wb") as f:
-        write(f, items, {"format": "pt"})
+        items.append((hf_name, dtype, shape[::-1] if conv else shape, produce))
+    sizes = [math.prod(shape) * dtype.itemsize for _, _, shape, _ in items]
+    shards = plan_shards(sizes, parse_size(max_shard_size))
+    names = shard_names(len(shards))
+    for file, members in zip(names, shards):
+        with open(out_dir / file, "wb") as f:
+            write(f, [items[i] for i in members], {"format": "pt"})
+    if len(names) == 1:
+        return names
+    weight_map = {items[i][0]: file for file, members in zip(names, shards) for i in members}
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return [*names, "model.safetensors.index.json"]

@@ -135,6 +135,18 @@ def all_gather_in_place(flat: torch.Tensor, group) -> None:
         wait(work)
 
 
+def all_gather_float(x: float, device: torch.device, group=None) -> list[float]:
+    """Every rank's `x` over `group` (the whole world if None), in rank order; not timed (a report, not the
+    step's communication)."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return [x]
+    out = torch.empty(n, dtype=torch.float64, device=device)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, torch.tensor([x], dtype=torch.float64, device=device), group=group)
+    return out.tolist()
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     all_reduce(x, group)

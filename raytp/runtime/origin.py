@@ -44,7 +44,7 @@ def starting_state(cfg: config_mod.JobConfig, resume: str | None, run_dir: Path,
             cfg.model, n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd,
             block_size=block, vocab_size=shape.vocab_size, arch=shape.arch, n_kv_head=shape.n_kv_head,
             intermediate_size=shape.intermediate_size, rope_theta=shape.rope_theta,
-            tie_embeddings=shape.tie_embeddings, norm_eps=shape.norm_eps))
+            tie_embeddings=shape.tie_embeddings, norm_eps=shape.norm_eps, rope_scaling=shape.rope_scaling))
         config_mod.validate(cfg, f"{cfg.model.init_from}/config.json")
         say(f"starting from the {spec.title} in {cfg.model.init_from} ({shape.n_layer} layers x {shape.n_embd} wide, "
             f"{shape.n_head} heads, {shape.kv_heads} KV heads, vocabulary {shape.vocab_size})")

@@ -2,29 +2,51 @@
 
 raytp's Llama names its weights as transformers' LlamaForCausalLM does, minus
 the trunk's ``model.`` prefix; the layouts are the same (nn.Linear), so only
-names and the config move. raytp.models.hf reads and writes the directories
-(slice by slice) for both architectures; this file says what differs.
+names and the config move (Llama 3.1+'s rotary rescaling included: rope_scaling
+with rope_type llama3, any other refused). raytp.files.hf reads and writes the
+directories (slice by slice) for both architectures; this file says what differs.
 """
 from __future__ import annotations
 
-from raytp.models.args import ModelArgs
+import dataclasses
+
+from raytp.models.args import ModelArgs, RopeScaling
 
 MODEL_TYPES = ("llama", "mistral")  # Mistral is a Llama with (optionally) sliding-window attention
 
 
 def hf_config(cfg: ModelArgs) -> dict:
+    # transformers >= 5 reads rope_parameters, older releases rope_theta and rope_scaling: both are written
+    scaling = dataclasses.asdict(cfg.rope_scaling) if cfg.rope_scaling else None
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_width,
         "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
-        # transformers >= 5 reads rope_parameters, older releases rope_theta and rope_scaling
-        "rope_theta": cfg.rope_theta, "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+        "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta},
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": 0.02,
         "torch_dtype": "float32",
     }
+
+
+def rope_scaling_of(d: dict) -> RopeScaling | None:
+    """The rotary rescaling a config.json asks for (transformers >= 5 spells it rope_parameters, older
+    releases rope_scaling, some ``type`` for ``rope_type``); None: unscaled. ValueError naming the key and
+    what raytp cannot do (any rope_type but llama3, a missing or invalid field)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        r = d.get(key) or {}
+        kind = r.get("rope_type", r.get("type", "default"))
+        if kind == "default":
+            continue
+        given = {f.name: r[f.name] for f in dataclasses.fields(RopeScaling) if f.name in r}
+        try:
+            return RopeScaling.parse({**given, "rope_type": kind})
+        except ValueError as e:
+            raise ValueError(f"{key} {r!r}: {e}") from None
+    return None
 
 
 def config_from_hf(d: dict, where: str = "config.json") -> ModelArgs:
@@ -36,11 +58,12 @@ def config_from_hf(d: dict, where: str = "config.json") -> ModelArgs:
     for key in ("attention_bias", "mlp_bias"):
         if d.get(key):
             problems.append(f"{key} is true; raytp's Llama has no biases")
-    rope = d.get("rope_parameters") or {}  # transformers >= 5; older: rope_theta and rope_scaling
-    scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if scaling:
-        problems.append(f"rope_scaling {scaling!r}; only unscaled rotary embedding is supported")
-    theta = d.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    try:
+        scaling = rope_scaling_of(d)
+    except ValueError as e:
+        scaling = None
+        problems.append(str(e))
+    theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 10000.0
     heads, width = d["num_attention_heads"], d["hidden_size"]
     if d.get("head_dim") not in (None, width // heads):
         problems.append(f"head_dim={d['head_dim']} differs from hidden_size/num_attention_heads={width // heads}")
@@ -53,7 +76,7 @@ def config_from_hf(d: dict, where: str = "config.json") -> ModelArgs:
                      n_kv_head=d.get("num_key_value_heads") or heads, intermediate_size=d["intermediate_size"],
                      block_size=d["max_position_embeddings"], vocab_size=d["vocab_size"],
                      rope_theta=float(theta), norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                     tie_embeddings=bool(d.get("tie_word_embeddings", False)))
+                     tie_embeddings=bool(d.get("tie_word_embeddings", False)), rope_scaling=scaling)
 
 
 def to_hf(name: str, cfg: ModelArgs | None = None) -> tuple[str, bool]:

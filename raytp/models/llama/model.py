@@ -2,9 +2,10 @@
 
 Architecturally Touvron et al. 2023: a token embedding, pre-RMSNorm blocks of
 causal self-attention with rotary position embedding (Su et al. 2021, base
-``rope_theta``) and grouped-query attention (``n_kv_head`` key/value heads,
-each shared by n_head / n_kv_head query heads; Ainslie et al. 2023), a SwiGLU
-MLP (down(silu(gate(x)) * up(x))), no biases, a final RMSNorm and an output
+``rope_theta``; Llama 3.1+'s frequency rescaling with ``rope_scaling``) and
+grouped-query attention (``n_kv_head`` key/value heads, each shared by
+n_head / n_kv_head query heads; Ainslie et al. 2023), a SwiGLU MLP
+(down(silu(gate(x)) * up(x))), no biases, a final RMSNorm and an output
 head, untied from the embedding unless ``tie_embeddings``. Parameter names and
 numerics follow Hugging Face's LlamaForCausalLM (minus the ``model.`` prefix),
 so its checkpoints load as they are.
@@ -23,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from raytp.initialization import InitRule
-from raytp.models.args import ModelArgs
+from raytp.models.args import ModelArgs, RopeScaling
 from raytp.models.base import CausalLM, LMLoss
 
 
@@ -41,10 +42,27 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rotary(T: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None, device=None) -> torch.Tensor:
+    """The rotary frequencies (head_dim / 2,) theta^(-2i/head_dim), rescaled as Llama 3.1+ does when
+    `scaling` is given: a wavelength 2 pi / f longer than the original context / low_freq_factor is
+    stretched factor times (f / factor), one shorter than original / high_freq_factor kept, and those
+    between interpolated, (1 - s) f / factor + s f with s = (original / wavelength - low) / (high - low).
+    The same float32 operations as transformers' _compute_llama3_parameters, so the same bits."""
+    f = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    if scaling is None:
+        return f
+    original, low, high = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen = 2 * math.pi / f
+    stretched = torch.where(wavelen > original / low, f / scaling.factor, f)
+    s = (original / wavelen - low) / (high - low)
+    between = ~(wavelen < original / high) * ~(wavelen > original / low)
+    return torch.where(between, (1 - s) * stretched / scaling.factor + s * stretched, stretched)
+
+
+def rotary(T: int, head_dim: int, theta: float, device,
+           scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin (T, head_dim) of positions 0..T-1 (the two halves of head_dim rotate together)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-    freqs = torch.outer(torch.arange(T, device=device).float(), inv_freq)
+    freqs = torch.outer(torch.arange(T, device=device).float(), inv_freq(head_dim, theta, scaling, device))
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -145,7 +163,7 @@ class Llama(CausalLM):
         """idx (B, T) token ids -> logits (B, T, V), or the mean loss when targets are given (`hidden`,
         `layers`: a pipeline stage's, see raytp.models.gpt2.model.GPT.forward)."""
         T = self.check_length(idx)
-        cos, sin = rotary(T, self.cfg.head_dim, self.cfg.rope_theta, idx.device)
+        cos, sin = rotary(T, self.cfg.head_dim, self.cfg.rope_theta, idx.device, self.cfg.rope_scaling)
         x = self.embed_tokens(idx) if hidden is None else hidden  # (B, T, C); (B, T/tp, C) under SP
         for block in self.blocks(layers):
             x = self.run_block(block, x, cos, sin)

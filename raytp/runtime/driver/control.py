@@ -41,7 +41,9 @@ class Control:
         return out
 
     def answer(self, request_id: int, outcome: dict) -> None:
+        """The outcome of a request; a later one replaces it (`raytp profile`: where, then written)."""
         self.outcomes[request_id] = outcome
+        self.collected.discard(request_id)
 
     def uncollected(self) -> int:
         """Answers the CLI has not read yet."""

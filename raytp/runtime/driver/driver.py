@@ -37,6 +37,7 @@ from raytp.runtime.elastic.resize import Elastic
 from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
 from raytp.runtime.cluster.group import WorkerGroup
 from raytp.runtime.driver.metrics import RunLog
+from raytp.runtime.driver.profiles import Profiles
 from raytp.runtime.driver.progress import Progress
 from raytp.runtime.records import State, StopRequest
 from raytp.runtime.state.snapshots import Cadence, OffNodeCopy, Snapshots
@@ -58,7 +59,7 @@ class Driver(DriverControl, DriverResize):
         own slices of."""
         self.job, self.run_dir, self.run = cfg, Path(run_dir), run
         self.init_state = init_state
-        self.log = RunLog(self.run_dir, run, ray_metrics)
+        self.log = RunLog.for_job(cfg, self.run_dir, run, ray_metrics, init_state[0] if init_state else 0)
         self.out = out
         self.state = State.SCHEDULING
         self.group: WorkerGroup | None = None
@@ -72,6 +73,7 @@ class Driver(DriverControl, DriverResize):
         self.spares = Spares(run, cfg.recovery.spares, self.log)
         self.checkpoints = Checkpoints(cfg.checkpoint.dir or str(self.run_dir / "checkpoints"), cfg.checkpoint.keep,
                                        self.log)
+        self.profiles = Profiles(cfg.profile, self.checkpoints.storage, self.log, self._say)  # profile, raytp profile
         self.failures = 0
         self.healing = None            # records.Healing, until the next completed step
         self.resizing = None           # records.Resizing, until the next completed step
@@ -152,6 +154,7 @@ class Driver(DriverControl, DriverResize):
             self.log.event("resumed", step=step, source=source)
             self._say(f"starting at step {step} from {source}")
             self.init_state = None  # free the driver's copy
+        self.profiles.start(self.group, self.step)
         self.state = State.RUNNING
 
     def save_checkpoint(self) -> str:
@@ -190,6 +193,7 @@ class Driver(DriverControl, DriverResize):
                         self._report()
                 except FAILURES + (CheckpointError,) as e:
                     self._recover(e)
+                self.profiles.poll(self.step, self._answer)  # every rank's calls before this step have ended
                 self.publish()
         finally:
             self.next = None  # set here only on an exception, which ends the run: the workers go with it
@@ -220,7 +224,7 @@ class Driver(DriverControl, DriverResize):
             self.cadence.observe(done.records[0])
             if self.step == steps or (every and self.step % every == 0):
                 self.last["val_loss"] = self.group.evaluate(self.step)
-            self.log.metric(self.last)
+            self.log.metric(self.last, done.records[0].get("rank_compute_s"))
             if snap:
                 self.copy.update(self.group, self.snapshots, self.step)
             self._report()
@@ -231,7 +235,7 @@ class Driver(DriverControl, DriverResize):
             reporting.interval_chosen(self.log, self.cadence, changed, self.step, self.last)
         if self.first_step is None:
             self.first_step = time.perf_counter() - t_start
-            self.log.event("first_step", seconds=self.first_step)
+            reporting.first_step(self.log, self._say, self.cfg, self.last, self.first_step)
         progress.update(self.last, time.perf_counter() - t_start)
 
     def _submit_next(self, end: int) -> None:

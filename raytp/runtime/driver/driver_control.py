@@ -1,8 +1,9 @@
-"""The Driver's side of the control actor: what `raytp status` shows, and the stop and scale requests
-it files, served at step boundaries (a part of raytp.runtime.driver.driver.Driver, kept apart: the Driver
-mixes it in). What it publishes is ``summary`` of the values the Driver hands it (``Driver.view``); the
+"""The Driver's side of the control actor: what `raytp status` shows, and the stop, scale and profile
+requests it files, served at step boundaries (a part of raytp.runtime.driver.driver.Driver, kept apart: the
+Driver mixes it in). What it publishes is ``summary`` of the values the Driver hands it (``Driver.view``); the
 channel (raytp.runtime.driver.control.ControlChannel) keeps what it last published and the requests
-waiting; serving a request calls the Driver's own ``request_stop`` / ``request_resize``."""
+waiting; serving a request calls the Driver's own ``request_stop`` / ``request_resize``, or its profiles'
+``request`` (raytp.runtime.driver.profiles)."""
 from __future__ import annotations
 
 import time
@@ -48,6 +49,10 @@ class DriverControl:
                 # answered now, or when the new layout takes over (advance_resize)
                 self._answer(req["id"], self.request_resize(req["tp"], req["dp"], req["id"], req.get("pp")))
                 self.publish()
+            elif req["kind"] == "profile":  # answered now (where), and when the traces are written
+                self._answer(req["id"], self.profiles.request(self.group, self.step, self.cfg.train.steps,
+                                                              req["steps"], req.get("ranks"), req.get("memory", False),
+                                                              req["id"]))
             else:
                 self._answer(req["id"], Outcome.refused(f"unknown request {req['kind']!r}"))
 

@@ -18,6 +18,12 @@ class Progress:
     def update(self, rec: dict, elapsed: float) -> None:
         done = rec["step"] + 1
         figures = {"loss": f"{rec['loss']:.4f}", "tok/s": f"{rec['tokens_per_s']:,.0f}"}
+        if rec.get("tflops") is not None:
+            figures["TFLOP/s"] = f"{rec['tflops']:.3g}"
+        if rec.get("mfu") is not None:
+            figures["mfu"] = f"{100 * rec['mfu']:.1f}%"
+        if rec.get("peak_mem_bytes") is not None:
+            figures["mem"] = f"{rec['peak_mem_bytes'] / 2**30:.2f}G"
         if rec.get("val_loss") is not None:
             figures["val"] = f"{rec['val_loss']:.4f}"
         if self.bar is not None:

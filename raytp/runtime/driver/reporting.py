@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import time
 
+from raytp.config.adapters import model_args
 from raytp.parallel.layout import Layout
+from raytp.runtime import estimate
+from raytp.runtime.driver import stragglers
+from raytp.train import efficiency
 from raytp.runtime.records import Healing, Resizing
 
 
@@ -16,13 +20,40 @@ def layout_dict(lay: Layout) -> dict:
 
 def step_record(rec: dict, all_ranks: list[dict], cfg, layout: Layout) -> dict:
     """metrics.jsonl's line for one step: rank 0's figures, the slowest reporting rank's time (the ranks
-    meet in collectives every step, so any rank's step time is every rank's to within their skew)."""
+    meet in collectives every step, so any rank's step time is every rank's to within their skew), their
+    TFLOP/s per device and MFU (raytp.train.efficiency; MFU where the device's peak is known), the step's
+    slowest rank by compute time (raytp.runtime.driver.stragglers), and the highest peak memory and data
+    time of the reporting ranks."""
     step_time = max(r["step_time_s"] for r in all_ranks)
     tokens_per_step = cfg.train.batch_size * cfg.model.block_size
-    return {"step": rec["step"], "loss": rec["loss"], "lr": rec["lr"], "grad_norm": rec["grad_norm"],
-            "tokens": tokens_per_step * (rec["step"] + 1), "step_time_s": step_time,
-            "tokens_per_s": tokens_per_step / step_time, "comm_s": rec["comm_s"],
-            "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "time": time.time()}
+    out = {"step": rec["step"], "loss": rec["loss"], "lr": rec["lr"], "grad_norm": rec["grad_norm"],
+           "tokens": tokens_per_step * (rec["step"] + 1), "step_time_s": step_time,
+           "tokens_per_s": tokens_per_step / step_time, "comm_s": rec["comm_s"],
+           "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "time": time.time()}
+    out.update(efficiency.step_figures(model_args(cfg), out["tokens_per_s"], layout.world_size, rec.get("peak_tflops")))
+    straggler = stragglers.slowest(rec.get("rank_compute_s") or [])
+    if straggler is not None:
+        out["straggler"] = straggler
+    for key in ("data_s", "peak_mem_bytes", "alloc_retries"):
+        got = [r[key] for r in all_ranks if r.get(key) is not None]
+        if got:
+            out[key] = max(got)
+    return out
+
+
+def first_step(log, say, cfg, rec: dict, seconds: float) -> None:
+    """The first completed step: when, and the memory a worker measured at its peak against the start line's
+    estimate (raytp.runtime.estimate: host memory on a CPU, the device's on a GPU)."""
+    log.event("first_step", seconds=seconds)
+    measured = rec.get("peak_mem_bytes")
+    if measured is None:
+        return
+    est = estimate.estimate(cfg)
+    expected = est.on_device if cfg.runtime.device == "cuda" else est.on_host
+    log.event("memory", measured_peak_bytes=measured, estimate_bytes=expected, ratio=measured / expected,
+              where="device" if cfg.runtime.device == "cuda" else "host")
+    say(f"memory: measured peak {measured / estimate.GiB:,.2f} GiB per worker "
+        f"(estimated {expected / estimate.GiB:,.2f} GiB)")
 
 
 def recovered(log, say, h: Healing, step: int) -> None:

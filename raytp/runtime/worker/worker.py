@@ -12,7 +12,6 @@ it: Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, which is then cuda:0.
 """
 from __future__ import annotations
 
-import ctypes
 import gc
 import importlib
 import time
@@ -33,28 +32,17 @@ from raytp.runtime.worker.identity import WorkerIdentity
 from raytp.runtime.errors import WorkerAborted
 from raytp.runtime.worker.snapshot_buffers import SnapshotBuffers
 from raytp.runtime.worker.forwards import WorkerForwards
+from raytp.runtime.worker.profiling import WorkerProfiling
 from raytp.runtime.worker.worker_state import WorkerState
+from raytp.runtime.worker.process import tune_malloc
+from raytp.train.efficiency import peak_memory, peak_tflops
 from raytp.train.shard_state import live_state, state_bytes
 from raytp.train.data import batch, load_corpus
 from raytp.train.pipeline import PipelineSchedule
 from raytp.train.step import make_optimizer, train_step
 
 
-def tune_malloc() -> None:
-    """glibc's allocator, set for a process whose big tensors come and go from several threads (steps run
-    on a thread of their own, snapshots and checkpoint files on others): blocks of 1 MiB and more are
-    mapped and unmapped (a freed gradient or temporary goes back to the OS, not to a thread's arena to
-    linger), and at most two arenas. Measured: a step's peak resident memory grew 1.31x -> 1.15x the
-    state on a thread per call (bench/memory_scale). A no-op where the C library is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-8, 2)        # M_ARENA_MAX
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (fixed: no dynamic raising)
-    except (OSError, AttributeError):
-        pass
-
-
-class Worker(WorkerState, WorkerForwards, WorkerIdentity):
+class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
     def __init__(self, job: dict, rank: int):
         tune_malloc()
         self.cfg = from_dict(job)
@@ -63,6 +51,8 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity):
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device("cuda", 0) if self.cfg.runtime.device == "cuda" else torch.device("cpu")
+        self.peak_tflops = peak_tflops(torch.cuda.get_device_name(0) if self.device.type == "cuda" else None,
+                                       self.cfg.runtime.peak_tflops)
         self.groups = self.model = self.optimizer = None
         self.pipeline = None  # raytp.train.pipeline.PipelineSchedule of this rank's stage, at pp > 1
         self.completed, self.calls = 0, Calls()  # calls: the order of its run_steps calls
@@ -167,15 +157,21 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity):
 
     def _step(self, step: int, before_update=None) -> dict:
         comm.STATS.take()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        r = train_step(self.model, self.optimizer, self._micro_batches("train", step), self.groups, step, self.hyper,
-                       before_update, self.pipeline)
+        micro_batches = self._micro_batches("train", step)
+        data_s = time.perf_counter() - t0
+        r = train_step(self.model, self.optimizer, micro_batches, self.groups, step, self.hyper, before_update,
+                       self.pipeline)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
+        elapsed, comm_s = time.perf_counter() - t0, comm.STATS.take()[0]
         self.completed = step + 1
-        return {"step": step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
-                "step_time_s": elapsed, "comm_s": comm.STATS.take()[0], "snapshot_s": self.snapshot_s}
+        ranks = comm.all_gather_float(elapsed - comm_s, self.device)  # each rank's compute: who holds back whom
+        return {"step": step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "step_time_s": elapsed,
+                "comm_s": comm_s, "snapshot_s": self.snapshot_s, "data_s": data_s, "rank_compute_s": ranks,
+                "peak_tflops": self.peak_tflops, **peak_memory(self.device)}
 
     def train(self, start: int, count: int) -> list[dict]:
         """Run optimizer steps start .. start+count-1; returns one record per step."""
@@ -228,7 +224,7 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity):
             try:
                 for step in range(start, start + count):
                     try:
-                        rec = self._step(step, before_update=lambda last=last: self._settle(last))
+                        rec = self._profiled_step(step, before_update=lambda last=last: self._settle(last))
                     except Exception as e:  # noqa: BLE001 - every failure mid-step leaves the groups
                         failure = f"rank {self.rank} left step {step}: {type(e).__name__}: {e}"
                         break
