@@ -114,10 +114,11 @@ def test_broken_objects_are_refused_by_name_and_a_missing_bucket_before_anything
 
 @pytest.mark.slow
 def test_a_run_mirrored_to_s3_is_described_from_there_after_its_directory_is_gone(s3, tmp_path):
-    """runtime.storage on the S3 server: the run's records are copied there as they are written; with the run
-    directory (the head) gone, `raytp status RUN --storage URL` reads the finished run from the bucket."""
+    """runtime.storage on the S3 server: the run's records are copied there as they are written, and its
+    checkpoints written there; with the run directory (the head) gone, `raytp status RUN --storage URL` reads
+    the finished run from the bucket and a resume finds its checkpoint there."""
     url = f"s3://{BUCKET}/runs"
-    cfg = job(1, 1, steps=3, storage=url)
+    cfg = job(1, 1, steps=3, storage=url, checkpoint={"every": 3, "keep": 1})
     run_dir = tmp_path / "mirrored"
     run(cfg, run_dir, "mirrored")
     local = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
@@ -131,3 +132,7 @@ def test_a_run_mirrored_to_s3_is_described_from_there_after_its_directory_is_gon
     missing = subprocess.run([sys.executable, "-m", "raytp.cli", "status", "nosuch", "--storage", url],
                              capture_output=True, text=True, timeout=NEVER_S)
     assert missing.returncode == 1 and "error: no run 'nosuch' under" in missing.stderr
+    # Its checkpoints went there too (no checkpoint.dir): `--resume` finds them from any machine.
+    from raytp.runtime.origin import starting_state
+    _, (step, _, found) = starting_state(cfg, "latest", tmp_path / "elsewhere", say=lambda m: None, run="mirrored")
+    assert step == 3 and found.startswith(f"{url}/mirrored/checkpoints/")

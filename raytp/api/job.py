@@ -96,14 +96,17 @@ def check_data(cfg: JobConfig) -> None:
                      f"token ids up to {corpus.vocab_size - 1}; valid: model.vocab_size >= {corpus.vocab_size}")
 
 
-def check_storage(cfg: JobConfig, run_dir: Path) -> None:
-    """The checkpoint location is reachable and writable from here (the workers' side is checked once
-    they are up)."""
-    from raytp.files.storage import Storage, StorageError, check_writable
-    try:
-        check_writable(Storage(cfg.checkpoint.dir or str(run_dir / "checkpoints")))
-    except StorageError as e:
-        raise BadJob(f"checkpoint.dir: {e}") from None
+def check_storage(cfg: JobConfig, run_dir: Path, run: str) -> None:
+    """The checkpoint location (and runtime.storage) is reachable and writable from here (the workers' side is
+    checked once they are up)."""
+    from raytp.files.storage import Storage, StorageError, check_writable, checkpoint_location
+    for key, url in (("checkpoint.dir", checkpoint_location(cfg, run_dir, run)),
+                     ("runtime.storage", cfg.runtime.storage)):
+        try:
+            if url:
+                check_writable(Storage(url))
+        except StorageError as e:
+            raise BadJob(f"{key}: {e}") from None
 
 
 def plan(job: JobSpec, overrides: Overrides, run_dir, name: str | None, resume: str | None, embedded: bool,
@@ -115,7 +118,7 @@ def plan(job: JobSpec, overrides: Overrides, run_dir, name: str | None, resume: 
     from raytp.files.checkpoint import CheckpointError
     from raytp.runtime.origin import starting_state
     try:
-        cfg, init_state = starting_state(cfg, resume, path, say=lambda m: say(f"[raytp] {m}"))
+        cfg, init_state = starting_state(cfg, resume, path, say=lambda m: say(f"[raytp] {m}"), run=run)
     except (CheckpointError, ValueError) as e:
         raise BadJob(str(e)) from None
     except ConfigError as e:
@@ -130,5 +133,5 @@ def plan(job: JobSpec, overrides: Overrides, run_dir, name: str | None, resume: 
         problem = estimate.refusal(memory, cfg.world_size, estimate.available_here(), "this machine")
         if problem:
             raise BadJob(problem)
-    check_storage(cfg, path)
+    check_storage(cfg, path, run)
     return Plan(cfg, run, path, init_state, memory)

@@ -191,8 +191,9 @@ class RuntimeConfig:
                                             "device's name (known GPUs; none on cpu: TFLOP/s only)", POSITIVE)
     storage: Optional[str] = _f(None, "a shared path or URL where the run directory's records (config.yaml, "
                                       "metrics.jsonl, events.jsonl) are mirrored as they are written, under "
-                                      "<storage>/<run>/: `raytp status RUN --storage` reads them after the head "
-                                      "is gone; null = none")
+                                      "<storage>/<run>/ (and its checkpoints written, unless checkpoint.dir is "
+                                      "set): `raytp status RUN --storage` reads them after the head is gone; "
+                                      "null = none")
     straggler_ratio: float = _f(1.2, "a rank whose step compute time stays above this many times the median "
                                      "rank's for 5 steps in a row is named in a straggler event", POSITIVE)
 

@@ -146,6 +146,16 @@ class Storage:
         fsync_path(self.path())
 
 
+def checkpoint_location(cfg, run_dir, run: str) -> str:
+    """Where a run's checkpoints go: checkpoint.dir, else under runtime.storage (<storage>/<run>/checkpoints:
+    another machine resumes from there), else the run directory's checkpoints/."""
+    if cfg.checkpoint.dir:
+        return cfg.checkpoint.dir
+    if cfg.runtime.storage:
+        return f"{cfg.runtime.storage.rstrip('/')}/{run}/checkpoints"
+    return str(Path(run_dir) / "checkpoints")
+
+
 def fsync_path(path) -> None:
     """fsync a file or a directory (a directory: so that a rename in it is durable)."""
     fd = os.open(path, os.O_RDONLY)

@@ -20,15 +20,17 @@ def from_checkpoint(location, cfg: config_mod.JobConfig | None = None, warn=None
     return found.step, CheckpointSource.of(found), found.where
 
 
-def starting_state(cfg: config_mod.JobConfig, resume: str | None, run_dir: Path, say=print):
+def starting_state(cfg: config_mod.JobConfig, resume: str | None, run_dir: Path, say=print, run: str | None = None):
     """(cfg, init_state) where init_state is (step, source, where) or None.
 
-    `resume` is None, "latest" (this run's newest whole checkpoint: in checkpoint.dir, or the run dir)
+    `resume` is None, "latest" (this run's newest whole checkpoint: in checkpoint.dir, else under
+    runtime.storage for run `run`, else in the run dir)
     or a path or URL. With model.init_from, the model's shape comes from the GPT-2 directory and the job
     is validated again (e.g. tp against its head count). Raises CheckpointError, ValueError or ConfigError.
     """
     if resume is not None:
-        where = (cfg.checkpoint.dir or str(run_dir)) if resume == "latest" else resume
+        storage = f"{cfg.runtime.storage.rstrip('/')}/{run}" if cfg.runtime.storage and run else None
+        where = (cfg.checkpoint.dir or storage or str(run_dir)) if resume == "latest" else resume
         step, source, found = from_checkpoint(where, cfg, warn=lambda m: say(f"warning: {m}"))
         lay = source.manifest["layout"]
         say(f"resuming from {found} (step {step}, saved at TP={lay['tp']} x DP={lay['dp']})")

@@ -39,6 +39,7 @@ from raytp.runtime.cluster.group import WorkerGroup
 from raytp.runtime.driver.metrics import RunLog
 from raytp.runtime.driver.profiles import Profiles
 from raytp.runtime.driver.progress import Progress
+from raytp.files.storage import checkpoint_location
 from raytp.runtime.records import State, StopRequest
 from raytp.runtime.state.snapshots import Cadence, OffNodeCopy, Snapshots
 from raytp.runtime.recovery.spares import Spares
@@ -71,7 +72,7 @@ class Driver(DriverControl, DriverResize):
         self.cadence = Cadence(cfg)  # how often replica 0 snapshots
         self.copy = self.copy_cls(run, self.log)
         self.spares = Spares(run, cfg.recovery.spares, self.log)
-        self.checkpoints = Checkpoints(cfg.checkpoint.dir or str(self.run_dir / "checkpoints"), cfg.checkpoint.keep,
+        self.checkpoints = Checkpoints(checkpoint_location(cfg, self.run_dir, run), cfg.checkpoint.keep,
                                        self.log)
         self.profiles = Profiles(cfg.profile, self.checkpoints.storage, self.log, self._say)  # profile, raytp profile
         self.failures = 0
