@@ -115,8 +115,8 @@ def test_broken_objects_are_refused_by_name_and_a_missing_bucket_before_anything
 @pytest.mark.slow
 def test_a_run_mirrored_to_s3_is_described_from_there_after_its_directory_is_gone(s3, tmp_path):
     """runtime.storage on the S3 server: the run's records are copied there as they are written, and its
-    checkpoints written there; with the run directory (the head) gone, `raytp status RUN --storage URL` reads
-    the finished run from the bucket and a resume finds its checkpoint there."""
+    checkpoints written there; with the run directory (the head) gone, `raytp status/logs RUN --storage URL`
+    read the finished run from the bucket and a resume finds its checkpoint there."""
     url = f"s3://{BUCKET}/runs"
     cfg = job(1, 1, steps=3, storage=url, checkpoint={"every": 3, "keep": 1})
     run_dir = tmp_path / "mirrored"
@@ -129,6 +129,9 @@ def test_a_run_mirrored_to_s3_is_described_from_there_after_its_directory_is_gon
                        capture_output=True, text=True, timeout=NEVER_S)
     assert p.returncode == 0, p.stderr[-2000:]
     assert f"mirrored: FINISHED  step 3/3  TP=1 x PP=1 x DP=1  loss {local[-1]['loss']:.4f}" in p.stdout, p.stdout
+    logs = subprocess.run([sys.executable, "-m", "raytp.cli", "logs", "mirrored", "--storage", url],
+                          capture_output=True, text=True, timeout=NEVER_S)
+    assert logs.returncode == 0 and "[raytp] step 3/3" in logs.stdout, logs
     missing = subprocess.run([sys.executable, "-m", "raytp.cli", "status", "nosuch", "--storage", url],
                              capture_output=True, text=True, timeout=NEVER_S)
     assert missing.returncode == 1 and "error: no run 'nosuch' under" in missing.stderr

@@ -127,9 +127,19 @@ def status(run, address, ranks, storage):
 @click.argument("run")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing as the run writes, until its job ends.")
 @click.option("--address", default=None, help=ADDRESS_HELP)
+@click.option("--storage", default=None, metavar="URL",
+              help="Read RUN's driver output from the shared storage its job mirrored it to (runtime.storage), "
+                   "not from a cluster: works after the head is gone.")
 @_cluster_errors
-def logs(run, follow, address):
+def logs(run, follow, address, storage):
     """The output of submitted run RUN (its Ray job's driver log: progress, events, errors)."""
+    if storage:
+        from raytp.runtime.driver.mirror import read_log
+        try:
+            click.echo(read_log(storage, run), nl=False)
+        except FileNotFoundError as e:
+            fail(str(e), 1)
+        return
     from raytp import jobs
     head = _head(address)
     if head.job(run) is None:

@@ -61,7 +61,7 @@ class Driver(DriverControl, DriverResize):
         self.job, self.run_dir, self.run = cfg, Path(run_dir), run
         self.init_state = init_state
         self.log = RunLog.for_job(cfg, self.run_dir, run, ray_metrics, init_state[0] if init_state else 0)
-        self.out = out
+        self.out = self.log.tee(out)  # also kept in the run dir's driver.log
         self.state = State.SCHEDULING
         self.group: WorkerGroup | None = None
         self.control = None

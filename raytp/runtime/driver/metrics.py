@@ -87,6 +87,11 @@ class RunLog:
         self.trackers = trackers  # raytp.runtime.driver.tracking.Trackers: the same records, sent on
         self.mirror = mirror  # raytp.runtime.driver.mirror.Mirror: the files, copied to shared storage
 
+    def tee(self, out):
+        """`out` (the driver's output stream), its whole lines also appended to the run dir's driver.log."""
+        self._tee = Tee(out, self.dir / "driver.log")
+        return self._tee
+
     @classmethod
     def for_job(cls, cfg, run_dir: Path, run: str, ray_metrics: bool = True, step: int = 0) -> "RunLog":
         """The run log of a job: its straggler ratio, the trackers and the storage mirror it names (`step`:
@@ -135,7 +140,33 @@ class RunLog:
     def close(self) -> None:
         self._metrics.close()
         self._events.close()
+        if getattr(self, "_tee", None) is not None:
+            self._tee.file.close()
         if self.trackers is not None:
             self.trackers.close()
         if self.mirror is not None:
             self.mirror.close()
+
+
+class Tee:
+    """A text stream that also appends what is written to a file, but a progress bar's redraws (lines with a
+    carriage return): the driver's output kept in its run directory (driver.log)."""
+
+    def __init__(self, stream, path: Path):
+        self.stream, self.file = stream, open(path, "a", buffering=1)
+
+    def write(self, text: str) -> int:
+        if "\r" not in text and not self.file.closed:  # what is said after the run log closed goes out only
+            self.file.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        if not self.file.closed:
+            self.file.flush()
+
+    def isatty(self) -> bool:
+        return hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def __getattr__(self, name):  # encoding, fileno, ...: the stream's
+        return getattr(self.stream, name)

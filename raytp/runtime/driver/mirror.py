@@ -2,10 +2,11 @@
 
 A run's directory lives on the machine of its driver (the head, for a submitted run). With
 ``runtime.storage`` (a shared path or an object-store URL) its small files, ``config.yaml``,
-``metrics.jsonl`` and ``events.jsonl``, are copied to ``<storage>/<run>/`` while the run goes on: a thread
+``metrics.jsonl``, ``events.jsonl`` and ``driver.log`` (the driver's output), are copied to ``<storage>/<run>/`` while the run goes on: a thread
 copies whatever changed at most every ``EVERY_S`` seconds, and ``close`` copies the last of it. Each copy
 writes a whole file (raytp.files.storage writes whole objects), so a reader never sees half a line.
-``raytp status RUN --storage URL`` reads a run from there when no cluster holds it any more (``read_run``).
+``raytp status RUN --storage URL`` and ``raytp logs RUN --storage URL`` read a run from there when no cluster
+holds it any more (``read_run``, ``read_log``).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from raytp.files.storage import Storage
 
-FILES = ("config.yaml", "metrics.jsonl", "events.jsonl")
+FILES = ("config.yaml", "metrics.jsonl", "events.jsonl", "driver.log")
 EVERY_S = 5.0
 
 
@@ -60,6 +61,14 @@ def read_run(url: str, run: str) -> tuple[list[dict], list[dict]]:
         return [json.loads(ln) for ln in storage.read_bytes(name).decode().splitlines() if ln.strip()] \
             if storage.exists(name) else []
     return lines("metrics.jsonl"), lines("events.jsonl")
+
+
+def read_log(url: str, run: str) -> str:
+    """The driver's output of run `run` mirrored under `url`; FileNotFoundError if none."""
+    storage = Storage(url.rstrip("/") + "/" + run)
+    if not storage.exists("driver.log"):
+        raise FileNotFoundError(f"no run {run!r} under {url} (no {storage.path('driver.log')})")
+    return storage.read_bytes("driver.log").decode()
 
 
 def describe_stored(url: str, run: str) -> list[str]:
