@@ -85,10 +85,10 @@ def check_data(cfg: JobConfig) -> None:
     src = cfg.data.source
     if src != "builtin" and not Path(src).expanduser().exists():
         raise BadJob(f"data.source: {src} does not exist; valid: 'builtin', a directory of text files, "
-                     "or a .bin file of uint16 token ids")
+                     "or a .bin file of token ids (nanoGPT's, or a Megatron-LM indexed dataset's)")
     from raytp.train.data import load_corpus
     try:
-        corpus = load_corpus(src, cfg.data.val_fraction, cfg.data.tokenizer, progress=True)
+        corpus = load_corpus(src, cfg.data.val_fraction, cfg.data.tokenizer, progress=True, dtype=cfg.data.dtype)
     except ValueError as e:
         raise BadJob(str(e)) from None
     if corpus.vocab_size > cfg.model.vocab_size:

@@ -157,12 +157,16 @@ class TrainConfig:
 class DataConfig:
     source: str = _f(
         "builtin", "'builtin' (Python stdlib source text, byte level), a directory "
-                   "of text files, or a nanoGPT .bin of uint16 token ids")
+                   "of text files, a nanoGPT .bin of token ids, or a Megatron-LM indexed dataset's .bin "
+                   "(its .idx beside it)")
     val_fraction: float = _f(0.1, "fraction of the data held out for validation",
                              Range(0, 1, lo_open=True, hi_open=True))
     tokenizer: Optional[str] = _f(
         None, "a Hugging Face tokenizer.json, or a directory holding one (e.g. model.init_from's), that "
               "text sources are encoded with (once, cached beside the data); null = byte level")
+    dtype: Optional[str] = _f(None, "the id type of a nanoGPT .bin data.source (uint32 for vocabularies past "
+                                    "65,536); null = uint16, or, with a Megatron-LM .idx beside the .bin, "
+                                    "the index's", ("uint16", "uint32"))
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,11 @@ Sources:
 - ``builtin``: the Python standard library's own source text on this machine
   (no download), byte-level tokens, vocabulary 256.
 - a directory: every ``*.txt``/``*.py``/``*.md`` file under it, byte level.
-- a ``.bin`` file of uint16 token ids (nanoGPT's format); a ``val.bin``
-  beside a ``train.bin`` is used for validation.
+- a ``.bin`` file of token ids, memory-mapped (raytp.train.token_files):
+  Megatron-LM's indexed dataset when its ``.idx`` is beside it (the index's
+  id type), else nanoGPT's format (uint16, or ``data.dtype``); a ``val.bin``
+  beside a ``train.bin`` is used for validation. The largest id is found in
+  the first 64M ids of each split.
 With ``data.tokenizer`` set, the text sources are encoded by that Hugging Face
 tokenizer instead of taken as bytes (once, cached: raytp.train.tokens).
 """
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 
 from raytp.seeds import derive_seed
+from raytp.train.token_files import largest_id, open_tokens
 
 BUILTIN_MAX_BYTES = 8 << 20  # enough text for small models; reads in well under a second
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
@@ -81,10 +85,10 @@ def _split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndar
 
 
 def load_corpus(source: str, val_fraction: float = 0.1, tokenizer: str | None = None,
-                progress: bool = False) -> Corpus:
+                progress: bool = False, dtype: str | None = None) -> Corpus:
     """Load a corpus named by a job's `data.source` (text encoded by `tokenizer`, a job's data.tokenizer,
-    when given; `progress`: show a progress bar if it must be encoded now); raises ValueError naming the
-    problem."""
+    when given; `progress`: show a progress bar if it must be encoded now; `dtype`: data.dtype, of a nanoGPT
+    .bin's ids); raises ValueError naming the problem."""
     if tokenizer is not None and (source == "builtin" or Path(source).expanduser().is_dir()):
         return _tokenized_corpus(source, val_fraction, tokenizer, progress)
     if source == "builtin":
@@ -103,15 +107,14 @@ def load_corpus(source: str, val_fraction: float = 0.1, tokenizer: str | None = 
         train, val = _split(tokens, val_fraction)
         return Corpus(train, val, 256, f"{len(files)} text files under {path} ({len(tokens):,} bytes)")
     if path.suffix == ".bin":
-        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        tokens, what = open_tokens(path, dtype)
         val_path = path.with_name("val.bin")
         if path.name == "train.bin" and val_path.exists():
-            train, val = tokens, np.memmap(val_path, dtype=np.uint16, mode="r")
+            train, val = tokens, open_tokens(val_path, dtype)[0]
         else:
             train, val = _split(tokens, val_fraction)
-        vocab = int(max(train.max(initial=0), val.max(initial=0))) + 1 if len(tokens) < (64 << 20) else 65536
-        return Corpus(train, val, vocab, f"uint16 tokens in {path} ({len(tokens):,} tokens)")
-    raise ValueError(f"data.source: {source} is neither a directory nor a .bin file of uint16 token ids")
+        return Corpus(train, val, largest_id(train, val) + 1, f"{what}: {len(tokens):,} tokens")
+    raise ValueError(f"data.source: {source} is neither a directory nor a .bin file of token ids")
 
 
 def _tokenized_corpus(source: str, val_fraction: float, tokenizer: str, progress: bool) -> Corpus:

@@ -63,7 +63,8 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         # What building the first optimizer imports (~1 s), paid here: a spare, or a rank started ahead
         # of a resize, has it behind it when it is needed.
         importlib.import_module("torch._dynamo")
-        self.corpus = load_corpus(self.cfg.data.source, self.cfg.data.val_fraction, self.cfg.data.tokenizer)
+        self.corpus = load_corpus(self.cfg.data.source, self.cfg.data.val_fraction, self.cfg.data.tokenizer,
+                                  dtype=self.cfg.data.dtype)
         if self.corpus.vocab_size > self.cfg.model.vocab_size:
             raise ValueError(f"data.source has token ids up to {self.corpus.vocab_size - 1} but "
                              f"model.vocab_size={self.cfg.model.vocab_size}; raise model.vocab_size")
