@@ -21,6 +21,7 @@ import torch
 from raytp.models.args import ModelArgs
 from raytp.models.registry import build_model, sharding_of, spec, spec_for_hf
 from raytp.parallel.sharding import shard_ranges
+from raytp.parallel.zero_plan import consecutive
 from raytp.files.safetensors_io import FormatError, Reader, write
 from raytp.files.storage import Storage
 
@@ -150,15 +151,7 @@ def parse_size(text: str | int) -> int:
 def plan_shards(sizes: list[int], limit: int) -> list[list[int]]:
     """Tensors (their sizes in bytes, in order) grouped in order into files of at most `limit` bytes; a
     tensor larger than the limit gets a file of its own (as transformers' save_pretrained does)."""
-    shards: list[list[int]] = []
-    used = limit
-    for i, n in enumerate(sizes):
-        if not shards or used + n > limit:
-            shards.append([])
-            used = 0
-        shards[-1].append(i)
-        used += n
-    return shards
+    return consecutive(sizes, limit)
 
 
 def shard_names(count: int) -> list[str]:

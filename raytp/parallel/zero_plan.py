@@ -65,19 +65,24 @@ def rows_of(shape: tuple[int, ...]) -> tuple[int, int]:
     return shape[0], prod(shape[1:])
 
 
+def consecutive(sizes: list[int], limit: int) -> list[list[int]]:
+    """Indices of `sizes`, in order, grouped into runs of at most `limit` in total (a larger one alone): the
+    buckets here, and the files of a sharded Hugging Face export (raytp.files.hf)."""
+    out: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if not out or used + n > limit:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += n
+    return out
+
+
 def buckets_of(shapes: list[tuple[int, ...]], bucket_numel: int) -> list[list[int]]:
     """Consecutive parameter indices grouped into buckets of at most `bucket_numel` elements (a larger
     tensor alone)."""
-    out: list[list[int]] = []
-    size = 0
-    for i, shape in enumerate(shapes):
-        n = prod(shape)
-        if not out or size + n > bucket_numel:
-            out.append([])
-            size = 0
-        out[-1].append(i)
-        size += n
-    return out
+    return consecutive([prod(shape) for shape in shapes], bucket_numel)
 
 
 def cut(shapes: list[tuple[int, ...]], indices: list[int], dp: int) -> Bucket:
