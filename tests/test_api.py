@@ -109,7 +109,7 @@ def readme_example(heading="### Python API", marker="tune.Tuner"):
 
 @pytest.mark.slow  # two trials, each a Ray Tune worker process and a run
 def test_the_readme_ray_tune_example_runs_a_trial_per_learning_rate(ray_local, tmp_path, monkeypatch):
-    pytest.importorskip("ray.tune", reason="Ray Tune (ray[tune]) is not installed")
+    pytest.importorskip("ray.tune", reason="Ray Tune (ray[tune]) is not installed", exc_type=ImportError)
     monkeypatch.chdir(tmp_path)
     scope = {"__name__": "readme"}  # a module Ray's pickler cannot import: the trainable travels by value
     exec(compile(readme_example(), "README.md", "exec"), scope)
