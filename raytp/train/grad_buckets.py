@@ -109,6 +109,11 @@ class GradBuckets:
         self.finish_s = time.perf_counter() - t0
         return flats
 
+    def abandon(self) -> None:
+        """Drop the reductions in flight and stop launching (a failed step; see the optimizer's ``abandon``)."""
+        self._armed = None
+        self._reset()
+
     def close(self) -> None:
         """Remove the hooks (the plan is replaced)."""
         for h in self._hooks:

@@ -177,6 +177,16 @@ class DistributedAdamW:
         if not self.overlap_gather:
             self.gather.settle()
 
+    def abandon(self) -> None:
+        """Forget the collectives in flight (a step failed: its process groups are being destroyed, and a work
+        object kept would keep its group's sockets open). The weights of an abandoned gather are not whole:
+        the state is restored from a replica, a snapshot or a checkpoint after such a failure anyway."""
+        self._flats = []
+        if self.grads is not None:
+            self.grads.abandon()
+        if self.gather is not None:
+            self.gather.abandon()
+
     def settle(self) -> None:
         """Finish giving this replica every new weight (zero 1 with ``overlap_gather``: what the forward pass
         has not yet): before anything but a forward pass reads the weights."""

@@ -53,6 +53,10 @@ class WeightGather:
                     p = self.params[pc.index]
                     p.data[pc.start:pc.stop].copy_(flat[b.span(d, pc)].view_as(p.data[pc.start:pc.stop]))
 
+    def abandon(self) -> None:
+        """Drop the gathers in flight (a failed step; see the optimizer's ``abandon``)."""
+        self._pending.clear()
+
     def hook(self, model: torch.nn.Module) -> None:
         """Settle each module's own parameters' buckets right before it runs (overlap with the forward)."""
         index = {id(p): i for i, p in enumerate(self.params)}

@@ -276,6 +276,8 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         unblocks a collective; a closed socket does); no call queued behind the one that ran may start
         now. Idempotent."""
         self.calls.reset()
+        if self.optimizer is not None:
+            self.optimizer.abandon()  # its collectives in flight hold their groups (and sockets) open
         destroy_process_groups()
         if self.model is not None:
             rebind_groups(self.model, None)
