@@ -1,0 +1,96 @@
+"""A worker group's state in and out: its owners' shards read and written (checkpoints, snapshots, a source
+loaded), copied from replicas, and under the distributed optimizer its AdamW rows cut for a new DP degree.
+A part of raytp.runtime.cluster.group.WorkerGroup, kept apart (the class mixes it in and owns every attribute
+it reads: workers, layout, cfg)."""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import ray
+
+from raytp.config.adapters import model_args
+from raytp.parallel.ownership import Ownership
+from raytp.runtime.state.checkpoints import write_part_task
+
+
+class GroupState:
+    def owner_workers(self) -> list:
+        """The workers that own the state (raytp.parallel.ownership), part 0 first."""
+        return [self.workers[r] for r in Ownership(self.layout).owners()]
+
+    def shard_states(self) -> list[dict]:
+        """The TP shards of replica 0 (DP replicas hold the same), rank order, in this process."""
+        return ray.get([w.get_state.remote() for w in self.owner_workers()],
+                       timeout=self.cfg.runtime.step_timeout_s)
+
+    def fetch(self, refs) -> list:
+        """The (small) objects behind `refs`, in this process: what writers report, not tensors."""
+        return ray.get(list(refs), timeout=self.cfg.runtime.step_timeout_s)
+
+    def begin_save(self, url: str, directory: str) -> tuple[dict, list]:
+        """Replica 0's ranks start writing their files of a checkpoint (raytp.runtime.state.checkpoints):
+        (the tensor table, one ref per rank that resolves once its file is written)."""
+        ranks = self.owner_workers()
+        tables = ray.get([w.begin_save.remote(url, directory) for w in ranks], timeout=self.cfg.runtime.step_timeout_s)
+        table = {k: v for t in tables if t for k, v in t.items()}  # each stage's TP rank 0 tells its tensors
+        return table, [w.save_result.remote() for w in ranks]
+
+    def probe_storage(self, url: str, token: str) -> list[str | None]:
+        """Each worker reads the driver's probe file at `url` and writes its own (raytp.files.storage)."""
+        return ray.get([w.probe_storage.remote(url, token) for w in self.workers],
+                       timeout=self.cfg.runtime.step_timeout_s)
+
+    def load_source(self, source, step: int) -> None:
+        """Every worker takes its slices of `source` (raytp.files.sources) as the state after `step`."""
+        ray.get([w.load.remote(source, step) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)
+
+    def write_snapshot(self, url: str, directory: str, parts: list) -> list[dict]:
+        """A snapshot's parts (refs, one per owner: stage by stage, TP rank in each) written as a checkpoint's
+        files, by tasks."""
+        cfg, lay = self.cfg, self.layout
+        own = Ownership(lay)
+        where = [lay.coords(own.owner(t)) for t in range(len(parts))]
+        return self.fetch([write_part_task.remote(url, directory, c.tp, ref, lay.tp, model_args(cfg),
+                                                  c.pp if lay.pp > 1 else None, lay.pp,
+                                                  c.dp if lay.sharded_optimizer else 0, lay.dp, lay.sharded_optimizer)
+                           for c, ref in zip(where, parts)])
+
+    def copy_shards(self, donors: Mapping[int, int], step: int, weights_only: bool = False) -> int:
+        """Ranks take their shards from donors holding the same ones ({rank: donor rank}; `weights_only`:
+        their weights), worker to worker through the object store; returns the bytes moved."""
+        ws = self.workers
+        ray.get([ws[r].set_shard.remote(ws[d].get_state.remote(weights_only), step, weights_only)
+                 for r, d in donors.items()], timeout=self.cfg.runtime.step_timeout_s)
+        if weights_only:
+            return sum(ray.get([ws[d].weights_nbytes.remote() for d in donors.values()]))
+        return sum(ray.get([ws[d].state_nbytes.remote() for d in donors.values()]))
+
+    def export_rows(self, new_dp: int) -> tuple[list, list]:
+        """A DP resize under zero 1: every rank cuts the AdamW rows it keeps into one bundle per DP rank of
+        `new_dp` (raytp.runtime.worker.worker_state export_rows), kept in the object store, owned here and
+        never fetched: (refs[rank][new DP rank], bytes[rank][new DP rank])."""
+        refs, sizes = [], []
+        for w in self.workers:
+            out = w.export_rows.options(num_returns=new_dp + 1).remote(new_dp)
+            refs.append(list(out[:new_dp]))
+            sizes.append(out[new_dp])
+        return refs, self.fetch(sizes)
+
+    def recut_parts(self, refs: Mapping[int, list], old_dp: int, step: int) -> None:
+        """Under zero 1, ranks take a snapshot's weights and their rows of its AdamW state at this layout's DP
+        degree ({rank: the parts of old DP ranks 0.. at its TP rank and stage}, cut at `old_dp`) as the state
+        after `step`."""
+        ray.get([self.workers[r].recut_parts.remote(rs, old_dp, step) for r, rs in refs.items()],
+                timeout=self.cfg.runtime.step_timeout_s)
+
+    def take_rows(self, refs: Mapping[int, list]) -> None:
+        """Ranks keep the AdamW rows of their DP position, filled from the bundles `refs` ({rank: [ref]})."""
+        ray.get([self.workers[r].take_rows.remote(rs) for r, rs in refs.items()],
+                timeout=self.cfg.runtime.step_timeout_s)
+
+    def load_parts(self, ranks: Iterable[int], parts: Mapping[int, object], step: int) -> None:
+        """Ranks take their part of a snapshot ({part: ref}, raytp.parallel.ownership) as the state after
+        `step`."""
+        own = Ownership(self.layout)
+        ray.get([self.workers[r].set_shard.remote(parts[own.part(r)], step) for r in ranks],
+                timeout=self.cfg.runtime.step_timeout_s)
