@@ -12,14 +12,12 @@ import torch.nn.functional as F
 
 from raytp.models.registry import build_model
 from raytp.parallel import comm
-from raytp.parallel.groups import build_groups
-from raytp.parallel.layout import Layout
 from raytp.models.registry import full_size_of, sharding_of
-from raytp.models.shard import build_empty_shard
 from raytp.parallel.sharding import unshard_tensors
 from raytp.parallel.spawn import run_ranks
 from raytp.files import hf
 from raytp.train.step import _sum_over_tp
+from helpers import hf_shard_at_tp
 
 transformers = pytest.importorskip("transformers")
 V, T = 256, 16
@@ -55,11 +53,8 @@ def theirs(model):
 
 
 def ours_at_tp(rank, world, init, model_dir):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    groups = build_groups(Layout(world, dp=1), rank)
-    cfg = hf.inspect(model_dir)
-    model = build_empty_shard(cfg, groups.tp)
-    hf.load_into(model_dir, model, groups.tp_rank, world)
+    model, groups = hf_shard_at_tp(rank, world, init, model_dir)
+    cfg = model.cfg
     x, y = batch()
     logits = comm.gather_last(model(x), groups.tp)[..., :V].detach()
     model(x, y).backward()

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 import yaml
 
 from raytp.config import ConfigError, from_dict, load
@@ -15,12 +14,10 @@ from raytp.files import hf
 from raytp.models.args import RopeScaling
 from raytp.models.llama.model import inv_freq
 from raytp.models.registry import build_model
-from raytp.models.shard import build_empty_shard
 from raytp.parallel import comm
-from raytp.parallel.groups import build_groups
-from raytp.parallel.layout import Layout
 from raytp.parallel.spawn import run_ranks
 from raytp.runtime.origin import starting_state
+from helpers import hf_shard_at_tp
 
 transformers = pytest.importorskip("transformers")
 V, T, ORIGINAL = 256, 64, 32  # positions ORIGINAL..T-1 lie past the context the model was trained at
@@ -71,11 +68,7 @@ def test_inv_freq_is_transformers_bit_for_bit(head_dim, theta, scaling):
 
 
 def ours_at_tp2(rank, world, init, model_dir):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    groups = build_groups(Layout(world, dp=1), rank)
-    cfg = hf.inspect(model_dir)
-    model = build_empty_shard(cfg, groups.tp)
-    hf.load_into(model_dir, model, groups.tp_rank, world)
+    model, groups = hf_shard_at_tp(rank, world, init, model_dir)
     with torch.no_grad():
         return comm.gather_last(model(tokens()), groups.tp)[..., :V]
 
