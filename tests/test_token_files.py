@@ -12,7 +12,7 @@ from helpers import job, run
 from raytp.api.errors import BadJob
 from raytp.api.job import check_data
 from raytp.train.data import batch, load_corpus
-from raytp.train.token_files import write_indexed
+from raytp.data.indexed import write_indexed
 
 VOCAB = 70_016  # past uint16: Llama 3's 128k and GPT-NeoX's 50k+ specials need 32-bit ids
 

@@ -10,7 +10,7 @@ Sources:
 - ``builtin``: the Python standard library's own source text on this machine
   (no download), byte-level tokens, vocabulary 256.
 - a directory: every ``*.txt``/``*.py``/``*.md`` file under it, byte level.
-- a ``.bin`` file of token ids, memory-mapped (raytp.train.token_files):
+- a ``.bin`` file of token ids, memory-mapped (raytp.data.indexed):
   Megatron-LM's indexed dataset when its ``.idx`` is beside it (the index's
   id type), else nanoGPT's format (uint16, or ``data.dtype``); a ``val.bin``
   beside a ``train.bin`` is used for validation. The largest id is found in
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from raytp.seeds import derive_seed
-from raytp.train.token_files import largest_id, open_tokens
+from raytp.data.indexed import largest_id, open_tokens
 
 BUILTIN_MAX_BYTES = 8 << 20  # enough text for small models; reads in well under a second
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
