@@ -40,7 +40,7 @@ def test_text_is_encoded_once_into_a_cached_token_file(text_and_tokenizer):
     assert corpus.vocab_size == tok.get_vocab_size() <= VOCAB
     cached = sorted((data / ".raytp").iterdir())
     assert len(cached) == 1 and cached[0].suffix == ".uint16"
-    ids = np.concatenate([corpus.train, corpus.val])
+    ids = np.concatenate(corpus.train[0].pieces + corpus.val[0].pieces)
     first = (data / "abc.py").read_text()
     assert tok.decode(ids[:len(tok.encode(first).ids)].tolist()) == first  # documents in file order
     assert len(ids) < 0.7 * sum(p.stat().st_size for p in data.glob("*.py"))  # BPE: fewer tokens than bytes

@@ -81,18 +81,15 @@ def run_name_and_dir(job: JobSpec, cfg: JobConfig, run_dir: str | os.PathLike | 
 
 
 def check_data(cfg: JobConfig) -> None:
-    """The data source exists and its token ids fit the model's vocabulary."""
-    src = cfg.data.source
-    if src != "builtin" and not Path(src).expanduser().exists():
-        raise BadJob(f"data.source: {src} does not exist; valid: 'builtin', a directory of text files, "
-                     "or a .bin file of token ids (nanoGPT's, or a Megatron-LM indexed dataset's)")
-    from raytp.train.data import load_corpus
+    """The data sources exist, their token ids fit the model's vocabulary, and a document mask knows its id."""
+    from raytp.train.data import document_eod, job_corpus
     try:
-        corpus = load_corpus(src, cfg.data.val_fraction, cfg.data.tokenizer, progress=True, dtype=cfg.data.dtype)
+        corpus = job_corpus(cfg.data, progress=True, peek=True)
+        document_eod(cfg.data, corpus)
     except ValueError as e:
         raise BadJob(str(e)) from None
     if corpus.vocab_size > cfg.model.vocab_size:
-        raise BadJob(f"model.vocab_size: {cfg.model.vocab_size} is smaller than data.source's vocabulary: it has "
+        raise BadJob(f"model.vocab_size: {cfg.model.vocab_size} is smaller than {'data.mix' if cfg.data.mix else 'data.source'}'s vocabulary: it has "
                      f"token ids up to {corpus.vocab_size - 1}; valid: model.vocab_size >= {corpus.vocab_size}")
 
 

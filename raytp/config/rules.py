@@ -152,6 +152,10 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
     (("profile.ranks", "parallel.tp", "parallel.pp", "parallel.dp"),
      lambda v: _profile_ranks_problem(v) is None,
      lambda v: _profile_ranks_problem(v)),
+    (("data.mix", "data.source"),
+     lambda v: v["data.mix"] is None or v["data.source"] == "builtin",
+     lambda v: f"replaces data.source ({v['data.source']}): give one of the two (a source may be named in "
+               "data.mix itself)"),
     (("name",),
      lambda v: v["name"] is None or RUN_NAME.fullmatch(v["name"]),
      lambda v: f"{v['name']!r} is not a valid run name; use letters, digits, "

@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from raytp.config.data_mix import Mix
 from raytp.config.tracking import MlflowTarget, WandbTarget
 from raytp.models.args import RopeScaling
 from raytp.models.registry import SPECS
@@ -156,10 +157,11 @@ class TrainConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = _f(
-        "builtin", "'builtin' (Python stdlib source text, byte level), a directory "
-                   "of text files, a nanoGPT .bin of token ids, or a Megatron-LM indexed dataset's .bin "
-                   "(its .idx beside it)")
-    val_fraction: float = _f(0.1, "fraction of the data held out for validation",
+        "builtin", "'builtin' (Python stdlib source text, byte level), a directory of text files, a dataset "
+                   "`raytp prepare` wrote (a directory or URL), a nanoGPT .bin of token ids, or a Megatron-LM "
+                   "indexed dataset's .bin (its .idx beside it)")
+    val_fraction: float = _f(0.1, "fraction of each source's documents held out for validation (spread over "
+                                  "it; a source without document boundaries: its tail)",
                              Range(0, 1, lo_open=True, hi_open=True))
     tokenizer: Optional[str] = _f(
         None, "a Hugging Face tokenizer.json, or a directory holding one (e.g. model.init_from's), that "
@@ -167,6 +169,14 @@ class DataConfig:
     dtype: Optional[str] = _f(None, "the id type of a nanoGPT .bin data.source (uint32 for vocabularies past "
                                     "65,536); null = uint16, or, with a Megatron-LM .idx beside the .bin, "
                                     "the index's", ("uint16", "uint32"))
+    mix: Optional[Mix] = _f(None, "sources blended by weight, {SOURCE: weight, ...} (each one a data.source "
+                                  "could name; exact proportions per step); replaces data.source")
+    val_source: Optional[str] = _f(None, "a separate validation set (any data.source); null = hold out "
+                                         "data.val_fraction of each source's documents")
+    document_mask: bool = _f(False, "attention does not cross end-of-document tokens (documents packed in one "
+                                    "sequence do not see each other)")
+    eod_id: Optional[int] = _f(None, "the end-of-document token id, for data.document_mask; null = the "
+                                     "prepared dataset's (or the tokenizer's)", NONNEG)
 
 
 @dataclass(frozen=True)
@@ -270,8 +280,8 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         """Plain nested dict (lists as lists: YAML and JSON write it); `from_dict(cfg.to_dict()) == cfg`."""
-        return dataclasses.asdict(self, dict_factory=lambda kv: {k: list(v) if isinstance(v, IntList) else v
-                                                                  for k, v in kv})
+        return dataclasses.asdict(self, dict_factory=lambda kv: {
+            k: list(v) if isinstance(v, IntList) else v.as_dict() if isinstance(v, Mix) else v for k, v in kv})
 
 
 # Field tables, read once from the dataclasses; they drive parsing, checking and describe().
@@ -303,7 +313,8 @@ def unwrap(tp: Any) -> tuple[type, bool]:
 
 def type_name(tp: Any) -> str:
     base, optional = unwrap(tp)
-    name = "list of integers" if base is IntList else "mapping" if dataclasses.is_dataclass(base) else base.__name__
+    name = ("list of integers" if base is IntList else
+            "mapping" if dataclasses.is_dataclass(base) or hasattr(base, "parse") else base.__name__)
     return name + (" or null" if optional else "")
 
 

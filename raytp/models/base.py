@@ -45,6 +45,7 @@ class CausalLM(nn.Module):
     cfg: ModelArgs
     lm_head: nn.Linear
     activation_checkpointing = False  # recompute each block in backward (train.activation_checkpointing)
+    document_eod: int | None = None   # attention stops at this end-of-document id (data.document_mask)
 
     @staticmethod
     def init_rule(name: str, cfg: ModelArgs) -> InitRule:
@@ -75,6 +76,18 @@ class CausalLM(nn.Module):
             from torch.utils.checkpoint import checkpoint
             return checkpoint(block, *args, use_reentrant=False)
         return block(*args)
+
+    def document_mask(self, idx: torch.Tensor) -> torch.Tensor | None:
+        """Which keys each query may attend to, (B, 1, T, T) bool: the earlier positions of its own document,
+        a document ending at (and including) each `document_eod` token of idx; None (causal attention over
+        the whole sequence) when documents are not masked. Every pipeline stage has idx, so each makes it."""
+        if self.document_eod is None:
+            return None
+        ends = idx == self.document_eod
+        doc = torch.cumsum(ends, dim=1) - ends.long()  # (B, T): a document's index within its row
+        T = idx.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+        return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
     def block_dict(self) -> nn.ModuleDict:
         """The transformer blocks, keyed by their global layer index (a pipeline stage holds some)."""

@@ -1,152 +1,128 @@
-"""Corpora and deterministic batches.
+"""The corpus a job trains on, and each step's batch: a pure function of (seed, step, DP rank).
 
-The batch of step s for DP rank d is a pure function of (seed, s, d): the
-global batch's sequence offsets are drawn from a generator seeded by
-(seed, split, s), and DP rank d takes its contiguous rows. The global batch
-does not depend on the DP degree, so every layout sees the same data, and
-any step can be replayed exactly (recovery, resizing).
-
-Sources:
-- ``builtin``: the Python standard library's own source text on this machine
-  (no download), byte-level tokens, vocabulary 256.
-- a directory: every ``*.txt``/``*.py``/``*.md`` file under it, byte level.
-- a ``.bin`` file of token ids, memory-mapped (raytp.data.indexed):
-  Megatron-LM's indexed dataset when its ``.idx`` is beside it (the index's
-  id type), else nanoGPT's format (uint16, or ``data.dtype``); a ``val.bin``
-  beside a ``train.bin`` is used for validation. The largest id is found in
-  the first 64M ids of each split.
-With ``data.tokenizer`` set, the text sources are encoded by that Hugging Face
-tokenizer instead of taken as bytes (once, cached: raytp.train.tokens).
+The corpus is one source (``data.source``) or a blend (``data.mix: {SOURCE: weight}``), each opened as token
+streams (raytp.data.sources), with validation held out of each source by whole documents, or taken from
+``data.val_source``. The batch of step s is the global samples ``s*B .. s*B+B-1`` (raytp.data.sampling): a
+blend sends each sample to one source in the weights' proportions, exact within one sample per step; each
+source reads its windows in a fresh seeded permutation per epoch, so every window is read once per epoch. DP
+rank d takes its contiguous rows, so every layout sees the same data and any step can be replayed exactly
+(recovery, resizing).
 """
 from __future__ import annotations
 
-import os
-import sys
-import sysconfig
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from raytp.data.sampling import blend, step_samples, window_count, windows
+from raytp.data.sources import open_source
+from raytp.data.stream import Stream
 from raytp.seeds import derive_seed
-from raytp.data.indexed import largest_id, open_tokens
 
-BUILTIN_MAX_BYTES = 8 << 20  # enough text for small models; reads in well under a second
-TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
+SPLITS = {"train": 0, "val": 1}
 
 
 @dataclass
 class Corpus:
-    train: np.ndarray  # 1-D token ids
-    val: np.ndarray
+    train: list  # a Stream per source (a bare array or Stream is taken as one source)
+    val: list    # a Stream per source, or the one of data.val_source
     vocab_size: int
     description: str
+    weights: tuple = field(default=())  # data.mix's, one per training source
+    eod_id: int | None = None
+
+    def __post_init__(self):
+        self.train, self.val = _streams(self.train), _streams(self.val)
+        if len(self.train) > 1 and len(self.weights) != len(self.train):
+            raise ValueError("a blend of sources needs one weight per source")
+
+    def windows(self, split: str, block_size: int) -> list[int]:
+        """Windows of `block_size` in each source of a split: an epoch of the split."""
+        return [window_count(len(s), block_size) for s in (self.train if split == "train" else self.val)]
 
 
-def _read_text_files(files: list[Path], max_bytes: int | None) -> np.ndarray:
-    chunks, total = [], 0
-    for f in files:
-        data = f.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if max_bytes is not None and total >= max_bytes:
-            break
-    return np.frombuffer(b"\n".join(chunks)[:max_bytes], dtype=np.uint8)
+def _streams(x) -> list:
+    items = x if isinstance(x, list) else [x]
+    return [s if isinstance(s, Stream) else Stream([np.asarray(s) if not isinstance(s, np.ndarray) else s])
+            for s in items]
 
 
-def _builtin_files(stdlib: Path) -> list[Path]:
-    files = sorted(stdlib.glob("*.py"))  # top level first: stable across installs of one version
-    return files + sorted(p for p in stdlib.glob("*/*.py")
-                          if not p.parts[-2].startswith(("test", "site-packages", "idlelib")))
-
-
-def _builtin_tokens(stdlib: Path) -> np.ndarray:
-    """The stdlib's source as bytes; cached as one file (memory-mapped) so that a worker starts fast."""
-    cache = Path(os.environ.get("RAYTP_CACHE", Path.home() / ".cache" / "raytp"))
-    name = f"builtin-{sys.version_info.major}.{sys.version_info.minor}-{BUILTIN_MAX_BYTES}.u8"
-    path = cache / name
-    if path.exists():
-        return np.memmap(path, dtype=np.uint8, mode="r")
-    tokens = _read_text_files(_builtin_files(stdlib), BUILTIN_MAX_BYTES)
-    try:  # written whole elsewhere, then renamed: concurrent workers never read half a file
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = cache / f".{name}.{os.getpid()}"
-        tokens.tofile(tmp)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # no cache: read again next time
-    return tokens
-
-
-def _split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    n_val = max(int(len(tokens) * val_fraction), 1)
-    return tokens[:-n_val], tokens[-n_val:]
-
-
-def load_corpus(source: str, val_fraction: float = 0.1, tokenizer: str | None = None,
-                progress: bool = False, dtype: str | None = None) -> Corpus:
-    """Load a corpus named by a job's `data.source` (text encoded by `tokenizer`, a job's data.tokenizer,
-    when given; `progress`: show a progress bar if it must be encoded now; `dtype`: data.dtype, of a nanoGPT
-    .bin's ids); raises ValueError naming the problem."""
-    if tokenizer is not None and (source == "builtin" or Path(source).expanduser().is_dir()):
-        return _tokenized_corpus(source, val_fraction, tokenizer, progress)
-    if source == "builtin":
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        tokens = _builtin_tokens(stdlib)
-        train, val = _split(tokens, val_fraction)
-        return Corpus(train, val, 256, f"builtin: Python stdlib source at {stdlib} ({len(tokens):,} bytes)")
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise ValueError(f"data.source: {source} does not exist (use 'builtin', a directory of text, or a .bin file)")
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
-        if not files:
-            raise ValueError(f"data.source: no {'/'.join(TEXT_SUFFIXES)} files under {path}")
-        tokens = _read_text_files(files, None)
-        train, val = _split(tokens, val_fraction)
-        return Corpus(train, val, 256, f"{len(files)} text files under {path} ({len(tokens):,} bytes)")
-    if path.suffix == ".bin":
-        tokens, what = open_tokens(path, dtype)
-        val_path = path.with_name("val.bin")
-        if path.name == "train.bin" and val_path.exists():
-            train, val = tokens, open_tokens(val_path, dtype)[0]
-        else:
-            train, val = _split(tokens, val_fraction)
-        return Corpus(train, val, largest_id(train, val) + 1, f"{what}: {len(tokens):,} tokens")
-    raise ValueError(f"data.source: {source} is neither a directory nor a .bin file of token ids")
-
-
-def _tokenized_corpus(source: str, val_fraction: float, tokenizer: str, progress: bool) -> Corpus:
-    from raytp.train import tokens as tok
-    if source == "builtin":
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        files, near, limit, what = _builtin_files(stdlib), None, BUILTIN_MAX_BYTES, f"builtin: Python stdlib at {stdlib}"
+def load_corpus(source: str, val_fraction: float = 0.1, tokenizer: str | None = None, progress: bool = False,
+                dtype: str | None = None, mix: dict | None = None, val_source: str | None = None,
+                peek: bool = False) -> Corpus:
+    """The corpus of a job's data section (`mix`, SOURCE -> weight, replaces `source`); `peek`: sources at a
+    URL are described from their manifests, not fetched (the driver's check). ValueError naming the problem."""
+    names = list(mix) if mix else [source]
+    hold = None if val_source else val_fraction
+    opened = []
+    for name in names:
+        try:
+            opened.append(open_source(name, hold, tokenizer, dtype, progress, peek))
+        except ValueError as e:
+            raise ValueError(_named(_key(mix, name), e)) from None
+    if val_source:
+        try:
+            v = open_source(val_source, None, tokenizer, dtype, progress, peek)
+        except ValueError as e:
+            raise ValueError(_named("data.val_source", e)) from None
+        val, vocab, vals = [v.train], max(s.vocab_size for s in opened + [v]), [v]
     else:
-        path = Path(source).expanduser()
-        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()
-                       and ".raytp" not in p.parts)
-        if not files:
-            raise ValueError(f"data.source: no {'/'.join(TEXT_SUFFIXES)} files under {path}")
-        near, limit, what = path, None, f"{len(files)} text files under {path}"
-    ids, vocab, where = tok.tokenized(tokenizer, files, near, limit, progress)
-    train, val = _split(ids, val_fraction)
-    return Corpus(train, val, vocab, f"{what}, {len(ids):,} tokens of {tokenizer} (cached at {where})")
+        val, vocab, vals = [s.val for s in opened], max(s.vocab_size for s in opened), []
+    eods = {s.eod_id for s in opened + vals}
+    what = "; ".join(f"{mix[n]:g} x {s.description}" if mix else s.description for n, s in zip(names, opened))
+    if val_source:
+        what += f"; validation: {vals[0].description}"
+    weights = tuple(float(mix[n]) for n in names) if mix else ()
+    return Corpus([] if peek else [s.train for s in opened], [] if peek else val, vocab, what, weights,
+                  eods.pop() if len(eods) == 1 else None)
 
 
-SPLITS = {"train": 0, "val": 1}
+def _named(key: str, e: ValueError) -> str:
+    """The error, led by the job key it is about (unless it names one already: data.tokenizer, data.dtype)."""
+    return str(e) if str(e).startswith("data.") else f"{key}: {e}"
+
+
+def _key(mix, name: str) -> str:
+    return f"data.mix: {name}" if mix else "data.source"
 
 
 def batch(corpus: Corpus, split: str, seed: int, step: int, dp_rank: int, dp: int,
           batch_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) of shape (batch_size/dp, block_size): DP rank `dp_rank`'s rows of the global batch."""
-    tokens = corpus.train if split == "train" else corpus.val
-    if len(tokens) <= block_size + 1:
-        raise ValueError(f"the {split} split has {len(tokens)} tokens, fewer than block_size+1={block_size + 1}")
-    g = torch.Generator().manual_seed(derive_seed(seed, SPLITS[split], step))
-    offsets = torch.randint(len(tokens) - block_size - 1, (batch_size,), generator=g)
-    per = batch_size // dp
-    rows = np.stack([np.asarray(tokens[o:o + block_size + 1], dtype=np.int64)
-                     for o in offsets[dp_rank * per:(dp_rank + 1) * per].tolist()])
+    streams = corpus.train if split == "train" else corpus.val
+    samples = step_samples(step, batch_size, dp_rank, dp)
+    if len(streams) > 1:  # a blend (its validation too, held out of each source, unless data.val_source)
+        source, index = blend(samples, list(corpus.weights))
+    else:
+        source, index = np.zeros_like(samples), samples
+    rows = np.empty((len(samples), block_size + 1), dtype=np.int64)
+    for d in np.unique(source).tolist():
+        stream, sel = streams[d], np.flatnonzero(source == d)
+        n = window_count(len(stream), block_size)
+        if n == 0:
+            raise ValueError(f"the {split} split{f' of source {d}' if len(streams) > 1 else ''} has {len(stream)} "
+                             f"tokens, fewer than block_size+1={block_size + 1}")
+        for row, w in zip(sel.tolist(), windows(index[sel], n, derive_seed(seed, SPLITS[split]), d).tolist()):
+            rows[row] = stream.read(w * block_size, block_size + 1)
     rows = torch.from_numpy(rows)
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def job_corpus(data, progress: bool = False, peek: bool = False) -> Corpus:
+    """The corpus of a job's `data` section (raytp.config.schema.DataConfig)."""
+    return load_corpus(data.source, data.val_fraction, data.tokenizer, progress, data.dtype,
+                       data.mix.as_dict() if data.mix else None, data.val_source, peek)
+
+
+def document_eod(data, corpus: Corpus) -> int | None:
+    """The end-of-document id attention stops at (None: data.document_mask is off); ValueError if unknown."""
+    if not data.document_mask:
+        return None
+    eod = data.eod_id if data.eod_id is not None else corpus.eod_id
+    if eod is None:
+        raise ValueError("data.document_mask: the data does not say its end-of-document id (a raytp prepared "
+                         "dataset does, and text with data.tokenizer); set data.eod_id")
+    if eod >= corpus.vocab_size and data.eod_id is not None:
+        raise ValueError(f"data.eod_id: {eod} is not an id of the data (its ids are below {corpus.vocab_size})")
+    return eod

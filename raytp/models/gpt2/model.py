@@ -95,7 +95,9 @@ class CausalSelfAttention(nn.Module):
             keep[:, h] = torch.rand((B, T, T), generator=g, device=att.device) >= self.p
         return att * keep.to(att.dtype) / (1.0 - self.p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask`: which keys each query sees, (B, 1, T, T) bool (raytp.models.base.document_mask); None =
+        causal."""
         qkv = self.c_attn(x)  # (B, T, 3*nh*hs); nh = local heads, T = full length even if x is a slice of it
         B, T, _ = qkv.shape
         q, k, v = qkv.chunk(3, dim=-1)
@@ -105,11 +107,13 @@ class CausalSelfAttention(nn.Module):
         if self.training and self.p > 0.0:
             # Explicit attention so the dropout mask is ours (keyed), not SDPA's.
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, T, T)
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            seen = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if mask is None else mask
+            att = att.masked_fill(~seen, float("-inf")).softmax(dim=-1)
             y = self.attention_dropout(att) @ v
-        else:
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, nh*hs)
         return self.resid_dropout(self.c_proj(y))
 
@@ -134,8 +138,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=1e-5)
         self.mlp = MLP(cfg, layer)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -199,8 +203,9 @@ class GPT(CausalLM):
         run as `layers`; it gets the residual stream back unless those layers end the model."""
         T = self.check_length(idx)
         x = self.drop(self.wte(idx) + self.wpe(T)) if hidden is None else hidden  # (B, T, C)
+        mask = self.document_mask(idx)
         for block in self.blocks(layers):
-            x = self.run_block(block, x)
+            x = self.run_block(block, x, mask)
         if not self.ends_model(layers):
             return x
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)

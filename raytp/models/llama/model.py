@@ -82,7 +82,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         x = self.tp_in(x)  # (B, T, C), the full sequence even under sequence parallelism
         B, T, _ = x.shape
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, heads, T, hd); local heads
@@ -91,7 +92,8 @@ class Attention(nn.Module):
         group = q.shape[1] // k.shape[1]  # query heads per KV head
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = (F.scaled_dot_product_attention(q, k, v, is_causal=True) if mask is None else
+             F.scaled_dot_product_attention(q, k, v, attn_mask=mask))  # mask: raytp.models.base.document_mask
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -116,8 +118,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -165,8 +168,9 @@ class Llama(CausalLM):
         T = self.check_length(idx)
         cos, sin = rotary(T, self.cfg.head_dim, self.cfg.rope_theta, idx.device, self.cfg.rope_scaling)
         x = self.embed_tokens(idx) if hidden is None else hidden  # (B, T, C); (B, T/tp, C) under SP
+        mask = self.document_mask(idx)
         for block in self.blocks(layers):
-            x = self.run_block(block, x, cos, sin)
+            x = self.run_block(block, x, cos, sin, mask)
         if not self.ends_model(layers):
             return x
         logits = self.lm_head(self.norm(x))

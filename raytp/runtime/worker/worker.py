@@ -37,7 +37,7 @@ from raytp.runtime.worker.worker_state import WorkerState
 from raytp.runtime.worker.process import tune_malloc
 from raytp.train.efficiency import peak_memory, peak_tflops
 from raytp.train.shard_state import live_state, state_bytes
-from raytp.train.data import batch, load_corpus
+from raytp.train.data import batch, document_eod, job_corpus
 from raytp.train.pipeline import PipelineSchedule
 from raytp.train.step import make_optimizer, train_step
 
@@ -63,8 +63,8 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         # What building the first optimizer imports (~1 s), paid here: a spare, or a rank started ahead
         # of a resize, has it behind it when it is needed.
         importlib.import_module("torch._dynamo")
-        self.corpus = load_corpus(self.cfg.data.source, self.cfg.data.val_fraction, self.cfg.data.tokenizer,
-                                  dtype=self.cfg.data.dtype)
+        self.corpus = job_corpus(self.cfg.data)
+        self.document_eod = document_eod(self.cfg.data, self.corpus)
         if self.corpus.vocab_size > self.cfg.model.vocab_size:
             raise ValueError(f"data.source has token ids up to {self.corpus.vocab_size - 1} but "
                              f"model.vocab_size={self.cfg.model.vocab_size}; raise model.vocab_size")
@@ -94,6 +94,11 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         self.pipeline = PipelineSchedule(p.pp_schedule, stage, p.sequence_parallel) if stage else None
         return stage
 
+    def _training_modes(self) -> None:
+        """What the job turns on in a new shard: activation checkpointing, the document mask."""
+        self.model.activation_checkpointing = self.cfg.train.activation_checkpointing
+        self.model.document_eod = self.document_eod
+
     def _join(self, layout: Layout, rank: int, init_method: str):
         """Meet the world of `layout` at `init_method` as `rank`; its TP and DP groups."""
         self.calls.reset()
@@ -117,7 +122,7 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         if source is None:
             self.model = build_shard(model_args(self.cfg), self.cfg.train.seed, self.groups.tp,
                                      self.cfg.parallel.sequence_parallel, self.device, self._stage())
-            self.model.activation_checkpointing = self.cfg.train.activation_checkpointing
+            self._training_modes()
             self.hyper = hyper(self.cfg)
             self.optimizer = make_optimizer(self.model, self.hyper, self.groups.layout.dp, self.groups.dp_rank,
                                             self.groups.layout.zero,

@@ -40,7 +40,7 @@ class WorkerState:
         self.model = self.optimizer = None
         self.model = build_empty_shard(model_args(self.cfg), g.tp, self.cfg.parallel.sequence_parallel, self.device,
                                        self._stage())
-        self.model.activation_checkpointing = self.cfg.train.activation_checkpointing
+        self._training_modes()
         self.hyper = hyper(self.cfg)
         self.optimizer = make_optimizer(self.model, self.hyper, g.layout.dp, g.dp_rank, g.layout.zero,
                                         overlap=self.cfg.parallel.overlap_grad_reduce,

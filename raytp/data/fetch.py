@@ -1,0 +1,71 @@
+"""A prepared dataset at a URL (``s3://...``, ``gs://...``), fetched once per node into the local cache.
+
+Workers memory-map shards; an object store cannot be mapped, so the first worker of a node to open the dataset
+copies it to ``$RAYTP_CACHE/datasets/<hash of the URL>/`` while the others on that node wait on a file lock,
+then all map the same files (one copy per node, shared through the page cache). Each shard is copied under a
+temporary name and renamed, and the manifest is copied last: a copy cut short is resumed shard by shard, never
+mistaken for whole. A cached copy whose manifest differs from the URL's (the dataset was prepared again) is
+replaced.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from raytp.data import manifest as mf
+from raytp.files.storage import Storage, StorageError
+
+
+def remote_manifest(url: str) -> mf.Manifest:
+    return mf.parse(_read_manifest_text(Storage(url), url), f"{url}/{mf.NAME}")
+
+
+def _read_manifest_text(store: Storage, url: str) -> str:
+    try:
+        if not store.exists(mf.NAME):
+            raise ValueError(f"{url}: no {mf.NAME} (not a prepared dataset, or its `raytp prepare` did not finish)")
+        return store.read_bytes(mf.NAME).decode("utf-8")
+    except (OSError, StorageError) as e:
+        raise ValueError(f"{url}: cannot read ({type(e).__name__}: {e})") from None
+
+
+def local_dataset(url: str, progress: bool = False) -> Path:
+    """The node-local copy of the prepared dataset at `url`, made if missing."""
+    from raytp.data.sources import cache_dir
+    store = Storage(url)
+    text = _read_manifest_text(store, url)
+    m = mf.parse(text, f"{url}/{mf.NAME}")
+    root = cache_dir() / "datasets" / hashlib.sha256(url.encode()).hexdigest()[:20]
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one copier per node; the others find it done
+        have = root / mf.NAME
+        if have.exists() and have.read_text(encoding="utf-8") == text:
+            return root
+        if have.exists():
+            have.unlink()  # another version of the dataset: its shards are copied again
+            for p in root.glob("shard-*"):
+                p.unlink()
+        _copy_shards(store, m, root, progress)
+        tmp = root / f".{mf.NAME}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, have)
+    return root
+
+
+def _copy_shards(store: Storage, m: mf.Manifest, root: Path, progress: bool) -> None:
+    from tqdm import tqdm
+    files = [f"{s.prefix}{suffix}" for s in m.shards for suffix in (".idx", ".bin")]
+    with tqdm(total=len(files), desc="[raytp] fetching dataset", unit="file", disable=not progress,
+              leave=False) as bar:
+        for rel in files:
+            dest = root / rel
+            if not dest.exists() or dest.stat().st_size != store.size(rel):
+                tmp = dest.with_name(f".{dest.name}.tmp")
+                with store.fs.open(store.path(rel), "rb") as src, open(tmp, "wb") as out:
+                    shutil.copyfileobj(src, out, 16 << 20)
+                os.replace(tmp, dest)
+            bar.update(1)

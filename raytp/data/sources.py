@@ -1,0 +1,225 @@
+"""One data source opened as token streams: what each `data.source` (and `data.mix` entry, and
+`data.val_source`) can name, memory-mapped, never read whole into memory.
+
+- ``builtin``: the Python standard library's source text on this machine, byte level (vocabulary 256).
+- a directory of text files (``.txt .py .md .rst``): byte level, or with ``data.tokenizer`` prepared once
+  into a raytp prepared dataset in the cache (raytp.data.prepare's in-process path).
+- a raytp prepared dataset (``raytp prepare``'s output: a directory or URL holding ``manifest.json``); one
+  at a URL is fetched once per node into the cache (raytp.data.fetch).
+- a ``.bin``: a Megatron-LM indexed dataset when its ``.idx`` is beside it, else nanoGPT's ids (uint16, or
+  ``data.dtype``); ``val.bin`` beside ``train.bin`` is the validation split.
+
+Validation is held out by whole documents, spread over each file (raytp.data.stream.hold_out); a source
+without document boundaries (nanoGPT's ``.bin``, the builtin text) holds out its tail.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from raytp.data import manifest as mf
+from raytp.data.indexed import largest_id, open_tokens, read_index
+from raytp.data.stream import Stream, hold_out
+
+BUILTIN_MAX_BYTES = 8 << 20  # enough text for small models; reads in well under a second
+TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
+
+
+@dataclass
+class Source:
+    train: Stream | None   # None: only looked at (`peek`), not opened
+    val: Stream | None     # the held-out documents; everything is `train` when nothing was held out
+    vocab_size: int        # ids are below this
+    eod_id: int | None     # the end-of-document id, when the source knows it
+    description: str
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RAYTP_CACHE", Path.home() / ".cache" / "raytp"))
+
+
+def is_url(name: str) -> bool:
+    return "://" in name and not name.startswith("file://")
+
+
+def open_source(name: str, val_fraction: float | None, tokenizer: str | None = None, dtype: str | None = None,
+                progress: bool = False, peek: bool = False) -> Source:
+    """The source a job names (`val_fraction` None: hold nothing out); `peek`: a source at a URL is described
+    from its manifest without fetching its shards. ValueError naming the problem."""
+    if is_url(name):
+        from raytp.data.fetch import local_dataset, remote_manifest
+        if peek:
+            m = remote_manifest(name)
+            return Source(None, None, m.vocab_size, m.eod_id, _describe(name, m))
+        return _prepared(local_dataset(name, progress), val_fraction, name)
+    path = Path(name.removeprefix("file://")).expanduser()
+    if name != "builtin" and not path.exists():
+        raise ValueError(f"{name} does not exist (use 'builtin', a directory of text, a prepared dataset, "
+                         "or a .bin file)")
+    if path.is_dir() and (path / mf.NAME).exists():
+        return _prepared(path, val_fraction, name)
+    if tokenizer is not None and (name == "builtin" or path.is_dir()):
+        return _tokenized(name, path, val_fraction, tokenizer, progress)
+    if name == "builtin":
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        tokens = _builtin_bytes(stdlib)
+        return _split(tokens, np.array([len(tokens)]), val_fraction, 256, None,
+                      f"builtin: Python stdlib source at {stdlib} ({len(tokens):,} bytes)")
+    if path.is_dir():
+        if any(path.glob("*.bin")) or any(path.glob("*.idx")):
+            raise ValueError(f"{name}: a directory of .bin/.idx files without a {mf.NAME}: name one .bin "
+                             "(a Megatron-LM or nanoGPT file), or prepare the corpus with `raytp prepare`")
+        files = text_files(path)
+        tokens, ends = _bytes_of(files)
+        return _split(tokens, ends, val_fraction, 256, None, f"{len(files)} text files under {path} "
+                      f"({len(tokens):,} bytes)")
+    if path.suffix == ".bin":
+        return _bin(path, val_fraction, dtype)
+    raise ValueError(f"{name} is neither a directory, a prepared dataset, nor a .bin file of token ids")
+
+
+def text_files(path: Path) -> list[Path]:
+    files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()
+                   and ".raytp" not in p.parts)
+    if not files:
+        raise ValueError(f"no {'/'.join(TEXT_SUFFIXES)} files under {path}")
+    return files
+
+
+def _split(tokens: np.ndarray, doc_ends: np.ndarray, val_fraction: float | None, vocab: int, eod: int | None,
+           what: str) -> Source:
+    if val_fraction is None:
+        return Source(Stream([tokens]), None, vocab, eod, what)
+    train, val = hold_out(doc_ends, val_fraction)
+    return Source(Stream.of(tokens, train), Stream.of(tokens, val), vocab, eod, what)
+
+
+def _describe(name: str, m: mf.Manifest) -> str:
+    return (f"prepared dataset {name} ({m.tokens:,} tokens, {m.documents:,} documents in {len(m.shards)} "
+            f"shards, vocabulary {m.vocab_size:,})")
+
+
+def read_manifest(path: Path, name: str) -> mf.Manifest:
+    return mf.parse((path / mf.NAME).read_text(encoding="utf-8"), f"{name}/{mf.NAME}")
+
+
+def _prepared(path: Path, val_fraction: float | None, name: str) -> Source:
+    m = read_manifest(path, name)
+    train, val = [], []
+    for shard in m.shards:
+        bin_path = path / f"{shard.prefix}.bin"
+        if not bin_path.exists():
+            raise ValueError(f"{name}: {shard.prefix}.bin is missing (the manifest lists it)")
+        tokens, _ = open_tokens(bin_path, None)
+        ends = _doc_ends(bin_path.with_suffix(".idx"))
+        if len(tokens) != shard.tokens or len(ends) != shard.documents:
+            raise ValueError(f"{name}: {shard.prefix} holds {len(tokens):,} tokens in {len(ends):,} documents, "
+                             f"the manifest says {shard.tokens:,} in {shard.documents:,}")
+        if val_fraction is None:
+            train.append(tokens)
+            continue
+        t, v = hold_out(ends, val_fraction)
+        train += [tokens[a:b] for a, b in t]
+        val += [tokens[a:b] for a, b in v]
+    return Source(Stream(train), Stream(val) if val_fraction is not None else None, m.vocab_size, m.eod_id,
+                  _describe(name, m))
+
+
+def _doc_ends(idx: Path) -> np.ndarray:
+    """Each document's end offset (in tokens) in the .bin of a Megatron-LM index."""
+    index = read_index(idx)
+    seq_ends = np.cumsum(index.sizes, dtype=np.int64)
+    return seq_ends[index.documents[1:] - 1] if len(index.documents) > 1 else seq_ends[-1:]
+
+
+def _bin(path: Path, val_fraction: float | None, dtype: str | None) -> Source:
+    tokens, what = open_tokens(path, dtype)
+    idx = path.with_suffix(".idx")
+    vocab = largest_id(tokens) + 1
+    if idx.exists():
+        return _split(tokens, _doc_ends(idx), val_fraction, vocab, None, f"{what}: {len(tokens):,} tokens")
+    val_path = path.with_name("val.bin")
+    if path.name == "train.bin" and val_path.exists() and val_fraction is not None:
+        val = open_tokens(val_path, dtype)[0]
+        return Source(Stream([tokens]), Stream([val]), max(vocab, largest_id(val) + 1), None,
+                      f"{what} and {val_path.name}: {len(tokens):,} + {len(val):,} tokens")
+    return _split(tokens, np.array([len(tokens)]), val_fraction, vocab, None, f"{what}: {len(tokens):,} tokens")
+
+
+def builtin_files(stdlib: Path) -> list[Path]:
+    files = sorted(stdlib.glob("*.py"))  # top level first: stable across installs of one version
+    return files + sorted(p for p in stdlib.glob("*/*.py")
+                          if not p.parts[-2].startswith(("test", "site-packages", "idlelib")))
+
+
+def _cached(name: str, write) -> Path:
+    """A file of the cache, made by `write(path)` if missing (written elsewhere, then renamed: concurrent
+    workers never read half a file)."""
+    path = cache_dir() / name
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{name}.{os.getpid()}")
+        write(tmp)
+        os.replace(tmp, path)
+    return path
+
+
+def _write_bytes(files: list[Path], limit: int | None, out: Path) -> list[int]:
+    """The files' bytes, joined by newlines (at most `limit` bytes), streamed to `out`; each one's end offset."""
+    ends, total = [], 0
+    with open(out, "wb") as f:
+        for p in files:
+            data = p.read_bytes() + b"\n"
+            if limit is not None:
+                data = data[:limit - total]
+            f.write(data)
+            total += len(data)
+            ends.append(total)
+            if limit is not None and total >= limit:
+                break
+    return ends
+
+
+def _builtin_bytes(stdlib: Path) -> np.ndarray:
+    """The stdlib's source as bytes, cached as one file (memory-mapped) so that a worker starts fast."""
+    name = f"builtin-{sys.version_info.major}.{sys.version_info.minor}-{BUILTIN_MAX_BYTES}.u8"
+    path = _cached(name, lambda tmp: _write_bytes(builtin_files(stdlib), BUILTIN_MAX_BYTES, tmp))
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def _bytes_of(files: list[Path]) -> tuple[np.ndarray, np.ndarray]:
+    """A directory's text as bytes (each file a document), cached by the files' names, sizes and times."""
+    ends = np.cumsum([p.stat().st_size + 1 for p in files], dtype=np.int64)
+    path = _cached(f"text-{files_key(files)}.u8", lambda tmp: _write_bytes(files, None, tmp))
+    tokens = np.memmap(path, dtype=np.uint8, mode="r")
+    if len(tokens) != ends[-1]:  # a file that changed size while this ran
+        raise ValueError(f"the text files under {files[0].parent} changed while they were read; run again")
+    return tokens, ends
+
+
+def files_key(files: list[Path]) -> str:
+    """A name for what `files` hold now (their paths, sizes and modification times)."""
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:20]
+
+
+def _tokenized(name: str, path: Path, val_fraction: float | None, tokenizer: str, progress: bool) -> Source:
+    from raytp.train import tokens as tok
+    if name == "builtin":
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        files, near, limit, what = builtin_files(stdlib), None, BUILTIN_MAX_BYTES, f"builtin: Python stdlib at {stdlib}"
+    else:
+        files = text_files(path)
+        near, limit, what = path, None, f"{len(files)} text files under {path}"
+    ids, vocab, where = tok.tokenized(tokenizer, files, near, limit, progress)
+    return _split(ids, np.array([len(ids)]), val_fraction, vocab, None,
+                  f"{what}, {len(ids):,} tokens of {tokenizer} (cached at {where})")

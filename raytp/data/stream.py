@@ -1,0 +1,91 @@
+"""A token stream: pieces of memory-mapped id arrays read as one sequence, without copying them together.
+
+A prepared dataset's shards, or the documents of a split held out from them, are pieces of files on disk; a
+training window reads a few thousand ids at some offset of their concatenation (`read`). Only the pieces'
+offsets live in memory (one int64 each); the ids stay in the page cache, shared by every worker of a node.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class Stream:
+    def __init__(self, pieces: list[np.ndarray]):
+        self.pieces = [p for p in pieces if len(p)]
+        self.starts = np.concatenate([[0], np.cumsum([len(p) for p in self.pieces], dtype=np.int64)])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """ids [start, start + length) as int64."""
+        if start < 0 or start + length > len(self):
+            raise IndexError(f"tokens [{start}, {start + length}) of a stream of {len(self)}")
+        out = np.empty(length, dtype=np.int64)
+        k = int(np.searchsorted(self.starts, start, side="right")) - 1
+        done = 0
+        while done < length:
+            piece, at = self.pieces[k], start + done - int(self.starts[k])
+            take = min(length - done, len(piece) - at)
+            out[done:done + take] = piece[at:at + take]
+            done, k = done + take, k + 1
+        return out
+
+    def head(self, count: int) -> np.ndarray:
+        """The first `count` ids (fewer if the stream is shorter), as int64: for a look at the ids' range."""
+        return self.read(0, min(count, len(self)))
+
+    @staticmethod
+    def of(array: np.ndarray, ranges) -> "Stream":
+        """The stream of `array`'s [start, end) ranges, in order."""
+        return Stream([array[a:b] for a, b in ranges])
+
+
+def hold_out(doc_ends: np.ndarray, fraction: float, groups: int = 16) -> tuple[list, list]:
+    """Token ranges (train, val) of a file of documents (`doc_ends`: each document's end offset, ascending):
+    about `fraction` of the documents held out for validation, whole documents only, spread over the file in up
+    to `groups` runs (the last documents of each of `groups` equal stretches), so a file that is a mix of
+    sources keeps some of each for validation. One document: its tokens are split (tail held out)."""
+    n = len(doc_ends)
+    total = int(doc_ends[-1]) if n else 0
+    if n < 2:
+        cut = total - max(int(total * fraction), 1)
+        return [(0, cut)], [(cut, total)]
+    held = min(max(round(n * fraction), 1), n - 1)
+    g = min(groups, held)
+    bounds = np.linspace(0, n, g + 1).round().astype(np.int64)  # document index where each stretch starts
+    per = _shares(held, np.diff(bounds))
+    train, val = [], []
+    start = 0
+    for i in range(g):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        cut_doc = hi - per[i]
+        begin = int(doc_ends[lo - 1]) if lo else 0
+        cut, end = int(doc_ends[cut_doc - 1]), int(doc_ends[hi - 1])
+        train.append((start if i == 0 else begin, cut))
+        if end > cut:
+            val.append((cut, end))
+        start = end
+    return _merge(train), _merge(val)
+
+
+def _shares(held: int, sizes: np.ndarray) -> list[int]:
+    """`held` documents over stretches of `sizes` documents, about in proportion, each stretch keeping one."""
+    cum = np.round(held * np.cumsum(sizes) / sizes.sum()).astype(np.int64)
+    per = np.minimum(np.diff(np.concatenate([[0], cum])), sizes - 1)
+    for i in range(len(per)):  # what a stretch could not hold goes to the next ones with room
+        while per.sum() < held and per[i] < sizes[i] - 1:
+            per[i] += 1
+    return per.tolist()
+
+
+def _merge(ranges: list) -> list:
+    out = []
+    for a, b in ranges:
+        if b <= a:
+            continue
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out

@@ -1,0 +1,44 @@
+"""Token streams over pieces of files, and the validation documents held out of them (raytp.data.stream)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raytp.data.stream import Stream, hold_out
+
+
+def test_a_read_across_pieces_is_the_concatenation():
+    rng = np.random.default_rng(0)
+    pieces = [rng.integers(0, 1000, n).astype(np.uint16) for n in (5, 1, 0, 17, 3)]
+    whole = np.concatenate(pieces).astype(np.int64)
+    s = Stream(pieces)
+    assert len(s) == len(whole)
+    for start in range(len(whole)):
+        for length in (0, 1, 4, len(whole) - start):
+            if start + length <= len(whole):
+                assert (s.read(start, length) == whole[start:start + length]).all()
+    with pytest.raises(IndexError):
+        s.read(len(whole) - 2, 3)
+
+
+@pytest.mark.parametrize("n_docs,fraction", [(2, 0.1), (10, 0.1), (100, 0.1), (1000, 0.05), (37, 0.5)])
+def test_whole_documents_are_held_out_spread_over_the_file(n_docs, fraction):
+    rng = np.random.default_rng(n_docs)
+    ends = np.cumsum(rng.integers(1, 50, n_docs))
+    starts = np.concatenate([[0], ends[:-1]])
+    train, val = hold_out(ends, fraction)
+    covered = sorted(train + val)
+    assert covered[0][0] == 0 and covered[-1][1] == ends[-1]
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # disjoint, and nothing left out
+    edges = set(starts.tolist()) | {int(ends[-1])}
+    assert all(a in edges and b in edges for a, b in train + val)  # cut at document boundaries only
+    held = sum(int(((starts >= a) & (ends <= b)).sum()) for a, b in val)
+    assert held == min(max(round(n_docs * fraction), 1), n_docs - 1)
+    assert train  # something to train on
+    if held >= 16:  # spread: validation documents from all over the file, not its tail
+        assert len(val) == 16 and val[0][0] < ends[-1] / 8
+
+
+def test_one_document_is_split_by_tokens():
+    train, val = hold_out(np.array([1000]), 0.1)
+    assert train == [(0, 900)] and val == [(900, 1000)]
