@@ -80,8 +80,9 @@ def run_name_and_dir(job: JobSpec, cfg: JobConfig, run_dir: str | os.PathLike | 
     return name, Path("runs") / name
 
 
-def check_data(cfg: JobConfig) -> None:
-    """The data sources exist, their token ids fit the model's vocabulary, and a document mask knows its id."""
+def check_data(cfg: JobConfig) -> str:
+    """The data sources exist, their token ids fit the model's vocabulary, and a document mask knows its id;
+    returns what the data is (for the start line)."""
     from raytp.train.data import document_eod, job_corpus
     try:
         corpus = job_corpus(cfg.data, progress=True, peek=True)
@@ -91,6 +92,7 @@ def check_data(cfg: JobConfig) -> None:
     if corpus.vocab_size > cfg.model.vocab_size:
         raise BadJob(f"model.vocab_size: {cfg.model.vocab_size} is smaller than {'data.mix' if cfg.data.mix else 'data.source'}'s vocabulary: it has "
                      f"token ids up to {corpus.vocab_size - 1}; valid: model.vocab_size >= {corpus.vocab_size}")
+    return corpus.description
 
 
 def check_storage(cfg: JobConfig, run_dir: Path, run: str) -> None:
@@ -120,7 +122,7 @@ def plan(job: JobSpec, overrides: Overrides, run_dir, name: str | None, resume: 
         raise BadJob(str(e)) from None
     except ConfigError as e:
         raise BadJob("\n".join(e.problems)) from None
-    check_data(cfg)  # against the model the job trains (model.init_from's shape, when given)
+    say(f"[raytp] data: {check_data(cfg)}")  # against the model the job trains (model.init_from's shape)
     if (path / "metrics.jsonl").exists() and resume != "latest":
         raise BadJob(f"run directory {path} already holds a run; pass --resume to continue it, "
                      "or another --run-dir/--name")

@@ -112,7 +112,7 @@ def batch(corpus: Corpus, split: str, seed: int, step: int, dp_rank: int, dp: in
 def job_corpus(data, progress: bool = False, peek: bool = False) -> Corpus:
     """The corpus of a job's `data` section (raytp.config.schema.DataConfig)."""
     return load_corpus(data.source, data.val_fraction, data.tokenizer, progress, data.dtype,
-                       data.mix.as_dict() if data.mix else None, data.val_source, peek)
+                       dict(data.mix) if data.mix else None, data.val_source, peek)
 
 
 def document_eod(data, corpus: Corpus) -> int | None:
