@@ -37,4 +37,6 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "pipeline": lazy("bench.pipeline:run"),
     "zero": lazy("bench.zero:run"),
     "overlap": lazy("bench.overlap:run"),
+    "prepare": lazy("bench.prepare:run"),
+    "data_time": lazy("bench.data_time:run"),
 }

@@ -260,3 +260,22 @@ def hf_shard_at_tp(rank, world, init, model_dir):
     model = build_empty_shard(hf.inspect(model_dir), groups.tp)
     hf.load_into(model_dir, model, groups.tp_rank, world)
     return model, groups
+
+
+def write_prepared(root, seed, lo, hi, shards=2, docs=80, eod=255):
+    """A raytp prepared dataset written by hand from the format (raytp.data.manifest; the manifest last):
+    `shards` shards of `docs` documents of ids in [lo, hi), each ended by `eod`; returns its path."""
+    import numpy as np
+    from raytp.data import manifest as mf
+    from raytp.data.indexed import write_indexed
+    rng = np.random.default_rng(seed)
+    root.mkdir()
+    listed = []
+    for s in range(shards):
+        ds = [np.append(rng.integers(lo, hi, rng.integers(5, 60)), eod) for _ in range(docs)]
+        write_indexed(root / f"shard-{s:05d}", ds, np.uint16)
+        listed.append(mf.Shard(f"shard-{s:05d}", len(ds), int(sum(len(d) for d in ds))))
+    m = mf.Manifest({"sha256": "test", "vocab_size": 256, "eod_id": eod, "eod_token": "<eod>"}, "uint16",
+                    tuple(listed), ("test",))
+    (root / mf.NAME).write_text(m.to_json())
+    return str(root)

@@ -4,39 +4,17 @@ import dataclasses
 import json
 import signal
 
-import numpy as np
 import pytest
 
-from helpers import RECOVERY_STEPS, assert_bitwise_equal, events, final_state, recovery_job, run, signal_rank
+from helpers import (RECOVERY_STEPS, assert_bitwise_equal, events, final_state, recovery_job, run, signal_rank,
+                     write_prepared)
 from raytp.api.job import check_data
 from raytp.config import validate
-from raytp.data import manifest as mf
-from raytp.data.indexed import write_indexed
-
-EOD = 255
-
-
-def prepared(root, seed, lo, hi, shards=2):
-    """A raytp prepared dataset written by hand from the format (manifest last): documents of ids in
-    [lo, hi), each ended by EOD."""
-    rng = np.random.default_rng(seed)
-    root.mkdir()
-    listed = []
-    for s in range(shards):
-        docs = [np.append(rng.integers(lo, hi, rng.integers(5, 60)), EOD) for _ in range(80)]
-        write_indexed(root / f"shard-{s:05d}", docs, np.uint16)
-        listed.append(mf.Shard(f"shard-{s:05d}", len(docs), int(sum(len(d) for d in docs))))
-    m = mf.Manifest({"sha256": "test", "vocab_size": 256, "eod_id": EOD, "eod_token": "<eod>"}, "uint16",
-                    tuple(listed), ("test",))
-    (root / mf.NAME).write_text(m.to_json())
-    return str(root)
-
-
 @pytest.fixture(scope="module")
 def blended(ray_local, tmp_path_factory):
     """(job, final state, run dir) of an uninterrupted TP=2 run on a masked 0.7/0.3 blend."""
     data = tmp_path_factory.mktemp("data")
-    mix = {prepared(data / "web", 0, 0, 128): 0.7, prepared(data / "code", 1, 128, 255): 0.3}
+    mix = {write_prepared(data / "web", 0, 0, 128): 0.7, write_prepared(data / "code", 1, 128, 255): 0.3}
     cfg = recovery_job(2, 1)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mix=mix, document_mask=True))
     validate(cfg)

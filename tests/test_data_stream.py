@@ -19,6 +19,8 @@ def test_a_read_across_pieces_is_the_concatenation():
                 assert (s.read(start, length) == whole[start:start + length]).all()
     with pytest.raises(IndexError):
         s.read(len(whole) - 2, 3)
+    starts = np.arange(len(whole) - 4)
+    assert (s.rows(starts, 4) == np.stack([whole[a:a + 4] for a in starts])).all()  # in pieces and across
 
 
 @pytest.mark.parametrize("n_docs,fraction", [(2, 0.1), (10, 0.1), (100, 0.1), (1000, 0.05), (37, 0.5)])

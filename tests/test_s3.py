@@ -139,3 +139,37 @@ def test_a_run_mirrored_to_s3_is_described_from_there_after_its_directory_is_gon
     from raytp.runtime.origin import starting_state
     _, (step, _, found) = starting_state(cfg, "latest", tmp_path / "elsewhere", say=lambda m: None, run="mirrored")
     assert step == 3 and found.startswith(f"{url}/mirrored/checkpoints/")
+
+
+def test_a_prepared_dataset_at_a_url_is_fetched_once_per_node(s3, tmp_path, monkeypatch):
+    """data.source = s3://...: the driver's check reads only the manifest; a worker's open copies the shards
+    into the node's cache once (the next open maps the same files), and again only when the dataset at the URL
+    was prepared anew."""
+    from helpers import write_prepared
+    from raytp.data.sources import open_source
+    local = Path(write_prepared(tmp_path / "ds", 0, 0, 200))
+    url = f"s3://{BUCKET}/datasets/ds"
+    store = Storage(url)
+    for f in sorted(local.iterdir()):  # the manifest last, as raytp prepare writes it
+        if f.name != "manifest.json":
+            store.write_bytes(f.name, f.read_bytes())
+    with pytest.raises(ValueError, match=r"s3://raytp-test/datasets/ds: no manifest.json"):
+        open_source(url, 0.1)
+    store.write_bytes("manifest.json", (local / "manifest.json").read_bytes())
+    monkeypatch.setenv("RAYTP_CACHE", str(tmp_path / "cache"))
+    seen = open_source(url, 0.1, peek=True)
+    assert seen.train is None and seen.vocab_size == 256 and seen.eod_id == 255
+    assert not (tmp_path / "cache" / "datasets").exists()  # peeking fetches nothing
+    opened, direct = open_source(url, 0.1), open_source(str(local), 0.1)
+    for a, b in ((opened.train, direct.train), (opened.val, direct.val)):
+        assert np.array_equal(np.concatenate(a.pieces), np.concatenate(b.pieces))
+    (copy,) = (tmp_path / "cache" / "datasets").iterdir()
+    stamps = {p.name: p.stat().st_mtime_ns for p in copy.glob("shard-*")}
+    assert len(stamps) == 4
+    open_source(url, 0.1)
+    assert {p.name: p.stat().st_mtime_ns for p in copy.glob("shard-*")} == stamps  # mapped again, not copied
+    again = Path(write_prepared(tmp_path / "ds2", 1, 0, 200))  # prepared anew at the same URL
+    for f in sorted(again.iterdir()):
+        store.write_bytes(f.name, f.read_bytes())
+    fresh = open_source(url, 0.1)
+    assert np.array_equal(np.concatenate(fresh.train.pieces), np.concatenate(open_source(str(again), 0.1).train.pieces))

@@ -31,9 +31,20 @@ class Stream:
             done, k = done + take, k + 1
         return out
 
-    def head(self, count: int) -> np.ndarray:
-        """The first `count` ids (fewer if the stream is shorter), as int64: for a look at the ids' range."""
-        return self.read(0, min(count, len(self)))
+    def rows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """ids [start, start + length) for each of `starts`, as an int64 array (len(starts), length): one
+        gather per piece for the rows inside it (most of them), a `read` for a row across two pieces."""
+        starts = np.asarray(starts, dtype=np.int64)
+        out = np.empty((len(starts), length), dtype=np.int64)
+        k = np.searchsorted(self.starts, starts, side="right") - 1
+        inside = starts + length <= self.starts[np.minimum(k + 1, len(self.pieces))]
+        for piece in np.unique(k[inside]).tolist():
+            sel = np.flatnonzero(inside & (k == piece))
+            at = starts[sel] - self.starts[piece]
+            out[sel] = self.pieces[piece][at[:, None] + np.arange(length)]
+        for row in np.flatnonzero(~inside).tolist():
+            out[row] = self.read(int(starts[row]), length)
+        return out
 
     @staticmethod
     def of(array: np.ndarray, ranges) -> "Stream":

@@ -103,10 +103,9 @@ def batch(corpus: Corpus, split: str, seed: int, step: int, dp_rank: int, dp: in
         if n == 0:
             raise ValueError(f"the {split} split{f' of source {d}' if len(streams) > 1 else ''} has {len(stream)} "
                              f"tokens, fewer than block_size+1={block_size + 1}")
-        for row, w in zip(sel.tolist(), windows(index[sel], n, derive_seed(seed, SPLITS[split]), d).tolist()):
-            rows[row] = stream.read(w * block_size, block_size + 1)
-    rows = torch.from_numpy(rows)
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        starts = windows(index[sel], n, derive_seed(seed, SPLITS[split]), d) * block_size
+        rows[sel] = stream.rows(starts, block_size + 1)
+    return torch.from_numpy(np.ascontiguousarray(rows[:, :-1])), torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
 
 
 def job_corpus(data, progress: bool = False, peek: bool = False) -> Corpus:
