@@ -83,3 +83,21 @@ def test_a_separate_validation_source(tmp_path):
         load_corpus(str(tmp_path / "train.bin"), 0.1, val_source=str(tmp_path / "missing.bin"))
     with pytest.raises(ValueError, match="data.mix: .*nope.bin does not exist"):
         load_corpus("builtin", 0.1, mix={str(tmp_path / "train.bin"): 1, str(tmp_path / "nope.bin"): 1})
+
+
+def test_empty_or_too_small_data_is_refused_before_the_start(tmp_path):
+    import dataclasses
+    from helpers import job
+    from raytp.api.errors import BadJob
+    from raytp.api.job import check_data
+    (tmp_path / "empty.bin").write_bytes(b"")
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("")
+    np.arange(20, dtype=np.uint16).tofile(tmp_path / "tiny.bin")
+    cfg = job()
+    for source, message in ((tmp_path / "empty.bin", r".*empty.bin is empty: no token ids"),
+                            (tmp_path / "texts", r"the 1 text files under .* are empty"),
+                            (tmp_path / "tiny.bin", r"the training split of .* holds 18 tokens, fewer than "
+                                                    r"model.block_size\+1 = 33")):
+        with pytest.raises(BadJob, match=f"^data.source: {message}" if "split" not in message else message):
+            check_data(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=str(source))))

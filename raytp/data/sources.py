@@ -76,6 +76,8 @@ def open_source(name: str, val_fraction: float | None, tokenizer: str | None = N
             raise ValueError(f"{name}: a directory of .bin/.idx files without a {mf.NAME}: name one .bin "
                              "(a Megatron-LM or nanoGPT file), or prepare the corpus with `raytp prepare`")
         files = text_files(path)
+        if not any(p.stat().st_size for p in files):
+            raise ValueError(f"the {len(files)} text files under {path} are empty")
         tokens, ends = _bytes_of(files)
         return _split(tokens, ends, val_fraction, 256, None, f"{len(files)} text files under {path} "
                       f"({len(tokens):,} bytes)")
@@ -139,6 +141,8 @@ def _doc_ends(idx: Path) -> np.ndarray:
 
 
 def _bin(path: Path, val_fraction: float | None, dtype: str | None) -> Source:
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty: no token ids")
     tokens, what = open_tokens(path, dtype)
     idx = path.with_suffix(".idx")
     vocab = largest_id(tokens) + 1

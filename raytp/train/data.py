@@ -74,7 +74,8 @@ def load_corpus(source: str, val_fraction: float = 0.1, tokenizer: str | None = 
     if val_source:
         what += f"; validation: {vals[0].description}"
     weights = tuple(float(mix[n]) for n in names) if mix else ()
-    return Corpus([] if peek else [s.train for s in opened], [] if peek else val, vocab, what, weights,
+    whole = all(s.train is not None for s in opened + vals)  # else only peeked at (a URL's manifest)
+    return Corpus([s.train for s in opened] if whole else [], val if whole else [], vocab, what, weights,
                   eods.pop() if len(eods) == 1 else None)
 
 
