@@ -29,6 +29,13 @@ def test_a_masked_blend_of_prepared_datasets_trains(blended):
     assert [r["step"] for r in records] == list(range(RECOVERY_STEPS))
     assert records[-1]["loss"] < records[0]["loss"]
     assert all(0 < r["data_s"] < r["step_time_s"] for r in records)
+    # epochs read: of the source read faster than its size (code: 0.3 of the samples, ~half the windows)
+    from raytp.train.data import job_corpus
+    corpus = job_corpus(cfg.data)
+    windows = corpus.windows("train", cfg.model.block_size)
+    expected = max(0.7 * RECOVERY_STEPS * 8 / windows[0], 0.3 * RECOVERY_STEPS * 8 / windows[1])
+    assert records[-1]["epoch"] == pytest.approx(expected, rel=1e-5)
+
     said = check_data(cfg)  # what the start line says the data is
     assert said.startswith("0.7 x prepared dataset") and "; 0.3 x prepared dataset" in said
 

@@ -126,3 +126,13 @@ def document_eod(data, corpus: Corpus) -> int | None:
     if eod >= corpus.vocab_size and data.eod_id is not None:
         raise ValueError(f"data.eod_id: {eod} is not an id of the data (its ids are below {corpus.vocab_size})")
     return eod
+
+
+def epochs_read(corpus: Corpus, samples: int, block_size: int) -> float:
+    """How many epochs of its training data the first `samples` samples have read (of a blend: the most of any
+    source's, the one repeated first)."""
+    counts = corpus.windows("train", block_size)
+    if not counts or min(counts) == 0:
+        return 0.0
+    shares = [w / sum(corpus.weights) for w in corpus.weights] if len(counts) > 1 else [1.0]
+    return max(samples * s / n for s, n in zip(shares, counts))

@@ -37,7 +37,7 @@ from raytp.runtime.worker.worker_state import WorkerState
 from raytp.runtime.worker.process import tune_malloc
 from raytp.train.efficiency import peak_memory, peak_tflops
 from raytp.train.shard_state import live_state, state_bytes
-from raytp.train.data import batch, document_eod, job_corpus
+from raytp.train.data import batch, document_eod, epochs_read, job_corpus
 from raytp.train.pipeline import PipelineSchedule
 from raytp.train.step import make_optimizer, train_step
 
@@ -177,6 +177,7 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         ranks = comm.all_gather_float(elapsed - comm_s, self.device)  # each rank's compute: who holds back whom
         return {"step": step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "step_time_s": elapsed,
                 "comm_s": comm_s, "snapshot_s": self.snapshot_s, "data_s": data_s, "rank_compute_s": ranks,
+                "epoch": epochs_read(self.corpus, (step + 1) * self.cfg.train.batch_size, self.cfg.model.block_size),
                 "peak_tflops": self.peak_tflops, **peak_memory(self.device)}
 
     def train(self, start: int, count: int) -> list[dict]:
