@@ -1,0 +1,161 @@
+"""prepare: `raytp prepare` tokens/s against Hugging Face `datasets` and against the limit, in one run.
+
+The corpus: the Python standard library's source files as documents, repeated until it is CORPUS_MB of
+text (QUICK_MB with --quick), written as one JSON-lines file, and a byte-level BPE tokenizer (VOCAB tokens,
+GPT-2's kind) trained here on part of it. Three ways encode it, each into token ids followed by the
+end-of-document id, with CPUS processes:
+
+- raytp: `raytp.data.prepare` on a fresh local Ray of CPUS CPUs, reading the JSON lines, encoding and
+  writing the shards (.bin/.idx) and the manifest; timed from the first task to the manifest (Ray's start
+  and the driver's checks apart: `raytp_wall_s` includes them);
+- datasets: `datasets.Dataset.map(batched=True, num_proc=CPUS)` with the same tokenizer and the same
+  function (encode_batch, add the end-of-document id) over the corpus loaded by `Dataset.from_json`
+  (the load untimed; the map writes its Arrow cache, as raytp writes its shards);
+- limit: one process calling `encode_batch` on the texts already in memory, the tokenizer's threads off:
+  CPUS times its rate is what CPUS cores can do at best.
+
+Each is measured ROUNDS times, interleaved, and the best of each reported (this machine is shared: the
+1-minute load average is reported with them). Goals (issue 21): raytp >= 1.0x datasets and >= 0.8x the limit. Then the same corpus (a part of it) on a
+simulated 2-node cluster (ray.cluster_utils.Cluster on loopback, one CPU per node): the share of the
+tokens each node's tasks encoded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+CPUS = 2
+CORPUS_MB, QUICK_MB = 40, 2
+VOCAB = 16384
+EOD = "<|endoftext|>"
+BATCH = 256  # documents per encode_batch call of the limit and of datasets' map
+SHARDS = 24  # the corpus's shards in raytp: 12 per CPU
+ROUNDS = 3   # each way measured this many times, interleaved; the best of each is reported
+
+
+def make_corpus(where: Path, mb: int) -> tuple[Path, list[str]]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [p.read_text(errors="replace") for p in sorted(stdlib.rglob("*.py"))[:2000]]
+    texts = [t for t in texts if t.strip()]
+    docs, size = [], 0
+    while size < mb << 20:
+        for t in texts:
+            docs.append(t)
+            size += len(t)
+            if size >= mb << 20:
+                break
+    path = where / "corpus.jsonl"
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    return path, docs
+
+
+def make_tokenizer(where: Path, docs: list[str]) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs[:300], trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOD],
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(where / "tokenizer.json"))
+    return where / "tokenizer.json"
+
+
+def limit_rate(tok_file: Path, docs: list[str]) -> tuple[float, int]:
+    """(tokens/s, tokens) of one process calling encode_batch, its threads off."""
+    from tokenizers import Tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tok = Tokenizer.from_file(str(tok_file))
+    start, tokens = time.perf_counter(), 0
+    for i in range(0, len(docs), BATCH):
+        tokens += sum(len(e.ids) + 1 for e in tok.encode_batch(docs[i:i + BATCH], add_special_tokens=False))
+    return tokens / (time.perf_counter() - start), tokens
+
+
+def datasets_rate(tok_file: Path, corpus: Path, cache: Path) -> tuple[float, int]:
+    import datasets
+    from tokenizers import Tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # as `datasets` itself asks of num_proc > 1
+    tok = Tokenizer.from_file(str(tok_file))
+    eod = tok.token_to_id(EOD)
+    ds = datasets.Dataset.from_json(str(corpus), cache_dir=str(cache))
+
+    def encode(batch):
+        return {"ids": [e.ids + [eod] for e in tok.encode_batch(batch["text"], add_special_tokens=False)]}
+    start = time.perf_counter()
+    out = ds.map(encode, batched=True, batch_size=BATCH, num_proc=CPUS, remove_columns=["text"])
+    seconds = time.perf_counter() - start
+    tokens = sum(len(x) for x in out.with_format("numpy")["ids"])
+    return tokens / seconds, tokens
+
+
+def raytp_rate(tok_file: Path, corpus: Path, out: Path, shard_tokens: int) -> dict:
+    import ray
+    from raytp.data.prepare.driver import run
+    ray.init(address="local", num_cpus=CPUS, include_dashboard=False, log_to_driver=False)
+    try:
+        start = time.perf_counter()
+        r = run([str(corpus)], str(tok_file), str(out), shard_tokens=shard_tokens, progress=False)
+        wall = time.perf_counter() - start
+    finally:
+        ray.shutdown()
+    return {"tokens_per_s": r.tokens_per_s, "tokens": r.manifest.tokens, "seconds": r.seconds, "wall_s": wall,
+            "shards": len(r.manifest.shards)}
+
+
+def two_nodes(tok_file: Path, corpus: Path, out: Path, shard_tokens: int) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+    from raytp.data.prepare.driver import run
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        cluster.wait_for_nodes()
+        r = run([str(corpus)], str(tok_file), str(out), shard_tokens=shard_tokens, progress=False)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    total = sum(r.node_tokens.values())
+    shares = sorted((n / total for n in r.node_tokens.values()), reverse=True)
+    return {"nodes": len(r.node_tokens), "token_share": [round(s, 3) for s in shares],
+            "tokens_per_s": r.tokens_per_s}
+
+
+def run(quick: bool = False) -> dict:
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
+    mb = QUICK_MB if quick else CORPUS_MB
+    best = {"limit": 0.0, "raytp": 0.0, "datasets": 0.0}
+    load = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory(prefix="bench-prepare-") as tmp:
+        tmp = Path(tmp)
+        corpus, docs = make_corpus(tmp, mb)
+        tok_file = make_tokenizer(tmp, docs)
+        shard_tokens = None
+        for r in range(1 if quick else ROUNDS):  # interleaved, the best of each: a shared machine's noise
+            limit1, tokens = limit_rate(tok_file, docs)
+            shard_tokens = shard_tokens or max(tokens // SHARDS, 1000)
+            ours = raytp_rate(tok_file, corpus, tmp / f"out{r}", shard_tokens)
+            assert ours["tokens"] == tokens, (ours["tokens"], tokens)
+            theirs, their_tokens = datasets_rate(tok_file, corpus, tmp / f"hf-cache{r}")
+            assert their_tokens == tokens, (their_tokens, tokens)
+            for k, v in (("limit", limit1), ("raytp", ours["tokens_per_s"]), ("datasets", theirs)):
+                best[k] = max(best[k], v)
+            load.append(os.getloadavg()[0])
+        del docs
+        nodes = two_nodes(tok_file, corpus, tmp / "out-2-nodes", shard_tokens)
+    limit = CPUS * best["limit"]
+    return {
+        "peer": f"datasets.Dataset.map(batched=True, num_proc={CPUS}); the limit: {CPUS} x one process's encode_batch",
+        "corpus_mb": mb, "tokens": tokens, "vocab": VOCAB, "cpus": CPUS, "shards": ours["shards"],
+        "rounds": 1 if quick else ROUNDS, "load_avg_1m": [round(x, 1) for x in load],
+        "raytp_tokens_per_s": round(best["raytp"]), "raytp_wall_s": round(ours["wall_s"], 2),
+        "datasets_tokens_per_s": round(best["datasets"]), "one_process_tokens_per_s": round(best["limit"]),
+        "limit_tokens_per_s": round(limit),
+        "vs_datasets": round(best["raytp"] / best["datasets"], 3), "vs_limit": round(best["raytp"] / limit, 3),
+        "two_nodes": nodes,
+    }
