@@ -25,7 +25,7 @@ import torch.distributed as dist
 from raytp.models.args import ModelArgs
 from raytp.models.gpt2.model import GPT
 from raytp.parallel.sharding import shard_tensor, Sharding
-from raytp.train.data import Corpus, batch, load_corpus
+from raytp.data.corpus import Corpus, batch, load_corpus
 from raytp.train.hyper import Hyper, lr_at
 
 SEED = 1337

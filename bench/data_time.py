@@ -7,7 +7,7 @@ builtin text, so the batches come from memory-mapped shards through the epoch pe
 a small model (its step is short, which makes the ratio harder, not easier) at global batch 2048 x 512
 tokens, DP = 2 (each rank builds 512k tokens). Figures: the median over the steps after the first of data_s,
 step_time_s and their ratio; and the batch time of the 1M-token batch at DP = 1 measured in-process
-(raytp.train.data.batch, no Ray), the most one rank ever builds.
+(raytp.data.corpus.batch, no Ray), the most one rank ever builds.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def _train(run_dir: Path, job: str, sets: list[str]) -> dict:
 
 
 def _in_process(source: str, batch: int, block: int) -> float:
-    from raytp.train.data import batch as make_batch, load_corpus
+    from raytp.data.corpus import batch as make_batch, load_corpus
     corpus = load_corpus(source, 0.01)
     make_batch(corpus, "train", 1, 0, 0, 1, batch, block)  # pages in
     times = []

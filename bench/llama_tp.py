@@ -37,7 +37,7 @@ from raytp.parallel.groups import build_groups
 from raytp.parallel.layout import Layout
 from raytp.models.shard import build_empty_shard
 from raytp.files import hf
-from raytp.train.data import batch
+from raytp.data.corpus import batch
 from raytp.train.hyper import lr_at
 from raytp.train.step import make_optimizer, train_step
 
@@ -147,7 +147,7 @@ def run(quick: bool = False) -> dict:
 
     import numpy as np
 
-    from raytp.train.data import Corpus
+    from raytp.data.corpus import Corpus
     s = QUICK if quick else FULL
     tokens = np.random.default_rng(0).integers(0, s["vocab"], 1 << 18)  # the ids of a BPE vocabulary
     corpus = Corpus(tokens, tokens[:4096], s["vocab"], "synthetic")

@@ -50,7 +50,7 @@ from raytp.models.stage import keep_stage, stage_of
 from raytp.parallel.groups import build_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.pp_schedule import bubble
-from raytp.train.data import batch
+from raytp.data.corpus import batch
 from raytp.train.pipeline import PipelineSchedule
 from raytp.train.step import make_optimizer, train_step
 

@@ -2,7 +2,7 @@
 
 Both train the same GPT (raytp.models.gpt2; jobs/default.yaml's shape: 4 layers x
 128 wide, 4 heads, block 128, batch 8, builtin data, the same batches from
-raytp.train.data.batch, AdamW, 1 torch thread per worker) on 4 CPU workers,
+raytp.data.corpus.batch, AdamW, 1 torch thread per worker) on 4 CPU workers,
 in one embedded Ray (loopback, 8 CPUs), and both lose the process of world
 rank 1 to SIGKILL (pid as the workers report it) right after ``kill_step``
 steps completed.
@@ -117,7 +117,7 @@ def train_loop(c: dict) -> None:
     import ray.train.torch
     from raytp.models.args import ModelArgs
     from raytp.models.gpt2.model import GPT
-    from raytp.train.data import batch, load_corpus
+    from raytp.data.corpus import batch, load_corpus
     from raytp.train.hyper import Hyper, lr_at
     from raytp.train.step import make_optimizer
     torch.set_num_threads(1)

@@ -4,8 +4,8 @@
     result = raytp.train("jobs/default.yaml", overrides={"train.steps": 100})
 
 `raytp.train` is also the name of the package of the training step (raytp/train/: schedule, step,
-optimizer, data), so that package is made callable: calling it is raytp.api.train, and
-`from raytp.train.data import ...` is what it was. `import raytp` is cheap: torch and Ray load when
+optimizer), so that package is made callable: calling it is raytp.api.train, and
+`from raytp.train.step import ...` is what it was. `import raytp` is cheap: torch and Ray load when
 raytp.api is first used (a call of raytp.train, or one of the names below).
 """
 import importlib

@@ -128,7 +128,7 @@ def test_import_raytp_loads_neither_torch_nor_ray():
 
 
 def test_the_callable_raytp_train_is_still_the_training_package():
-    import raytp.train.data as data
+    import raytp.train.step as step
     from raytp import train
-    assert train is raytp.train and data is sys.modules["raytp.train.data"] and raytp.train.data is data
+    assert train is raytp.train and step is sys.modules["raytp.train.step"] and raytp.train.step is step
     assert pickle.loads(pickle.dumps(raytp.train)) is raytp.train  # by name, as a Tune trainable's global

@@ -1,4 +1,4 @@
-"""Each step's batch as pretraining reads it, through raytp.train.data.batch on real token files: over one
+"""Each step's batch as pretraining reads it, through raytp.data.corpus.batch on real token files: over one
 epoch every training window is used exactly once, at DP = 1, 2 and across a DP resize; a 0.7/0.3 blend of two
 sources keeps those proportions in every step within one sample; the validation documents never appear in
 training."""
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from raytp.data.indexed import write_indexed
-from raytp.train.data import batch, load_corpus
+from raytp.data.corpus import batch, load_corpus
 
 BLOCK, BATCH = 16, 8
 

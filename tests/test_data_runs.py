@@ -30,7 +30,7 @@ def test_a_masked_blend_of_prepared_datasets_trains(blended):
     assert records[-1]["loss"] < records[0]["loss"]
     assert all(0 < r["data_s"] < r["step_time_s"] for r in records)
     # epochs read: of the source read faster than its size (code: 0.3 of the samples, ~half the windows)
-    from raytp.train.data import job_corpus
+    from raytp.data.corpus import job_corpus
     corpus = job_corpus(cfg.data)
     windows = corpus.windows("train", cfg.model.block_size)
     expected = max(0.7 * RECOVERY_STEPS * 8 / windows[0], 0.3 * RECOVERY_STEPS * 8 / windows[1])

@@ -13,7 +13,7 @@ from raytp.models.shard import build_shard, gather_full_state
 from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.spawn import run_ranks
-from raytp.train.data import Corpus, batch
+from raytp.data.corpus import Corpus, batch
 from raytp.train.step import make_optimizer, train_step
 
 EOD = 0

@@ -15,7 +15,7 @@ from raytp.models.stage import replicated_copy, stage_of
 from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.spawn import run_ranks
-from raytp.train.data import batch
+from raytp.data.corpus import batch
 from raytp.train.pipeline import PipelineSchedule
 from raytp.train.step import eval_loss, make_optimizer, train_step
 

@@ -17,7 +17,7 @@ from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
 from raytp.models.shard import build_shard
 from raytp.parallel.spawn import run_ranks
-from raytp.train.data import batch
+from raytp.data.corpus import batch
 from raytp.train.hyper import Hyper
 from raytp.train.step import make_optimizer, train_step
 

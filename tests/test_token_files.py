@@ -11,7 +11,7 @@ import pytest
 from helpers import job, run
 from raytp.api.errors import BadJob
 from raytp.api.job import check_data
-from raytp.train.data import batch, load_corpus
+from raytp.data.corpus import batch, load_corpus
 from raytp.data.indexed import write_indexed
 
 VOCAB = 70_016  # past uint16: Llama 3's 128k and GPT-NeoX's 50k+ specials need 32-bit ids

@@ -1,5 +1,6 @@
-"""A BPE tokenizer trained here with `tokenizers` on stdlib text: the corpus is encoded once into a
-cached token file beside the data; a Llama run on it trains, and `raytp sample` of its export encodes
+"""A BPE tokenizer trained here with `tokenizers` on stdlib text: the corpus is prepared once (raytp prepare's
+in-process path) into a dataset beside the data, each file a document ended by the end-of-document id; a
+Llama run on it trains, and `raytp sample` of its export encodes
 the prompt and decodes text with the same tokenizer."""
 import json
 import shutil
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from raytp.train.data import load_corpus
+from raytp.data.corpus import load_corpus
 
 VOCAB = 400
 
@@ -29,27 +30,42 @@ def text_and_tokenizer(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train([str(p) for p in sorted(data.iterdir())],
-              trainers.BpeTrainer(vocab_size=VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+              trainers.BpeTrainer(vocab_size=VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>"]))
     tok.save(str(root / "tokenizer.json"))
     return data, root / "tokenizer.json", tok
 
 
-def test_text_is_encoded_once_into_a_cached_token_file(text_and_tokenizer):
+def test_text_is_prepared_once_into_a_dataset_beside_it(text_and_tokenizer):
     data, tok_file, tok = text_and_tokenizer
     corpus = load_corpus(str(data), 0.1, str(tok_file))
-    assert corpus.vocab_size == tok.get_vocab_size() <= VOCAB
-    cached = sorted((data / ".raytp").iterdir())
-    assert len(cached) == 1 and cached[0].suffix == ".uint16"
-    ids = np.concatenate(corpus.train[0].pieces + corpus.val[0].pieces)
-    first = (data / "abc.py").read_text()
-    assert tok.decode(ids[:len(tok.encode(first).ids)].tolist()) == first  # documents in file order
-    assert len(ids) < 0.7 * sum(p.stat().st_size for p in data.glob("*.py"))  # BPE: fewer tokens than bytes
-    mtime = cached[0].stat().st_mtime_ns
-    load_corpus(str(data), 0.1, str(tok_file))  # cached: read, not written again
-    assert sorted((data / ".raytp").iterdir()) == cached and cached[0].stat().st_mtime_ns == mtime
+    eod = tok.token_to_id("<|endoftext|>")
+    assert corpus.vocab_size == tok.get_vocab_size() <= VOCAB and corpus.eod_id == eod
+    (made,) = [p for p in (data / ".raytp").iterdir() if p.is_dir()]
+    assert (made / "manifest.json").exists()
+    ids = np.concatenate(corpus.train[0].pieces + corpus.val[0].pieces)  # 7 files: the last one held out
+    files = sorted(data.glob("*.py"))
+    expected = np.concatenate([tok.encode(f.read_text(), add_special_tokens=False).ids + [eod] for f in files])
+    assert np.array_equal(ids, expected)  # each file a document, in order, ended by the end-of-document id
+    assert np.array_equal(np.concatenate(corpus.val[0].pieces), expected[-len(tok.encode(files[-1].read_text()).ids) - 1:])
+    assert len(ids) < 0.7 * sum(p.stat().st_size for p in files)  # BPE: fewer tokens than bytes
+    mtime = (made / "manifest.json").stat().st_mtime_ns
+    load_corpus(str(data), 0.1, str(tok_file))  # made: read, not written again
+    assert (made / "manifest.json").stat().st_mtime_ns == mtime
     (data / "keyword.py").write_text((data / "keyword.py").read_text() + "\n# changed\n")
     load_corpus(str(data), 0.1, str(tok_file))
-    assert len(list((data / ".raytp").iterdir())) == 2  # the source changed: encoded again
+    assert len([p for p in (data / ".raytp").iterdir() if p.is_dir()]) == 2  # the source changed: prepared again
+
+
+def test_a_tokenizer_without_an_end_of_document_token_is_refused(text_and_tokenizer, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    data, _, _ = text_and_tokenizer
+    bare = Tokenizer(models.BPE())
+    bare.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bare.train([str(data / "abc.py")], trainers.BpeTrainer(vocab_size=300))
+    bare.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match="end-of-document"):
+        load_corpus(str(data), 0.1, str(tmp_path / "tokenizer.json"))
 
 
 def test_a_missing_tokenizer_is_one_clear_error(text_and_tokenizer, tmp_path):

@@ -15,7 +15,7 @@ from raytp.models.stage import replicated_copy, stage_of
 from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.spawn import run_ranks
-from raytp.train.data import batch
+from raytp.data.corpus import batch
 from raytp.train.hyper import Hyper
 from raytp.train.optimizer import make_optimizer
 from raytp.train.pipeline import PipelineSchedule

@@ -18,7 +18,7 @@ from raytp.models.shard import build_shard
 from raytp.parallel.groups import build_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.spawn import run_ranks
-from raytp.train.data import batch
+from raytp.data.corpus import batch
 from raytp.train.optimizer import make_optimizer
 from raytp.train.shard_state import shard_state, unshard_state
 from raytp.train.step import train_step

@@ -12,7 +12,7 @@ from raytp.models.registry import build_model
 from raytp.models.shard import build_shard, gather_full_state
 from raytp.parallel.groups import build_groups
 from raytp.parallel.layout import Layout
-from raytp.train.data import Corpus, batch
+from raytp.data.corpus import Corpus, batch
 from raytp.train.hyper import Hyper
 from raytp.train.step import make_optimizer, train_step
 

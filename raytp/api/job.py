@@ -83,7 +83,7 @@ def run_name_and_dir(job: JobSpec, cfg: JobConfig, run_dir: str | os.PathLike | 
 def check_data(cfg: JobConfig) -> str:
     """The data sources exist, their token ids fit the model's vocabulary, and a document mask knows its id;
     returns what the data is (for the start line)."""
-    from raytp.train.data import document_eod, job_corpus
+    from raytp.data.corpus import document_eod, job_corpus
     try:
         corpus = job_corpus(cfg.data, progress=True, peek=True)
         document_eod(cfg.data, corpus)

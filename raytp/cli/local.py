@@ -58,7 +58,7 @@ def export(source, out, fmt, tokenizer, dtype, max_shard_size):
     """Write the model of SOURCE (a run dir, a checkpoint dir, or a URL of either) as one raytp file or a
     Hugging Face directory, tensor by tensor."""
     from raytp.files import checkpoint, export as export_mod
-    from raytp.train.tokens import tokenizer_file
+    from raytp.data.tokens import tokenizer_file
     try:
         run_tok, init_from = export_mod.run_sources(source)
         tok = tokenizer_file(tokenizer, "--tokenizer") if tokenizer else None
@@ -94,7 +94,7 @@ def sample(model_file, prompt, tokens, temperature, top_k, seed, tokenizer):
     """Generate text from MODEL_FILE (written by `raytp export`), encoded and decoded with its tokenizer."""
     import torch
     from raytp.models.files import load_model
-    from raytp.train import tokens as tok_mod
+    from raytp.data import tokens as tok_mod
     from raytp.files.export import embedded_tokenizer
     try:
         model = load_model(model_file)

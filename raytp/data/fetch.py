@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from raytp.data import manifest as mf
+from raytp.data.tokens import cache_dir
 from raytp.files.storage import Storage, StorageError
 
 
@@ -34,7 +35,6 @@ def _read_manifest_text(store: Storage, url: str) -> str:
 
 def local_dataset(url: str, progress: bool = False) -> Path:
     """The node-local copy of the prepared dataset at `url`, made if missing."""
-    from raytp.data.sources import cache_dir
     store = Storage(url)
     text = _read_manifest_text(store, url)
     m = mf.parse(text, f"{url}/{mf.NAME}")

@@ -14,6 +14,7 @@ without document boundaries (nanoGPT's ``.bin``, the builtin text) holds out its
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import sys
@@ -26,6 +27,7 @@ import numpy as np
 from raytp.data import manifest as mf
 from raytp.data.indexed import largest_id, open_tokens, read_index
 from raytp.data.stream import Stream, hold_out
+from raytp.data.tokens import cache_dir
 
 BUILTIN_MAX_BYTES = 8 << 20  # enough text for small models; reads in well under a second
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
@@ -38,10 +40,6 @@ class Source:
     vocab_size: int        # ids are below this
     eod_id: int | None     # the end-of-document id, when the source knows it
     description: str
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("RAYTP_CACHE", Path.home() / ".cache" / "raytp"))
 
 
 def is_url(name: str) -> bool:
@@ -217,13 +215,50 @@ def files_key(files: list[Path]) -> str:
 
 
 def _tokenized(name: str, path: Path, val_fraction: float | None, tokenizer: str, progress: bool) -> Source:
-    from raytp.train import tokens as tok
+    """A text source with a tokenizer: prepared once (raytp.data.prepare, in this process) into a prepared
+    dataset named by what the tokenizer and the files are, beside the data if writable, else in the cache;
+    processes on one node that open it together wait for the first to make it (a file lock)."""
+    from raytp.data.prepare import prepare_local
+    from raytp.data.tokens import tokenizer_file
     if name == "builtin":
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        files, near, limit, what = builtin_files(stdlib), None, BUILTIN_MAX_BYTES, f"builtin: Python stdlib at {stdlib}"
+        files, near, what = _up_to(builtin_files(stdlib), BUILTIN_MAX_BYTES), None, f"builtin: Python stdlib at {stdlib}"
     else:
         files = text_files(path)
-        near, limit, what = path, None, f"{len(files)} text files under {path}"
-    ids, vocab, where = tok.tokenized(tokenizer, files, near, limit, progress)
-    return _split(ids, np.array([len(ids)]), val_fraction, vocab, None,
-                  f"{what}, {len(ids):,} tokens of {tokenizer} (cached at {where})")
+        near, what = path, f"{len(files)} text files under {path}"
+    tok_path = tokenizer_file(tokenizer)
+    key = hashlib.sha256(tok_path.read_bytes() + files_key(files).encode()).hexdigest()[:20]
+    out = _place(near, f"prepared-{key}")
+    with open(out.with_name(f".{out.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / mf.NAME).exists():
+            prepare_local(files, tokenizer, str(out), overwrite=True, progress=progress)
+    source = _prepared(out, val_fraction, str(out))
+    source.description = f"{what}, {source.description.split('(', 1)[1].split(',')[0]} of {tokenizer} (at {out})"
+    return source
+
+
+def _up_to(files: list[Path], limit: int) -> list[Path]:
+    """The first files holding about `limit` bytes (whole files)."""
+    out, total = [], 0
+    for f in files:
+        if total >= limit:
+            break
+        out.append(f)
+        total += f.stat().st_size
+    return out
+
+
+def _place(near: Path | None, name: str) -> Path:
+    """Where a prepared text source goes: beside the data (``<dir>/.raytp/``) if writable, else the cache."""
+    if near is not None:
+        d = near / ".raytp"
+        try:
+            d.mkdir(exist_ok=True)
+            if os.access(d, os.W_OK):
+                return d / name
+        except OSError:
+            pass
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    return d / name

@@ -10,7 +10,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from raytp.train import tokens
+from raytp.data import tokens
 
 KNOWN_EOD = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 

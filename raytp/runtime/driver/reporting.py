@@ -32,7 +32,7 @@ def step_record(rec: dict, all_ranks: list[dict], cfg, layout: Layout) -> dict:
            "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "time": time.time()}
     out.update(efficiency.step_figures(model_args(cfg), out["tokens_per_s"], layout.world_size, rec.get("peak_tflops")))
     if rec.get("epoch") is not None:
-        out["epoch"] = round(rec["epoch"], 6)  # epochs of the training data read (raytp.train.data.epochs_read)
+        out["epoch"] = round(rec["epoch"], 6)  # epochs of the training data read (raytp.data.corpus.epochs_read)
     straggler = stragglers.slowest(rec.get("rank_compute_s") or [])
     if straggler is not None:
         out["straggler"] = straggler

@@ -37,7 +37,7 @@ from raytp.runtime.worker.worker_state import WorkerState
 from raytp.runtime.worker.process import tune_malloc
 from raytp.train.efficiency import peak_memory, peak_tflops
 from raytp.train.shard_state import live_state, state_bytes
-from raytp.train.data import batch, document_eod, epochs_read, job_corpus
+from raytp.data.corpus import batch, document_eod, epochs_read, job_corpus
 from raytp.train.pipeline import PipelineSchedule
 from raytp.train.step import make_optimizer, train_step
 
