@@ -47,3 +47,30 @@ def test_layout_that_cannot_fit_fails_clearly_and_leaves_nothing(two_gpu_nodes, 
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values() if pg["name"].startswith("raytp.toobig."))
     events = [json.loads(line)["kind"] for line in open(tmp_path / "events.jsonl")]
     assert events == ["started", "failed"]
+
+
+def test_prepare_spreads_over_the_nodes_and_writes_what_one_process_writes(two_gpu_nodes, tmp_path):
+    """raytp prepare on the simulated cluster: its shards are encoded on several nodes (Ray Data spreads the
+    tasks), and the dataset's bytes are those of the in-process path's."""
+    import sysconfig
+    from pathlib import Path
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from raytp.data.prepare import prepare_local
+    from raytp.data.prepare.driver import run
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    docs = [d for name in ("abc.py", "bisect.py", "heapq.py", "textwrap.py")
+            for d in (stdlib / name).read_text().split("\n\n") if d.strip()]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    done = run([str(tmp_path / "corpus.jsonl")], str(tmp_path / "tokenizer.json"), str(tmp_path / "cluster"),
+               shard_tokens=500, progress=False)
+    assert len(done.manifest.shards) >= 8
+    assert len(done.node_tokens) >= 2, done.node_tokens  # more than one node encoded
+    assert sum(done.node_tokens.values()) == done.manifest.tokens
+    prepare_local([tmp_path / "corpus.jsonl"], str(tmp_path / "tokenizer.json"), str(tmp_path / "local"),
+                  shard_tokens=500)
+    for f in sorted((tmp_path / "local").glob("shard-*")):
+        assert f.read_bytes() == (tmp_path / "cluster" / f.name).read_bytes(), f.name
