@@ -44,3 +44,26 @@ def test_whole_documents_are_held_out_spread_over_the_file(n_docs, fraction):
 def test_one_document_is_split_by_tokens():
     train, val = hold_out(np.array([1000]), 0.1)
     assert train == [(0, 900)] and val == [(900, 1000)]
+
+
+def test_a_dataset_of_more_shards_than_open_files_raises_the_limit_or_says_what_to_do():
+    import subprocess
+    import sys
+    script = """
+import resource, sys
+from raytp.data.sources import _open_files_for
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+_open_files_for(1000, "ds")
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512))
+try:
+    _open_files_for(1000, "ds")
+except ValueError as e:
+    print(e)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    lines = out.stdout.splitlines()
+    assert int(lines[0]) == 2024, out.stderr
+    assert lines[1] == "ds: 1,000 shards to map, but a process here may open 512 files (ulimit -Hn); raise it, " \
+                       "or prepare the corpus again with a larger --shard-tokens"

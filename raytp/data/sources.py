@@ -111,6 +111,7 @@ def read_manifest(path: Path, name: str) -> mf.Manifest:
 
 def _prepared(path: Path, val_fraction: float | None, name: str) -> Source:
     m = read_manifest(path, name)
+    _open_files_for(len(m.shards), name)
     train, val = [], []
     for shard in m.shards:
         bin_path = path / f"{shard.prefix}.bin"
@@ -129,6 +130,20 @@ def _prepared(path: Path, val_fraction: float | None, name: str) -> Source:
         val += [tokens[a:b] for a, b in v]
     return Source(Stream(train), Stream(val) if val_fraction is not None else None, m.vocab_size, m.eod_id,
                   _describe(name, m))
+
+
+def _open_files_for(shards: int, name: str, spare: int = 1024) -> None:
+    """Each mapped shard holds a file descriptor: raise this process's soft limit of open files (up to its hard
+    limit) to hold them all, or say what to do."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = shards + spare
+    if need <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and need > hard:
+        raise ValueError(f"{name}: {shards:,} shards to map, but a process here may open {hard:,} files (ulimit "
+                         f"-Hn); raise it, or prepare the corpus again with a larger --shard-tokens")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def _doc_ends(idx: Path) -> np.ndarray:
