@@ -1,25 +1,22 @@
 """`raytp prepare`: a JSON-lines (plain and gzipped) and a Parquet corpus made here from stdlib text, tokenized
-with a BPE tokenizer trained here, over the shared local Ray, from a directory and from S3 (moto's server);
+with a BPE tokenizer trained here, over the shared local Ray (from and to S3: tests/test_s3.py);
 the shards read back as Megatron-LM's indexed format give each document's encoding followed by the
 end-of-document id; a prepare killed mid-write leaves no dataset and a re-run completes; bad input is one
 error naming the file (and line)."""
-import gzip
 import json
 import os
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from prepare_corpus import EOD, SHARD_TOKENS, expected, make_corpus, read_back
 from raytp.cli import main
 from raytp.data import manifest as manifest_mod
-from raytp.data.indexed import read_index
 from raytp.data.prepare import outdir, prepare, prepare_local
 from raytp.data.prepare.driver import run
 from raytp.data.prepare.plan import Piece, plan
@@ -27,59 +24,11 @@ from raytp.data.prepare.sources import File, format_of
 from raytp.files.storage import Storage
 
 ROOT = Path(__file__).resolve().parents[1]
-EOD = "<|endoftext|>"
-SHARD_TOKENS = 2000  # small: several shards, a JSON-lines file cut into byte ranges, Parquet by row groups
-
-
-def _documents() -> list[str]:
-    """Stdlib source cut at blank lines into documents (and one that is not ASCII)."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    docs = []
-    for name in ("abc.py", "bisect.py", "colorsys.py", "heapq.py", "keyword.py", "textwrap.py"):
-        docs += [d for d in stdlib.joinpath(name).read_text().split("\n\n") if d.strip()]
-    return docs + ["naïve café — 日本語のテキスト ✓"]
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """(directory of a.jsonl, b.jsonl.gz, c.parquet; their documents in order; tokenizer.json; Tokenizer)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    root = tmp_path_factory.mktemp("corpus")
-    docs = _documents()
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=400, special_tokens=[EOD],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(root / "tokenizer.json"))
-    data = root / "data"
-    data.mkdir()
-    third = len(docs) // 3
-    a, b, c = docs[:third], docs[third:2 * third], docs[2 * third:]
-    (data / "a.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(a)))
-    with gzip.open(data / "b.jsonl.gz", "wt") as f:
-        f.writelines(json.dumps({"text": t}) + "\n" for t in b)
-    pq.write_table(pa.table({"text": c}), data / "c.parquet", row_group_size=20)
-    return data, a + b + c, root / "tokenizer.json", tok
-
-
-def _read_back(where: Path, m: manifest_mod.Manifest) -> list[list[int]]:
-    """Every document of a prepared dataset, as Megatron-LM's reader sees it: the .idx and the .bin."""
-    docs = []
-    for s in m.shards:
-        index = read_index(where / f"{s.prefix}.idx")
-        ids = np.memmap(where / f"{s.prefix}.bin", dtype=index.dtype, mode="r")
-        assert np.dtype(index.dtype).name == m.dtype and len(index.sizes) == s.documents == len(index.documents) - 1
-        step = np.dtype(index.dtype).itemsize
-        docs += [ids[p // step:p // step + n].tolist() for n, p in zip(index.sizes, index.pointers)]
-    return docs
-
-
-def _expected(tok, docs):
-    eod = tok.token_to_id(EOD)
-    return [e.ids + [eod] for e in tok.encode_batch(docs, add_special_tokens=False)]
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _files(where: Path) -> dict[str, bytes]:
@@ -136,8 +85,8 @@ def test_prepared_shards_read_back_as_each_documents_ids_then_eod(ray_local, cor
     assert len(m.shards) >= 4 and m.dtype == "uint16" and m.eod_id == tok.token_to_id(EOD)
     assert m.tokenizer["eod_token"] == EOD and m.vocab_size == tok.get_vocab_size()
     assert manifest_mod.parse((tmp_path / "ds" / "manifest.json").read_text(), "m") == m
-    got = _read_back(tmp_path / "ds", m)
-    assert got == _expected(tok, docs)
+    got = read_back(tmp_path / "ds", m)
+    assert got == expected(tok, docs)
     assert m.documents == len(docs) and m.tokens == sum(map(len, got))
     assert not [p for p in (tmp_path / "ds").iterdir() if p.name.startswith(".tmp-")]
 
@@ -168,7 +117,7 @@ def test_a_vocabulary_past_65536_writes_int32_ids(corpus, tmp_path):
     (tmp_path / "t.txt").write_text("w1 w69999 w70000 w65536 other")
     m = prepare_local([str(tmp_path / "t.txt")], str(tmp_path), str(tmp_path / "ds"))
     assert m.dtype == "int32" and m.eod_id == 70_000
-    assert _read_back(tmp_path / "ds", m) == [[1, 69_999, 0, 65_536, 0, 70_000]]
+    assert read_back(tmp_path / "ds", m) == [[1, 69_999, 0, 65_536, 0, 70_000]]
 
 
 # -- bad input: one error naming the file (and line), before anything is written where it can be -----------
@@ -260,29 +209,4 @@ def test_a_prepare_killed_mid_write_leaves_no_dataset_and_a_rerun_completes(ray_
         outdir.existing(Storage(str(out)))
     m = prepare([str(big)], str(tok_file), str(out), shard_tokens=100_000, progress=False)
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
-    assert _read_back(out, m) == _expected(tok, docs) * 40
-
-
-# -- from an object store --------------------------------------------------------------------------------------
-from test_s3 import BUCKET, s3  # noqa: E402,F401 - moto's S3 server (its own Ray: kept for the module's end)
-
-
-def test_a_corpus_in_s3_is_prepared_into_s3(s3, corpus, tmp_path):
-    import boto3
-    data, docs, tok_file, tok = corpus
-    client = boto3.client("s3")
-    for p in sorted(data.iterdir()):
-        client.upload_file(str(p), BUCKET, f"corpus/{p.name}")
-    url = f"s3://{BUCKET}/prepared"
-    m = prepare([f"s3://{BUCKET}/corpus/*.jsonl*", f"s3://{BUCKET}/corpus/c.parquet"], str(tok_file), url,
-                shard_tokens=SHARD_TOKENS, progress=False)
-    store = Storage(url)
-    for s in m.shards:
-        for suffix in (".bin", ".idx"):
-            (tmp_path / f"{s.prefix}{suffix}").write_bytes(store.read_bytes(s.prefix + suffix))
-    assert _read_back(tmp_path, m) == _expected(tok, docs)
-    assert store.exists(manifest_mod.NAME) and store.exists(outdir.MARKER)
-    local = prepare_local([data], str(tok_file), str(tmp_path / "local"), shard_tokens=SHARD_TOKENS)
-    assert local.shards == m.shards
-    assert all(store.read_bytes(s.prefix + ".bin") == (tmp_path / "local" / f"{s.prefix}.bin").read_bytes()
-               for s in m.shards)
+    assert read_back(out, m) == expected(tok, docs) * 40

@@ -173,3 +173,30 @@ def test_a_prepared_dataset_at_a_url_is_fetched_once_per_node(s3, tmp_path, monk
         store.write_bytes(f.name, f.read_bytes())
     fresh = open_source(url, 0.1)
     assert np.array_equal(np.concatenate(fresh.train.pieces), np.concatenate(open_source(str(again), 0.1).train.pieces))
+
+
+def test_a_corpus_in_s3_is_prepared_into_s3(s3, tmp_path):
+    """raytp prepare reading its corpus from S3 and writing the dataset there (moto's server), as it does
+    locally: the same shards, byte for byte."""
+    import boto3
+    from prepare_corpus import SHARD_TOKENS, expected, make_corpus, read_back
+    from raytp.data import manifest as manifest_mod
+    from raytp.data.prepare import outdir, prepare, prepare_local
+    (tmp_path / "corpus").mkdir()
+    data, docs, tok_file, tok = make_corpus(tmp_path / "corpus")
+    client = boto3.client("s3")
+    for p in sorted(data.iterdir()):
+        client.upload_file(str(p), BUCKET, f"corpus/{p.name}")
+    url = f"s3://{BUCKET}/prepared"
+    m = prepare([f"s3://{BUCKET}/corpus/*.jsonl*", f"s3://{BUCKET}/corpus/c.parquet"], str(tok_file), url,
+                shard_tokens=SHARD_TOKENS, progress=False)
+    store = Storage(url)
+    for s in m.shards:
+        for suffix in (".bin", ".idx"):
+            (tmp_path / f"{s.prefix}{suffix}").write_bytes(store.read_bytes(s.prefix + suffix))
+    assert read_back(tmp_path, m) == expected(tok, docs)
+    assert store.exists(manifest_mod.NAME) and store.exists(outdir.MARKER)
+    local = prepare_local([data], str(tok_file), str(tmp_path / "local"), shard_tokens=SHARD_TOKENS)
+    assert local.shards == m.shards
+    assert all(store.read_bytes(s.prefix + ".bin") == (tmp_path / "local" / f"{s.prefix}.bin").read_bytes()
+               for s in m.shards)
