@@ -19,7 +19,7 @@ from raytp.cli import main
 from raytp.data import manifest as manifest_mod
 from raytp.data.prepare import outdir, prepare, prepare_local
 from raytp.data.prepare.driver import run
-from raytp.data.prepare.plan import Piece, plan
+from raytp.data.prepare.plan import MIN_SHARD_TOKENS, SHARD_TOKENS, SPREAD, Piece, plan, shard_size
 from raytp.data.prepare.sources import File, format_of
 from raytp.files.storage import Storage
 
@@ -58,6 +58,14 @@ def test_the_plan_covers_every_byte_once_and_does_not_depend_on_the_cluster():
     assert plan(files, 75, {4: (200, 200, 50)}) == shards
     with pytest.raises(ValueError, match="--shard-tokens"):
         plan(files, 0, {})
+
+
+def test_a_small_corpus_is_cut_into_smaller_shards_so_that_many_tasks_encode_it():
+    def corpus(mb):  # text bytes, ~4 a token
+        return [File("a.jsonl", "jsonl", mb << 20, None, "")]
+    assert shard_size(corpus(1)) == MIN_SHARD_TOKENS  # 256k tokens: one shard of the smallest size
+    assert shard_size(corpus(1024)) == (1024 << 18) // SPREAD  # 268M tokens: SPREAD shards of ~4M
+    assert shard_size(corpus(1 << 20)) == SHARD_TOKENS  # a TB: the default size
 
 
 @pytest.mark.parametrize("names, marker, overwrite, expected", [

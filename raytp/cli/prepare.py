@@ -9,7 +9,7 @@ import os
 import click
 
 from raytp.cli.base import fail, failed, main
-from raytp.data.prepare.plan import SHARD_TOKENS
+from raytp.data.prepare.plan import MIN_SHARD_TOKENS, SHARD_TOKENS, SPREAD
 
 
 @main.command()
@@ -21,8 +21,9 @@ from raytp.data.prepare.plan import SHARD_TOKENS
 @click.option("--eod", default=None, metavar="TOKEN",
               help="The end-of-document token (default: tokenizer_config.json's eos_token beside the tokenizer, "
                    "else <|endoftext|>, <|end_of_text|>, </s> or <eos>, whichever the vocabulary has).")
-@click.option("--shard-tokens", default=SHARD_TOKENS, show_default=True, type=click.IntRange(min=1),
-              help="About this many tokens per shard (the unit of parallel work).")
+@click.option("--shard-tokens", default=None, type=click.IntRange(min=1),
+              help=f"About this many tokens per shard, the unit of parallel work (default: {SHARD_TOKENS:,}, "
+                   f"less for a corpus of fewer than {SPREAD} such shards, down to {MIN_SHARD_TOKENS:,}).")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset at --out prepared from other inputs.")
 @click.option("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray).")
 def prepare(sources, tokenizer, out, text_key, eod, shard_tokens, overwrite, address):

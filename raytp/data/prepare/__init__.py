@@ -15,11 +15,10 @@ driver.py    all of it in order, over Ray Data or in this process
 from __future__ import annotations
 
 from raytp.data.manifest import Manifest
-from raytp.data.prepare.plan import SHARD_TOKENS
 
 
 def prepare(sources, tokenizer: str, out: str, text_key: str = "text", eod: str | None = None,
-            address: str | None = None, shard_tokens: int = SHARD_TOKENS, overwrite: bool = False,
+            address: str | None = None, shard_tokens: int | None = None, overwrite: bool = False,
             progress: bool = True) -> Manifest:
     """Tokenize `sources` (paths, directories, globs or URLs) with `tokenizer` (a tokenizer.json or a
     directory holding one) into a prepared dataset at `out`, over the Ray cluster this process is connected
@@ -30,7 +29,7 @@ def prepare(sources, tokenizer: str, out: str, text_key: str = "text", eod: str 
 
 
 def prepare_local(files, tokenizer: str, out: str, text_key: str = "text", eod: str | None = None,
-                  shard_tokens: int = SHARD_TOKENS, overwrite: bool = False, progress: bool = False) -> Manifest:
+                  shard_tokens: int | None = None, overwrite: bool = False, progress: bool = False) -> Manifest:
     """`prepare` in this process, without Ray (a small source, prepared by `raytp train` itself): the same
     shards and manifest."""
     from raytp.data.prepare.driver import run

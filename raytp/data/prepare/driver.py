@@ -119,7 +119,7 @@ def connected(address: str | None):
 
 
 def run(sources: list[str], tokenizer: str, out: str, text_key: str = "text", eod: str | None = None,
-        shard_tokens: int = plan.SHARD_TOKENS, overwrite: bool = False, progress: bool = True,
+        shard_tokens: int | None = None, overwrite: bool = False, progress: bool = True,
         address: str | None = None, local: bool = False) -> Prepared:
     """Prepare `sources` into a dataset at `out` (see raytp.data.prepare); ValueError (one line naming the
     file, key or option) for bad input, before anything is written where that can be checked."""
@@ -128,6 +128,7 @@ def run(sources: list[str], tokenizer: str, out: str, text_key: str = "text", eo
     files = sources_mod.expand_all(sources)
     if not any(f.size for f in files):
         raise ValueError(f"{', '.join(sources)}: an empty source (its files hold no bytes)")
+    shard_tokens = shard_tokens or plan.shard_size(files)
     shards = plan.plan(files, shard_tokens, _check_all(files, text_key))
     store = Storage(out)
     fp = plan.fingerprint(files, tok.sha256, tok.eod_id, text_key, shard_tokens)

@@ -18,7 +18,9 @@ from raytp.data.prepare.sources import File
 
 BYTES_PER_TOKEN = 4       # text per token of a BPE vocabulary, about (English, code)
 COMPRESSION_RATIO = 4     # text per byte of a compressed JSON-lines file, about
-SHARD_TOKENS = 1 << 23    # default: ~8M tokens (~32 MB of text) per shard
+SHARD_TOKENS = 1 << 23    # default: ~8M tokens (~32 MB of text) per shard ...
+SPREAD = 64               # ... fewer for a corpus of fewer shards than this (it is still many tasks at once) ...
+MIN_SHARD_TOKENS = 1 << 20  # ... down to ~1M tokens a shard
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,14 @@ def pieces_of(f: File, i: int, target: int, row_group_bytes: tuple[int, ...] = (
     if f.kind == "jsonl" and not f.compression and f.size > target:
         return [(Piece(i, s, min(s + target, f.size)), min(target, f.size - s)) for s in range(0, f.size, target)]
     return [(Piece(i), estimate(f))]
+
+
+def shard_size(files: list[File]) -> int:
+    """The default shard size for a corpus: SHARD_TOKENS, or smaller for a corpus of fewer than SPREAD such
+    shards (down to MIN_SHARD_TOKENS), so that a small corpus is still encoded by many tasks at once (one
+    8M-token shard would be one task on one CPU). A function of the files' sizes only, as the plan is."""
+    tokens = sum(estimate(f) for f in files) // BYTES_PER_TOKEN
+    return min(SHARD_TOKENS, max(tokens // SPREAD, MIN_SHARD_TOKENS))
 
 
 def plan(files: list[File], shard_tokens: int, row_groups: dict[int, tuple[int, ...]]) -> list[tuple[Piece, ...]]:
