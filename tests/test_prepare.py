@@ -19,7 +19,8 @@ from raytp.cli import main
 from raytp.data import manifest as manifest_mod
 from raytp.data.prepare import outdir, prepare, prepare_local
 from raytp.data.prepare.driver import run
-from raytp.data.prepare.plan import MIN_SHARD_TOKENS, SHARD_TOKENS, SPREAD, Piece, plan, shard_size
+from raytp.data.prepare.plan import MIN_SHARD_TOKENS, SPREAD, Piece, plan, shard_size
+from raytp.data.prepare.plan import SHARD_TOKENS as DEFAULT_SHARD_TOKENS
 from raytp.data.prepare.sources import File, format_of
 from raytp.files.storage import Storage
 
@@ -65,7 +66,7 @@ def test_a_small_corpus_is_cut_into_smaller_shards_so_that_many_tasks_encode_it(
         return [File("a.jsonl", "jsonl", mb << 20, None, "")]
     assert shard_size(corpus(1)) == MIN_SHARD_TOKENS  # 256k tokens: one shard of the smallest size
     assert shard_size(corpus(1024)) == (1024 << 18) // SPREAD  # 268M tokens: SPREAD shards of ~4M
-    assert shard_size(corpus(1 << 20)) == SHARD_TOKENS  # a TB: the default size
+    assert shard_size(corpus(1 << 20)) == DEFAULT_SHARD_TOKENS  # a TB: the default size
 
 
 @pytest.mark.parametrize("names, marker, overwrite, expected", [
