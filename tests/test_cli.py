@@ -41,12 +41,17 @@ def test_default_job_trains_and_writes_run_dir(tmp_path):
     assert "step 40/40" in p.stderr
 
 
+# Each case is a fresh process (~2 s): the quick tier keeps one config rule and one file check. The other
+# rules are test_config's, in this process; most are test_api's too, through this command's code (CliRunner).
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("args, key", [
     (["--set", "parallel.tp=3"], "parallel.tp"),
-    (["--set", "train.stepz=3"], "train.stepz"),
-    (["--set", "train.lr=abc"], "train.lr"),
-    (["--set", "model.n_layer=0"], "model.n_layer"),
-    (["--set", "train.batch_size=7", "--set", "parallel.dp=2"], "train.batch_size"),
+    pytest.param(["--set", "train.stepz=3"], "train.stepz", marks=SLOW),
+    pytest.param(["--set", "train.lr=abc"], "train.lr", marks=SLOW),
+    pytest.param(["--set", "model.n_layer=0"], "model.n_layer", marks=SLOW),
+    pytest.param(["--set", "train.batch_size=7", "--set", "parallel.dp=2"], "train.batch_size", marks=SLOW),
     (["--set", "data.source=/nonexistent/corpus"], "data.source"),
 ])
 def test_bad_job_exits_before_ray_starts(args, key, tmp_path):
@@ -84,10 +89,10 @@ def test_a_short_try_shortens_the_warmup_with_one_warning(tmp_path):
     assert "step 3/3" in p.stderr
 
 
-@pytest.mark.parametrize("args, key, code", [
-    (["--set", "model.vocab_size=100"], "model.vocab_size", 2),             # the data has byte ids up to 255
+@pytest.mark.parametrize("args, key, code", [  # the slow ones: also test_api's, through this command's code
+    pytest.param(["--set", "model.vocab_size=100"], "model.vocab_size", 2, marks=SLOW),  # byte ids up to 255
     (["--set", "checkpoint.dir=/etc/passwd/ckpt"], "checkpoint.dir", 2),   # under a file: not writable
-    (["--set", "checkpoint.dir=nosuch://x"], "checkpoint.dir", 2),
+    pytest.param(["--set", "checkpoint.dir=nosuch://x"], "checkpoint.dir", 2, marks=SLOW),
     (["--set", "model.block_size=100000000"], "model.block_size", 2),   # no node can hold a worker
 ])
 def test_refusals_name_the_key_in_one_line_and_leave_nothing(args, key, code, tmp_path):

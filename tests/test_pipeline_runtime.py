@@ -111,19 +111,16 @@ def pp2_dp2(ray_local, tmp_path_factory):
     return run_dir
 
 
-def test_sigkill_of_the_last_stage_loses_nothing(pp2_dp2, tmp_path):
-    run(pp_job(2, dp=2), tmp_path / "run", "pp2kill", faults=[(3, signal_rank(3, signal.SIGKILL))])
-    (fail,), (rec,) = events(tmp_path / "run", "failure"), events(tmp_path / "run", "recovered")
-    assert fail["rank"] == 3 and rec["lost_steps"] == 0 and rec["source"] == "replica"
-    assert_bitwise_equal(final_state(tmp_path / "run", STEPS), final_state(pp2_dp2, STEPS))
-
-
-def test_a_hung_first_stage_worker_is_found_and_replaced(pp2_dp2, tmp_path):
-    """SIGSTOP: its peers block in their sends, receives and all-reduces; the step deadline finds it."""
+def test_a_sigkilled_last_stage_then_a_hung_first_stage_are_replaced_and_lose_nothing(pp2_dp2, tmp_path):
+    """One run, two faults, each restored from the DP replica: rank 3 (the last stage) SIGKILLed after step 2;
+    then rank 0 (the first stage) SIGSTOPped after step 5: its peers block in their sends, receives and
+    all-reduces, and the step deadline finds it."""
     cfg = pp_job(2, dp=2, step_timeout_s=4.0, ping_timeout_s=2.0)
-    run(cfg, tmp_path / "run", "pp2hang", faults=[(3, signal_rank(0, signal.SIGSTOP))])
-    (fail,), (rec,) = events(tmp_path / "run", "failure"), events(tmp_path / "run", "recovered")
-    assert fail["rank"] == 0 and fail["cause"] == "hung" and rec["lost_steps"] == 0
+    run(cfg, tmp_path / "run", "pp2faults",
+        faults=[(2, signal_rank(3, signal.SIGKILL)), (5, signal_rank(0, signal.SIGSTOP))])
+    fails, recs = events(tmp_path / "run", "failure"), events(tmp_path / "run", "recovered")
+    assert [(f["rank"], f["cause"]) for f in fails] == [(3, "died"), (0, "hung")], fails
+    assert [(r["source"], r["lost_steps"]) for r in recs] == [("replica", 0)] * 2, recs
     assert_bitwise_equal(final_state(tmp_path / "run", STEPS), final_state(pp2_dp2, STEPS))
 
 

@@ -78,17 +78,6 @@ def test_a_warm_spare_takes_the_place_of_a_killed_worker(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_hung_worker_is_detected_by_the_step_deadline_and_replaced(reference, tmp_path):
-    run_dir = tmp_path / "run"
-    cfg = recovery_job(2, 2, step_timeout_s=4.0, recovery={"ping_timeout_s": 2.0})
-    run(cfg, run_dir, "hang", faults=[(6, signal_rank(1, signal.SIGSTOP))])
-    assert_bitwise_equal(final_state(run_dir), reference(2, 2))
-    (fail,), (rec,) = events(run_dir, "failure"), events(run_dir, "recovered")
-    assert fail["rank"] == 1 and fail["cause"] == "hung"
-    assert rec["source"] == "replica" and rec["lost_steps"] == 0
-
-
-@pytest.mark.slow
 def test_two_failures_in_one_run(reference, tmp_path):
     """TP=4 x DP=1, no replica: a random rank SIGKILLed at a random step, then another after step 10; each
     restored from the snapshot (the first alone is the single-kill case at this layout)."""
@@ -110,20 +99,23 @@ def test_two_failures_in_one_run(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_failure_during_a_checkpoint_save(reference, tmp_path):
-    """Rank 1 dies inside the save of step 8: the job heals, saves step 8 again, and finishes."""
+def test_failure_during_a_checkpoint_save_then_a_hung_worker(reference, tmp_path):
+    """TP=2 x DP=2, two faults in one run, each restored from the DP replica: rank 1 dies inside the save of
+    step 8 (the job heals, saves step 8 again and goes on); then rank 1's new process is SIGSTOPped after
+    step 10, and the step deadline finds it."""
     from faulty import DiesInSave
     DiesInSave.marker = str(tmp_path / "died-once")
     run_dir = tmp_path / "run"
-    cfg = recovery_job(2, 2)
+    cfg = recovery_job(2, 2, step_timeout_s=4.0, recovery={"ping_timeout_s": 2.0})
     cfg = cfg.__class__(**{**cfg.__dict__, "checkpoint": cfg.checkpoint.__class__(every=8, keep=3)})
-    run(cfg, run_dir, "insave", worker_cls=DiesInSave)
+    run(cfg, run_dir, "insave", faults=[(10, signal_rank(1, signal.SIGSTOP))], worker_cls=DiesInSave)
     assert os.path.exists(DiesInSave.marker), "the fault was not injected"
     assert_bitwise_equal(final_state(run_dir), reference(2, 2))
     assert [e["step"] for e in events(run_dir, "checkpoint")] == [8, 16]
     assert checkpoint.find(str(run_dir / "checkpoints" / "step-00000008")).step == 8
-    (rec,) = events(run_dir, "recovered")
-    assert rec["source"] == "replica"
+    fails, recs = events(run_dir, "failure"), events(run_dir, "recovered")
+    assert [f["rank"] for f in fails] == [1, 1] and fails[1]["cause"] == "hung", fails
+    assert [r["source"] for r in recs] == ["replica", "replica"] and recs[1]["lost_steps"] == 0, recs
 
 
 @pytest.mark.slow

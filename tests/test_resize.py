@@ -14,6 +14,55 @@ PHASES = [(2, 2), (4, 2), (1, 2), (1, 1), (1, 2)]  # layouts, 4 steps each
 STEPS = 4 * len(PHASES)
 
 
+# The quick tests come first: they run in the shared Ray (conftest.ray_local, 4 CPUs: a TP 2 -> 4 grow
+# fits), which the slow ones' ray_wide below ends for good in this module.
+def test_invalid_requests_are_refused_and_the_job_is_untouched(ray_local, tmp_path):
+    d = Driver(job(2, 1, steps=4, placement_timeout_s=2.0), tmp_path / "run", "refuse", out=io.StringIO())
+    try:
+        d.start()
+        d.train_loop(until=2)
+        pids = {a["pid"] for a in ray_actors("raytp.refuse.rank").values()}
+        bad_tp = d.resize(3, 1)
+        assert not bad_tp.ok and "parallel.tp: 3 does not divide model.n_head=4; valid tp: 1, 2, 4" in bad_tp.error
+        too_big = d.resize(2, 8)  # 16 workers on 4 CPUs
+        assert not too_big.ok and "could not place the workers" in too_big.error
+        bad_dp = d.resize(2, 3)
+        assert not bad_dp.ok and "train.batch_size" in bad_dp.error
+        assert (d.layout.tp, d.layout.dp) == (2, 1)
+        assert {a["pid"] for a in ray_actors("raytp.refuse.rank").values()} == pids
+        d.train_loop()
+        assert d.step == 4
+    finally:
+        d.release()
+        d.log.close()
+
+
+def test_a_tp_resize_that_fails_midway_rolls_back(ray_local, tmp_path):
+    """A rank the resize started dies in its setup: the job goes back to TP=2 with the same model."""
+    DiesInResizeSetup.marker = str(tmp_path / "died-once")
+    d = Driver(job(2, 1, steps=6, collective_timeout_s=15.0), tmp_path / "run", "rollback", out=io.StringIO())
+    d.worker_cls = DiesInResizeSetup
+    try:
+        d.start()
+        d.train_loop(until=3)
+        before = d.logits(FIXED)
+        outcome = d.resize(4, 1)
+        assert (tmp_path / "died-once").exists(), "the fault was not injected"
+        assert not outcome.ok and "rolled back" in outcome.error, outcome
+        assert (d.layout.tp, d.layout.dp) == (2, 1) and d.step == 3
+        assert sorted(ray_actors("raytp.rollback.rank")) == ["raytp.rollback.rank0", "raytp.rollback.rank1"]
+        assert float((d.logits(FIXED) - before).abs().max()) < 1e-6
+        table = ray.util.placement_group_table()
+        assert not [g for g in table.values() if ".ext" in g["name"] and g["state"] != "REMOVED"]
+        d.train_loop()
+        assert d.step == 6
+    finally:
+        d.release()
+        d.log.close()
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert steps == list(range(6))
+
+
 @pytest.fixture(scope="module")
 def ray_wide(no_shared_ray):
     """A local Ray with room for two layouts at once (resizes reserve the new one first)."""
@@ -68,53 +117,6 @@ def test_resizes_keep_the_model_and_track_an_unresized_run(ray_wide, tmp_path):
     assert [e["bytes"] > 0 for e in resized] == [not s for s in shrink]  # a DP shrink moves nothing
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [(m["tp"], m["dp"]) for m in metrics[::4]] == PHASES
-
-
-def test_invalid_requests_are_refused_and_the_job_is_untouched(ray_wide, tmp_path):
-    d = Driver(job(2, 1, steps=4, placement_timeout_s=2.0), tmp_path / "run", "refuse", out=io.StringIO())
-    try:
-        d.start()
-        d.train_loop(until=2)
-        pids = {a["pid"] for a in ray_actors("raytp.refuse.rank").values()}
-        bad_tp = d.resize(3, 1)
-        assert not bad_tp.ok and "parallel.tp: 3 does not divide model.n_head=4; valid tp: 1, 2, 4" in bad_tp.error
-        too_big = d.resize(2, 8)  # 16 workers on 12 CPUs
-        assert not too_big.ok and "could not place the workers" in too_big.error
-        bad_dp = d.resize(2, 3)
-        assert not bad_dp.ok and "train.batch_size" in bad_dp.error
-        assert (d.layout.tp, d.layout.dp) == (2, 1)
-        assert {a["pid"] for a in ray_actors("raytp.refuse.rank").values()} == pids
-        d.train_loop()
-        assert d.step == 4
-    finally:
-        d.release()
-        d.log.close()
-
-
-def test_a_tp_resize_that_fails_midway_rolls_back(ray_wide, tmp_path):
-    """A rank the resize started dies in its setup: the job goes back to TP=2 with the same model."""
-    DiesInResizeSetup.marker = str(tmp_path / "died-once")
-    d = Driver(job(2, 1, steps=6, collective_timeout_s=15.0), tmp_path / "run", "rollback", out=io.StringIO())
-    d.worker_cls = DiesInResizeSetup
-    try:
-        d.start()
-        d.train_loop(until=3)
-        before = d.logits(FIXED)
-        outcome = d.resize(4, 1)
-        assert (tmp_path / "died-once").exists(), "the fault was not injected"
-        assert not outcome.ok and "rolled back" in outcome.error, outcome
-        assert (d.layout.tp, d.layout.dp) == (2, 1) and d.step == 3
-        assert sorted(ray_actors("raytp.rollback.rank")) == ["raytp.rollback.rank0", "raytp.rollback.rank1"]
-        assert float((d.logits(FIXED) - before).abs().max()) < 1e-6
-        table = ray.util.placement_group_table()
-        assert not [g for g in table.values() if ".ext" in g["name"] and g["state"] != "REMOVED"]
-        d.train_loop()
-        assert d.step == 6
-    finally:
-        d.release()
-        d.log.close()
-    steps = [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert steps == list(range(6))
 
 
 @pytest.mark.slow

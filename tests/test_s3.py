@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import NEVER_S, close, drive, full_state, job, losses, run
+from helpers import NEVER_S, close, drive, full_state, job, losses, run, save_shards, small_state
 from raytp.runtime.origin import from_checkpoint
 from raytp.files import checkpoint
 from raytp.files.storage import Storage
@@ -29,9 +29,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def s3(no_shared_ray):
-    """moto's S3 server on a loopback port; the AWS_* environment pointing at it, set before Ray starts
-    (so the workers have it too); a fresh local Ray; shut down afterwards."""
+def s3_server():
+    """moto's S3 server on a loopback port, with the bucket; the AWS_* environment pointing at it (for this
+    process and for a Ray started after it: fixture s3); shut down afterwards."""
     server = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
     port = _free_port()
     proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
@@ -40,7 +40,6 @@ def s3(no_shared_ray):
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    import ray
     try:
         deadline = time.monotonic() + NEVER_S
         while True:
@@ -52,10 +51,8 @@ def s3(no_shared_ray):
                 time.sleep(0.2)
         import boto3
         boto3.client("s3").create_bucket(Bucket=BUCKET)
-        ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="raytp", log_to_driver=False)
         yield env
     finally:
-        ray.shutdown()
         proc.terminate()
         proc.wait(timeout=30)
         for k, v in saved.items():
@@ -63,6 +60,15 @@ def s3(no_shared_ray):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def s3(s3_server, no_shared_ray):
+    """s3_server, and a fresh local Ray started after it (so the workers have its environment too)."""
+    import ray
+    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="raytp", log_to_driver=False)
+    yield s3_server
+    ray.shutdown()
 
 
 @pytest.mark.slow
@@ -92,10 +98,12 @@ def test_workers_write_their_own_objects_and_a_resume_reads_its_slices(s3, tmp_p
     assert full["model"]["wte.weight"].shape == (256, 64)
 
 
-def test_broken_objects_are_refused_by_name_and_a_missing_bucket_before_anything_starts(s3, tmp_path):
+def test_broken_objects_are_refused_by_name_and_a_missing_bucket_before_anything_starts(s3_server, tmp_path):
+    """A TP=2 checkpoint written to the bucket as the workers write theirs (helpers.save_shards, without Ray:
+    that the workers write their own objects is test_workers_write_their_own_objects'), then broken."""
     url = f"s3://{BUCKET}/run-c/checkpoints"
-    d, _, _ = drive(job(2, 1, steps=4, checkpoint={"every": 4, "dir": url}), tmp_path / "c", "s3c")
-    close(d)
+    cfg, _, shards = small_state(tp=2)
+    save_shards(url, 4, shards, cfg)
     storage = Storage(url)
     storage.write_bytes("step-00000004/tp001.safetensors", storage.read_bytes("step-00000004/tp001.safetensors")[:64])
     with pytest.raises(checkpoint.CheckpointError, match=r"step-00000004/tp001\.safetensors: truncated"):
