@@ -7,8 +7,8 @@ from typing import Any
 from raytp.config.tracking import LIBRARIES
 from raytp.config.schema import LEAVES, ConfigError, JobConfig, Range, at, show
 from raytp.models.args import ModelArgs
-from raytp.models.registry import SPECS
-from raytp.models.spec import divisors as _divisors
+from raytp.models.arch import ARCHES
+from raytp.models.facts import divisors as _divisors
 from raytp.names import RUN_NAME
 from raytp.tp_degrees import tp_degrees
 
@@ -24,7 +24,7 @@ def _shape(v) -> tuple[int, int, int, str]:
     """(query heads, KV heads, MLP width, the MLP width's job key) of the model section."""
     args = ModelArgs(n_head=v["model.n_head"], n_embd=v["model.n_embd"], arch=v["model.arch"],
                      n_kv_head=v["model.n_kv_head"], intermediate_size=v["model.intermediate_size"])
-    width_key = SPECS[args.arch].width_key if args.mlp_width != 4 * args.n_embd else "4*model.n_embd"
+    width_key = ARCHES[args.arch].width_key if args.mlp_width != 4 * args.n_embd else "4*model.n_embd"
     return args.n_head, args.kv_heads, args.mlp_width, width_key
 
 
@@ -100,7 +100,7 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
                f"valid n_head: {_divisors(v['model.n_embd'])}"),
     # each architecture's own checks (its spec's job_rules), on jobs of that architecture only
     *[((*keys, "model.arch"), (lambda v, ok=ok, arch=arch: v["model.arch"] != arch or ok(v)), message)
-      for arch, spec in SPECS.items() for keys, ok, message in spec.job_rules],
+      for arch, facts in ARCHES.items() for keys, ok, message in facts.job_rules],
     # Attention heads (query, and key/value) and the MLP's hidden units are split over TP.
     (("parallel.tp", *_MODEL),
      lambda v: v["parallel.tp"] in _tp_degrees(v),

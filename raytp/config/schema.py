@@ -15,7 +15,7 @@ from typing import Any, Optional
 from raytp.config.data_mix import Mix
 from raytp.config.tracking import MlflowTarget, WandbTarget
 from raytp.models.args import RopeScaling
-from raytp.models.registry import SPECS
+from raytp.models.arch import ARCHES
 
 
 class ConfigError(Exception):
@@ -81,7 +81,7 @@ class ModelConfig:
         None, "a Hugging Face GPT-2 or Llama directory (config.json and safetensors, one file or sharded with "
               "an index) to start from; its config sets the shape keys (a Llama keeps the job's block_size, up "
               "to its max_position_embeddings)")
-    arch: str = _f("gpt2", "architecture: " + " or ".join(s.summary for s in SPECS.values()), tuple(SPECS))
+    arch: str = _f("gpt2", "architecture: " + " or ".join(a.summary for a in ARCHES.values()), tuple(ARCHES))
     n_kv_head: Optional[int] = _f(None, "llama: key/value heads (grouped-query attention); null = n_head",
                                   POSITIVE)
     intermediate_size: Optional[int] = _f(None, "llama: SwiGLU hidden width; null = 4*n_embd", POSITIVE)

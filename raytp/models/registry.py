@@ -6,19 +6,19 @@ architecture a Hugging Face directory holds, and the job checks of each.
 """
 from __future__ import annotations
 
+import importlib
 import re
 
 import torch
 
 from raytp.models.args import ModelArgs
 from raytp.models.base import CausalLM
-from raytp.models.gpt2.spec import SPEC as GPT2
-from raytp.models.llama.spec import SPEC as LLAMA
+from raytp.models.arch import ARCHES
 from raytp.models.spec import ModelSpec
 from raytp.parallel.sharding import KV_HEADS, REPLICATED, Sharding
 from raytp.tp_degrees import kv_fits, tp_degrees
 
-SPECS: dict[str, ModelSpec] = {s.name: s for s in (GPT2, LLAMA)}
+SPECS: dict[str, ModelSpec] = {name: importlib.import_module(f"raytp.models.{name}.spec").SPEC for name in ARCHES}
 
 
 def spec(arch: str | ModelArgs) -> ModelSpec:

@@ -3,24 +3,22 @@
 An architecture is a folder of raytp.models (gpt2/, llama/) whose ``spec.py``
 builds its ModelSpec from the folder's modules: the plain PyTorch model, how
 its parameters split over TP ranks and the plan that swaps in the parallel
-layers, its Hugging Face spelling, and the job checks that only it needs.
-raytp.models.registry is the one place that names the architectures; the rest
-of raytp asks it, never an architecture's modules, so a third architecture
-is one new folder and one line there.
+layers, its Hugging Face spelling, and its facts for a job (``facts.py``: name,
+help, the job checks that only it needs; torch-free, raytp.models.facts).
+raytp.models.arch is the one place that names the architectures and
+raytp.models.registry builds their specs from it; the rest of raytp asks the
+registry (or, for a job's checks, arch), never an architecture's modules, so a
+third architecture is one new folder and one line there.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
+from raytp.models.facts import ArchFacts
 from raytp.models.args import ModelArgs
 from raytp.models.base import CausalLM
 from raytp.parallel.sharding import Sharding
-
-# A job check: (the dotted keys it reads, the first one named in the message; ok(v); message(v)),
-# v mapping dotted job keys to values (raytp.config.rules runs them, only on jobs of this architecture).
-JobRule = tuple[tuple[str, ...], Callable[[dict], Any], Callable[[dict], str]]
-
 
 @dataclass(frozen=True)
 class HFAdapter:
@@ -36,19 +34,21 @@ class HFAdapter:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    name: str                                # model.arch
-    title: str                               # for messages ("GPT-2")
-    summary: str                             # the job key's help text
+    facts: ArchFacts                         # its name and job checks (raytp.models.facts: no torch there)
     model: type[CausalLM]
     sharding: tuple[tuple[str, Sharding], ...]  # (regex over parameter names, how it splits); else replicated
     parallelize: Callable                    # (model, group, sequence_parallel, sliced, rank, tp): swap modules
     tag: Callable                            # (model, group, sequence_parallel, rank, tp): mark what TP sums
-    width_key: str                           # the job key that sets the MLP width, for job messages
-    width_name: str                          # the MLP width's name in the model's terms, for check_tp
     hf: HFAdapter
-    job_rules: tuple[JobRule, ...] = field(default=())
 
+    @property
+    def name(self) -> str:
+        return self.facts.name
 
-def divisors(n: int) -> str:
-    """'1, 2, 4' for 4: the valid choices a job check names."""
-    return ", ".join(str(i) for i in range(1, n + 1) if n % i == 0)
+    @property
+    def title(self) -> str:
+        return self.facts.title
+
+    @property
+    def width_name(self) -> str:
+        return self.facts.width_name

@@ -1,16 +1,15 @@
-"""GPT-2 as raytp knows it: one ModelSpec (raytp.models.spec) from this folder's modules."""
+"""GPT-2 as raytp knows it: one ModelSpec (raytp.models.spec) from this folder's modules and its facts for a
+job (facts.py)."""
 from __future__ import annotations
 
 from raytp.models.gpt2 import hf, plan
+from raytp.models.gpt2.facts import FACTS
 from raytp.models.gpt2.model import GPT
 from raytp.models.spec import HFAdapter, ModelSpec
 
 SPEC = ModelSpec(
-    name="gpt2", title="GPT-2",
-    summary="gpt2 (learned positions, GELU MLP, tied head)",
+    facts=FACTS,
     model=GPT, sharding=plan.SHARDING, parallelize=plan.swap_parallel, tag=plan.tag,
-    width_key="4*model.n_embd",
-    width_name="mlp width 4*n_embd",
     hf=HFAdapter(model_types=hf.MODEL_TYPES, config_to_hf=hf.hf_config, config_from_hf=hf.config_from_hf,
                  to_hf=hf.to_hf, from_hf=hf.from_hf, bin_state=hf.from_hf_state),
 )

@@ -1,32 +1,15 @@
 """Llama as raytp knows it (Llama 2/3, Mistral without sliding window, Qwen and SmolLM shapes): one
-ModelSpec (raytp.models.spec) from this folder's modules, and the job checks only a Llama needs."""
+ModelSpec (raytp.models.spec) from this folder's modules and its facts for a job (facts.py)."""
 from __future__ import annotations
 
 from raytp.models.llama import hf, plan
+from raytp.models.llama.facts import FACTS
 from raytp.models.llama.model import Llama
-from raytp.models.spec import HFAdapter, ModelSpec, divisors
-
-JOB_RULES = (
-    (("model.n_kv_head", "model.n_head"),
-     lambda v: v["model.n_kv_head"] is None or v["model.n_head"] % v["model.n_kv_head"] == 0,
-     lambda v: f"{v['model.n_kv_head']} does not divide model.n_head={v['model.n_head']} (each KV head serves "
-               f"a group of query heads); valid: {divisors(v['model.n_head'])}"),
-    (("model.dropout",),
-     lambda v: v["model.dropout"] == 0,
-     lambda v: f"{v['model.dropout']}, but the llama architecture has no dropout; set it to 0"),
-    (("model.n_head", "model.n_embd"),
-     lambda v: (v["model.n_embd"] // v["model.n_head"]) % 2 == 0,
-     lambda v: f"{v['model.n_head']} heads make a head width of {v['model.n_embd'] // v['model.n_head']}; "
-               "rotary position embedding needs an even head width (model.n_embd / model.n_head)"),
-)
+from raytp.models.spec import HFAdapter, ModelSpec
 
 SPEC = ModelSpec(
-    name="llama", title="Llama",
-    summary="llama (rotary positions, SwiGLU MLP, RMSNorm, grouped-query attention, no biases)",
+    facts=FACTS,
     model=Llama, sharding=plan.SHARDING, parallelize=plan.swap_parallel, tag=plan.tag,
-    width_key="model.intermediate_size",
-    width_name="intermediate_size",
     hf=HFAdapter(model_types=hf.MODEL_TYPES, config_to_hf=hf.hf_config, config_from_hf=hf.config_from_hf,
                  to_hf=hf.to_hf, from_hf=hf.from_hf, block_size=hf.block_size),
-    job_rules=JOB_RULES,
 )
