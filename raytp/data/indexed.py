@@ -52,18 +52,25 @@ def read_index(path: Path) -> Index:
     return Index(CODES[code], sizes, pointers, documents)
 
 
+def index_bytes(sizes: np.ndarray, dtype) -> bytes:
+    """A Megatron-LM .idx for documents of these lengths, one sequence per document (as preprocess_data.py
+    writes it)."""
+    code = {np.dtype(v): k for k, v in CODES.items()}[np.dtype(dtype)]
+    sizes = np.asarray(sizes, dtype=np.int32)
+    pointers = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
+    return (MAGIC + struct.pack("<QBQQ", 1, code, len(sizes), len(sizes) + 1) + sizes.tobytes()
+            + (pointers * np.dtype(dtype).itemsize).tobytes() + np.arange(len(sizes) + 1, dtype=np.int64).tobytes())
+
+
 def write_indexed(prefix: Path, documents: list[np.ndarray], dtype=np.int32) -> None:
     """Write documents (1-D id arrays) as a Megatron-LM indexed dataset ``prefix.bin`` + ``prefix.idx``, one
     sequence per document, as preprocess_data.py does (the index written last)."""
-    code = {v: k for k, v in CODES.items()}[np.dtype(dtype).type]
-    sizes = np.array([len(d) for d in documents], dtype=np.int32)
-    pointers = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64)]).astype(np.int64) * np.dtype(dtype).itemsize
     with open(f"{prefix}.bin", "wb") as f:
         for d in documents:
             f.write(np.asarray(d, dtype=dtype).tobytes())
     with open(f"{prefix}.idx", "wb") as f:
-        f.write(MAGIC + struct.pack("<QBQQ", 1, code, len(sizes), len(sizes) + 1))
-        f.write(sizes.tobytes() + pointers.tobytes() + np.arange(len(sizes) + 1, dtype=np.int64).tobytes())
+        f.write(index_bytes(np.array([len(d) for d in documents]), dtype))
 
 
 def open_tokens(path: Path, dtype: str | None) -> tuple[np.ndarray, str]:

@@ -10,13 +10,12 @@ once the manifest, written last by the driver, names it.
 from __future__ import annotations
 
 import os
-import struct
 import uuid
 from contextlib import contextmanager
 
 import numpy as np
 
-from raytp.data.indexed import CODES, MAGIC
+from raytp.data.indexed import index_bytes
 from raytp.data.prepare import read
 from raytp.data.prepare.plan import Piece
 from raytp.data.prepare.sources import File
@@ -55,17 +54,6 @@ def _written(store: Storage, name: str):
         os.replace(store.path(tmp), store.path(name))
     finally:
         store.remove(tmp)  # gone already unless writing failed
-
-
-def index_bytes(sizes: np.ndarray, dtype: np.dtype) -> bytes:
-    """A Megatron-LM .idx for documents of these lengths (one sequence per document), as
-    raytp.data.indexed.write_indexed writes it."""
-    code = {np.dtype(v): k for k, v in CODES.items()}[np.dtype(dtype)]
-    sizes = np.asarray(sizes, dtype=np.int32)
-    pointers = np.zeros(len(sizes), dtype=np.int64)
-    np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
-    return (MAGIC + struct.pack("<QBQQ", 1, code, len(sizes), len(sizes) + 1) + sizes.tobytes()
-            + (pointers * np.dtype(dtype).itemsize).tobytes() + np.arange(len(sizes) + 1, dtype=np.int64).tobytes())
 
 
 def _batches(files: list[File], pieces: tuple[Piece, ...], key: str):
