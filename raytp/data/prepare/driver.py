@@ -8,6 +8,11 @@ opened (raytp.data.prepare.outdir). Then each shard is one Ray Data row: `map_ba
 shard.write_shard in a task of one CPU (the tokenizer's own threads off, so a node runs as many tasks as it
 has CPUs), which returns its counts (or the error of its input, reported as one line). The manifest is
 written once every shard is.
+
+Why shards as rows rather than Ray Data's own readers (read_json, read_parquet): a shard's bytes must be a
+function of the inputs alone (the same dataset on any cluster, a re-run that recognises its own output), and a
+bad record must be named by file and line; Ray Data's blocks depend on the cluster and its readers drop line
+numbers. Each task still streams its pieces (byte ranges, row groups) and never holds a whole file.
 """
 from __future__ import annotations
 
