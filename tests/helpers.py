@@ -262,7 +262,7 @@ def hf_shard_at_tp(rank, world, init, model_dir):
     return model, groups
 
 
-def write_prepared(root, seed, lo, hi, shards=2, docs=80, eod=255):
+def write_prepared(root, seed, lo, hi, shards=2, docs=80, eod=255, sha="test"):
     """A raytp prepared dataset written by hand from the format (raytp.data.manifest; the manifest last):
     `shards` shards of `docs` documents of ids in [lo, hi), each ended by `eod`; returns its path."""
     import numpy as np
@@ -275,7 +275,7 @@ def write_prepared(root, seed, lo, hi, shards=2, docs=80, eod=255):
         ds = [np.append(rng.integers(lo, hi, rng.integers(5, 60)), eod) for _ in range(docs)]
         write_indexed(root / f"shard-{s:05d}", ds, np.uint16)
         listed.append(mf.Shard(f"shard-{s:05d}", len(ds), int(sum(len(d) for d in ds))))
-    m = mf.Manifest({"sha256": "test", "vocab_size": 256, "eod_id": eod, "eod_token": "<eod>"}, "uint16",
+    m = mf.Manifest({"sha256": sha, "vocab_size": 256, "eod_id": eod, "eod_token": "<eod>"}, "uint16",
                     tuple(listed), ("test",))
     (root / mf.NAME).write_text(m.to_json())
     return str(root)

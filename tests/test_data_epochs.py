@@ -36,8 +36,11 @@ def test_every_window_once_per_epoch_at_dp_1_2_and_across_a_resize(positions):
                 assert (x[:, 1:] == y[:, :-1]).all() and (y[:, -1] == x[:, -1] + 1).all()
                 seen += windows_of(x.numpy())
         assert len(seen) == len(set(seen)) == steps * BATCH  # none twice ...
-    x, _ = batch(positions, "train", 7, steps + 1, 0, 1, BATCH, BLOCK)  # ... and the next epoch in a new order
-    assert max(windows_of(x.numpy())) < n
+    first = [w for s in range(steps) for w in windows_of(batch(positions, "train", 7, s, 0, 1, BATCH, BLOCK)[0].numpy())]
+    per_epoch = n // BATCH * BATCH  # whole steps of the second epoch start at sample n
+    later = [w for s in range(n // BATCH + 1, 2 * n // BATCH)
+             for w in windows_of(batch(positions, "train", 7, s, 0, 1, BATCH, BLOCK)[0].numpy())]
+    assert len(later) >= per_epoch // 2 and later != first[:len(later)]  # ... and the next epoch in a new order
 
 
 def test_a_blend_keeps_its_weights_every_step_and_reads_each_source_in_epochs(tmp_path):
@@ -101,3 +104,15 @@ def test_empty_or_too_small_data_is_refused_before_the_start(tmp_path):
                                                     r"model.block_size\+1 = 33")):
         with pytest.raises(BadJob, match=f"^data.source: {message}" if "split" not in message else message):
             check_data(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=str(source))))
+
+
+def test_sources_of_different_tokenizers_are_not_blended(tmp_path):
+    from helpers import write_prepared
+    a = write_prepared(tmp_path / "a", 0, 0, 100)
+    b = write_prepared(tmp_path / "b", 1, 0, 100, eod=254)
+    with pytest.raises(ValueError, match=r"data: the sources were prepared with different end-of-document ids: "
+                                         r".*a \(255\), .*b \(254\)"):
+        load_corpus("builtin", 0.1, mix={a: 1, b: 1})
+    c = write_prepared(tmp_path / "c", 2, 0, 100, sha="other")
+    with pytest.raises(ValueError, match=r"different tokenizers: .*a \(test\), .*c \(other\)"):
+        load_corpus(a, 0.1, val_source=c)

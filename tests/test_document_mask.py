@@ -83,3 +83,23 @@ def test_masked_training_at_tp2_with_sequence_parallelism_equals_one_device():
     assert rel.max() < 1e-5, rel
     for k in ref_state:
         assert float((state[k] - ref_state[k]).abs().max()) < 1e-5, k
+
+
+def test_a_later_pipeline_chunk_masks_from_the_tokens_and_recomputation_keeps_the_mask():
+    """A stage past the first gets the residual stream and the tokens: run in two chunks as two stages run
+    it, the masked model gives the whole model's logits; with activation checkpointing (each block recomputed
+    in backward, the mask an argument it is called with) the gradients are the same bits."""
+    model = build_model(llama_config(), SEED)
+    model.document_eod = EOD
+    idx = packed([5, 9, 3, 77, 12], [40, 41, 42, 8, 99, 100, 3])
+    whole = model(idx)
+    hidden = model(idx, layers=[0])
+    assert torch.allclose(model(idx, hidden=hidden, layers=[1]), whole, atol=1e-6)
+    targets = torch.roll(idx, -1, dims=1)
+    grads = []
+    for recompute in (False, True):
+        model.zero_grad()
+        model.activation_checkpointing = recompute
+        model(idx, targets).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

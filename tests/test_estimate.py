@@ -86,3 +86,13 @@ def test_zero1_keeps_one_dp_share_of_the_adamw_state_and_a_refusal_says_when_it_
     between = (z0.on_host + z1.on_host) // 2  # a node for one worker that only zero 1 fits
     assert zero_fits(cfg, between) and not zero_fits(cfg, z1.on_host - 1)
     assert not zero_fits(with_parallel(cfg, zero=1), 10**15)  # already sharded: nothing to suggest
+
+
+def test_a_document_mask_counts_its_bias_per_layer():
+    cfg = from_dict({"model": {"n_layer": 4, "block_size": 256}, "train": {"batch_size": 8}})
+    masked = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=True))
+    extra = _stage_memory(masked, 0).activations - _stage_memory(cfg, 0).activations
+    assert extra == 4 * 8 * 256 * 256 * 4  # layers x b x s x s x fp32
+    ckpt = dataclasses.replace(masked, train=dataclasses.replace(masked.train, activation_checkpointing=True))
+    plain_ckpt = dataclasses.replace(cfg, train=ckpt.train)
+    assert _stage_memory(ckpt, 0).activations - _stage_memory(plain_ckpt, 0).activations == 8 * 256 * 256 * 4

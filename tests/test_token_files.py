@@ -66,3 +66,22 @@ def test_a_megatron_dataset_past_uint16_trains_and_a_smaller_vocabulary_is_refus
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [0, 1, 2] and all(np.isfinite(m["loss"]) for m in metrics)
     assert abs(metrics[0]["loss"] - np.log(VOCAB)) < 1.0  # a fresh model over the whole 70k vocabulary
+
+
+def test_a_megatron_index_of_several_sequences_a_document_holds_out_whole_documents(tmp_path):
+    """Megatron's index may cut a document into several sequences (its document boundaries name sequence
+    indices): documents, not sequences, are held out."""
+    seqs = [np.full(n, i, dtype=np.int32) for i, n in enumerate([3, 4, 5, 2, 6, 7, 1, 8, 9, 5], start=1)]
+    write_indexed(tmp_path / "seq", seqs, np.int32)
+    idx = bytearray((tmp_path / "seq.idx").read_bytes())
+    docs = np.array([0, 2, 5, 6, 10], dtype=np.int64)  # 4 documents of 2, 3, 1 and 4 sequences
+    n_seq = len(seqs)
+    head = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 4, n_seq, len(docs))
+    body = bytes(idx[34:34 + n_seq * 12])
+    (tmp_path / "seq.idx").write_bytes(head + body + docs.tobytes())
+    corpus = load_corpus(str(tmp_path / "seq.bin"), 0.25)  # one document of four
+    val = set(np.concatenate(corpus.val[0].pieces).tolist())
+    assert val in ({1, 2}, {3, 4, 5}, {6}, {7, 8, 9, 10}), val  # a whole document: all of its sequences
+    (tmp_path / "seq.idx").write_bytes(head + body + np.array([0, 2, 5, 6, 11], dtype=np.int64).tobytes())
+    with pytest.raises(ValueError, match=r"seq.idx: its document boundaries do not run from sequence 0 to 10"):
+        load_corpus(str(tmp_path / "seq.bin"), 0.25)

@@ -93,8 +93,8 @@ def check_data(cfg: JobConfig) -> str:
         raise BadJob(f"model.vocab_size: {cfg.model.vocab_size} is smaller than {'data.mix' if cfg.data.mix else 'data.source'}'s vocabulary: it has "
                      f"token ids up to {corpus.vocab_size - 1}; valid: model.vocab_size >= {corpus.vocab_size}")
     for split, streams in (("training", corpus.train), ("validation", corpus.val)):
-        for stream in streams:  # (none where only peeked at: a dataset at a URL is sized by its manifest)
-            if len(stream) <= cfg.model.block_size:
+        for stream in streams:  # (None where only peeked at: a dataset at a URL is sized by its manifest)
+            if stream is not None and len(stream) <= cfg.model.block_size:
                 raise BadJob(f"data: the {split} split of {corpus.description} holds {len(stream):,} tokens, "
                              f"fewer than model.block_size+1 = {cfg.model.block_size + 1}; give more data "
                              "or a smaller block_size" + (" or a larger data.val_fraction" if split == "validation"

@@ -25,12 +25,13 @@ SPLITS = {"train": 0, "val": 1}
 
 @dataclass
 class Corpus:
-    train: list  # a Stream per source (a bare array or Stream is taken as one source)
-    val: list    # a Stream per source, or the one of data.val_source
+    train: list  # a Stream per source (a bare array or Stream is taken as one source; None: only peeked at)
+    val: list    # a Stream per source, or the one of data.val_source (None: only peeked at, or nothing held out)
     vocab_size: int
     description: str
     weights: tuple = field(default=())  # data.mix's, one per training source
     eod_id: int | None = None
+    names: tuple = field(default=())    # the training sources' names, as the job gives them
 
     def __post_init__(self):
         self.train, self.val = _streams(self.train), _streams(self.val)
@@ -44,8 +45,7 @@ class Corpus:
 
 def _streams(x) -> list:
     items = x if isinstance(x, list) else [x]
-    return [s if isinstance(s, Stream) else Stream([np.asarray(s) if not isinstance(s, np.ndarray) else s])
-            for s in items]
+    return [s if s is None or isinstance(s, Stream) else Stream([np.asarray(s)]) for s in items]
 
 
 def load_corpus(source: str, val_fraction: float = 0.1, tokenizer: str | None = None, progress: bool = False,
@@ -69,14 +69,25 @@ def load_corpus(source: str, val_fraction: float = 0.1, tokenizer: str | None = 
         val, vocab, vals = [v.train], max(s.vocab_size for s in opened + [v]), [v]
     else:
         val, vocab, vals = [s.val for s in opened], max(s.vocab_size for s in opened), []
+    _one_tokenizer(names + ([val_source] if val_source else []), opened + vals)
     eods = {s.eod_id for s in opened + vals}
     what = "; ".join(f"{mix[n]:g} x {s.description}" if mix else s.description for n, s in zip(names, opened))
     if val_source:
         what += f"; validation: {vals[0].description}"
     weights = tuple(float(mix[n]) for n in names) if mix else ()
-    whole = all(s.train is not None for s in opened + vals)  # else only peeked at (a URL's manifest)
-    return Corpus([s.train for s in opened] if whole else [], val if whole else [], vocab, what, weights,
-                  eods.pop() if len(eods) == 1 else None)
+    return Corpus([s.train for s in opened], val, vocab, what, weights, eods.pop() if len(eods) == 1 else None,
+                  tuple(names))
+
+
+def _one_tokenizer(names: list[str], sources: list) -> None:
+    """Sources read together must speak one vocabulary: prepared datasets made with different tokenizers, or
+    ending documents with different ids, are refused, naming them."""
+    for attr, what in (("tokenizer", "tokenizers"), ("eod_id", "end-of-document ids")):
+        seen = {n: getattr(s, attr) for n, s in zip(names, sources) if getattr(s, attr) is not None}
+        if len(set(seen.values())) > 1:
+            listed = ", ".join(f"{n} ({str(v)[:12]})" for n, v in seen.items())
+            raise ValueError(f"data: the sources were prepared with different {what}: {listed}; prepare them "
+                             "with one tokenizer")
 
 
 def _named(key: str, e: ValueError) -> str:
@@ -102,7 +113,7 @@ def batch(corpus: Corpus, split: str, seed: int, step: int, dp_rank: int, dp: in
         stream, sel = streams[d], np.flatnonzero(source == d)
         n = window_count(len(stream), block_size)
         if n == 0:
-            raise ValueError(f"the {split} split{f' of source {d}' if len(streams) > 1 else ''} has {len(stream)} "
+            raise ValueError(f"the {split} split{f' of {corpus.names[d]}' if len(corpus.names) > 1 else ''} has {len(stream)} "
                              f"tokens, fewer than block_size+1={block_size + 1}")
         starts = windows(index[sel], n, derive_seed(seed, SPLITS[split]), d) * block_size
         rows[sel] = stream.rows(starts, block_size + 1)
@@ -136,3 +147,19 @@ def epochs_read(corpus: Corpus, samples: int, block_size: int) -> float:
         return 0.0
     shares = [w / sum(corpus.weights) for w in corpus.weights] if len(counts) > 1 else [1.0]
     return max(samples * s / n for s, n in zip(shares, counts))
+
+
+def vocabulary_fits(corpus: Corpus, data, vocab_size: int) -> None:
+    """The data's ids are below the model's vocabulary: ValueError naming the job keys if not."""
+    if corpus.vocab_size > vocab_size:
+        raise ValueError(f"{'data.mix' if data.mix else 'data.source'} has token ids up to {corpus.vocab_size - 1}"
+                         f" but model.vocab_size={vocab_size}; raise model.vocab_size")
+
+
+def check_ids(x: torch.Tensor, y: torch.Tensor, vocab_size: int, split: str, step: int) -> None:
+    """A batch's ids are below the model's vocabulary (the check before the start reads the first 64M ids of a
+    .bin; an id past it would fail the embedding on a GPU with a device-side assert): ValueError if not."""
+    top = max(int(x.max()), int(y.max()))
+    if top >= vocab_size:
+        raise ValueError(f"data: the {split} batch of step {step} holds token id {top}, past model.vocab_size="
+                         f"{vocab_size} (the check before the start reads the first 64M ids of each .bin)")

@@ -5,7 +5,9 @@ copies it to ``$RAYTP_CACHE/datasets/<hash of the URL>/`` while the others on th
 then all map the same files (one copy per node, shared through the page cache). Each shard is copied under a
 temporary name and renamed, and the manifest is copied last: a copy cut short is resumed shard by shard, never
 mistaken for whole. A cached copy whose manifest differs from the URL's (the dataset was prepared again) is
-replaced.
+replaced. The copy happens while the workers start: a dataset that takes longer to copy than
+runtime.placement_timeout_s + runtime.collective_timeout_s fails the start (raise them, or put it on a shared
+filesystem).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from pathlib import Path
 from raytp.data import manifest as mf
 from raytp.data.tokens import cache_dir
 from raytp.files.storage import Storage, StorageError
+
+COPIERS = 8  # shard files copied at once
 
 
 def remote_manifest(url: str) -> mf.Manifest:
@@ -42,30 +46,47 @@ def local_dataset(url: str, progress: bool = False) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one copier per node; the others find it done
-        have = root / mf.NAME
+        have, copying = root / mf.NAME, root / ".copying"  # the manifest of a copy under way
         if have.exists() and have.read_text(encoding="utf-8") == text:
             return root
-        if have.exists():
-            have.unlink()  # another version of the dataset: its shards are copied again
+        started = copying.read_text(encoding="utf-8") if copying.exists() else None
+        if have.exists() or (started is not None and started != text):
+            have.unlink(missing_ok=True)  # another version of the dataset: its shards are copied again
             for p in root.glob("shard-*"):
                 p.unlink()
-        _copy_shards(store, m, root, progress)
+        copying.write_text(text, encoding="utf-8")  # a copy cut short resumes only for this version
+        try:
+            _copy_shards(store, m, root, progress)
+        except (OSError, StorageError) as e:
+            raise ValueError(f"{url}: cannot copy the dataset to {root} ({type(e).__name__}: {e})") from None
         tmp = root / f".{mf.NAME}.tmp"
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, have)
+        copying.unlink()
     return root
 
 
 def _copy_shards(store: Storage, m: mf.Manifest, root: Path, progress: bool) -> None:
+    """Each shard's files copied (COPIERS at a time: an object store serves many requests at once), each
+    under a temporary name then renamed; those already whole (their size) are kept."""
+    from concurrent.futures import ThreadPoolExecutor
     from tqdm import tqdm
+    need = m.tokens * (2 if m.dtype == "uint16" else 4) + m.documents * 20  # the .bin ids and the .idx
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise ValueError(f"the node has {free / 2**30:,.1f} GiB free at {root}, the dataset needs "
+                         f"{need / 2**30:,.1f} GiB (set RAYTP_CACHE to a larger disk)")
     files = [f"{s.prefix}{suffix}" for s in m.shards for suffix in (".idx", ".bin")]
+
+    def copy(rel: str) -> None:
+        dest = root / rel
+        if not dest.exists() or dest.stat().st_size != store.size(rel):
+            tmp = dest.with_name(f".{dest.name}.tmp")
+            with store.fs.open(store.path(rel), "rb") as src, open(tmp, "wb") as out:
+                shutil.copyfileobj(src, out, 16 << 20)
+            os.replace(tmp, dest)
+
     with tqdm(total=len(files), desc="[raytp] fetching dataset", unit="file", disable=not progress,
-              leave=False) as bar:
-        for rel in files:
-            dest = root / rel
-            if not dest.exists() or dest.stat().st_size != store.size(rel):
-                tmp = dest.with_name(f".{dest.name}.tmp")
-                with store.fs.open(store.path(rel), "rb") as src, open(tmp, "wb") as out:
-                    shutil.copyfileobj(src, out, 16 << 20)
-                os.replace(tmp, dest)
+              leave=False) as bar, ThreadPoolExecutor(COPIERS) as pool:
+        for _ in pool.map(copy, files):
             bar.update(1)

@@ -49,6 +49,8 @@ def read_index(path: Path) -> Index:
     sizes = np.frombuffer(data, dtype=np.int32, count=n_seq)
     pointers = np.frombuffer(data, dtype=np.int64, count=n_seq, offset=n_seq * 4)
     documents = np.frombuffer(data, dtype=np.int64, count=n_doc, offset=n_seq * 12)
+    if n_doc < 1 or documents[0] != 0 or documents[-1] != n_seq or (np.diff(documents) < 0).any():
+        raise ValueError(f"{path}: its document boundaries do not run from sequence 0 to {n_seq}, in order")
     return Index(CODES[code], sizes, pointers, documents)
 
 
@@ -91,7 +93,7 @@ def open_tokens(path: Path, dtype: str | None) -> tuple[np.ndarray, str]:
     kind = dtype or "uint16"
     size = path.stat().st_size
     if size % np.dtype(DTYPES[kind]).itemsize:
-        raise ValueError(f"data.source: {path} is {size} bytes, not a whole number of {kind} ids (data.dtype)")
+        raise ValueError(f"{path} is {size} bytes, not a whole number of {kind} ids (data.dtype)")
     return np.memmap(path, dtype=DTYPES[kind], mode="r"), f"{kind} ids in {path} (nanoGPT)"
 
 

@@ -9,8 +9,8 @@
 - a ``.bin``: a Megatron-LM indexed dataset when its ``.idx`` is beside it, else nanoGPT's ids (uint16, or
   ``data.dtype``); ``val.bin`` beside ``train.bin`` is the validation split.
 
-Validation is held out by whole documents, spread over each file (raytp.data.stream.hold_out); a source
-without document boundaries (nanoGPT's ``.bin``, the builtin text) holds out its tail.
+Validation is a fraction of each source's whole documents, spread over its files and over each file
+(raytp.data.stream.held_per_file, hold_out); a source with too few documents, or without document boundaries (nanoGPT's ``.bin``, the builtin text) holds out its tail.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from raytp.data import manifest as mf
 from raytp.data.indexed import largest_id, open_tokens, read_index
-from raytp.data.stream import Stream, hold_out
+from raytp.data.stream import Stream, held_per_file, hold_out, tail
 from raytp.data.tokens import cache_dir
 
 BUILTIN_MAX_BYTES = 8 << 20  # enough text for small models; reads in well under a second
@@ -40,6 +40,7 @@ class Source:
     vocab_size: int        # ids are below this
     eod_id: int | None     # the end-of-document id, when the source knows it
     description: str
+    tokenizer: str | None = None  # the sha256 of the tokenizer a prepared dataset was made with
 
 
 def is_url(name: str) -> bool:
@@ -54,7 +55,7 @@ def open_source(name: str, val_fraction: float | None, tokenizer: str | None = N
         from raytp.data.fetch import local_dataset, remote_manifest
         if peek:
             m = remote_manifest(name)
-            return Source(None, None, m.vocab_size, m.eod_id, _describe(name, m))
+            return Source(None, None, m.vocab_size, m.eod_id, _describe(name, m), m.tokenizer.get("sha256"))
         return _prepared(local_dataset(name, progress), val_fraction, name)
     path = Path(name.removeprefix("file://")).expanduser()
     if name != "builtin" and not path.exists():
@@ -94,9 +95,15 @@ def text_files(path: Path) -> list[Path]:
 
 def _split(tokens: np.ndarray, doc_ends: np.ndarray, val_fraction: float | None, vocab: int, eod: int | None,
            what: str) -> Source:
+    """A source of one file: validation held out by whole documents (raytp.data.stream), or by its tail."""
     if val_fraction is None:
         return Source(Stream([tokens]), None, vocab, eod, what)
-    train, val = hold_out(doc_ends, val_fraction)
+    held = held_per_file([len(doc_ends)], val_fraction)
+    if held is None:
+        cut = tail(len(tokens), val_fraction)
+        train, val = [(0, cut)], [(cut, len(tokens))]
+    else:
+        train, val = hold_out(doc_ends, held[0])
     return Source(Stream.of(tokens, train), Stream.of(tokens, val), vocab, eod, what)
 
 
@@ -112,24 +119,35 @@ def read_manifest(path: Path, name: str) -> mf.Manifest:
 def _prepared(path: Path, val_fraction: float | None, name: str) -> Source:
     m = read_manifest(path, name)
     _open_files_for(len(m.shards), name)
+    held = None if val_fraction is None else held_per_file([s.documents for s in m.shards], val_fraction)
     train, val = [], []
-    for shard in m.shards:
-        bin_path = path / f"{shard.prefix}.bin"
-        if not bin_path.exists():
-            raise ValueError(f"{name}: {shard.prefix}.bin is missing (the manifest lists it)")
-        tokens, _ = open_tokens(bin_path, None)
-        ends = _doc_ends(bin_path.with_suffix(".idx"))
-        if len(tokens) != shard.tokens or len(ends) != shard.documents:
-            raise ValueError(f"{name}: {shard.prefix} holds {len(tokens):,} tokens in {len(ends):,} documents, "
-                             f"the manifest says {shard.tokens:,} in {shard.documents:,}")
-        if val_fraction is None:
-            train.append(tokens)
-            continue
-        t, v = hold_out(ends, val_fraction)
+    for i, shard in enumerate(m.shards):
+        tokens, ends = _shard(path, shard, name)
+        if held is not None:
+            t, v = hold_out(ends, held[i])
+        elif val_fraction is not None and i == len(m.shards) - 1:  # too few documents: the last tokens
+            cut = max(len(tokens) - (m.tokens - tail(m.tokens, val_fraction)), 1)
+            t, v = [(0, cut)], [(cut, len(tokens))]
+        else:
+            t, v = [(0, len(tokens))], []
         train += [tokens[a:b] for a, b in t]
         val += [tokens[a:b] for a, b in v]
     return Source(Stream(train), Stream(val) if val_fraction is not None else None, m.vocab_size, m.eod_id,
-                  _describe(name, m))
+                  _describe(name, m), m.tokenizer.get("sha256"))
+
+
+def _shard(path: Path, shard: mf.Shard, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A shard's ids (memory-mapped) and its documents' end offsets, checked against the manifest."""
+    bin_path, idx_path = path / f"{shard.prefix}.bin", path / f"{shard.prefix}.idx"
+    for p in (bin_path, idx_path):
+        if not p.exists():
+            raise ValueError(f"{name}: {p.name} is missing (the manifest lists {shard.prefix})")
+    tokens, _ = open_tokens(bin_path, None)
+    ends = _doc_ends(idx_path)
+    if len(tokens) != shard.tokens or len(ends) != shard.documents:
+        raise ValueError(f"{name}: {shard.prefix} holds {len(tokens):,} tokens in {len(ends):,} documents, "
+                         f"the manifest says {shard.tokens:,} in {shard.documents:,}")
+    return tokens, ends
 
 
 def _open_files_for(shards: int, name: str, spare: int = 1024) -> None:

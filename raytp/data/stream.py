@@ -52,18 +52,30 @@ class Stream:
         return Stream([array[a:b] for a, b in ranges])
 
 
-def hold_out(doc_ends: np.ndarray, fraction: float, groups: int = 16) -> tuple[list, list]:
-    """Token ranges (train, val) of a file of documents (`doc_ends`: each document's end offset, ascending):
-    about `fraction` of the documents held out for validation, whole documents only, spread over the file in up
-    to `groups` runs (the last documents of each of `groups` equal stretches), so a file that is a mix of
-    sources keeps some of each for validation. One document: its tokens are split (tail held out)."""
-    n = len(doc_ends)
-    total = int(doc_ends[-1]) if n else 0
-    if n < 2:
-        cut = total - max(int(total * fraction), 1)
-        return [(0, cut)], [(cut, total)]
-    held = min(max(round(n * fraction), 1), n - 1)
-    g = min(groups, held)
+def held_per_file(doc_counts: list[int], fraction: float) -> list[int] | None:
+    """How many of each file's documents a source holds out for validation: `fraction` of all its documents,
+    spread over its files in proportion (so a source of many small files holds out whole documents from a
+    few of them, not one from each), every file keeping one for training. None when that makes no whole
+    document: the source's last tokens are held out instead (`tail`)."""
+    counts = np.asarray(doc_counts, dtype=np.int64)
+    held = min(round(int(counts.sum()) * fraction), int((counts - 1).clip(min=0).sum()))
+    return _shares(held, counts) if held >= 1 else None
+
+
+def tail(tokens: int, fraction: float) -> int:
+    """Where a split by tokens starts its validation tail: `fraction` of `tokens`, at least one."""
+    return tokens - max(int(tokens * fraction), 1)
+
+
+def hold_out(doc_ends: np.ndarray, held: int, groups: int = 16) -> tuple[list, list]:
+    """Token ranges (train, val) of a file of documents (`doc_ends`: each document's end offset, ascending)
+    holding out `held` whole documents (fewer than it has) for validation, spread over the file in up to
+    `groups` runs (the last documents of each of `groups` equal stretches), so a file that is a mix of sources
+    keeps some of each for validation."""
+    n, total = len(doc_ends), int(doc_ends[-1]) if len(doc_ends) else 0
+    if held <= 0:
+        return [(0, total)], []
+    g = min(groups, held, n - held)
     bounds = np.linspace(0, n, g + 1).round().astype(np.int64)  # document index where each stretch starts
     per = _shares(held, np.diff(bounds))
     train, val = [], []
@@ -81,7 +93,8 @@ def hold_out(doc_ends: np.ndarray, fraction: float, groups: int = 16) -> tuple[l
 
 
 def _shares(held: int, sizes: np.ndarray) -> list[int]:
-    """`held` documents over stretches of `sizes` documents, about in proportion, each stretch keeping one."""
+    """`held` documents over stretches of `sizes` documents, about in proportion, each stretch keeping one
+    (held < sizes.sum() - len(sizes) + 1 for it to fit)."""
     cum = np.round(held * np.cumsum(sizes) / sizes.sum()).astype(np.int64)
     per = np.minimum(np.diff(np.concatenate([[0], cum])), sizes - 1)
     for i in range(len(per)):  # what a stretch could not hold goes to the next ones with room

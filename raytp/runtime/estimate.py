@@ -110,6 +110,9 @@ def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
         kept = in_flight * layers * s * b * h * 4 / (tp if cfg.parallel.sequence_parallel else 1) + per_layer
     else:
         kept = in_flight * layers * per_layer
+    if cfg.data.document_mask:  # attention with a (b, 1, s, s) mask: SDPA keeps it as a bias, per layer
+        kept += in_flight * (1 if cfg.train.activation_checkpointing else layers) * b * s * s * (
+            4 if cfg.train.precision == "fp32" else 2)
     activations = int(kept + logits + 2 * s * b * h * 4)
     adam = 8 * local if par.zero == 0 or par.dp == 1 else math.ceil(8 * local / par.dp)  # zero 1: its rows
     snapshots = 2 * (4 * local + adam) if cfg.recovery.snapshot_every != 0 else 0  # null: on, at some interval

@@ -37,7 +37,7 @@ from raytp.runtime.worker.worker_state import WorkerState
 from raytp.runtime.worker.process import tune_malloc
 from raytp.train.efficiency import peak_memory, peak_tflops
 from raytp.train.shard_state import live_state, state_bytes
-from raytp.data.corpus import batch, document_eod, epochs_read, job_corpus
+from raytp.data.corpus import batch, check_ids, document_eod, epochs_read, job_corpus, vocabulary_fits
 from raytp.train.pipeline import PipelineSchedule
 from raytp.train.step import make_optimizer, train_step
 
@@ -65,9 +65,7 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         importlib.import_module("torch._dynamo")
         self.corpus = job_corpus(self.cfg.data)
         self.document_eod = document_eod(self.cfg.data, self.corpus)
-        if self.corpus.vocab_size > self.cfg.model.vocab_size:
-            raise ValueError(f"data.source has token ids up to {self.corpus.vocab_size - 1} but "
-                             f"model.vocab_size={self.cfg.model.vocab_size}; raise model.vocab_size")
+        vocabulary_fits(self.corpus, self.cfg.data, self.cfg.model.vocab_size)
         self.store = None  # the rendezvous store this rank listens on while it is to be rank 0 of a join
         self.up = time.time()  # when this process was ready for work (reported by `where`)
         # What is here now (modules, torch, dynamo: ~300k objects) lives as long as the process: out of the
@@ -157,6 +155,7 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         cfg, g = self.cfg, self.groups
         x, y = batch(self.corpus, split, cfg.train.seed, step, g.dp_rank, g.layout.dp,
                      cfg.train.batch_size, cfg.model.block_size)
+        check_ids(x, y, cfg.model.vocab_size, split, step)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         n = cfg.micro_batch
         return list(zip(x.split(n), y.split(n)))
