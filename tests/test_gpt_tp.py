@@ -58,7 +58,7 @@ def test_gpt_trains_like_one_device(world, references):
     for (tp, dp, sp, dropout, vocab), (losses, state) in zip(RUNS[world], results):
         name = f"TP={tp} x DP={dp} sp={sp} dropout={dropout} vocab={vocab}"
         ref_losses, ref_state = references[(dropout, vocab)]
-        assert ref_losses[-1] < ref_losses[0] - 0.5, "the reference itself did not learn"
+        assert np.mean(ref_losses[-5:]) < ref_losses[0] - 0.5, "the reference itself did not learn"
         rel = np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses)
         assert rel.max() < 1e-5, f"{name}: loss differs from one device by {rel.max():.2e} relative"
         assert state.keys() == ref_state.keys()

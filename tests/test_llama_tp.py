@@ -49,7 +49,7 @@ def test_llama_trains_like_one_device(world, references):
     for (tp, dp, sp, tied), (losses, state) in zip(RUNS[world], results):
         name = f"TP={tp} x DP={dp} sp={sp} tied={tied}"
         ref_losses, ref_state = references[tied]
-        assert ref_losses[-1] < ref_losses[0] - 0.5, "the reference itself did not learn"
+        assert np.mean(ref_losses[-5:]) < ref_losses[0] - 0.5, "the reference itself did not learn"
         rel = np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses)
         assert rel.max() < 1e-5, f"{name}: loss differs from one device by {rel.max():.2e} relative"
         assert state.keys() == ref_state.keys()

@@ -112,7 +112,7 @@ def test_pipeline_trains_like_one_device(world, references, trained):
         arch, tied, dropout, tp, pp, dp, sp, sched, v, m = run
         name = f"{arch} tied={tied} dropout={dropout} TP={tp} x PP={pp} x DP={dp} sp={sp} {sched} v={v} m={m}"
         ref_losses, ref_val, ref_state = references[reference_key(run)]
-        assert ref_losses[-1] < ref_losses[0] - 0.3, "the reference itself did not learn"
+        assert np.mean(ref_losses[-5:]) < ref_losses[0] - 0.3, "the reference itself did not learn"
         for rank in range(world):
             losses, val, _, _ = per_rank[rank][i]
             rel = np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses)

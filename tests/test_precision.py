@@ -65,7 +65,7 @@ def test_bf16_tracks_one_device_bf16_and_fp32():
     two = run_ranks(2, runs, [(cfg, 2, False, 50, "bf16", False), (cfg, 2, False, 50, "fp32", False)])[0]
     (b1, _), (f1, _) = one
     (b2, _), (f2, _) = two
-    assert f1[-1] < f1[0] - 0.5, "the fp32 reference did not learn"
+    assert np.mean(f1[-5:]) < f1[0] - 0.5, "the fp32 reference did not learn"
     assert b1 != f1, "bf16 should not be fp32 bit for bit (is autocast applied?)"
     assert any(float(torch.tensor(v).bfloat16()) != v for v in b2), "the loss itself was rounded to bf16"
     assert rel(b2, b1) < BF16_VS_BF16, f"bf16 TP=2 vs TP=1: {rel(b2, b1):.2e}"

@@ -37,7 +37,9 @@ def llama_config(tied=False, n_layer=2):
 
 def corpus(vocab):
     rng = np.random.default_rng(0)
-    text = np.tile(np.arange(vocab), 40)  # a counting sequence (every id, the last included): learnable
+    # A counting sequence (every id, the last included): learnable. Its period is vocab + 1 (0 twice), so that
+    # windows, which start at multiples of the block size, start at every phase of it.
+    text = np.tile(np.append(np.arange(vocab), 0), 40)
     noise = rng.random(len(text)) < 0.1
     text[noise] = rng.integers(0, vocab, int(noise.sum()))
     return Corpus(text, text[:500], vocab, "synthetic")
