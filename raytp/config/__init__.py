@@ -9,8 +9,9 @@ shape, the optimiser's knobs) comes from raytp.config.adapters.
 """
 from raytp.config.parse import describe, from_dict, load
 from raytp.config.rules import adjusted, validate
-from raytp.config.schema import (CheckpointConfig, ConfigError, DataConfig, JobConfig, ModelConfig,
-                                 ParallelConfig, Range, RecoveryConfig, RuntimeConfig, TrainConfig)
+from raytp.config.schema import (CheckpointConfig, DataConfig, JobConfig, ModelConfig, ParallelConfig,
+                                 RecoveryConfig, RuntimeConfig, TrainConfig)
+from raytp.config.values import ConfigError, Range
 
 __all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "JobConfig", "ModelConfig", "ParallelConfig", "Range",
            "RecoveryConfig", "RuntimeConfig", "TrainConfig", "adjusted", "describe", "from_dict", "load", "validate"]

@@ -14,8 +14,8 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from raytp.config.rules import check
-from raytp.config.schema import (LEAVES, SECTIONS, ConfigError, IntList, JobConfig, at, literal, show, type_name,
-                                 unwrap)
+from raytp.config.schema import LEAVES, SECTIONS, JobConfig
+from raytp.config.values import ConfigError, IntList, at, literal, show, type_name, unwrap
 
 # PyYAML follows YAML 1.1, where `3e-4` (no dot) is a string, not a float.
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")

@@ -5,7 +5,8 @@ import importlib.util
 from typing import Any
 
 from raytp.config.tracking import LIBRARIES
-from raytp.config.schema import LEAVES, ConfigError, JobConfig, Range, at, show
+from raytp.config.schema import LEAVES, JobConfig
+from raytp.config.values import ConfigError, Range, at, show
 from raytp.models.args import ModelArgs
 from raytp.models.arch import ARCHES
 from raytp.models.facts import divisors as _divisors
