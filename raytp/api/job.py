@@ -83,15 +83,13 @@ def run_name_and_dir(job: JobSpec, cfg: JobConfig, run_dir: str | os.PathLike | 
 def check_data(cfg: JobConfig) -> str:
     """The data sources exist, their token ids fit the model's vocabulary, and a document mask knows its id;
     returns what the data is (for the start line)."""
-    from raytp.data.corpus import document_eod, job_corpus
+    from raytp.data.corpus import document_eod, job_corpus, vocabulary_fits
     try:
         corpus = job_corpus(cfg.data, progress=True, peek=True)
         document_eod(cfg.data, corpus)
+        vocabulary_fits(corpus, cfg.data, cfg.model.vocab_size)
     except ValueError as e:
         raise BadJob(str(e)) from None
-    if corpus.vocab_size > cfg.model.vocab_size:
-        raise BadJob(f"model.vocab_size: {cfg.model.vocab_size} is smaller than {'data.mix' if cfg.data.mix else 'data.source'}'s vocabulary: it has "
-                     f"token ids up to {corpus.vocab_size - 1}; valid: model.vocab_size >= {corpus.vocab_size}")
     for split, streams in (("training", corpus.train), ("validation", corpus.val)):
         for stream in streams:  # (None where only peeked at: a dataset at a URL is sized by its manifest)
             if stream is not None and len(stream) <= cfg.model.block_size:

@@ -66,11 +66,11 @@ def load_corpus(source: str, val_fraction: float = 0.1, tokenizer: str | None = 
             v = open_source(val_source, None, tokenizer, dtype, progress, peek)
         except ValueError as e:
             raise ValueError(_named("data.val_source", e)) from None
-        val, vocab, vals = [v.train], max(s.vocab_size for s in opened + [v]), [v]
+        val, vals = [v.train], [v]
     else:
-        val, vocab, vals = [s.val for s in opened], max(s.vocab_size for s in opened), []
+        val, vals = [s.val for s in opened], []
     _one_tokenizer(names + ([val_source] if val_source else []), opened + vals)
-    eods = {s.eod_id for s in opened + vals}
+    vocab, eods = max(s.vocab_size for s in opened + vals), {s.eod_id for s in opened + vals}
     what = "; ".join(f"{mix[n]:g} x {s.description}" if mix else s.description for n, s in zip(names, opened))
     if val_source:
         what += f"; validation: {vals[0].description}"
@@ -152,8 +152,9 @@ def epochs_read(corpus: Corpus, samples: int, block_size: int) -> float:
 def vocabulary_fits(corpus: Corpus, data, vocab_size: int) -> None:
     """The data's ids are below the model's vocabulary: ValueError naming the job keys if not."""
     if corpus.vocab_size > vocab_size:
-        raise ValueError(f"{'data.mix' if data.mix else 'data.source'} has token ids up to {corpus.vocab_size - 1}"
-                         f" but model.vocab_size={vocab_size}; raise model.vocab_size")
+        raise ValueError(f"model.vocab_size: {vocab_size} is smaller than {'data.mix' if data.mix else 'data.source'}'s "
+                         f"vocabulary: it has token ids up to {corpus.vocab_size - 1}; valid: model.vocab_size >= "
+                         f"{corpus.vocab_size}")
 
 
 def check_ids(x: torch.Tensor, y: torch.Tensor, vocab_size: int, split: str, step: int) -> None:

@@ -267,7 +267,7 @@ def _tokenized(name: str, path: Path, val_fraction: float | None, tokenizer: str
         if not (out / mf.NAME).exists():
             prepare_local(files, tokenizer, str(out), overwrite=True, progress=progress)
     source = _prepared(out, val_fraction, str(out))
-    source.description = f"{what}, {source.description.split('(', 1)[1].split(',')[0]} of {tokenizer} (at {out})"
+    source.description = f"{what}, {len(source.train) + len(source.val or ()):,} tokens of {tokenizer} (at {out})"
     return source
 
 
