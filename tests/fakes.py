@@ -166,8 +166,11 @@ class FakeCluster:
 
 
 class FakeLauncher:
-    def __init__(self, run, worker_cls, evict=None):
+    def __init__(self, run, worker_cls, evict=None, say=None):
         self.run = run
+
+    def prepare_nodes(self, cfg, pgs):
+        pass
 
     def start(self, cfg, pgs, rank, timeout_s=30.0):
         dp_rank, tp_rank = divmod(rank, cfg.parallel.tp)

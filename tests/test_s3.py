@@ -63,12 +63,21 @@ def s3_server():
 
 
 @pytest.fixture(scope="module")
-def s3(s3_server, no_shared_ray):
-    """s3_server, and a fresh local Ray started after it (so the workers have its environment too)."""
+def s3(s3_server, no_shared_ray, tmp_path_factory):
+    """s3_server, and a fresh local Ray started after it (so the workers have its environment too, and a
+    cache of their own: RAYTP_CACHE)."""
     import ray
+    saved = os.environ.get("RAYTP_CACHE")
+    os.environ["RAYTP_CACHE"] = str(tmp_path_factory.mktemp("ray-cache"))
     ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="raytp", log_to_driver=False)
-    yield s3_server
-    ray.shutdown()
+    try:
+        yield s3_server
+    finally:
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("RAYTP_CACHE", None)
+        else:
+            os.environ["RAYTP_CACHE"] = saved
 
 
 @pytest.mark.slow
@@ -181,6 +190,57 @@ def test_a_prepared_dataset_at_a_url_is_fetched_once_per_node(s3, tmp_path, monk
         store.write_bytes(f.name, f.read_bytes())
     fresh = open_source(url, 0.1)
     assert np.array_equal(np.concatenate(fresh.train.pieces), np.concatenate(open_source(str(again), 0.1).train.pieces))
+
+
+def _upload(local: Path, url: str) -> None:
+    store = Storage(url)
+    for f in sorted(local.iterdir()):  # the manifest last, as raytp prepare writes it
+        if f.name != "manifest.json":
+            store.write_bytes(f.name, f.read_bytes())
+    store.write_bytes("manifest.json", (local / "manifest.json").read_bytes())
+
+
+@pytest.mark.slow
+def test_a_run_copies_its_dataset_at_a_url_to_its_nodes_before_workers_start(s3, tmp_path):
+    """data.source = s3://...: the launcher has the node copy the dataset in a task before the workers start
+    (so a long copy is not cut by the workers' start timeout), the workers train on that copy; a copy that
+    fails stops the start with its message, before any worker starts."""
+    import io
+    import ray
+    from helpers import write_prepared
+    from raytp.config import from_dict
+    from raytp.runtime.driver.driver import Driver
+    local = Path(write_prepared(tmp_path / "ds", 0, 0, 200))
+    url = f"s3://{BUCKET}/datasets/run-ds"
+    _upload(local, url)
+
+    def job_on(source):
+        d = job(1, 2, steps=3).to_dict()
+        d["data"]["source"] = source
+        return from_dict(d)
+    said = io.StringIO()
+    d = Driver(job_on(url), tmp_path / "run", "urlds", out=said)
+    try:
+        d.start()
+        text = said.getvalue()
+        assert f"data: copying {url} to 1 node(s)" in text and f"data: {url} on 1 node(s) in" in text, text
+        d.train_loop()
+    finally:
+        close(d)
+    assert len(losses(tmp_path / "run")) == 3
+    (copy,) = (Path(os.environ["RAYTP_CACHE"]) / "datasets").iterdir()
+    assert sorted(p.name for p in copy.glob("shard-*")) == sorted(p.name for p in local.glob("shard-*"))
+
+    broken = f"s3://{BUCKET}/datasets/broken-ds"
+    _upload(local, broken)
+    Storage(broken).remove("shard-00001.bin")
+    d = Driver(job_on(broken), tmp_path / "broken", "urlbroken", out=io.StringIO())
+    try:
+        with pytest.raises(ValueError, match=rf"{broken}: cannot copy the dataset to .*shard-00001.bin"):
+            d.start()
+    finally:
+        close(d)
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if "urlbroken" in str(a)]
 
 
 def test_a_corpus_in_s3_is_prepared_into_s3(s3, tmp_path):

@@ -5,9 +5,9 @@ copies it to ``$RAYTP_CACHE/datasets/<hash of the URL>/`` while the others on th
 then all map the same files (one copy per node, shared through the page cache). Each shard is copied under a
 temporary name and renamed, and the manifest is copied last: a copy cut short is resumed shard by shard, never
 mistaken for whole. A cached copy whose manifest differs from the URL's (the dataset was prepared again) is
-replaced. The copy happens while the workers start: a dataset that takes longer to copy than
-runtime.placement_timeout_s + runtime.collective_timeout_s fails the start (raise them, or put it on a shared
-filesystem).
+replaced. In a run, the launcher has each node copy the job's datasets in a task of its own before any worker
+starts there, for as long as the copy takes (raytp.runtime.cluster.data_copy); a worker then finds its node's
+copy made.
 """
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ from raytp.data.tokens import cache_dir
 from raytp.files.storage import Storage, StorageError
 
 COPIERS = 8  # shard files copied at once
+
+
+def is_url(name: str) -> bool:
+    """Whether a data source names a URL (an object store's) rather than a local path."""
+    return "://" in name and not name.startswith("file://")
 
 
 def remote_manifest(url: str) -> mf.Manifest:
@@ -90,3 +95,11 @@ def _copy_shards(store: Storage, m: mf.Manifest, root: Path, progress: bool) -> 
               leave=False) as bar, ThreadPoolExecutor(COPIERS) as pool:
         for _ in pool.map(copy, files):
             bar.update(1)
+
+
+def urls_of(data) -> list[str]:
+    """The datasets at URLs a job's `data` section (raytp.config.schema.DataConfig) reads, each once, in order:
+    data.source (or data.mix's sources), then data.val_source."""
+    names = list(data.mix) if data.mix else [data.source]
+    names += [data.val_source] if data.val_source else []
+    return list(dict.fromkeys(n for n in names if n and is_url(n)))

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from raytp.data import manifest as mf
+from raytp.data.fetch import is_url, local_dataset, remote_manifest
 from raytp.data.indexed import largest_id, open_tokens, read_index
 from raytp.data.stream import Stream, held_per_file, hold_out, tail
 from raytp.data.tokens import cache_dir
@@ -43,16 +44,11 @@ class Source:
     tokenizer: str | None = None  # the sha256 of the tokenizer a prepared dataset was made with
 
 
-def is_url(name: str) -> bool:
-    return "://" in name and not name.startswith("file://")
-
-
 def open_source(name: str, val_fraction: float | None, tokenizer: str | None = None, dtype: str | None = None,
                 progress: bool = False, peek: bool = False) -> Source:
     """The source a job names (`val_fraction` None: hold nothing out); `peek`: a source at a URL is described
     from its manifest without fetching its shards. ValueError naming the problem."""
     if is_url(name):
-        from raytp.data.fetch import local_dataset, remote_manifest
         if peek:
             m = remote_manifest(name)
             return Source(None, None, m.vocab_size, m.eod_id, _describe(name, m), m.tokenizer.get("sha256"))

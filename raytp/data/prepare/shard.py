@@ -70,8 +70,10 @@ def _batches(files: list[File], pieces: tuple[Piece, ...], key: str):
 
 
 def encode(tok, texts: list[str], eod_id: int, dtype) -> tuple[np.ndarray, list[int]]:
-    """The ids of a batch of documents, each followed by `eod_id`, and each one's length."""
-    encodings = tok.encode_batch(texts, add_special_tokens=False)
+    """The ids of a batch of documents, each followed by `eod_id`, and each one's length. ``encode_batch_fast``
+    gives the ids of ``encode_batch`` without the character offsets, which a token dataset never needs (about
+    1.5x the rate on a byte-level BPE: bench/prepare)."""
+    encodings = tok.encode_batch_fast(texts, add_special_tokens=False)
     sizes = [len(e.ids) + 1 for e in encodings]
     ids = np.empty(sum(sizes), dtype=dtype)
     at = 0

@@ -53,6 +53,7 @@ class WorkerGroup(GroupState):
     def create(cls, launcher: Launcher, cfg, pgs: Mapping[int, object]) -> "WorkerGroup":
         """A worker for every rank of `cfg`'s layout, placed in `pgs` (not joined yet)."""
         workers, bundles = [], {}
+        launcher.prepare_nodes(cfg, pgs)  # every node at once, before the first worker
         for rank in range(cfg.world_size):
             actor, key = launcher.start(cfg, pgs, rank)
             workers.append(actor)

@@ -16,6 +16,7 @@ from ray.exceptions import ActorAlreadyExistsError
 from raytp import names
 from raytp.runtime import policy
 from raytp.runtime.cluster import placement
+from raytp.runtime.cluster.data_copy import NodeCopies
 
 CONCURRENCY = 4  # a step, its stream, and the pings and status calls that watch it
 
@@ -31,18 +32,25 @@ def actor_id(actor) -> str:
 
 class Launcher:
     """Starts the actors of one run. `evict(pg, index)` is called before a worker takes a bundle
-    (a warm spare sitting there makes room)."""
+    (a warm spare sitting there makes room). Before an actor starts on a node, the job's datasets at URLs
+    are copied there (raytp.runtime.cluster.data_copy; `say` tells how it goes)."""
 
-    def __init__(self, run: str, worker_cls, evict: Callable | None = None):
+    def __init__(self, run: str, worker_cls, evict: Callable | None = None, say: Callable | None = None):
         self.run, self.worker_cls = run, worker_cls
         self.evict = evict or (lambda pg, index: None)
         self._remote = ray.remote(worker_cls)
+        self.copies = NodeCopies(say or (lambda message: None))
+
+    def prepare_nodes(self, cfg, pgs: dict) -> None:
+        """Ready the nodes of placements `pgs` (dp_rank -> a replica's) for `cfg`'s workers, all at once."""
+        self.copies.ensure(cfg, pgs)
 
     def start(self, cfg, pgs: dict, rank: int, timeout_s: float = 30.0) -> tuple[object, tuple[str, int]]:
         """The actor of `rank` of layout `cfg` placed in `pgs` (dp_rank -> replica placement), and the
         bundle it sits in."""
         lay = policy.layout_of(cfg)
         at = lay.coords(rank)
+        self.prepare_nodes(cfg, {at.dp: pgs[at.dp]})
         pg, index = placement.bundle_of(pgs[at.dp], at.pp * lay.tp + at.tp)  # stage by stage, TP rank in each
         self.evict(pg, index)
         opts = placement.bundle_options(cfg, pg, index, names.worker(self.run, rank))
@@ -58,5 +66,6 @@ class Launcher:
 
     def start_spare(self, cfg, pg, index: int, name: str):
         """A warm spare (rank -1 until it takes one) in bundle `index` of `pg`."""
+        self.prepare_nodes(cfg, {-1: pg})
         opts = placement.bundle_options(cfg, pg, index, name)
         return self._remote.options(**opts, max_concurrency=CONCURRENCY).remote(cfg.to_dict(), -1)

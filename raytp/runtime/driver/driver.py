@@ -142,7 +142,8 @@ class Driver(DriverControl, DriverResize):
         self.log.event("started", run=self.run, tp=lay.tp, dp=lay.dp, world_size=lay.world_size,
                        device=cfg.runtime.device, steps=cfg.train.steps)
         self._say(f"placing {lay.world_size} workers ({lay}) ...")
-        launcher = self.group_cls.launcher_cls(self.run, self.worker_cls, evict=self.spares.evict)
+        launcher = self.group_cls.launcher_cls(self.run, self.worker_cls, evict=self.spares.evict,
+                                                  say=self._say)
         # With a state to start from, every worker builds its shard from its slices of it: no seeded init.
         self.adopt(self.group_cls.launch(launcher, cfg, self.init_state[1] if self.init_state else None))
         self.checkpoints.check_reached(self.group)
