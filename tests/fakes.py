@@ -5,56 +5,18 @@ tests take away and give back), actors that start, die and answer, and a clock o
 ``FakeGroup`` is raytp's WorkerGroup with every call to the workers done in-process: its workers'
 "model" is one float64 number x that each step s moves by a fixed amount, so a run that replays
 steps after a failure ends at the very x of an uninterrupted run only if the runtime restored the
-right state at the right step. The bookkeeping (``with_workers``, ``started``, ``successor``,
-bundles, layout) is WorkerGroup's own.
+right state at the right step (the state: tests/fake_state.py; a streamed call: tests/fake_stream.py;
+the driver's control channel and snapshot copy: tests/fake_driver_parts.py). The bookkeeping
+(``with_workers``, ``started``, ``successor``, bundles, layout) is WorkerGroup's own.
 """
-import itertools
-
 import torch
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError
 
+from fake_state import NAME, Ref, _Id, state_of
+from fake_stream import FakeStream
 from raytp.config.adapters import model_args
-from raytp.runtime.errors import PlacementError, WorkerAborted
+from raytp.runtime.errors import PlacementError
 from raytp.runtime.cluster.group import WorkerGroup
-from raytp.runtime.driver.control import ControlChannel
-from raytp.runtime.cluster.streaming import StepRecords
-
-_ids = itertools.count()
-NAME = "ln_f.weight"  # the fake state's one tensor, under a real parameter name (checkpoints read it)
-
-
-def delta(step: int) -> float:
-    return 1.0 / (step + 3)
-
-
-def expected_x(steps: int) -> float:
-    x = 0.0
-    for s in range(steps):
-        x += delta(s)
-    return x
-
-
-def state_of(x: float) -> dict:
-    return {"model": {NAME: torch.tensor([x], dtype=torch.float64)}, "optim": {}}
-
-
-class _Id:
-    def __init__(self):
-        self.n = next(_ids)
-
-    def hex(self) -> str:
-        return f"{self.n:08x}"
-
-
-class Ref:
-    """An object reference: resolved at once, or once the cluster's clock reaches `at`."""
-
-    def __init__(self, value=None, cluster=None, at=0):
-        self.value, self.cluster, self.at = value, cluster, at
-
-    def done(self) -> bool:
-        return self.cluster is None or self.cluster.clock >= self.at
-
 
 class FakePG:
     def __init__(self, cluster, n: int):
@@ -298,102 +260,3 @@ class FakeGroup(WorkerGroup):
     def release(self):
         self.kill_actors(self.workers)
         self.placer.release(self.pgs.values())
-
-
-class FakeStream:
-    """A streamed call, numbered (``seq``) as StepStream numbers them; `after`: the number of the call it
-    was submitted behind (StepStream.then). As in raytp.runtime.worker.calls, it starts only where that
-    call is each worker's newest and ended well at this call's start, with the process groups kept
-    since; else it fails without a step."""
-
-    def __init__(self, group, start, count, snap, after=None):
-        self.group, self.start, self.count, self.snap, self.after = group, start, count, snap, after
-        self.seq = next(_ids)
-        self.partial = None
-
-    def then(self, count, snap):
-        return FakeStream(self.group, self.start + self.count, count, snap, after=self.seq)
-
-    def drain(self, timeout=1.0):
-        pass
-
-    def __iter__(self):
-        cluster, lay, ws = self.group.placer, self.group.layout, self.group.workers
-        if self.after is not None and any((w.newest, w.ended_at) != (self.after, self.start) for w in ws):
-            raise RayTaskError("run_steps", "(fake)", WorkerAborted("the call before failed: not started"))
-        for w in ws:
-            w.newest, w.ended_at = self.seq, None
-        cluster.clock += 1
-        cluster.calls.append((self.start, self.count, self.after is not None))
-        for step in range(self.start, self.start + self.count):
-            if step in cluster.during:
-                cluster.during.pop(step)()
-            if not all(w.alive for w in ws):
-                raise RayActorError()
-            if step in cluster.failing_steps:
-                raise RayTaskError("run_steps", "(fake)", ZeroDivisionError(f"a bug at step {step}"))
-            if step in cluster.returns:
-                cluster.give(cluster.returns.pop(step))
-            dead, slots = cluster.deaths.pop(step, ([], 0))
-            if dead:
-                self.group.kill(dead)
-                cluster.take(slots)
-                raise RayActorError()
-            for w in ws:
-                w.x += delta(step)
-                w.completed = step + 1
-            recs = [{"step": step, "loss": 1.0 / (1.0 + w.x), "lr": 1e-3, "grad_norm": 1.0, "step_time_s": 0.001,
-                     "comm_s": 0.0, "snapshot_s": cluster.snapshot_s} for w in ws]
-            self.partial = recs[0]
-            parts = {}
-            if self.snap and (step + 1) % self.snap == 0:
-                parts = {t: Ref(state_of(ws[lay.rank(tp=t)].x)) for t in range(lay.tp)}
-            if step == self.start + self.count - 1:
-                for w in ws:  # the workers are done with it (before the driver reads its last step)
-                    w.ended_at = step + 1
-            yield StepRecords(step, recs, parts)
-
-
-class LocalControl(ControlChannel):
-    """The control channel with the actor's part in-process: the test files requests as the CLI would."""
-
-    def _start(self):
-        self.requests, self.outcomes, self.status, self.ids = [], {}, {}, itertools.count(1)
-        self.published = 0
-        return None
-
-    def file(self, kind, **args) -> int:
-        rid = next(self.ids)
-        self.requests.append({"id": rid, "kind": kind, **args})
-        return rid
-
-    def _send(self, status, ranks):
-        self.published += 1
-        self.status = {**status, "ranks": self.status.get("ranks", []) if ranks is None else ranks}
-
-    def _take_requests(self):
-        out, self.requests = self.requests, []
-        return out
-
-    def answer(self, request_id, outcome):
-        if request_id is not None:
-            self.outcomes[request_id] = outcome.to_dict()
-
-    def close(self):
-        pass
-
-
-class NoCopy:
-    """No off-node snapshot copy (a one-node fake cluster has nowhere to keep one)."""
-
-    def __init__(self, run, log):
-        pass
-
-    def update(self, group, snapshots, step):
-        pass
-
-    def held_step(self, tp):
-        return None
-
-    def release(self):
-        pass

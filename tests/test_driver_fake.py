@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from fakes import NAME, FakeCluster, LocalControl, NoCopy, expected_x
+from fake_driver_parts import LocalControl, NoCopy
+from fake_state import NAME, expected_x
+from fakes import FakeCluster
 from helpers import events, job
 from raytp.runtime.driver.driver import Driver
 from raytp.runtime.errors import JobError, RecoveryFailed
