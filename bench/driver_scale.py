@@ -34,7 +34,6 @@ Goals at 1024 ranks: driver CPU <= 1% of a 1 s step, call-boundary idle <=
 from __future__ import annotations
 
 import functools
-import importlib.util
 import io
 import os
 import statistics
@@ -43,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+from bench.driver_scale_peer import OldStepStream, old_find_lost
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ("the driver's streaming before this change (records read rank by rank; each call submitted after "
@@ -56,10 +57,13 @@ QUICK = {"fake_ranks": (4, 64), "fake_steps": 12, "ray_ranks": 32, "actors": 4, 
 
 
 def _fakes():
-    spec = importlib.util.spec_from_file_location("raytp_bench_fakes", ROOT / "tests" / "fakes.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """tests/fakes.py and tests/fake_driver_parts.py (tests/ is no package: it goes on the path)."""
+    tests = str(ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import fake_driver_parts
+    import fakes
+    return fakes, fake_driver_parts
 
 
 def _job(ranks: int, steps: int):
@@ -76,15 +80,15 @@ def _job(ranks: int, steps: int):
 
 def fake_driver_run(ranks: int, steps: int, kill_at: int | None = None) -> dict:
     from raytp.runtime.driver.driver import Driver
-    fakes = _fakes()
+    fakes, parts = _fakes()
     cluster = fakes.FakeCluster(slots=ranks)
     if kill_at is not None:
         cluster.kill_at(kill_at, ranks - 1)
 
     class FakeDriver(Driver):
         group_cls = cluster.group_class()
-        control_cls = fakes.LocalControl
-        copy_cls = fakes.NoCopy
+        control_cls = parts.LocalControl
+        copy_cls = parts.NoCopy
 
     with tempfile.TemporaryDirectory(prefix="raytp-bench-drv-") as tmp:
         d = FakeDriver(_job(ranks, steps), Path(tmp) / "run", "bench", out=io.StringIO(), ray_metrics=False)
@@ -163,43 +167,6 @@ class RankHandle:
 
     def __init__(self, actor, rank: int):
         self.run_steps, self.ping = _Method(actor.run_steps, rank), _Method(actor.ping, rank)
-
-
-class OldStepStream:
-    """raytp/runtime/cluster/streaming.py's StepStream before this benchmark (the peer): records read rank by
-    rank (its calls follow none: call number 0 to the workers' call order)."""
-
-    def __init__(self, workers, layout, start, count, snapshot_every, timeout):
-        self.layout, self.start, self.count, self.snap, self.timeout = layout, start, count, snapshot_every, timeout
-        self.partial = None
-        self.streams = [w.run_steps.options(num_returns="streaming").remote(start, count, snapshot_every, 0)
-                        for w in workers]
-
-    def __iter__(self):
-        import ray
-        for step in range(self.start, self.start + self.count):
-            recs = []
-            for stream in self.streams:
-                ready, _ = ray.wait([stream], timeout=self.timeout, fetch_local=False)
-                if not ready:
-                    raise TimeoutError("no progress")
-                recs.append(ray.get(next(stream)))
-                self.partial = recs[0]
-            yield step, recs
-
-
-def old_find_lost(workers, timeout: float) -> dict:
-    """WorkerGroup.find_lost before this change: `ref not in ready` on a list, a get per rank."""
-    import ray
-    pings = [w.ping.remote() for w in workers]
-    ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout)
-    lost = {}
-    for rank, ref in enumerate(pings):
-        if ref not in ready:
-            lost[rank] = "hung"
-            continue
-        ray.get(ref)
-    return lost
 
 
 def ray_round(impl: str, actors, p: dict) -> dict:
