@@ -51,6 +51,7 @@ from raytp.parallel.groups import build_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.pp_schedule import bubble
 from raytp.data.corpus import batch
+from raytp.train.optimizer import DistributedAdamW
 from raytp.train.pipeline import PipelineSchedule
 from raytp.train.step import make_optimizer, train_step
 
@@ -91,13 +92,12 @@ def micro(x: torch.Tensor, y: torch.Tensor, m: int) -> list:
     return list(zip(x.chunk(m), y.chunk(m)))
 
 
-def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+def state_bytes(model: torch.nn.Module, opt: DistributedAdamW) -> int:
     """Bytes of a stage's training state: weights, gradients and the optimizer's tensors."""
     params = list(model.parameters())
     total = sum(p.numel() * p.element_size() for p in params)
     total += sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    return total + sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
-                       if torch.is_tensor(t))
+    return total + opt.state_nbytes()
 
 
 # ---------------------------------------------------------------- ranks
