@@ -17,9 +17,10 @@ is the wall time spent inside the stage's forwards (hooks on the model) and back
 (``Tensor.backward``) during the schedule, and its idle share is 1 - busy / (the schedule's span from the
 first rank's start to the last rank's end: one clock, CLOCK_MONOTONIC, across the processes), against
 1F1B's (p-1)/(m+p-1), which assumes equal stages, and against the idle the 1F1B table makes of the
-stages' measured forward and backward times (``one_f_one_b_idle``): what is left beyond that is the
-runtime's own cost (point-to-point, Python, the first micro-batch's slower start). ``cpu_share_while_busy``
-below 1 says other programs took the cores meanwhile (the figures are then worth less).
+stages' measured forward and backward times (``one_f_one_b_idle``): what is left beyond that
+(``idle_beyond_model``) is the runtime's own cost (point-to-point, Python, the first micro-batch's
+slower start). ``cpu_share_while_busy`` below 1 says other programs took the cores meanwhile (the
+figures are then worth less).
 
 Memory: in one more step of each m, the bytes of the activations autograd saves for backward that are
 alive at once (``saved_tensors_hooks``: each distinct storage counted once, parameters left out), peak
@@ -51,6 +52,7 @@ from raytp.parallel.groups import build_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.pp_schedule import bubble
 from raytp.data.corpus import batch
+from raytp.train.optimizer import DistributedAdamW
 from raytp.train.pipeline import PipelineSchedule
 from raytp.train.step import make_optimizer, train_step
 
@@ -91,13 +93,12 @@ def micro(x: torch.Tensor, y: torch.Tensor, m: int) -> list:
     return list(zip(x.chunk(m), y.chunk(m)))
 
 
-def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+def state_bytes(model: torch.nn.Module, opt: DistributedAdamW) -> int:
     """Bytes of a stage's training state: weights, gradients and the optimizer's tensors."""
     params = list(model.parameters())
     total = sum(p.numel() * p.element_size() for p in params)
     total += sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    return total + sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
-                       if torch.is_tensor(t))
+    return total + opt.state_nbytes()
 
 
 # ---------------------------------------------------------------- ranks
@@ -232,8 +233,10 @@ def bubble_figures(quick: bool) -> dict:
         per_mb = [(statistics.median(r[m]["fwd"]) / m, statistics.median(r[m]["bwd"]) / m) for r in ranks]
         peaks = [r[m]["peak"] for r in ranks]
         cpu = [sum(r[m]["busy_cpu"]) / sum(r[m]["busy"]) for r in ranks]
+        model = one_f_one_b_idle(*zip(*per_mb), m)
         out[f"m{m}"] = {"idle_share_per_rank": [round(v, 4) for v in idle], "formula": round(bubble(2, m), 4),
-                        "model_with_measured_stage_times": [round(v, 4) for v in one_f_one_b_idle(*zip(*per_mb), m)],
+                        "model_with_measured_stage_times": [round(v, 4) for v in model],
+                        "idle_beyond_model": [round(v - w, 4) for v, w in zip(idle, model)],
                         "busy_over_busiest": [round(b / max(busy), 4) for b in busy],
                         "cpu_share_while_busy": [round(v, 3) for v in cpu],
                         "median_schedule_s": round(statistics.median(spans), 4),

@@ -27,16 +27,22 @@ class LMLoss(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
-def set_dropout_key(model: nn.Module, key: int | None) -> None:
+def set_dropout_key(model: nn.Module, key: int | None, sites: list[nn.Module] | None = None) -> None:
     """Key every dropout site of `model` (None = ordinary, unkeyed dropout): the modules that declare
     ``keyed_dropout = True`` draw their masks from (key, site), never from the global RNG.
 
     Call once per micro-batch with a key derived from (seed, step, micro-batch)
-    so masks depend on the step, not on the history of a global RNG.
+    so masks depend on the step, not on the history of a global RNG. `sites`:
+    ``dropout_sites(model)``, for a caller that keys the same model many times
+    (a pipeline stage, twice per micro-batch: finding them costs ~0.3 ms).
     """
-    for m in model.modules():
-        if getattr(m, "keyed_dropout", False):
-            m.key = key
+    for m in dropout_sites(model) if sites is None else sites:
+        m.key = key
+
+
+def dropout_sites(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` that declare ``keyed_dropout = True``."""
+    return [m for m in model.modules() if getattr(m, "keyed_dropout", False)]
 
 
 class CausalLM(nn.Module):

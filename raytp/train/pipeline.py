@@ -9,10 +9,12 @@ from the stage before (the first chunk embeds the tokens instead), runs the
 chunk's layers (``model(idx, hidden=..., layers=...)``) and sends the result on,
 or, on the last chunk, computes the loss; a backward receives the gradient of
 its output (the last chunk starts from its loss), runs backward and sends the
-gradient of its input back. Micro-batches keep their global index for the
-dropout keys, so masks are those of one device, and every stage accumulates
-its gradients in micro-batch order (the tables keep each chunk's backwards in
-order), as the accumulation loop does.
+gradient of its input back. The row says up front which messages the stage
+receives, in which order (``expected_messages``), so raytp.parallel.p2p can
+post each receive before the stage needs it. Micro-batches keep their global
+index for the dropout keys, so masks are those of one device, and every stage
+accumulates its gradients in micro-batch order (the tables keep each chunk's
+backwards in order), as the accumulation loop does.
 
 ``pipeline_forward`` is the forward-only pass (validation, sampling).
 """
@@ -20,12 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from raytp.models.base import set_dropout_key
+from raytp.models.base import dropout_sites, set_dropout_key
 from raytp.models.stage import Stage
 from raytp.parallel import comm
 from raytp.parallel.groups import ProcessGroups
-from raytp.parallel.p2p import StageLink, tag_of
-from raytp.parallel.pp_schedule import schedule as schedule_table
+from raytp.parallel.p2p import Expected, StageLink, tag_of
+from raytp.parallel.pp_schedule import Action, schedule as schedule_table
 from raytp.seeds import derive_seed
 from raytp.train.hyper import Hyper, compute_precision
 
@@ -44,19 +46,21 @@ class PipelineSchedule:
         lay = groups.layout
         p, m, stage = lay.pp, len(micro_batches), groups.pp_rank
         n_chunks = len(self.chunks)
-        link = StageLink(groups, self.sp)
+        row = schedule_table(self.name, p, m, self.virtual)[stage]
+        shapes = [hidden_shape(model, x, lay.tp, self.sp) for x, _ in micro_batches]
         device = next(model.parameters()).device
+        link = StageLink(groups, self.sp, expected_messages(row, shapes, p, n_chunks), _dtype(model), device)
         held: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output) until its backward
         loss_sum = torch.zeros((), device=device)
-        for a in schedule_table(self.name, p, m, self.virtual)[stage]:
+        sites = dropout_sites(model)
+        for a in row:
             x, y = micro_batches[a.mb]
-            set_dropout_key(model, derive_seed(h.seed, step, groups.dp_rank * m + a.mb))  # F and B alike
+            set_dropout_key(model, derive_seed(h.seed, step, groups.dp_rank * m + a.mb), sites)  # F and B alike
             last = a.chunk == n_chunks - 1
             if a.kind == "F":
                 hidden = None
                 if a.chunk > 0:
-                    hidden = link.recv(hidden_shape(model, x, lay.tp, self.sp), _dtype(model), device,
-                                       (a.chunk - 1) % p, tag_of("F", a.mb, a.chunk - 1, n_chunks)).requires_grad_()
+                    hidden = link.recv(tag_of("F", a.mb, a.chunk - 1, n_chunks)).requires_grad_()
                 with compute_precision(h, x.device):
                     out = model(x, y if last else None, hidden=hidden, layers=self.chunks[a.chunk])
                 if last:
@@ -70,9 +74,7 @@ class PipelineSchedule:
                 if last:
                     out.backward()
                 else:
-                    grad = link.recv(tuple(out.shape), out.dtype, device, (a.chunk + 1) % p,
-                                     tag_of("B", a.mb, a.chunk + 1, n_chunks))
-                    out.backward(grad)
+                    out.backward(link.recv(tag_of("B", a.mb, a.chunk + 1, n_chunks)))
                 if hidden is not None:
                     link.send(hidden.grad, (a.chunk - 1) % p, tag_of("B", a.mb, a.chunk, n_chunks))
         link.finish()
@@ -82,6 +84,19 @@ class PipelineSchedule:
 
 def _dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype  # the residual stream stays in the weights' precision
+
+
+def expected_messages(row: list[Action], shapes: list[tuple[int, ...]], p: int, n_chunks: int) -> list[Expected]:
+    """The messages a stage running `row` (its actions, in order) receives, in the order it takes them: a
+    forward's input from the stage before (none for the first chunk), a backward's output gradient from the
+    stage after (none for the last chunk); both of micro-batch mb's residual-stream shape, `shapes[mb]`."""
+    out = []
+    for a in row:
+        if a.kind == "F" and a.chunk > 0:
+            out.append(Expected((a.chunk - 1) % p, tag_of("F", a.mb, a.chunk - 1, n_chunks), shapes[a.mb]))
+        elif a.kind == "B" and a.chunk < n_chunks - 1:
+            out.append(Expected((a.chunk + 1) % p, tag_of("B", a.mb, a.chunk + 1, n_chunks), shapes[a.mb]))
+    return out
 
 
 def hidden_shape(model, x: torch.Tensor, tp: int, sequence_parallel: bool) -> tuple[int, ...]:
@@ -98,21 +113,20 @@ def pipeline_forward(model: torch.nn.Module, micro_batches, groups: ProcessGroup
     on the last stage, [] elsewhere."""
     lay, chunks = groups.layout, stage.all_chunks
     p, here, n_chunks = lay.pp, groups.pp_rank, len(chunks)
-    link = StageLink(groups, sequence_parallel)
-    device = next(model.parameters()).device
+    row = [Action("F", mb, c) for mb in range(len(micro_batches)) for c in range(here, n_chunks, p)]
+    shapes = [hidden_shape(model, x, lay.tp, sequence_parallel) for x, _ in micro_batches]
+    link = StageLink(groups, sequence_parallel, expected_messages(row, shapes, p, n_chunks), _dtype(model),
+                     next(model.parameters()).device)
     outs = []
-    for mb, (x, y) in enumerate(micro_batches):
-        for c in range(here, n_chunks, p):
-            hidden = None
-            if c > 0:
-                hidden = link.recv(hidden_shape(model, x, lay.tp, sequence_parallel), _dtype(model), device,
-                                   (c - 1) % p, tag_of("F", mb, c - 1, n_chunks))
-            with compute_precision(h or Hyper(), x.device):
-                out = model(x, y if c == n_chunks - 1 else None, hidden=hidden, layers=chunks[c])
-            if c == n_chunks - 1:
-                outs.append(out)
-            else:
-                link.send(out, (c + 1) % p, tag_of("F", mb, c, n_chunks))
+    for a in row:
+        x, y = micro_batches[a.mb]
+        hidden = link.recv(tag_of("F", a.mb, a.chunk - 1, n_chunks)) if a.chunk > 0 else None
+        with compute_precision(h or Hyper(), x.device):
+            out = model(x, y if a.chunk == n_chunks - 1 else None, hidden=hidden, layers=chunks[a.chunk])
+        if a.chunk == n_chunks - 1:
+            outs.append(out)
+        else:
+            link.send(out, (a.chunk + 1) % p, tag_of("F", a.mb, a.chunk, n_chunks))
     link.finish()
     return outs
 
