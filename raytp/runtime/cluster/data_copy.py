@@ -49,7 +49,10 @@ class NodeCopies:
         groups = {pg.id.hex() for replica in pgs.values() for pg in placement.groups_of(replica)}
         if not urls or groups <= self._groups:
             return
-        nodes = sorted(placement.nodes_of(pgs) - self.nodes)
+        hosts = placement.nodes_of(pgs)
+        if not hosts:
+            return  # not placed yet (a resize's ranks starting ahead): each worker copies for itself
+        nodes = sorted(hosts - self.nodes)
         if nodes:
             self._copy(urls, nodes)
             self.nodes |= set(nodes)
