@@ -113,7 +113,8 @@ def batch(corpus: Corpus, split: str, seed: int, step: int, dp_rank: int, dp: in
         stream, sel = streams[d], np.flatnonzero(source == d)
         n = window_count(len(stream), block_size)
         if n == 0:
-            raise ValueError(f"the {split} split{f' of {corpus.names[d]}' if len(corpus.names) > 1 else ''} has {len(stream)} "
+            which = f" of {corpus.names[d]}" if len(corpus.names) > 1 else ""
+            raise ValueError(f"the {split} split{which} has {len(stream)} "
                              f"tokens, fewer than block_size+1={block_size + 1}")
         starts = windows(index[sel], n, derive_seed(seed, SPLITS[split]), d) * block_size
         rows[sel] = stream.rows(starts, block_size + 1)
@@ -152,7 +153,8 @@ def epochs_read(corpus: Corpus, samples: int, block_size: int) -> float:
 def vocabulary_fits(corpus: Corpus, data, vocab_size: int) -> None:
     """The data's ids are below the model's vocabulary: ValueError naming the job keys if not."""
     if corpus.vocab_size > vocab_size:
-        raise ValueError(f"model.vocab_size: {vocab_size} is smaller than {'data.mix' if data.mix else 'data.source'}'s "
+        key = "data.mix" if data.mix else "data.source"
+        raise ValueError(f"model.vocab_size: {vocab_size} is smaller than {key}'s "
                          f"vocabulary: it has token ids up to {corpus.vocab_size - 1}; valid: model.vocab_size >= "
                          f"{corpus.vocab_size}")
 

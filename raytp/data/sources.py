@@ -10,7 +10,8 @@
   ``data.dtype``); ``val.bin`` beside ``train.bin`` is the validation split.
 
 Validation is a fraction of each source's whole documents, spread over its files and over each file
-(raytp.data.stream.held_per_file, hold_out); a source with too few documents, or without document boundaries (nanoGPT's ``.bin``, the builtin text) holds out its tail.
+(raytp.data.stream.held_per_file, hold_out); a source with too few documents, or without document boundaries
+(nanoGPT's ``.bin``, the builtin text) holds out its tail.
 """
 from __future__ import annotations
 

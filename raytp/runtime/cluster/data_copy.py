@@ -24,7 +24,7 @@ REPORT_EVERY_S = 30.0
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def _copy(urls: list[str]) -> float:
+def _copy_on_node(urls: list[str]) -> float:
     """On the node this task runs on: each dataset of `urls` into its cache; the seconds it took."""
     from raytp.data.fetch import local_dataset
     start = time.perf_counter()
@@ -62,8 +62,8 @@ class NodeCopies:
         what = ", ".join(urls)
         self.say(f"data: copying {what} to {len(nodes)} node(s) ...")
         start = time.perf_counter()
-        refs = [_copy.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(urls)
-                for n in nodes]
+        on = [NodeAffinitySchedulingStrategy(n, soft=False) for n in nodes]
+        refs = [_copy_on_node.options(scheduling_strategy=where).remote(urls) for where in on]
         pending = refs
         while pending:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=REPORT_EVERY_S)
