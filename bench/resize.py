@@ -7,7 +7,11 @@ both layouts at once) for ``warmup`` steps, then moves to a new layout:
 
 - TP 2 -> 4 (TP=2 x DP=1 -> TP=4 x DP=1): ranks 0, 1 keep their processes and
   reshape their shards, ranks 2, 3 start (the restart starts all four);
-- DP 2 -> 1 (TP=2 x DP=2 -> TP=2 x DP=1): replica 1 goes, replica 0 stays.
+- DP 2 -> 1 (TP=2 x DP=2 -> TP=2 x DP=1): replica 1 goes, replica 0 stays;
+- PP 1 -> 2 (TP=2 x PP=1 -> TP=2 x PP=2): stage 0 keeps its processes, stage 1
+  starts;
+- TP 2 -> 1 at PP=2 (TP=2 x PP=2 -> TP=1 x PP=2): every worker of the new layout
+  starts anew, beside the running ones (the restart starts them too).
 
 Three ways, in turn (the order reversed in every other rep):
 
@@ -52,7 +56,7 @@ GOAL_RATIO = 0.3
 FULL = {"model": MODEL["FULL"], "batch_size": 8, "warmup": 3, "reps": 3}
 QUICK = {"model": MODEL["QUICK"], "batch_size": 4, "warmup": 2, "reps": 1}
 CASES = {"tp_2_to_4": ((2, 1), (4, 1)), "dp_2_to_1": ((2, 2), (2, 1)),
-         "pp_1_to_2": ((2, 1, 1), (2, 1, 2))}  # layouts (tp, dp[, pp])
+         "pp_1_to_2": ((2, 1, 1), (2, 1, 2)), "tp_2_to_1_at_pp_2": ((2, 1, 2), (1, 1, 2))}  # (tp, dp[, pp])
 
 
 def _lay(d) -> tuple:
@@ -147,8 +151,9 @@ def restart(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
 def changing_owner_bytes(p: dict, old: tuple, new: tuple) -> int:
     """From the reshard plan alone: bytes of weights and AdamW moments whose holder changes process (the
     figure the resize's own count of bytes moved is held against). A DP change copies whole shards to
-    the added replicas; a shrink moves nothing; a change of the stages restarts every process (raytp's
-    restage path): all of the state moves."""
+    the added replicas; a shrink moves nothing; a change of the stages, and a TP change at pp > 1, are
+    counted as moving all of the state (the latter starts every process anew; the former keeps replica
+    0's stages present at both layouts, so it moves less than this)."""
     import torch
 
     from raytp.models.args import ModelArgs
@@ -158,7 +163,7 @@ def changing_owner_bytes(p: dict, old: tuple, new: tuple) -> int:
     (old_tp, old_dp), (new_tp, new_dp) = old[:2], new[:2]
     with torch.device("meta"):
         model = GPT(ModelArgs(**p["model"], dropout=0.0))
-    if old[2:] != new[2:]:
+    if old[2:] != new[2:] or (old[2:] and old[2] > 1 and old_tp != new_tp):
         return sum(t.numel() for t in model.parameters()) * 4 * 3
     total = 0
     for name, t in model.named_parameters():

@@ -20,6 +20,12 @@ def worker(run: str, rank: int) -> str:
     return f"{PREFIX}{run}.rank{rank}"
 
 
+def worker_ahead(run: str, rank: int, k: int) -> str:
+    """A worker started for rank R of the next layout while the running layout's rank R holds its name (the
+    k-th resize of the run that starts every worker ahead); its repr shows the rank it holds."""
+    return f"{worker(run, rank)}.next{k}"
+
+
 def spare(run: str, k: int) -> str:
     return f"{PREFIX}{run}.spare{k}"
 

@@ -1,8 +1,9 @@
 """Live resizes of the stages: TP=2 x PP=1 -> TP=2 x PP=2 -> TP=2 x PP=2 x DP=2 -> TP=2 x PP=1 -> TP=1 x PP=3,
 while training, in memory (each new stage's shards from the old owners' bundles, each byte once); the loss
 tracks an unresized run within 1e-4 and the model's logits do not move at a switch; a change of the stages
-at the same TP degree keeps the processes of replica 0's stages present at both layouts. The first switch
-is filed as `raytp scale` files it (the control actor), the others through Driver.resize."""
+at the same TP degree keeps the processes of replica 0's stages present at both layouts, and a TP change at
+pp > 1 starts every new worker beside the running ones (which held their names). The first switch is filed
+as `raytp scale` files it (the control actor), the others through Driver.resize."""
 import dataclasses
 import io
 import json
@@ -54,7 +55,14 @@ def test_stages_resize_live_and_the_loss_tracks_an_unresized_run(ray_wide, tmp_p
                     after = d.logits(FIXED)
                     assert float((after - before).abs().max()) < 1e-5, f"logits moved at {PHASES[i - 1]} -> {tp, pp, dp}"
                 names = ray_actors("raytp.ppresized.rank")
-                assert sorted(names) == sorted(f"raytp.ppresized.rank{r}" for r in range(tp * pp * dp))
+                held = [p["actor"] for p in d.group.placement]  # each rank's actor, by name
+                assert sorted(names) == sorted(held)
+                ahead = [f"raytp.ppresized.rank{r}.next1" for r in range(min(np.prod(PHASES[i - 1]), tp * pp * dp))]
+                if tp != PHASES[i - 1][0]:
+                    # every new worker started beside the running ones; a name they held went to it as .next1
+                    assert held == ahead + [f"raytp.ppresized.rank{r}" for r in range(len(ahead), tp * pp * dp)]
+                else:
+                    assert held == [f"raytp.ppresized.rank{r}" for r in range(tp * pp * dp)]
                 if tp == PHASES[i - 1][0]:  # the stages of replica 0 present at both layouts keep their processes
                     stay = [f"raytp.ppresized.rank{r}" for r in range(tp * min(pp, PHASES[i - 1][1]))]
                     assert {n: names[n]["pid"] for n in stay} == {n: pids[n] for n in stay}

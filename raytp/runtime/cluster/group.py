@@ -86,8 +86,11 @@ class WorkerGroup(GroupState):
     def layout(self) -> Layout:
         return policy.layout_of(self.cfg)
 
-    def start_worker(self, rank: int, cfg=None, pgs=None) -> tuple[object, tuple]:
-        """A new actor for `rank` (of this group's layout, or of `cfg`/`pgs` not yet switched to)."""
+    def start_worker(self, rank: int, cfg=None, pgs=None, ahead: int = 0) -> tuple[object, tuple]:
+        """A new actor for `rank` (of this group's layout, or of `cfg`/`pgs` not yet switched to; `ahead`:
+        see Launcher.start)."""
+        if ahead:
+            return self.launcher.start(cfg or self.cfg, pgs if pgs is not None else self.pgs, rank, ahead=ahead)
         return self.launcher.start(cfg or self.cfg, pgs if pgs is not None else self.pgs, rank)
 
     def with_workers(self, actors: Mapping[int, object], bundles: Mapping[int, tuple] | None = None) -> "WorkerGroup":
@@ -227,6 +230,10 @@ class WorkerGroup(GroupState):
     def answered(refs: list, timeout_s: float = 0.0) -> bool:
         """Whether every ref of `pinged` has resolved (waiting up to `timeout_s`)."""
         return len(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) == len(refs)
+
+    def check_up(self, actors: Iterable) -> None:
+        """Raise (a Ray actor error) unless every one of `actors` answers within the placement timeout."""
+        ray.get([a.ping.remote() for a in actors], timeout=self.cfg.runtime.placement_timeout_s)
 
     def ready(self, ranks: Iterable[int], timeout_s: float) -> bool:
         """Whether the actors of `ranks` are up (placed, __init__ done) within `timeout_s`."""

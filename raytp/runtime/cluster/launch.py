@@ -3,7 +3,8 @@
 Workers are threaded actors (``max_concurrency``), so they answer pings and
 status calls while a step runs, which is how the driver tells a hung worker
 from a slow one. A replacement for a dead actor may have to wait a moment
-until Ray frees the dead one's name.
+until Ray frees the dead one's name; a worker started ahead of a layout whose
+rank still holds the name takes another (``names.worker_ahead``).
 """
 from __future__ import annotations
 
@@ -45,22 +46,29 @@ class Launcher:
         """Ready the nodes of placements `pgs` (dp_rank -> a replica's) for `cfg`'s workers, all at once."""
         self.copies.ensure(cfg, pgs)
 
-    def start(self, cfg, pgs: dict, rank: int, timeout_s: float = 30.0) -> tuple[object, tuple[str, int]]:
+    def start(self, cfg, pgs: dict, rank: int, timeout_s: float = 30.0,
+              ahead: int = 0) -> tuple[object, tuple[str, int]]:
         """The actor of `rank` of layout `cfg` placed in `pgs` (dp_rank -> replica placement), and the
-        bundle it sits in."""
+        bundle it sits in. `ahead` (k > 0): started beside a layout that still runs, for the k-th resize
+        that starts every worker ahead; where a running worker holds the rank's name the new one is
+        named ``names.worker_ahead`` instead of waiting for it."""
         lay = policy.layout_of(cfg)
         at = lay.coords(rank)
         self.prepare_nodes(cfg, {at.dp: pgs[at.dp]})
         pg, index = placement.bundle_of(pgs[at.dp], at.pp * lay.tp + at.tp)  # stage by stage, TP rank in each
         self.evict(pg, index)
-        opts = placement.bundle_options(cfg, pg, index, names.worker(self.run, rank))
+        name = names.worker(self.run, rank)
         deadline = time.monotonic() + timeout_s
         while True:
+            opts = placement.bundle_options(cfg, pg, index, name)
             try:
                 actor = self._remote.options(**opts, max_concurrency=CONCURRENCY).remote(cfg.to_dict(), rank)
                 return actor, bundle_key(pg, index)
             except ActorAlreadyExistsError:
-                if time.monotonic() > deadline:
+                if ahead and name == names.worker(self.run, rank):
+                    name = names.worker_ahead(self.run, rank, ahead)
+                    continue
+                if time.monotonic() > deadline:  # a dead actor's name is freed a moment after it died
                     raise
                 time.sleep(0.05)
 

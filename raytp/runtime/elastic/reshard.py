@@ -14,9 +14,11 @@ new one with every rank holding its shard, and the bytes that moved; or raises
   every worker builds its shard empty (no seeded initialisation) and takes its
   slices. Nothing touches the disk. A failure after the state was gathered
   restarts the old layout from it.
-- TP change where the bundles could not be had on a replica's node
-  (``restart_tp``): new placement groups for every replica, every worker
-  started anew (also any TP change at pp > 1).
+- TP change where the bundles could not be had on a replica's node, and any
+  TP change at pp > 1 or to or from it (``restart_tp``): new placement
+  groups for every replica beside the job, every worker new (at pp > 1
+  started there ahead while the job trained on), the state moved worker to
+  worker.
 - Change of the stages at the same TP degree (``switch_stages``): replica 0's
   stages present at both layouts keep their processes and placement groups
   and reshape to their new layers; the others start (ahead where they can);
@@ -155,28 +157,35 @@ def _rolled_back(group, plan, exported, reshaped):
             return fresh
 
 
-def restart_tp(group, new_cfg):
-    """`group` at another TP degree the plain way: new placement groups for every replica, every worker
-    started anew, the state moved worker to worker: (new group, bytes moved)."""
+def restart_tp(group, new_cfg, new_pgs: dict | None = None, early: dict | None = None):
+    """`group` at another TP degree (or any TP change at pp > 1) in new placement groups for every replica,
+    every worker new, the state moved worker to worker: (new group, bytes moved). `new_pgs`: the new
+    layout's placement, reserved beside the job (reserved now if None); `early`: {rank: (actor, bundle)}
+    of every new rank, started there ahead while the job trained on (started now if None)."""
     new = policy.layout_of(new_cfg)
-    new_pgs = group.reserve(new_cfg, group.launcher.run, list(range(new.dp)))
+    if new_pgs is None:
+        new_pgs = group.reserve(new_cfg, group.launcher.run, list(range(new.dp)))
     try:
-        nxt, moved = restart_in(group, new_cfg, new_pgs)
+        nxt, moved = restart_in(group, new_cfg, new_pgs, early)
     except SwitchFailed:
+        group.kill_actors(a for a, _ in (early or {}).values())
         group.placer.release(new_pgs.values())
         raise
     group.placer.release(group.pgs.values())
     return nxt, moved
 
 
-def restart_in(group, new_cfg, new_pgs: dict):
+def restart_in(group, new_cfg, new_pgs: dict, early: dict | None = None):
     """Every worker of `group` cuts its shard into bundles for the new layout (in the object store: one per
     new TP rank and stage, each holding only that stage's layers), stops, and the new layout's workers
-    start in `new_pgs` and fill their shards from the bundles: (new group, bytes moved). On a failure the
-    old layout starts again, in its own placement, from the same bundles."""
+    (`early`: {rank: (actor, bundle)} started ahead in `new_pgs`, else started now) fill their shards from
+    the bundles: (new group, bytes moved). On a failure the old layout starts again, in its own placement,
+    from the same bundles."""
     old, new = group.layout, policy.layout_of(new_cfg)
     stages = new_stages(new_cfg)
     try:
+        if early:  # one lost while it started: the old layout goes on untouched
+            group.check_up(a for a, _ in early.values())
         exported = group.export_pieces(new.tp, stages=stages)
     except FAILURES as e:
         raise SwitchFailed(group, e) from e
@@ -187,10 +196,14 @@ def restart_in(group, new_cfg, new_pgs: dict):
         at = new.coords(r)
         return at.tp * len(stages) + (at.pp if new.pp > 1 else 0)
 
-    group.kill(range(old.world_size))  # the new ranks take the old names (and, in place, the old bundles)
+    group.kill(range(old.world_size))  # (the new ranks started now take the old names and, in place, bundles)
     nxt = None
     try:
-        nxt = type(group).create(group.launcher, new_cfg, new_pgs)
+        if early:
+            nxt = group.successor(new_cfg, new_pgs, [early[r][0] for r in range(new.world_size)],
+                                  bundles={actor_id(a): k for a, k in early.values()})
+        else:
+            nxt = type(group).create(group.launcher, new_cfg, new_pgs)
         sources = {r: PiecesSource(tuple(refs[i][slot(r)] for i in range(owners)), new_cfg.model.vocab_size)
                    for r in range(new.world_size)}
         nxt = nxt.join(setup=range(new.world_size), states=sources)

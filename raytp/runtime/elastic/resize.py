@@ -13,7 +13,9 @@ Outcome.
   cannot be had in time, the job goes on unchanged and the request is answered
   with the reason. Then the ranks whose actor names are free (R >= the old
   world size) start, and the job *keeps training on the old layout* while their
-  processes come up (python, torch: seconds), one step per call.
+  processes come up (python, torch: seconds), one step per call. A TP change
+  at pp > 1 (or to or from it) starts every rank of the new layout that way,
+  in placement reserved beside the job.
 - ``due`` and ``finish``, at each step boundary: once they all answer, switch (the only
   time training pauses: ``stall_s`` in the ``resized`` event; ``seconds``
   counts from the request). A shrink has nothing to start and switches at once.
@@ -24,7 +26,9 @@ Names. A worker's actor name is ``raytp.<run>.rank<R>`` with R its *current*
 rank: Ray actor names are immutable, so a process whose rank number would
 change (TP 2 -> 4 at DP=2: old rank 2, replica 1, would become rank 4) is not
 kept but replaced, which at DP > 1 costs the process start of replicas 1..
-(it overlaps the other starts).
+(it overlaps the other starts). A TP change at pp > 1 starts every new worker
+ahead; one whose rank's name is still held is named ``names.worker_ahead``
+(``raytp.<run>.rank<R>.next<k>``), and its repr shows its rank.
 
 Placement. Ray cannot grow a placement group: a TP grow asks, for each replica
 that stays, for an extension group of the missing bundles aimed at the
@@ -85,15 +89,16 @@ class Elastic:
         self.say, self.log = say, log
         self.pending: PendingResize | None = None
         self.growing: GrowBack | None = None
+        self.restages = 0  # resizes that started every worker ahead (their names: names.worker_ahead)
 
     def request(self, group, tp: int, dp: int, step: int, request_id: int | None = None, pp: int | None = None):
         """Begin moving `group` to layout tp x pp x dp (pp: the job's if None): an Outcome if it is refused
-        or trivial, a Switched if it had to be done at once (a TP grow restarting every worker; any change
-        of the stages), else None while its new ranks start (``pending``; ``finish`` completes it at a
+        or trivial, a Switched if it had to be done at once (a TP grow whose bundles landed off a replica's
+        node; a switch inside the job's own bundles), else None while its new ranks start (``pending``; ``finish`` completes it at a
         step boundary where it is ``due``)."""
         if self.pending is not None:
             new = self.pending.new_cfg.parallel
-            return Outcome.refused(f"a resize to TP={new.tp} x DP={new.dp} is in progress")
+            return Outcome.refused(f"a resize to TP={new.tp} x PP={new.pp} x DP={new.dp} is in progress")
         t0, old = time.perf_counter(), group.layout
         pp = old.pp if pp is None else pp
         if old.zero and (tp, pp) != (old.tp, old.pp):
@@ -107,7 +112,7 @@ class Elastic:
         if (tp, pp, dp) == (old.tp, old.pp, old.dp):
             return Outcome(ok=True, layout=str(old), note="already at this layout")
         if tp != old.tp and (pp > 1 or old.pp > 1):
-            return self._restage(group, new_cfg, t0, step)
+            return self._restage(group, new_cfg, t0, step, request_id)
         self.say(f"resizing {old} -> {policy.layout_of(new_cfg)} (requested at step {step})")
         run = group.launcher.run
         try:
@@ -145,17 +150,29 @@ class Elastic:
                                      group.pinged(a for a, _ in early.values()), request_id if early else None)
         return None
 
-    def _restage(self, group, new_cfg, t0: float, step: int):
-        """A TP change at pp > 1 (or to or from it): the new layout's placement is reserved beside the job,
-        then every worker hands its shard over for the new layout worker to worker and the new layout's
-        workers start in it (raytp.runtime.elastic.reshard.restart_tp): each byte moves once."""
+    def _restage(self, group, new_cfg, t0: float, step: int, request_id: int | None):
+        """A TP change at pp > 1 (or to or from it): the new layout's placement is reserved beside the job
+        and every one of its workers starts there while the old layout trains on (``pending``); at the
+        switch every old worker hands its shard over worker to worker, each byte once, and stops
+        (raytp.runtime.elastic.reshard.restart_tp). A name still held by the running layout's rank goes
+        to the new worker as ``names.worker_ahead``."""
         new = policy.layout_of(new_cfg)
-        self.say(f"resizing {group.layout} -> {new} (requested at step {step}): every worker restarts")
+        self.say(f"resizing {group.layout} -> {new} (requested at step {step}): every worker starts anew")
+        self.restages += 1
+        pgs, early = None, {}
         try:
-            return carry_out(group, lambda: reshard.restart_tp(group, new_cfg), t0, "requested", step)
-        except PlacementError as e:
+            pgs = group.reserve(new_cfg, group.launcher.run, list(range(new.dp)))
+            for r in range(new.world_size):
+                early[r] = group.start_worker(r, new_cfg, pgs, ahead=self.restages)
+        except (PlacementError, *FAILURES) as e:
+            group.kill_actors(a for a, _ in early.values())
+            if pgs is not None:
+                group.placer.release(pgs.values())
             self.log.event("resize_refused", old=layout_dict(group.layout), new=layout_dict(new), error=str(e))
             return Outcome.refused(str(e))
+        self.pending = PendingResize(t0, new_cfg, "restage", None, base(group), pgs, list(pgs.values()), early,
+                                     group.pinged(a for a, _ in early.values()), request_id)
+        return None
 
     def due(self, group, now: bool = False) -> bool:
         """Whether the pending resize switches at this step boundary: at once if `now` or it has no new
@@ -178,6 +195,8 @@ class Elastic:
                                                  "(a failure was healed)")
         if p.kind == "dp":
             switch = lambda: reshard.switch_dp(group, p.new_cfg, step, p.reserved, p.early, p.plan)  # noqa: E731
+        elif p.kind == "restage":
+            switch = lambda: reshard.restart_tp(group, p.new_cfg, p.reserved, p.early)  # noqa: E731
         elif p.kind == "pp":
             switch = lambda: reshard.switch_stages(group, p.new_cfg, p.reserved, p.early, p.plan)  # noqa: E731
         else:
