@@ -94,8 +94,8 @@ class Elastic:
     def request(self, group, tp: int, dp: int, step: int, request_id: int | None = None, pp: int | None = None):
         """Begin moving `group` to layout tp x pp x dp (pp: the job's if None): an Outcome if it is refused
         or trivial, a Switched if it had to be done at once (a TP grow whose bundles landed off a replica's
-        node; a switch inside the job's own bundles), else None while its new ranks start (``pending``; ``finish`` completes it at a
-        step boundary where it is ``due``)."""
+        node; a switch inside the job's own bundles), else None while its new ranks start (``pending``;
+        ``finish`` completes it at a step boundary where it is ``due``)."""
         if self.pending is not None:
             new = self.pending.new_cfg.parallel
             return Outcome.refused(f"a resize to TP={new.tp} x PP={new.pp} x DP={new.dp} is in progress")
