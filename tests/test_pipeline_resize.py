@@ -2,8 +2,9 @@
 while training, in memory (each new stage's shards from the old owners' bundles, each byte once); the loss
 tracks an unresized run within 1e-4 and the model's logits do not move at a switch; a change of the stages
 at the same TP degree keeps the processes of replica 0's stages present at both layouts, and a TP change at
-pp > 1 starts every new worker beside the running ones (which held their names). The first switch is filed
-as `raytp scale` files it (the control actor), the others through Driver.resize."""
+pp > 1 starts every new worker beside the running ones (which held their names); before it, a try whose new
+worker dies while it starts is refused and leaves the job as it was. The first switch is filed as `raytp
+scale` files it (the control actor), the others through Driver.resize."""
 import dataclasses
 import io
 import json
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import ray
 
-from helpers import FIXED, close, drive, job, losses, ray_actors
+from helpers import FIXED, close, drive, job, losses, ray_actors, wait_for
 from raytp.runtime.driver.driver import Driver
 
 pytestmark = pytest.mark.slow  # up to 8 workers and two layouts at once on 2 cores
@@ -48,6 +49,15 @@ def test_stages_resize_live_and_the_loss_tracks_an_unresized_run(ray_wide, tmp_p
                         d.train_loop(until=d.step + 1)
                     assert ray.get(d.control.actor.outcome.remote(rid))["ok"]
                 else:
+                    if tp != PHASES[i - 1][0]:  # first a try whose new worker dies while it starts: nothing changes
+                        assert d.request_resize(tp, dp, pp=pp) is None
+                        ray.kill(d.elastic.pending.early[0][0])
+                        failed = d.advance_resize(now=True)
+                        assert not failed.ok and "rolled back" in failed.error, failed
+                        assert (d.layout.tp, d.layout.pp, d.layout.dp) == PHASES[i - 1]
+                        assert float((d.logits(FIXED) - before).abs().max()) == 0.0
+                        wait_for(lambda: sorted(ray_actors("raytp.ppresized.rank")) == sorted(pids),
+                                 "the failed try's new workers did not go")
                     outcome = d.resize(tp, dp, pp=pp)
                     assert outcome.ok, outcome
                 assert (d.layout.tp, d.layout.pp, d.layout.dp) == (tp, pp, dp)
@@ -57,9 +67,10 @@ def test_stages_resize_live_and_the_loss_tracks_an_unresized_run(ray_wide, tmp_p
                 names = ray_actors("raytp.ppresized.rank")
                 held = [p["actor"] for p in d.group.placement]  # each rank's actor, by name
                 assert sorted(names) == sorted(held)
-                ahead = [f"raytp.ppresized.rank{r}.next1" for r in range(min(np.prod(PHASES[i - 1]), tp * pp * dp))]
+                ahead = [f"raytp.ppresized.rank{r}.next2" for r in range(min(np.prod(PHASES[i - 1]), tp * pp * dp))]
                 if tp != PHASES[i - 1][0]:
-                    # every new worker started beside the running ones; a name they held went to it as .next1
+                    # every new worker started beside the running ones; a name they held went to it as .next2
+                    # (the second such start: the first was the failed try's)
                     assert held == ahead + [f"raytp.ppresized.rank{r}" for r in range(len(ahead), tp * pp * dp)]
                 else:
                     assert held == [f"raytp.ppresized.rank{r}" for r in range(tp * pp * dp)]
