@@ -89,9 +89,7 @@ class WorkerGroup(GroupState):
     def start_worker(self, rank: int, cfg=None, pgs=None, ahead: int = 0) -> tuple[object, tuple]:
         """A new actor for `rank` (of this group's layout, or of `cfg`/`pgs` not yet switched to; `ahead`:
         see Launcher.start)."""
-        if ahead:
-            return self.launcher.start(cfg or self.cfg, pgs if pgs is not None else self.pgs, rank, ahead=ahead)
-        return self.launcher.start(cfg or self.cfg, pgs if pgs is not None else self.pgs, rank)
+        return self.launcher.start(cfg or self.cfg, pgs if pgs is not None else self.pgs, rank, ahead=ahead)
 
     def with_workers(self, actors: Mapping[int, object], bundles: Mapping[int, tuple] | None = None) -> "WorkerGroup":
         """This group with ranks' actors replaced: {rank: actor}; `bundles`: {rank: bundle} of the new
