@@ -71,9 +71,10 @@ def call_plan(calls: int) -> list[int]:
 
 def _no_ray_rank(rank: int, world: int, init: str, job_dict: dict, warmup: int, plan: list[int]) -> dict:
     import torch.distributed as dist
+    from raytp.parallel.layout import Layout
     from raytp.runtime.worker.worker import Worker
     w = Worker(job_dict, rank)
-    w.setup(world, 1, init)
+    w.setup(Layout.of(w.cfg.parallel), init)
     w.train(0, warmup)
     step, calls = warmup, []
     for n in plan:

@@ -34,11 +34,11 @@ class DiesInResizeSetup(Worker):
         super().__init__(job, rank)
         self.marker_path = type(self).marker
 
-    def setup(self, tp, dp, init_method, source=None):
+    def setup(self, layout, init_method, source=None):
         if source is not None and self.rank == 2 and not os.path.exists(self.marker_path):
             open(self.marker_path, "w").close()
             os._exit(1)
-        return super().setup(tp, dp, init_method, source)
+        return super().setup(layout, init_method, source)
 
 
 HOLD_S = 240.0  # a hold this long means that what it waits for never came (not that it came slowly)

@@ -19,7 +19,7 @@ LAYERS = {
     "raytp.train": {"raytp.models", "raytp.parallel", "raytp.seeds"},
     "raytp.files": {"raytp.models", "raytp.parallel", "raytp.train"},
     "raytp.data": {"raytp.seeds", "raytp.files"},
-    "raytp.config": {"raytp.names", "raytp.models", "raytp.train", "raytp.tp_degrees"},
+    "raytp.config": {"raytp.names", "raytp.models", "raytp.parallel", "raytp.train", "raytp.tp_degrees"},
     "raytp.runtime": {"raytp.names", "raytp.models", "raytp.parallel", "raytp.train", "raytp.files", "raytp.data",
                       "raytp.config", "raytp.seeds"},
     "raytp.head": {"raytp.names", "raytp.runtime"},

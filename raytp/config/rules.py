@@ -11,6 +11,7 @@ from raytp.models.args import ModelArgs
 from raytp.models.arch import ARCHES
 from raytp.models.facts import divisors as _divisors
 from raytp.names import RUN_NAME
+from raytp.parallel.layout import Layout
 from raytp.tp_degrees import tp_degrees
 
 
@@ -75,7 +76,7 @@ def _profile_steps_problem(v) -> str | None:
 
 def _profile_ranks_problem(v) -> str | None:
     """What is wrong with profile.ranks (None: nothing)."""
-    world = v["parallel.tp"] * v["parallel.pp"] * v["parallel.dp"]
+    world = Layout(v["parallel.tp"], pp=v["parallel.pp"], dp=v["parallel.dp"]).world_size
     outside = [r for r in v["profile.ranks"] if not 0 <= r < world]
     if not v["profile.ranks"] or outside:
         what = f"names rank {outside[0]}, but" if outside else "names no rank;"

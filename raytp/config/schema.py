@@ -17,6 +17,7 @@ from raytp.config.values import NONNEG, POSITIVE, UNIT, IntList, Range
 from raytp.config.tracking import MlflowTarget, WandbTarget
 from raytp.models.args import RopeScaling
 from raytp.models.arch import ARCHES
+from raytp.parallel.layout import Layout
 
 
 def _f(default: Any, help: str, valid: Any = None, factory: Any = None):
@@ -220,8 +221,13 @@ class JobConfig:
     tracking: TrackingConfig = _f(None, "experiment trackers", factory=TrackingConfig)
 
     @property
+    def layout(self) -> Layout:
+        """The mesh the job asks for (raytp.parallel.layout): every degree, named."""
+        return Layout.of(self.parallel)
+
+    @property
     def world_size(self) -> int:
-        return self.parallel.tp * self.parallel.pp * self.parallel.dp
+        return self.layout.world_size
 
     @property
     def local_batch_size(self) -> int:

@@ -15,6 +15,7 @@ from raytp.models.args import ModelArgs
 from raytp.models.base import CausalLM
 from raytp.models.arch import ARCHES
 from raytp.models.spec import ModelSpec
+from raytp.parallel.placements import TensorPlacement, dense_weight
 from raytp.parallel.sharding import KV_HEADS, REPLICATED, Sharding
 from raytp.tp_degrees import kv_fits, tp_degrees
 
@@ -62,6 +63,12 @@ def sharding_of(name: str, cfg: ModelArgs | None = None) -> Sharding:
                     return Sharding(dim=0, heads=cfg.kv_heads)
                 return how
     return REPLICATED
+
+
+def placement_of(name: str, cfg: ModelArgs | None = None) -> TensorPlacement:
+    """Where parameter `name` lives on the mesh (raytp.parallel.placements): split along TP as its sharding
+    row says (or replicated there), replicated over DP."""
+    return dense_weight(sharding_of(name, cfg).dim)
 
 
 def tensor_sharding(name: str, t: torch.Tensor, cfg: ModelArgs | None = None) -> Sharding:

@@ -58,11 +58,16 @@ def apply_tp(model: CausalLM, group, sequence_parallel: bool = False, source=Non
     return model
 
 
-def rebind_groups(model: nn.Module, group) -> None:
-    """Point every parallel layer at a new TP group (after the groups were rebuilt)."""
+def rebind_groups(model: nn.Module, groups) -> None:
+    """Point every parallel layer at its group in `groups` (a raytp.parallel.groups.ProcessGroups, after
+    the groups were rebuilt; None: drop them all), each by the mesh axis it names (``group_axis``). A
+    module holding a group but naming no axis is an error, never guessed."""
     for m in model.modules():
         if hasattr(m, "group"):
-            m.group = group
+            axis = getattr(type(m), "group_axis", None)
+            if axis is None:
+                raise TypeError(f"{type(m).__name__} holds a process group but names no mesh axis (group_axis)")
+            m.group = None if groups is None else groups.group(axis)
 
 
 def build_shard(cfg: ModelArgs, seed: int, group, sequence_parallel: bool = False,

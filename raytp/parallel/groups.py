@@ -1,7 +1,7 @@
 """torch.distributed process groups for a Layout, held as values (not globals).
 
-Every rank creates every TP and DP group in the same order (torch requires
-it) and keeps the two it belongs to. A one-rank group is None: the parallel
+Every rank creates every group of every named sub-mesh in the same order
+(torch requires it) and keeps those it belongs to. A one-rank group is None: the parallel
 layers treat None as "nothing to communicate". Elastic resizing destroys and
 rebuilds them, which is why nothing else caches a group.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -39,14 +38,25 @@ def listening_store(host: str, timeout_s: float = 120.0) -> dist.TCPStore:
                          wait_for_workers=False, multi_tenant=True)
 
 
-@dataclass
 class ProcessGroups:
-    layout: Layout
-    rank: int
-    tp: object | None  # this rank's TP group, None when tp == 1
-    dp: object | None  # this rank's DP group, None when dp == 1
-    pp: object | None = None  # this rank's pipeline group (its replica's stages at its TP rank), None when pp == 1
-    emb: object | None = None  # its first and last stage (tied embedding copies), None when pp == 1 or off them
+    """This rank's process groups, one per named sub-mesh of its layout (raytp.parallel.layout.AXES, and
+    ``emb``: the first and last stage, where a tied embedding's two copies live). A one-rank group, or
+    one not built, is None: the parallel layers treat None as "nothing to communicate"."""
+
+    def __init__(self, layout: Layout, rank: int, tp=None, dp=None, pp=None, emb=None, **others):
+        self.layout, self.rank = layout, rank
+        self.named = {"tp": tp, "dp": dp, "pp": pp, "emb": emb, **others}
+
+    def group(self, name: str):
+        """The group of the sub-mesh `name` this rank is in (None: one rank, or not built)."""
+        if name not in self.named:
+            raise KeyError(f"no process group {name!r} on {self.layout}; built: {', '.join(self.named)}")
+        return self.named[name]
+
+    tp = property(lambda self: self.named["tp"], doc="this rank's TP group")
+    dp = property(lambda self: self.named["dp"], doc="this rank's DP group")
+    pp = property(lambda self: self.named["pp"], doc="its replica's stages at its TP rank")
+    emb = property(lambda self: self.named["emb"], doc="its first and last stage (tied embedding copies)")
 
     @property
     def tp_rank(self) -> int:
@@ -57,18 +67,29 @@ class ProcessGroups:
         return self.layout.coords(self.rank).dp
 
     @property
+    def pp_rank(self) -> int:
+        return self.layout.coords(self.rank).pp
+
+    @property
     def owns_state(self) -> bool:
         """Whether this rank is an owner of the state (raytp.parallel.ownership): it snapshots and writes."""
         return Ownership(self.layout).owns(self.rank)
 
-    @property
-    def pp_rank(self) -> int:
-        return self.layout.coords(self.rank).pp
+
+def group_kinds(layout: Layout) -> list[tuple[str, list[list[int]]]]:
+    """The sub-meshes a layout's ranks communicate over, by name, in the order every rank creates them:
+    TP, DP, PP, the tied embedding's stages at pp > 1, and the expert mesh's axes where ep or etp split it."""
+    kinds = [(axis, layout.groups(axis)) for axis in ("tp", "dp", "pp")]
+    if layout.pp > 1:
+        kinds.append(("emb", layout.embedding_groups()))
+    if layout.experts_split:
+        kinds += [(axis, layout.groups(axis)) for axis in ("ep", "etp", "edp")]
+    return kinds
 
 
 def init_process_groups(layout: Layout, rank: int, init_method: str, device: str = "cpu",
                         timeout_s: float = 120.0) -> ProcessGroups:
-    """Join the world (rendezvous at `init_method`, e.g. tcp://host:port) and build the TP and DP groups."""
+    """Join the world (rendezvous at `init_method`, e.g. tcp://host:port) and build its groups by name."""
     backend = BACKENDS[device]
     if backend == "gloo" and "127.0.0.1" in init_method:
         # Keep gloo's data connections on loopback too (it otherwise resolves the hostname).
@@ -80,20 +101,18 @@ def init_process_groups(layout: Layout, rank: int, init_method: str, device: str
 
 
 def build_groups(layout: Layout, rank: int, timeout_s: float = 120.0) -> ProcessGroups:
-    """The TP, DP and pipeline groups of `layout` inside an initialised world of layout.world_size ranks (a
-    group of one rank is not made: with pp=1 this builds what it built before pipelines existed)."""
+    """The named groups of `layout` (group_kinds) inside an initialised world of layout.world_size ranks
+    (a group of one rank is not made)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    mine = {"pp": None, "emb": None}
-    kinds = [("tp", layout.tp_groups()), ("dp", layout.dp_groups()), ("pp", layout.pp_groups())]
-    if layout.pp > 1:
-        kinds.append(("emb", layout.embedding_groups()))
-    for kind, groups in kinds:
+    mine = {}
+    for kind, groups in group_kinds(layout):
+        mine.setdefault(kind, None)
         for members in groups:
             # new_group is collective over the world: every rank calls it for every group.
             g = dist.new_group(members, timeout=timeout) if len(members) > 1 else None
             if rank in members:
                 mine[kind] = g
-    return ProcessGroups(layout, rank, mine["tp"], mine["dp"], mine["pp"], mine["emb"])
+    return ProcessGroups(layout, rank, **mine)
 
 
 def destroy_process_groups() -> None:

@@ -46,6 +46,7 @@ def _mark_sequence_parallel(p: nn.Parameter | None) -> None:
 
 class ColumnParallelLinear(nn.Module):
     """Y_i = X A_i + b_i; input replicated (or sequence-sharded under SP), output sharded by columns."""
+    group_axis = "tp"  # the mesh axis of its group (raytp.models.shard.rebind_groups)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, sequence_parallel: bool = False):
         super().__init__()
@@ -65,6 +66,7 @@ class ColumnParallelLinear(nn.Module):
 class ParallelInput(nn.Module):
     """The entry collective that several column-parallel projections of one input share (Llama's q, k, v;
     gate, up): Megatron's f, or the sequence all-gather under SP. One per block, not one per projection."""
+    group_axis = "tp"  # the mesh axis of its group (raytp.models.shard.rebind_groups)
 
     def __init__(self, group, sequence_parallel: bool = False):
         super().__init__()
@@ -77,6 +79,7 @@ class ParallelInput(nn.Module):
 
 class ShardedLinear(nn.Module):
     """Y_i = X A_i: a column-parallel projection whose input a ParallelInput already made whole."""
+    group_axis = "tp"  # the mesh axis of its group (raytp.models.shard.rebind_groups)
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -91,6 +94,7 @@ class ShardedLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """Y = sum_i X_i A_i + b; input sharded by columns, output replicated (or sequence-sharded under SP)."""
+    group_axis = "tp"  # the mesh axis of its group (raytp.models.shard.rebind_groups)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, sequence_parallel: bool = False):
         super().__init__()
@@ -111,6 +115,7 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, end) of a (padded) embedding table; other ranks' tokens look up zeros, g sums."""
+    group_axis = "tp"  # the mesh axis of its group (raytp.models.shard.rebind_groups)
 
     def __init__(self, weight: torch.Tensor, start: int, group, sequence_parallel: bool = False):
         super().__init__()
@@ -130,6 +135,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class SequenceShardedPositionEmbedding(nn.Embedding):
     """Under SP, returns only this rank's slice of positions 0..T-1 (the residual stream is sharded by T)."""
+    group_axis = "tp"  # the mesh axis of its group (raytp.models.shard.rebind_groups)
 
     def __init__(self, weight: torch.Tensor, group):
         super().__init__(weight.shape[0], weight.shape[1], _weight=weight.clone())
@@ -184,6 +190,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 class VocabParallelCrossEntropy(nn.Module):
     """Drop-in for the model's LMLoss when the logits are split by vocab."""
+    group_axis = "tp"  # the mesh axis of its group (raytp.models.shard.rebind_groups)
 
     def __init__(self, start: int, vocab_size: int, group):
         super().__init__()

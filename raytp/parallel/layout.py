@@ -1,26 +1,41 @@
-"""Layout(tp, pp=, dp=, zero=): pure rank arithmetic of a TP x PP x DP mesh, no processes.
+"""Layout: the one mesh of a job, every dimension named; pure rank arithmetic, no processes.
 
-Rank order is TP fastest, then pipeline stage, then replica:
-``rank = (dp * pp_degree + pp) * tp_degree + tp``. So the ranks of one TP
-group (one stage of one replica) are contiguous and map onto consecutive
+The dense mesh is TP x PP x DP. Rank order is TP fastest, then pipeline stage,
+then replica: ``rank = (dp * pp_degree + pp) * tp_degree + tp``. So the ranks of
+one TP group (one stage of one replica) are contiguous and map onto consecutive
 bundles of one placement group, i.e. onto one node, where their several
 collectives per layer find fast links; a replica's stages follow each other
-(one placement group each, on nodes of their own), and the DP group of a
-shard strides across replicas (and so across nodes).
+(one placement group each, on nodes of their own), and the DP group of a shard
+strides across replicas (and so across nodes).
 
-A rank's place is ``coords(rank)``, a ``Coords`` with named fields (``.tp``,
-``.pp``, ``.dp``): never indexed by position, so adding a dimension cannot
-silently change what a call site reads. The degrees after ``tp`` are keyword
-arguments for the same reason.
+Expert layers see the same ranks through a second mesh, folded over DP x TP
+inside each stage as Megatron's "parallel folding" and torchtitan's
+``dp_shard_in_ep`` do: ETP x EP x expert-DP, ETP fastest. A rank's place in a
+stage is ``i = dp * tp_degree + tp``, and ``i = (edp * ep_degree + ep) * etp_degree + etp``;
+``edp_degree = dp * tp / (ep * etp)``. With ``etp == tp`` the expert TP group is
+the TP group and EP strides over replicas; with ``etp == 1`` EP runs over TP first.
+
+Every axis has a name (``AXES``); ``coord(rank, axis)`` reads one, ``group(rank,
+axes)`` is the sub-mesh through a rank along some axes, ``groups(axes)`` all of
+them in one fixed order (every process builds process groups in it). A rank's
+dense place is ``coords(rank)``, a ``Coords`` with named fields: never indexed by
+position, so adding a dimension cannot silently change what a call site reads.
+The degrees after ``tp`` are keyword arguments for the same reason.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import KW_ONLY, dataclass
+from typing import Iterable
+
+DENSE_AXES = ("tp", "pp", "dp")      # fastest first
+EXPERT_AXES = ("etp", "ep", "edp")   # inside a stage, fastest first, folded over dp x tp
+AXES = DENSE_AXES + EXPERT_AXES
 
 
 @dataclass(frozen=True)
 class Coords:
-    """Where a rank sits: its TP rank, pipeline stage and DP replica."""
+    """Where a rank sits on the dense mesh: its TP rank, pipeline stage and DP replica."""
     tp: int
     pp: int
     dp: int
@@ -33,14 +48,27 @@ class Layout:
     pp: int = 1
     dp: int = 1
     zero: int = 0  # 1: AdamW state sharded over DP (raytp.train.optimizer): who owns what changes
+    ep: int = 1    # expert parallel degree (folded over dp x tp)
+    etp: int = 1   # tensor parallel degree inside an expert: 1 or tp
 
     def __post_init__(self):
-        for key in ("tp", "pp", "dp"):
+        for key in ("tp", "pp", "dp", "ep", "etp"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Layout.{key} must be a positive integer, got {v!r}")
         if self.zero not in (0, 1):
             raise ValueError(f"Layout.zero must be 0 or 1, got {self.zero!r}")
+        if self.etp not in (1, self.tp):
+            raise ValueError(f"Layout.etp must be 1 or tp ({self.tp}), got {self.etp}")
+        if (self.dp * self.tp) % (self.ep * self.etp):
+            raise ValueError(f"Layout.ep x etp ({self.ep} x {self.etp}) must divide dp x tp "
+                             f"({self.dp} x {self.tp}): experts are folded over the ranks of a stage")
+
+    @classmethod
+    def of(cls, parallel) -> "Layout":
+        """The layout a job's ``parallel`` section asks for (raytp.config.schema.Parallel)."""
+        return cls(parallel.tp, pp=parallel.pp, dp=parallel.dp, zero=parallel.zero,
+                   ep=getattr(parallel, "ep", 1), etp=getattr(parallel, "etp", 1))
 
     @property
     def sharded_optimizer(self) -> bool:
@@ -56,6 +84,20 @@ class Layout:
         """Ranks of one model replica (all its stages)."""
         return self.tp * self.pp
 
+    @property
+    def experts_split(self) -> bool:
+        """Whether expert layers have an expert mesh of their own (ep or etp above 1)."""
+        return self.ep * self.etp > 1
+
+    def degree(self, axis: str) -> int:
+        """How many ranks lie along `axis` (expert-DP: what EP x ETP leave of dp x tp)."""
+        if axis == "edp":
+            return self.dp * self.tp // (self.ep * self.etp)
+        if axis not in AXES:
+            raise ValueError(f"no mesh axis {axis!r}; axes: {', '.join(AXES)}")
+        return getattr(self, axis)
+
+    # -- rank <-> coordinates ------------------------------------------------------------------
     def rank(self, *, tp: int = 0, pp: int = 0, dp: int = 0) -> int:
         if not (0 <= tp < self.tp and 0 <= pp < self.pp and 0 <= dp < self.dp):
             raise ValueError(f"(tp={tp}, pp={pp}, dp={dp}) outside {self}")
@@ -68,33 +110,97 @@ class Layout:
         dp, pp = divmod(rest, self.pp)
         return Coords(tp=tp, pp=pp, dp=dp)
 
+    def coord(self, rank: int, axis: str) -> int:
+        """`rank`'s coordinate along one named axis, dense or expert."""
+        c = self.coords(rank)
+        if axis in DENSE_AXES:
+            return getattr(c, axis)
+        rest, etp = divmod(c.dp * self.tp + c.tp, self.etp)  # its place among the ranks of its stage
+        edp, ep = divmod(rest, self.ep)
+        return {"etp": etp, "ep": ep, "edp": edp}[self._axis(axis)]
+
+    def rank_at(self, **at: int) -> int:
+        """The rank at named coordinates of one mesh: dense (tp, pp, dp) or expert (etp, ep, edp, and pp);
+        an axis left out is 0."""
+        if set(at) <= set(DENSE_AXES):
+            return self.rank(**at)
+        if not set(at) <= set(EXPERT_AXES) | {"pp"}:
+            raise ValueError(f"coordinates {sorted(at)} mix the dense and expert meshes")
+        for axis, v in at.items():
+            if not 0 <= v < self.degree(axis):
+                raise ValueError(f"{axis}={v} outside {self} (degree {self.degree(axis)})")
+        i = (at.get("edp", 0) * self.ep + at.get("ep", 0)) * self.etp + at.get("etp", 0)
+        dp, tp = divmod(i, self.tp)
+        return self.rank(tp=tp, pp=at.get("pp", 0), dp=dp)
+
+    def bundle_index(self, rank: int) -> int:
+        """Which bundle of its replica's placement a rank takes: stage by stage, TP rank in each."""
+        c = self.coords(rank)
+        return c.pp * self.tp + c.tp
+
+    # -- sub-meshes ----------------------------------------------------------------------------
+    def group(self, rank: int, axes: str | Iterable[str]) -> list[int]:
+        """The ranks that differ from `rank` only along `axes` (one mesh's axes, by name), ascending."""
+        axes = self._axes(axes)
+        mesh = DENSE_AXES if set(axes) <= set(DENSE_AXES) else EXPERT_AXES + ("pp",)
+        at = {a: self.coord(rank, a) for a in mesh}
+        out = []
+        for values in itertools.product(*(range(self.degree(a)) for a in axes)):
+            at.update(zip(axes, values))
+            out.append(self.rank_at(**at))
+        return sorted(out)
+
+    def groups(self, axes: str | Iterable[str]) -> list[list[int]]:
+        """Every sub-mesh along `axes`, ordered by its first rank: the order every process creates them in."""
+        out, seen = [], set()
+        for r in range(self.world_size):
+            if r not in seen:
+                g = self.group(r, axes)
+                seen.update(g)
+                out.append(g)
+        return out
+
+    def _axes(self, axes: str | Iterable[str]) -> tuple[str, ...]:
+        names = (axes,) if isinstance(axes, str) else tuple(axes)
+        names = tuple(self._axis(a) for a in names)
+        if not (set(names) <= set(DENSE_AXES) or set(names) <= set(EXPERT_AXES) | {"pp"}):
+            raise ValueError(f"axes {names} mix the dense and expert meshes")
+        return names
+
+    @staticmethod
+    def _axis(axis: str) -> str:
+        if axis not in AXES:
+            raise ValueError(f"no mesh axis {axis!r}; axes: {', '.join(AXES)}")
+        return axis
+
+    # -- the dense sub-meshes by their usual names ---------------------------------------------
     def tp_group(self, dp: int, pp: int = 0) -> list[int]:
         """Ranks that hold the TP shards of one stage of one replica (contiguous: one node)."""
-        return [self.rank(tp=t, pp=pp, dp=dp) for t in range(self.tp)]
+        return self.group(self.rank(pp=pp, dp=dp), "tp")
 
     def pp_group(self, tp: int, dp: int) -> list[int]:
         """Ranks that hold the stages of one replica at one TP rank, first stage first."""
-        return [self.rank(tp=tp, pp=s, dp=dp) for s in range(self.pp)]
+        return self.group(self.rank(tp=tp, dp=dp), "pp")
 
     def dp_group(self, tp: int, pp: int = 0) -> list[int]:
         """Ranks that hold the same shard in different replicas."""
-        return [self.rank(tp=tp, pp=pp, dp=d) for d in range(self.dp)]
+        return self.group(self.rank(tp=tp, pp=pp), "dp")
 
     def replica(self, dp: int) -> list[int]:
         """Every rank of replica `dp` (all its stages): contiguous."""
-        start = dp * self.replica_size
         if not 0 <= dp < self.dp:
             raise ValueError(f"replica {dp} outside {self}")
+        start = dp * self.replica_size
         return list(range(start, start + self.replica_size))
 
     def tp_groups(self) -> list[list[int]]:
-        return [self.tp_group(d, s) for d in range(self.dp) for s in range(self.pp)]
+        return self.groups("tp")
 
     def pp_groups(self) -> list[list[int]]:
-        return [self.pp_group(t, d) for d in range(self.dp) for t in range(self.tp)]
+        return self.groups("pp")
 
     def dp_groups(self) -> list[list[int]]:
-        return [self.dp_group(t, s) for s in range(self.pp) for t in range(self.tp)]
+        return self.groups("dp")
 
     def embedding_group(self, tp: int, dp: int) -> list[int]:
         """The first and the last stage at one TP rank of one replica: the two copies of a tied embedding
@@ -105,5 +211,6 @@ class Layout:
         return [self.embedding_group(t, d) for d in range(self.dp) for t in range(self.tp)]
 
     def __str__(self) -> str:
-        return (f"TP={self.tp} x " + (f"PP={self.pp} x " if self.pp > 1 else "") + f"DP={self.dp}"
+        experts = (f" x EP={self.ep}" if self.ep > 1 else "") + (f" (ETP={self.etp})" if self.etp > 1 else "")
+        return (f"TP={self.tp} x " + (f"PP={self.pp} x " if self.pp > 1 else "") + f"DP={self.dp}" + experts
                 + (" (ZeRO-1)" if self.sharded_optimizer else ""))

@@ -23,8 +23,8 @@ RECOVER, GIVE_UP, JOB_ERROR = "recover", "give up", "job error"
 
 
 def layout_of(cfg: config_mod.JobConfig) -> Layout:
-    """The layout a job asks for: TP x PP x DP, and whether the optimizer is sharded over DP."""
-    return Layout(cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp, zero=cfg.parallel.zero)
+    """The layout a job asks for: every degree of its mesh, and whether the optimizer is sharded over DP."""
+    return cfg.layout
 
 
 def on_failure(lost: Mapping[int, str], failures_before: int, max_failures: int) -> str:

@@ -1,8 +1,8 @@
 """One optimizer step of a TP x DP shard, in two parts: a schedule, then the finish.
 
 The *schedule* runs this rank's micro-batches through forward and backward and
-leaves their gradients accumulated in ``.grad`` (raytp.train.schedule: today the
-gradient-accumulation loop; a pipeline schedule replaces exactly this part).
+leaves their gradients accumulated in ``.grad``: the gradient-accumulation loop
+(raytp.train.schedule) at pp == 1, a stage's row of a pipeline table at pp > 1.
 The *finish* (``finish_step``) synchronises the gradients, clips them and updates
 the weights; it is the same whatever schedule ran.
 
@@ -22,8 +22,9 @@ DP part may start during the last backward passes: ``parallel.overlap_grad_reduc
   ``shared_head``): each rank's copy saw only its own query heads, so the
   copies of a head have their gradients summed over the ranks sharing it
   (in the same all-reduce as SP's).
-Clipping uses the global norm: sharded parameters' squares are summed over
-TP (a shared head's once), replicated ones counted once; with DP replicas
+Clipping uses the global norm: each parameter's squares are summed over the
+mesh axes its placement splits it along (TP; a shared head's once), replicated
+ones counted once; with DP replicas
 each DP rank sums the rows it owns and the sums are added over DP.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raytp.models.registry import sharding_of
+from raytp.models.registry import placement_of
 from raytp.models.stage import replicated_copy
 from raytp.parallel import comm
 from raytp.parallel.groups import ProcessGroups
@@ -74,32 +75,40 @@ def _sum_over_tp(grads: list, group) -> None:
 
 def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups, optimizer: DistributedAdamW | None = None
                      ) -> torch.Tensor:
-    """The norm of the whole model's gradient: squares summed over TP where sharded (a shared head's
-    once), over the pipeline stages, and a tied embedding's second copy left out (raytp.models.stage).
-    With DP replicas and `optimizer`, each DP rank sums the rows it owns (raytp.train.optimizer) and the
-    sums are added over DP: the same at zero 0 and zero 1."""
-    sharded, replicated = [], []
+    """The norm of the whole model's gradient: each parameter's squares summed over the mesh axes that
+    split it (its placement, raytp.models.registry.placement_of; a shared head's once), over the pipeline
+    stages, and a tied embedding's second copy left out (raytp.models.stage). With DP replicas and
+    `optimizer`, each DP rank sums the rows it owns (raytp.train.optimizer) and the sums are added over DP:
+    the same at zero 0 and zero 1."""
+    def split(name: str) -> tuple[str, ...]:
+        return tuple(a for a in placement_of(name, model.cfg).split_axes if a != "dp")
+
+    # The axes that split a parameter -> its squares; every rank lists the same keys (a DP rank may own
+    # rows of some kinds only), split ones first, so the sums meet in one order everywhere.
+    by_axes = {k: [] for k in sorted({("tp",), ()} | {split(n) for n, _ in model.named_parameters()},
+                                     key=lambda axes: (-len(axes), axes))}
     over_dp = optimizer is not None and groups.dp is not None
     grads = optimizer.owned_grads() if over_dp else ((n, p, p.grad) for n, p in model.named_parameters())
     for name, p, g in grads:
         if g is not None and not replicated_copy(model, name):
             sq = g.float().pow(2).sum()
             if hasattr(p, "shared_head"):
-                sharded.append(sq / p.shared_head[2])  # held by that many ranks: counted once in the sum
-            elif sharding_of(name, model.cfg).dim is not None:
-                sharded.append(sq)
+                by_axes[("tp",)].append(sq / p.shared_head[2])  # held by that many ranks: counted once
             else:
-                replicated.append(sq)
-    zero = torch.zeros((), device=next(model.parameters()).device)
-    sq_sharded = torch.stack(sharded).sum() if sharded else zero
-    sq_replicated = torch.stack(replicated).sum() if replicated else zero
+                by_axes[split(name)].append(sq)
+    device = next(model.parameters()).device
+    sums = [torch.stack(v).sum() if v else torch.zeros((), device=device) for v in by_axes.values()]
     if over_dp:
-        both = torch.stack([sq_sharded, sq_replicated])
+        both = torch.stack(sums)
         comm.all_reduce(both, groups.dp)
-        sq_sharded, sq_replicated = both[0], both[1]
-    if groups.tp is not None:
-        comm.all_reduce(sq_sharded, groups.tp)
-    return sum_over_stages(sq_sharded + sq_replicated, groups).sqrt()
+        sums = list(both.unbind())
+    total = None
+    for axes, sq in zip(by_axes, sums):
+        for axis in axes:
+            if groups.group(axis) is not None:
+                comm.all_reduce(sq, groups.group(axis))
+        total = sq if total is None else total + sq
+    return sum_over_stages(total, groups).sqrt()
 
 
 @dataclass

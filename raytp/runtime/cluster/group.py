@@ -144,11 +144,11 @@ class WorkerGroup(GroupState):
         for r, w in enumerate(self.workers):
             src = states.get(r, state) if states is not None else state
             if r in setup:
-                calls.append(w.setup.remote(lay.tp, lay.dp, init_method, src))
+                calls.append(w.setup.remote(lay, init_method, src))
             elif r in reshape:
-                calls.append(w.reshape.remote(lay.tp, lay.dp, init_method, job, r, src))
+                calls.append(w.reshape.remote(lay, init_method, job, r, src))
             else:
-                calls.append(w.rejoin.remote(lay.tp, lay.dp, init_method, job, r))
+                calls.append(w.rejoin.remote(lay, init_method, job, r))
         ray.get(calls, timeout=timeout)
         where = ray.get([w.where.remote() for w in self.workers], timeout=timeout)
         return self._with(placement=tuple(where))

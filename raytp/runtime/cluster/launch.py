@@ -55,7 +55,7 @@ class Launcher:
         lay = policy.layout_of(cfg)
         at = lay.coords(rank)
         self.prepare_nodes(cfg, {at.dp: pgs[at.dp]})
-        pg, index = placement.bundle_of(pgs[at.dp], at.pp * lay.tp + at.tp)  # stage by stage, TP rank in each
+        pg, index = placement.bundle_of(pgs[at.dp], lay.bundle_index(rank))
         self.evict(pg, index)
         name = names.worker(self.run, rank)
         deadline = time.monotonic() + timeout_s

@@ -81,9 +81,12 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         self.store = listening_store(ip, self.cfg.runtime.collective_timeout_s)
         return f"tcp://{ip}:{self.store.port}"
 
-    def _layout(self, tp: int, dp: int) -> Layout:
-        """The layout of `tp` x `dp` at the job's pipeline degree (a live resize keeps it)."""
-        return Layout(tp, pp=self.cfg.parallel.pp, dp=dp, zero=self.cfg.parallel.zero)
+    def _checked(self, layout: Layout) -> Layout:
+        """The layout the driver hands over, which the job this worker runs must ask for."""
+        if layout != Layout.of(self.cfg.parallel):
+            raise ValueError(f"rank {self.rank} was handed layout {layout!r} for a job at "
+                             f"{Layout.of(self.cfg.parallel)!r}")
+        return layout
 
     def _stage(self):
         """This rank's pipeline stage (raytp.models.stage), None at pp == 1; its schedule is set with it."""
@@ -111,12 +114,12 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         self.rank, self.cfg = rank, from_dict(job)
         self._announce()
 
-    def setup(self, tp: int, dp: int, init_method: str, source=None) -> dict:
+    def setup(self, layout: Layout, init_method: str, source=None) -> dict:
         """Join the process groups and build this rank's shard: from the seeded initialisation (only its
         own slices are computed), or, given a source (raytp.files.sources: a checkpoint, a Hugging Face
         directory; or a one-device state), from its slices of it, with no initialisation at all."""
         t0 = time.perf_counter()
-        self.groups = self._join(self._layout(tp, dp), self.rank, init_method)
+        self.groups = self._join(self._checked(layout), self.rank, init_method)
         if source is None:
             self.model = build_shard(model_args(self.cfg), self.cfg.train.seed, self.groups.tp,
                                      self.cfg.parallel.sequence_parallel, self.device, self._stage())
@@ -132,8 +135,8 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         self._announce()
         return {"rank": self.rank, "params_local": n_local, "setup_s": time.perf_counter() - t0}
 
-    def reshape(self, tp: int, dp: int, init_method: str, job: dict, rank: int, source) -> dict:
-        """A TP resize that keeps this process: leave the old groups, join those of layout tp x dp as
+    def reshape(self, layout: Layout, init_method: str, job: dict, rank: int, source) -> dict:
+        """A TP resize that keeps this process: leave the old groups, join those of `layout` as
         `rank` (with the job as it now is), and rebuild the shard at the new TP degree from its slices of
         `source`, without the seeded initialisation."""
         t0 = time.perf_counter()
@@ -145,7 +148,7 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         # No gc.collect as in leave_groups: no peer is blocked on this rank's sockets.
         destroy_process_groups()
         self.groups = None
-        self.groups = self._join(self._layout(tp, dp), rank, init_method)
+        self.groups = self._join(self._checked(layout), rank, init_method)
         self._build_from(source, own)
         self._announce()
         return {"rank": self.rank, "reshape_s": time.perf_counter() - t0}
@@ -289,7 +292,7 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         self.groups = None
         gc.collect()
 
-    def rejoin(self, tp: int, dp: int, init_method: str, job: dict | None = None, rank: int | None = None) -> None:
+    def rejoin(self, layout: Layout, init_method: str, job: dict | None = None, rank: int | None = None) -> None:
         """Build new process groups (after a failure or a DP resize) and rebind the model's layers to
         them; keeps the state. `job`: the job as it is now (a resize changes its layout and micro-batch);
         `rank`: a new rank (an elastic shrink renumbers replicas; the TP rank never changes)."""
@@ -298,8 +301,8 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         if rank is not None:
             self.rank = rank
         destroy_process_groups()
-        self.groups = self._join(self._layout(tp, dp), self.rank, init_method)
-        rebind_groups(self.model, self.groups.tp)
+        self.groups = self._join(self._checked(layout), self.rank, init_method)
+        rebind_groups(self.model, self.groups)
         self._announce()
 
     def shutdown(self) -> None:

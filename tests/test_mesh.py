@@ -1,0 +1,117 @@
+"""The mesh with an expert axis folded over DP x TP, and the placement table, without Ray or processes."""
+import itertools
+
+import pytest
+
+from raytp.parallel.layout import AXES, Layout
+from raytp.parallel.ownership import Ownership
+from raytp.parallel.placements import (REPLICATE, ROWS, Shard, TensorPlacement, dense_state, dense_weight,
+                                       expert_placement)
+
+
+def test_expert_axes_fold_over_dp_with_etp_equal_to_tp():
+    lay = Layout(2, pp=2, dp=4, ep=2, etp=2)
+    assert lay.degree("edp") == 2 and str(lay) == "TP=2 x PP=2 x DP=4 x EP=2 (ETP=2)"
+    # rank 11: tp 1, stage 1, replica 2; inside its stage ETP is its TP rank, EP and expert-DP split its replica.
+    assert (lay.coords(11).tp, lay.coords(11).pp, lay.coords(11).dp) == (1, 1, 2)
+    assert [lay.coord(11, a) for a in ("etp", "ep", "edp")] == [1, 0, 1]
+    assert lay.group(11, "etp") == lay.group(11, "tp") == [10, 11]
+    assert lay.group(11, "ep") == [11, 15] and lay.group(11, "edp") == [3, 11]
+    assert lay.group(11, ("etp", "ep")) == [10, 11, 14, 15]
+
+
+def test_expert_axes_fold_over_tp_first_with_etp_one():
+    lay = Layout(2, pp=2, dp=4, ep=4)
+    assert lay.degree("etp") == 1 and lay.degree("edp") == 2
+    assert [lay.coord(11, a) for a in ("etp", "ep", "edp")] == [0, 1, 1]
+    assert lay.group(11, "ep") == [10, 11, 14, 15] and lay.group(11, "edp") == [3, 11]
+    assert lay.group(11, "etp") == [11]
+
+
+@pytest.mark.parametrize("tp, pp, dp, ep, etp", [(1, 1, 4, 2, 1), (2, 1, 2, 2, 2), (2, 2, 4, 4, 1),
+                                                 (4, 2, 2, 2, 4), (2, 3, 3, 3, 2), (1, 2, 1, 1, 1)])
+def test_every_axis_round_trips_and_its_groups_partition_each_stage(tp, pp, dp, ep, etp):
+    lay = Layout(tp, pp=pp, dp=dp, ep=ep, etp=etp)
+    for r in range(lay.world_size):
+        at = {a: lay.coord(r, a) for a in ("etp", "ep", "edp", "pp")}
+        assert lay.rank_at(**at) == r
+        assert lay.rank_at(**{a: lay.coord(r, a) for a in ("tp", "pp", "dp")}) == r
+    for axes in ("tp", "pp", "dp", "etp", "ep", "edp", ("ep", "etp"), ("etp", "ep", "edp")):
+        names = (axes,) if isinstance(axes, str) else axes
+        size = 1
+        for a in names:
+            size *= lay.degree(a)
+        groups = lay.groups(axes)
+        assert sorted(r for g in groups for r in g) == list(range(lay.world_size))
+        assert all(len(g) == size for g in groups)
+        for g in groups:  # a group is the sub-mesh through any of its members, along the named axes only
+            assert all(lay.group(r, axes) == g for r in g)
+            mesh = ("tp", "pp", "dp") if names[0] in ("tp", "pp", "dp") else ("etp", "ep", "edp", "pp")
+            same_mesh = [a for a in mesh if a not in names]
+            assert len({tuple(lay.coord(r, a) for a in same_mesh) for r in g}) == 1
+    # An expert group never leaves its stage; the expert mesh of a stage is exactly its dp x tp ranks.
+    for g in lay.groups(("etp", "ep", "edp")):
+        assert len({lay.coords(r).pp for r in g}) == 1 and len(g) == dp * tp
+
+
+@pytest.mark.parametrize("bad, match", [(dict(tp=2, dp=1, ep=4), "must divide"), (dict(tp=4, dp=2, etp=2), "1 or tp"),
+                                        (dict(tp=2, ep=0), "positive integer")])
+def test_invalid_expert_degrees_are_rejected(bad, match):
+    with pytest.raises(ValueError, match=match):
+        Layout(**bad)
+
+
+def test_axes_of_the_two_meshes_do_not_mix():
+    lay = Layout(2, dp=2, ep=2)
+    with pytest.raises(ValueError, match="mix"):
+        lay.group(0, ("tp", "ep"))
+    with pytest.raises(ValueError, match="no mesh axis"):
+        lay.group(0, "cp")
+
+
+def test_a_tensor_split_over_two_axes():
+    """An expert weight: its experts split over EP (dim 0), each expert's columns over ETP (dim 2),
+    replicated over expert-DP; who holds and writes which piece follows from the table alone."""
+    lay = Layout(2, pp=2, dp=4, ep=2, etp=2)
+    w = expert_placement(split_dim=2, expert_dim=0)
+    assert w.split_axes == ("etp", "ep") and w.replicated_axes == ("edp",)
+    assert w.on("ep") == Shard(0) and w.on("etp") == Shard(2) and w.on("pp") is None and w.on("tp") is None
+    assert w.pieces(lay) == 4
+    assert w.holders(lay, 11) == [3, 11] and w.writes(lay, 3) and not w.writes(lay, 11)
+    # Within a stage, the four pieces are each held by expert-DP ranks, and each has exactly one writer.
+    for s in range(lay.pp):
+        stage = [r for r in range(lay.world_size) if lay.coords(r).pp == s]
+        pieces = {(lay.coord(r, "ep"), lay.coord(r, "etp")) for r in stage}
+        assert len(pieces) == 4
+        writers = [r for r in stage if w.writes(lay, r)]
+        assert sorted((lay.coord(r, "ep"), lay.coord(r, "etp")) for r in writers) == sorted(pieces)
+
+
+def test_ownership_of_a_state_with_experts_is_the_intersection_of_its_placements():
+    lay = Layout(2, pp=2, dp=4, ep=2, etp=2)
+    dense = Ownership(lay)
+    assert dense.holders(11) == [3, 7, 11, 15] and dense.parts == lay.replica_size
+    moe = Ownership(lay, weights=(dense_weight(0), dense_weight(None), expert_placement(2)))
+    # Rank 7 holds rank 11's dense shards but other experts: only rank 3 can stand in for 11.
+    assert moe.holders(11) == [3, 11] and moe.owns(3) and not moe.owns(11)
+    assert moe.parts == lay.world_size // 2 and moe.part(11) == moe.part(3)
+    # Rank 7 (replica 1) is the first to hold its experts: it writes them; rank 11's are rank 3's.
+    assert moe.writes_weights(3) and moe.writes_weights(7) and not moe.writes_weights(11)
+
+
+@pytest.mark.parametrize("tp, pp, dp, zero", [(2, 1, 3, 0), (2, 2, 2, 0), (1, 2, 3, 1), (2, 1, 2, 1), (4, 1, 1, 1)])
+def test_dense_placements_give_the_ownership_rule(tp, pp, dp, zero):
+    """The table's dense rows say what the one-axis rule said: replica 0 owns (zero 0), or every rank its own
+    rows (zero 1 with dp > 1); replica 0 writes the weights."""
+    lay = Layout(tp, pp=pp, dp=dp, zero=zero)
+    own = Ownership(lay)
+    sharded = zero == 1 and dp > 1
+    assert own.owners() == (list(range(lay.world_size)) if sharded else lay.replica(0))
+    for r in range(lay.world_size):
+        c = lay.coords(r)
+        assert own.holders(r) == ([r] if sharded else lay.dp_group(c.tp, c.pp))
+        assert own.part(r) == (r if sharded else c.pp * tp + c.tp)
+        assert own.writes_weights(r) == (c.dp == 0)
+    assert dense_state(0, lay).on("dp") == (Shard(ROWS) if sharded else REPLICATE)
+    assert TensorPlacement.of(tp=Shard(0), dp=REPLICATE) == dense_weight(0)
+    assert list(itertools.chain(*lay.groups("dp"))) == [r for g in lay.dp_groups() for r in g]
