@@ -53,7 +53,7 @@ from raytp.parallel.layout import Layout
 from raytp.parallel.pp_schedule import bubble
 from raytp.data.corpus import batch
 from raytp.train.optimizer import DistributedAdamW
-from raytp.train.pipeline import PipelineSchedule
+from raytp.train.stage_runner import PipelineSchedule
 from raytp.train.step import make_optimizer, train_step
 
 INTERLEAVED, V = "raytp_interleaved", 2  # raytp's interleaved 1F1B, 2 model chunks per stage

@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from raytp.parallel.pp_schedule import one_f_one_b
-from raytp.train.pipeline import PipelineSchedule
+from raytp.train.stage_runner import PipelineSchedule
 
 
 class BusyPipeline(PipelineSchedule):

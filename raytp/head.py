@@ -149,7 +149,7 @@ class Head:
     def live_status(self, run: str) -> dict | None:
         """The status the run's control actor holds, or None if no driver of that name is running."""
         import ray
-        from raytp.runtime.driver.control import find_control
+        from raytp.runtime.driver.control_actor import find_control
         self.connect()
         ctl = find_control(run)
         if ctl is None:

@@ -114,7 +114,7 @@ def all_runs(head: Head) -> list[str]:
     except Unreachable:
         if head.given.startswith(("http://", "https://")):
             raise
-    from raytp.runtime.driver.control import list_runs
+    from raytp.runtime.driver.control_actor import list_runs
     try:
         head.connect()
         live, reached = list_runs(), True

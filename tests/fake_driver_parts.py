@@ -2,7 +2,7 @@
 snapshot copy."""
 import itertools
 
-from raytp.runtime.driver.control import ControlChannel
+from raytp.runtime.driver.control_actor import ControlChannel
 
 
 class LocalControl(ControlChannel):

@@ -60,7 +60,7 @@ def test_a_dataset_of_more_shards_than_open_files_raises_the_limit_or_says_what_
     import sys
     script = """
 import resource, sys
-from raytp.data.sources import _open_files_for
+from raytp.data.token_sources import _open_files_for
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
 _open_files_for(1000, "ds")

@@ -250,7 +250,7 @@ def test_a_request_filed_while_a_call_runs_behind_another_is_served_after_it(tmp
 
 
 def test_follow_on_only_where_the_boundary_needs_nothing():
-    from raytp.runtime.driver.pipeline import follow_on
+    from raytp.runtime.driver.follow_on import follow_on
     assert follow_on(1, 12, 12, 4, 6, 12, None, quiet=True) == 4
     assert follow_on(1, 12, 12, 4, 6, 12, None, quiet=False) is None   # a request or resize waits
     assert follow_on(6, 12, 12, 4, 6, 12, None, quiet=True) is None    # an evaluation at 6

@@ -8,7 +8,7 @@ import ray
 from faulty import HOLD_S, WaitsForSnapshotCopy
 from helpers import (NEVER_S, assert_bitwise_equal, events, final_state, gpu_cluster, job, ray_actors,
                      recovery_job, run, steps_logged, wait_for)
-from raytp.runtime.driver.control import find_control
+from raytp.runtime.driver.control_actor import find_control
 
 pytestmark = pytest.mark.slow  # a simulated cluster of up to 4 nodes, and two jobs per test
 

@@ -12,7 +12,7 @@ from raytp.parallel.layout import Layout
 from raytp.parallel.p2p import Expected, StageLink, tag_of
 from raytp.parallel.pp_schedule import schedule
 from raytp.parallel.spawn import run_ranks
-from raytp.train.pipeline import expected_messages
+from raytp.train.stage_runner import expected_messages
 
 
 def sent(table, p, n_chunks):

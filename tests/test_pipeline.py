@@ -16,7 +16,7 @@ from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.spawn import run_ranks
 from raytp.data.corpus import batch
-from raytp.train.pipeline import PipelineSchedule
+from raytp.train.stage_runner import PipelineSchedule
 from raytp.train.step import eval_loss, make_optimizer, train_step
 
 BATCH = 8

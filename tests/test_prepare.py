@@ -21,7 +21,7 @@ from raytp.data.prepare import outdir, prepare, prepare_local
 from raytp.data.prepare.driver import run
 from raytp.data.prepare.plan import MIN_SHARD_TOKENS, SPREAD, Piece, plan, shard_size
 from raytp.data.prepare.plan import SHARD_TOKENS as DEFAULT_SHARD_TOKENS
-from raytp.data.prepare.sources import File, format_of
+from raytp.data.prepare.inputs import File, format_of
 from raytp.files.storage import Storage
 
 ROOT = Path(__file__).resolve().parents[1]

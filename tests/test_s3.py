@@ -163,7 +163,7 @@ def test_a_prepared_dataset_at_a_url_is_fetched_once_per_node(s3, tmp_path, monk
     into the node's cache once (the next open maps the same files), and again only when the dataset at the URL
     was prepared anew."""
     from helpers import write_prepared
-    from raytp.data.sources import open_source
+    from raytp.data.token_sources import open_source
     local = Path(write_prepared(tmp_path / "ds", 0, 0, 200))
     url = f"s3://{BUCKET}/datasets/ds"
     store = Storage(url)

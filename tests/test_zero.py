@@ -18,7 +18,7 @@ from raytp.parallel.spawn import run_ranks
 from raytp.data.corpus import batch
 from raytp.train.hyper import Hyper
 from raytp.train.optimizer import make_optimizer
-from raytp.train.pipeline import PipelineSchedule
+from raytp.train.stage_runner import PipelineSchedule
 from raytp.train.step import train_step
 
 BATCH, M = 8, 2

@@ -179,7 +179,7 @@ def stop(run, address, timeout):
     if job is None or running:
         try:
             head.connect()
-            from raytp.runtime.driver.control import find_control
+            from raytp.runtime.driver.control_actor import find_control
             ctl = find_control(run)
         except jobs.Unreachable:
             if job is None:
@@ -218,7 +218,7 @@ def stop(run, address, timeout):
 def scale(run, workers, tp, pp, dp, address, timeout):
     """Change RUN's layout while it trains: --workers N, or any of --tp, --pp, --dp."""
     import ray
-    from raytp.runtime.driver.control import find_control
+    from raytp.runtime.driver.control_actor import find_control
     if workers is None and tp is None and pp is None and dp is None:
         fail("give --workers N, or any of --tp N, --pp N, --dp N")
     if workers is not None and (tp is not None or pp is not None or dp is not None):
@@ -259,7 +259,7 @@ def profile(run, steps, ranks, memory, address, timeout):
     Each rank writes a Chrome trace (chrome://tracing, ui.perfetto.dev) under the run's checkpoint location:
     profiles/steps-FIRST-LAST/rankNNN.json, as the job's profile section does."""
     import ray
-    from raytp.runtime.driver.control import find_control
+    from raytp.runtime.driver.control_actor import find_control
     try:
         wanted = sorted({int(r) for r in ranks.split(",")})
     except ValueError:

@@ -1,7 +1,7 @@
 """The corpus a job trains on, and each step's batch: a pure function of (seed, step, DP rank).
 
 The corpus is one source (``data.source``) or a blend (``data.mix: {SOURCE: weight}``), each opened as token
-streams (raytp.data.sources), with validation held out of each source by whole documents, or taken from
+streams (raytp.data.token_sources), with validation held out of each source by whole documents, or taken from
 ``data.val_source``. The batch of step s is the global samples ``s*B .. s*B+B-1`` (raytp.data.sampling): a
 blend sends each sample to one source in the weights' proportions, exact within one sample per step; each
 source reads its windows in a fresh seeded permutation per epoch, so every window is read once per epoch. DP
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from raytp.data.sampling import blend, step_samples, window_count, windows
-from raytp.data.sources import open_source
+from raytp.data.token_sources import open_source
 from raytp.data.stream import Stream
 from raytp.seeds import derive_seed
 

@@ -3,7 +3,7 @@ prepared into.
 
 ``data.tokenizer`` (and ``raytp prepare --tokenizer``, ``raytp sample --tokenizer``) names a ``tokenizer.json``
 or a directory holding one, such as a model.init_from directory. A text source a job names with a tokenizer is
-prepared once into a raytp prepared dataset (raytp.data.sources: beside the data when that directory is
+prepared once into a raytp prepared dataset (raytp.data.token_sources: beside the data when that directory is
 writable, else in the cache, ``$RAYTP_CACHE``, default ~/.cache/raytp).
 """
 from __future__ import annotations

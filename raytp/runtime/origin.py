@@ -1,7 +1,7 @@
 """Where a run's first state comes from: a checkpoint (--resume), a Hugging Face directory (model.init_from),
 or the seeded initialisation. Resolved and checked in the driver's process before any actor starts
 (manifests and headers only: the driver reads no tensor), so a bad checkpoint costs nothing; every
-worker then reads its own slices (raytp.files.sources)."""
+worker then reads its own slices (raytp.files.state_sources)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,7 @@ from raytp import config as config_mod
 from raytp.config.adapters import model_args
 from raytp.models import registry
 from raytp.files import checkpoint, hf
-from raytp.files.sources import CheckpointSource, HFSource
+from raytp.files.state_sources import CheckpointSource, HFSource
 
 
 def from_checkpoint(location, cfg: config_mod.JobConfig | None = None, warn=None) -> tuple[int, CheckpointSource, str]:

@@ -39,7 +39,7 @@ from raytp.parallel import comm
 from raytp.parallel.groups import ProcessGroups
 from raytp.train.hyper import Hyper, compute_precision, lr_at
 from raytp.train.optimizer import DistributedAdamW, make_optimizer  # noqa: F401 (make_optimizer: callers' import)
-from raytp.train.pipeline import pipeline_eval, sum_over_stages
+from raytp.train.stage_runner import pipeline_eval, sum_over_stages
 from raytp.train.schedule import accumulate
 
 
@@ -167,7 +167,7 @@ def finish_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups
 def eval_loss(model: torch.nn.Module, micro_batches, groups: ProcessGroups, h: Hyper | None = None,
               pipeline=None) -> float:
     """Mean loss over this rank's batches, averaged over DP (in the precision of `h`, if given).
-    `pipeline`: the PipelineSchedule of a pipeline stage (raytp.train.pipeline): its forwards only."""
+    `pipeline`: the PipelineSchedule of a pipeline stage (raytp.train.stage_runner): its forwards only."""
     model.eval()
     if pipeline is not None:
         total = pipeline_eval(model, micro_batches, groups, pipeline.stage, pipeline.sp, h).reshape(1)

@@ -4,7 +4,7 @@ format, each document's ids followed by the end-of-document id, and a manifest w
 
     prepare(["s3://bucket/corpus/*.jsonl.gz"], "llama3/tokenizer.json", "s3://bucket/prepared")
 
-sources.py   SOURCE arguments -> files and their formats (by suffix, never guessed)
+inputs.py    SOURCE arguments -> files and their formats (by suffix, never guessed)
 read.py      the documents of a piece of a file; the cheap check of each file's first records
 tokenizer.py the tokenizer and its end-of-document token
 plan.py      the shards: a pure function of the files and the shard size (not of the cluster)

@@ -26,7 +26,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from raytp.data import manifest as manifest_mod
-from raytp.data.prepare import outdir, plan, read, shard, sources as sources_mod, tokenizer as tokenizer_mod
+from raytp.data.prepare import inputs, outdir, plan, read, shard, tokenizer as tokenizer_mod
 from raytp.files.storage import Storage
 
 CHECK_THREADS = 16
@@ -130,7 +130,7 @@ def run(sources: list[str], tokenizer: str, out: str, text_key: str = "text", eo
     file, key or option) for bad input, before anything is written where that can be checked."""
     tok = tokenizer_mod.resolve(tokenizer, eod)
     sources = [str(s) for s in sources]
-    files = sources_mod.expand_all(sources)
+    files = inputs.expand_all(sources)
     if not any(f.size for f in files):
         raise ValueError(f"{', '.join(sources)}: an empty source (its files hold no bytes)")
     shard_tokens = shard_tokens or plan.shard_size(files)

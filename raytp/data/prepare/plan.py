@@ -14,7 +14,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-from raytp.data.prepare.sources import File
+from raytp.data.prepare.inputs import File
 
 BYTES_PER_TOKEN = 4       # text per token of a BPE vocabulary, about (English, code)
 COMPRESSION_RATIO = 4     # text per byte of a compressed JSON-lines file, about

@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterator
 
 from raytp.data.prepare.plan import Piece
-from raytp.data.prepare.sources import File
+from raytp.data.prepare.inputs import File
 from raytp.files.storage import Storage
 
 HEAD_BYTES = 1 << 16   # what the driver's check reads of each file

@@ -18,7 +18,7 @@ import numpy as np
 from raytp.data.indexed import index_bytes
 from raytp.data.prepare import read
 from raytp.data.prepare.plan import Piece
-from raytp.data.prepare.sources import File
+from raytp.data.prepare.inputs import File
 from raytp.files.storage import Storage
 
 BATCH_CHARS = 1 << 20   # text per encode_batch call: large enough to amortize the call, small in memory

@@ -130,7 +130,7 @@ class WorkerGroup(GroupState):
              states: Mapping[int, object] | None = None) -> "WorkerGroup":
         """Meet in torch.distributed at rank 0's node and build the TP and DP groups; returns this group
         with where each rank runs. Ranks in `setup` build their shard (from their slices of `state` if
-        given: a raytp.files.sources source, or a one-device state or its ref; else seeded), ranks in
+        given: a raytp.files.state_sources source, or a one-device state or its ref; else seeded), ranks in
         `reshape` rebuild theirs from their slices of `state`, and every other rank rejoins with the
         shard it holds. `states`: a source per rank instead of one for all."""
         setup, reshape = set(setup), set(reshape)

@@ -41,7 +41,7 @@ class GroupState:
                        timeout=self.cfg.runtime.step_timeout_s)
 
     def load_source(self, source, step: int) -> None:
-        """Every worker takes its slices of `source` (raytp.files.sources) as the state after `step`."""
+        """Every worker takes its slices of `source` (raytp.files.state_sources) as the state after `step`."""
         ray.get([w.load.remote(source, step) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)
 
     def write_snapshot(self, url: str, directory: str, parts: list) -> list[dict]:

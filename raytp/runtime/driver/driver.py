@@ -26,11 +26,11 @@ from raytp.config import JobConfig
 from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import Ownership
 from raytp.runtime import policy
-from raytp.runtime.driver import pipeline
+from raytp.runtime.driver import follow_on
 from raytp.runtime.recovery import recovery
 from raytp.runtime.driver import reporting
 from raytp.runtime.state.checkpoints import Checkpoints
-from raytp.runtime.driver.control import ControlChannel
+from raytp.runtime.driver.control_actor import ControlChannel
 from raytp.runtime.driver.driver_control import DriverControl
 from raytp.runtime.driver.driver_resize import DriverResize
 from raytp.runtime.elastic.resize import Elastic
@@ -56,7 +56,7 @@ class Driver(DriverControl, DriverResize):
     def __init__(self, cfg: JobConfig, run_dir: Path, run: str, out=sys.stderr, ray_metrics: bool = True,
                  init_state: tuple[int, dict, str] | None = None):
         """`init_state`: (step, source, where from) to start from instead of the seeded initialisation:
-        a raytp.files.sources source (a checkpoint, a Hugging Face model) that every worker reads its
+        a raytp.files.state_sources source (a checkpoint, a Hugging Face model) that every worker reads its
         own slices of."""
         self.job, self.run_dir, self.run = cfg, Path(run_dir), run
         self.init_state = init_state
@@ -82,7 +82,7 @@ class Driver(DriverControl, DriverResize):
         self.stop_request: StopRequest | None = None
         self.t_start = time.perf_counter()
         self.stream = None  # the streamed call in flight
-        self.next = None    # the call submitted behind it (raytp.runtime.driver.pipeline), if any
+        self.next = None    # the call submitted behind it (raytp.runtime.driver.follow_on), if any
 
     # -- the group and what follows from it ----------------------------------------------------
     @property
@@ -245,7 +245,7 @@ class Driver(DriverControl, DriverResize):
         cfg = self.cfg
         quiet = (self.stop_request is None and self.pending_resize is None and self.elastic.growing is None
                  and not self.requests_waiting())
-        follow = pipeline.follow_on(self.stream.start + self.stream.count, end, cfg.train.steps,
+        follow = follow_on.follow_on(self.stream.start + self.stream.count, end, cfg.train.steps,
                                     cfg.train.steps_per_call, cfg.train.eval_interval, cfg.checkpoint.every,
                                     self.checkpoints.last_step, quiet)
         if follow is not None:

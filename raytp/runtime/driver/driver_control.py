@@ -1,14 +1,14 @@
 """The Driver's side of the control actor: what `raytp status` shows, and the stop, scale and profile
 requests it files, served at step boundaries (a part of raytp.runtime.driver.driver.Driver, kept apart: the
 Driver mixes it in). What it publishes is ``summary`` of the values the Driver hands it (``Driver.view``); the
-channel (raytp.runtime.driver.control.ControlChannel) keeps what it last published and the requests
+channel (raytp.runtime.driver.control_actor.ControlChannel) keeps what it last published and the requests
 waiting; serving a request calls the Driver's own ``request_stop`` / ``request_resize``, or its profiles'
 ``request`` (raytp.runtime.driver.profiles)."""
 from __future__ import annotations
 
 import time
 
-from raytp.runtime.driver.control import rank_rows
+from raytp.runtime.driver.control_actor import rank_rows
 from raytp.runtime.records import Outcome, State, StopRequest
 
 

@@ -22,7 +22,7 @@ import ray
 
 from raytp.config.adapters import model_args
 from raytp.files import checkpoint
-from raytp.files.sources import CheckpointSource
+from raytp.files.state_sources import CheckpointSource
 from raytp.files.storage import Storage, StorageError, check_writable, probe_name
 
 

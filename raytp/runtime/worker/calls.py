@@ -1,7 +1,7 @@
 """A worker's streamed calls: the order they run in, and the thread a call's steps run on.
 
 The driver submits the next ``run_steps`` call while the current one runs
-(raytp.runtime.driver.pipeline), so that Ray has handed it to every rank by the
+(raytp.runtime.driver.follow_on), so that Ray has handed it to every rank by the
 time the current one ends: dispatching a call to 1024 ranks takes Ray ~0.5 s,
 which every rank would otherwise sit idle through at each call boundary. A
 worker is a threaded actor, so the queued call starts at once, on a thread of

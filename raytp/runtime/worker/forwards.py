@@ -2,7 +2,7 @@
 
 A mixin of the Worker (raytp.runtime.worker.worker), reading its model, groups,
 job and pipeline schedule; with pipeline stages both run the forwards only
-through every stage (raytp.train.pipeline.pipeline_forward).
+through every stage (raytp.train.stage_runner.pipeline_forward).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from raytp.parallel import comm
 from raytp.runtime.errors import WorkerAborted
 from raytp.train.hyper import compute_precision
-from raytp.train.pipeline import pipeline_forward
+from raytp.train.stage_runner import pipeline_forward
 from raytp.train.step import eval_loss
 
 

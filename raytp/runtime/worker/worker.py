@@ -38,7 +38,7 @@ from raytp.runtime.worker.process import tune_malloc
 from raytp.train.efficiency import peak_memory, peak_tflops
 from raytp.train.shard_state import live_state, state_bytes
 from raytp.data.corpus import batch, check_ids, document_eod, epochs_read, job_corpus, vocabulary_fits
-from raytp.train.pipeline import PipelineSchedule
+from raytp.train.stage_runner import PipelineSchedule
 from raytp.train.step import make_optimizer, train_step
 
 
@@ -54,7 +54,7 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(0) if self.device.type == "cuda" else None,
                                        self.cfg.runtime.peak_tflops)
         self.groups = self.model = self.optimizer = None
-        self.pipeline = None  # raytp.train.pipeline.PipelineSchedule of this rank's stage, at pp > 1
+        self.pipeline = None  # raytp.train.stage_runner.PipelineSchedule of this rank's stage, at pp > 1
         self.completed, self.calls = 0, Calls()  # calls: the order of its run_steps calls
         self.snap_bufs = SnapshotBuffers(self.device)
         self.saving: BackgroundSave | None = None  # this rank's file of the checkpoint being written
@@ -116,7 +116,7 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
 
     def setup(self, layout: Layout, init_method: str, source=None) -> dict:
         """Join the process groups and build this rank's shard: from the seeded initialisation (only its
-        own slices are computed), or, given a source (raytp.files.sources: a checkpoint, a Hugging Face
+        own slices are computed), or, given a source (raytp.files.state_sources: a checkpoint, a Hugging Face
         directory; or a one-device state), from its slices of it, with no initialisation at all."""
         t0 = time.perf_counter()
         self.groups = self._join(self._checked(layout), self.rank, init_method)

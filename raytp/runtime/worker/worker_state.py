@@ -1,7 +1,7 @@
 """What a worker holds, and how it comes and goes: the state half of the Worker actor.
 
 A worker's shard (weights and AdamW state) is built empty and filled from a
-source (raytp.files.sources: a checkpoint, a Hugging Face directory; a live
+source (raytp.files.state_sources: a checkpoint, a Hugging Face directory; a live
 resize's bundles, raytp.runtime.worker.transfer), copied from a DP replica or a
 snapshot (``set_shard``), cut into bundles for a new TP layout
 (``export_pieces``), and written to a checkpoint by a thread of its own
@@ -24,7 +24,7 @@ from raytp.runtime.worker.background_save import BackgroundSave
 from raytp.runtime.worker.transfer import PiecesSource
 from raytp.files import checkpoint
 from raytp.train.shard_state import load_shard_state, shard_state, unpack_state
-from raytp.files.sources import StateSource
+from raytp.files.state_sources import StateSource
 from raytp.train.step import make_optimizer
 from raytp.files.storage import Storage, answer_probe
 
@@ -116,7 +116,7 @@ class WorkerState:
         return shard_state(self.model, self.optimizer)
 
     def load(self, source, completed: int) -> None:
-        """Take this rank's slices of `source` (raytp.files.sources) into the shard it has, as the state
+        """Take this rank's slices of `source` (raytp.files.state_sources) into the shard it has, as the state
         after `completed` steps (a recovery from a checkpoint)."""
         self._settle()
         g = self.groups
