@@ -117,7 +117,7 @@ def one_size(model: dict, out: str) -> None:
         figs["resume"] = {"driver": peaks([me])[0], "workers": peaks(pids(d))}
         kept = pids(d)
         reset_peak([me] + kept)
-        outcome = d.resize(4, 1)
+        outcome = d.resize(tp=4, dp=1)
         assert outcome.ok, outcome
         d.train_loop()
         figs["resize"] = {"driver": peaks([me])[0], "workers": peaks(pids(d)), "bytes_moved": outcome.bytes}

@@ -86,11 +86,16 @@ def _accepted(outcome, old: tuple, new: tuple) -> None:
         raise RuntimeError(f"resize {old} -> {new} refused: {outcome}")
 
 
+def _degrees(new: tuple) -> dict:
+    """(tp, dp[, pp]) as the keywords of Layout.changed."""
+    return dict(zip(("tp", "dp", "pp"), new))
+
+
 def in_memory(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
     d = _started(p, *old[:2], run_dir, *old[2:])
     try:
         w0, t0 = time.time(), time.perf_counter()
-        outcome = d.resize(*new)
+        outcome = d.resize(**_degrees(new))
         _accepted(outcome, old, new)
         t1 = time.perf_counter()
         t2 = _one_step_at(d, new, p)
@@ -109,7 +114,7 @@ def training_on(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
     d = _started(p, *old[:2], run_dir, *old[2:])
     try:
         t0 = time.perf_counter()
-        _accepted(d.request_resize(*new[:2], pp=(new[2:] or (None,))[0]), old, new)
+        _accepted(d.request_resize(d.layout.changed(**_degrees(new))), old, new)
         at_request = d.step
         while d.pending_resize is not None or not _same(d, new):
             d.train_loop(until=d.step + 1)
@@ -130,7 +135,7 @@ def restart(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
     try:
         t0 = time.perf_counter()
         path = d.save_checkpoint()
-        new_job = policy.resized_config(d.cfg, *new).to_dict()
+        new_job = policy.resized_config(d.cfg, d.layout.changed(**_degrees(new))).to_dict()
     finally:
         close(d)
     t1 = time.perf_counter()

@@ -69,7 +69,7 @@ def test_live_tp_resize_on_llama(reference, tmp_path):
         for i, (tp, dp) in enumerate(phases):
             if i:
                 before = d.logits(FIXED)
-                outcome = d.resize(tp, dp)
+                outcome = d.resize(tp=tp, dp=dp)
                 assert outcome.ok, outcome
                 assert float((d.logits(FIXED) - before).abs().max()) < 1e-5, f"logits moved at -> TP={tp}"
             d.train_loop(until=per * (i + 1))

@@ -50,7 +50,7 @@ def test_stages_resize_live_and_the_loss_tracks_an_unresized_run(ray_wide, tmp_p
                     assert ray.get(d.control.actor.outcome.remote(rid))["ok"]
                 else:
                     if tp != PHASES[i - 1][0]:  # first a try whose new worker dies while it starts: nothing changes
-                        assert d.request_resize(tp, dp, pp=pp) is None
+                        assert d.request_resize(d.layout.changed(tp=tp, dp=dp, pp=pp)) is None
                         ray.kill(d.elastic.pending.early[0][0])
                         failed = d.advance_resize(now=True)
                         assert not failed.ok and "rolled back" in failed.error, failed
@@ -58,7 +58,7 @@ def test_stages_resize_live_and_the_loss_tracks_an_unresized_run(ray_wide, tmp_p
                         assert float((d.logits(FIXED) - before).abs().max()) == 0.0
                         wait_for(lambda: sorted(ray_actors("raytp.ppresized.rank")) == sorted(pids),
                                  "the failed try's new workers did not go")
-                    outcome = d.resize(tp, dp, pp=pp)
+                    outcome = d.resize(tp=tp, dp=dp, pp=pp)
                     assert outcome.ok, outcome
                 assert (d.layout.tp, d.layout.pp, d.layout.dp) == (tp, pp, dp)
                 if i > 1:  # (the first switch came after the steps trained while its ranks started)

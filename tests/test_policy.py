@@ -5,6 +5,7 @@ from helpers import job
 from raytp.config import ConfigError
 from raytp.parallel.layout import Layout
 from raytp.runtime import policy
+from raytp.runtime.elastic import rank_plans
 
 TP2_DP2 = Layout(2, dp=2)
 
@@ -71,24 +72,24 @@ def test_spares_go_to_the_lost_ranks_peers_node_and_a_lost_group_stays_on_one_no
 # -- resizing -----------------------------------------------------------------------------------
 def test_resized_config_keeps_the_global_batch_and_the_micro_batch():
     cfg = job(2, 2)  # batch 8: 4 per replica, micro-batch 4
-    new = policy.resized_config(cfg, 4, 1)
+    new = policy.resized_config(cfg, cfg.layout.changed(tp=4, dp=1))
     assert (new.parallel.tp, new.parallel.dp, new.train.batch_size, new.micro_batch) == (4, 1, 8, 4)
     assert new.grad_accum_steps == 2  # one replica accumulates over the two micro-batches
     with pytest.raises(ConfigError, match="parallel.tp: 3 does not divide model.n_head=4"):
-        policy.resized_config(cfg, 3, 1)
+        policy.resized_config(cfg, cfg.layout.changed(tp=3, dp=1))
 
 
 def test_which_ranks_a_resize_keeps_and_starts():
-    tp = policy.tp_resize_ranks(Layout(2, dp=2), Layout(4, dp=2))
+    tp = rank_plans.tp_resize_ranks(Layout(2, dp=2), Layout(4, dp=2))
     # ranks 4, 5 (replica 1, TP 0 and 1) go where old ranks 2, 3 run until the switch: they start then
     assert (tp.kept, tp.early, tp.late, tp.removed) == ((0, 1), (6, 7), (2, 3, 4, 5), (2, 3))
-    tp = policy.tp_resize_ranks(Layout(2, dp=1), Layout(4, dp=2))  # replica 1 is new: its bundles are free
+    tp = rank_plans.tp_resize_ranks(Layout(2, dp=1), Layout(4, dp=2))  # replica 1 is new: its bundles are free
     assert (tp.kept, tp.early, tp.late, tp.removed) == ((0, 1), (2, 3, 4, 5, 6, 7), (), ())
-    tp = policy.tp_resize_ranks(Layout(4, dp=1), Layout(1, dp=2))
+    tp = rank_plans.tp_resize_ranks(Layout(4, dp=1), Layout(1, dp=2))
     assert (tp.kept, tp.early, tp.late, tp.removed) == ((0,), (), (1,), (1, 2, 3))
-    dp = policy.dp_resize_ranks(2, 1, 2)
+    dp = rank_plans.dp_resize_ranks(2, 1, 2)
     assert (dp.kept, dp.early, dp.removed) == ((0, 1), (2, 3), ())
-    dp = policy.dp_resize_ranks(2, 2, 1)
+    dp = rank_plans.dp_resize_ranks(2, 2, 1)
     assert (dp.kept, dp.early, dp.removed) == ((0, 1), (), (2, 3))
 
 
@@ -156,3 +157,16 @@ def test_placement_aims_keep_a_stages_replicas_on_different_nodes():
     # Fewer nodes than replicas of a stage: the least loaded.
     assert policy.spread_targets(2, 3, 1) == [0, 1, 0]
     assert policy.spread_targets(0, 2, 1) == [None, None]
+
+
+def test_a_layout_change_is_one_plan_chosen_by_the_layouts_alone():
+    """Which kind of change a resize is, and which ranks it keeps and starts, follow from (old, new) only."""
+    from raytp.runtime.elastic import changes
+    one = Layout(2, dp=2)
+    assert isinstance(changes.plan_change(one, one.changed(dp=3)), changes.DpChange)
+    assert isinstance(changes.plan_change(one, one.changed(tp=4)), changes.TpChange)
+    assert isinstance(changes.plan_change(one, one.changed(pp=2)), changes.StageChange)
+    restage = changes.plan_change(Layout(2, pp=2), Layout(1, pp=2))
+    assert isinstance(restage, changes.Restage) and restage.restarts_all
+    assert restage.ranks == rank_plans.RankPlan((), (0, 1), (), (0, 1, 2, 3))
+    assert changes.plan_change(one, one.changed(dp=3)).ranks == rank_plans.dp_resize_ranks(2, 2, 3)

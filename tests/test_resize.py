@@ -22,11 +22,11 @@ def test_invalid_requests_are_refused_and_the_job_is_untouched(ray_local, tmp_pa
         d.start()
         d.train_loop(until=2)
         pids = {a["pid"] for a in ray_actors("raytp.refuse.rank").values()}
-        bad_tp = d.resize(3, 1)
+        bad_tp = d.resize(tp=3, dp=1)
         assert not bad_tp.ok and "parallel.tp: 3 does not divide model.n_head=4; valid tp: 1, 2, 4" in bad_tp.error
-        too_big = d.resize(2, 8)  # 16 workers on 4 CPUs
+        too_big = d.resize(tp=2, dp=8)  # 16 workers on 4 CPUs
         assert not too_big.ok and "could not place the workers" in too_big.error
-        bad_dp = d.resize(2, 3)
+        bad_dp = d.resize(tp=2, dp=3)
         assert not bad_dp.ok and "train.batch_size" in bad_dp.error
         assert (d.layout.tp, d.layout.dp) == (2, 1)
         assert {a["pid"] for a in ray_actors("raytp.refuse.rank").values()} == pids
@@ -46,7 +46,7 @@ def test_a_tp_resize_that_fails_midway_rolls_back(ray_local, tmp_path):
         d.start()
         d.train_loop(until=3)
         before = d.logits(FIXED)
-        outcome = d.resize(4, 1)
+        outcome = d.resize(tp=4, dp=1)
         assert (tmp_path / "died-once").exists(), "the fault was not injected"
         assert not outcome.ok and "rolled back" in outcome.error, outcome
         assert (d.layout.tp, d.layout.dp) == (2, 1) and d.step == 3
@@ -84,7 +84,7 @@ def test_resizes_keep_the_model_and_track_an_unresized_run(ray_wide, tmp_path):
                 before = d.logits(FIXED)
                 pids = {n: a["pid"] for n, a in ray_actors("raytp.resized.rank").items()}
                 kept = set(pids.values())
-                outcome = d.resize(tp, dp)
+                outcome = d.resize(tp=tp, dp=dp)
                 assert outcome.ok, outcome
                 assert "restarting every worker" not in out.getvalue()  # no fallback on one node
                 assert (d.layout.tp, d.layout.dp) == (tp, dp)

@@ -33,7 +33,7 @@ def test_tp_grow_stays_on_the_replicas_node_or_restarts_where_it_fits(no_shared_
             before, logits = pids_and_nodes("nodes"), d.logits(FIXED)
             assert {node for _, node in before.values()} == {node_a.node_id}
 
-            assert d.resize(4, 1).ok  # two more bundles on node A: ranks 0, 1 keep their processes
+            assert d.resize(tp=4, dp=1).ok  # two more bundles on node A: ranks 0, 1 keep their processes
             grown = pids_and_nodes("nodes")
             assert sorted(grown) == [f"raytp.nodes.rank{r}" for r in range(4)]
             assert {n: grown[n] for n in before} == before
@@ -41,7 +41,7 @@ def test_tp_grow_stays_on_the_replicas_node_or_restarts_where_it_fits(no_shared_
             assert float((d.logits(FIXED) - logits).abs().max()) < 1e-5
             d.train_loop(until=4)
 
-            assert d.resize(2, 1).ok  # the extension group is released
+            assert d.resize(tp=2, dp=1).ok  # the extension group is released
             assert {n: p for n, p in pids_and_nodes("nodes").items()} == {n: grown[n] for n in before}
             groups = ray.util.placement_group_table().values()
             assert not [g for g in groups if ".ext" in g["name"] and g["state"] != "REMOVED"]
@@ -54,7 +54,7 @@ def test_tp_grow_stays_on_the_replicas_node_or_restarts_where_it_fits(no_shared_
             cluster.wait_for_nodes()
             kept = pids_and_nodes("nodes")
             logits = d.logits(FIXED)
-            assert d.resize(4, 1).ok
+            assert d.resize(tp=4, dp=1).ok
             assert "restarting every worker" in out.getvalue()
             moved = pids_and_nodes("nodes")
             assert {node for _, node in moved.values()} == {node_b.node_id}

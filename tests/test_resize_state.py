@@ -56,7 +56,7 @@ def test_tp_2_4_1_moves_state_worker_to_worker_and_the_driver_never_fetches_a_sh
             before = d.logits(FIXED)
             monkeypatch.setattr(ray, "get", watched_get)
             monkeypatch.setattr(ray, "put", watched_put)
-            outcome = d.resize(tp, 1)
+            outcome = d.resize(tp=tp, dp=1)
             monkeypatch.setattr(ray, "get", real_get)
             monkeypatch.setattr(ray, "put", real_put)
             assert outcome.ok, outcome
@@ -79,7 +79,7 @@ def test_a_reshape_on_a_cluster_the_job_fills_switches_in_its_own_bundles(ray_lo
         d.start()
         d.train_loop(until=3)
         before = d.logits(FIXED)
-        outcome = d.resize(1, 2)
+        outcome = d.resize(tp=1, dp=2)
         assert outcome.ok, outcome
         assert "switching inside its own bundles" in out.getvalue()
         assert (d.layout.tp, d.layout.dp) == (1, 2)

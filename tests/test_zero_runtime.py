@@ -54,11 +54,11 @@ def resized_run(cfg, run_dir, name):
         d.start()
         for step, dp in RESIZES:
             d.train_loop(until=step)
-            outcome = d.resize(1, dp)
+            outcome = d.resize(tp=1, dp=dp)
             assert outcome.ok, outcome
             assert (d.layout.dp, d.layout.zero) == (dp, cfg.parallel.zero)
             if cfg.parallel.zero and step == RESIZES[0][0]:
-                refused = d.resize(2, dp)
+                refused = d.resize(tp=2, dp=dp)
                 assert not refused.ok and "not supported yet" in refused.error, refused
                 assert (d.layout.tp, d.layout.dp) == (1, dp)
         d.train_loop()

@@ -51,9 +51,8 @@ def train(job: job_mod.JobSpec, overrides: job_mod.Overrides = None, address: st
     cfg, path = plan.cfg, plan.run_dir
     path.mkdir(parents=True, exist_ok=True)
     import yaml
-    from raytp.runtime import policy
     (path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    say(f"[raytp] run {plan.run}  dir {path}  layout {policy.layout_of(cfg)}  "
+    say(f"[raytp] run {plan.run}  dir {path}  layout {cfg.layout}  "
         f"device {cfg.runtime.device}  memory {plan.memory.line()}")
 
     with _ray(address, cfg) as embedded:

@@ -24,6 +24,7 @@ The degrees after ``tp`` are keyword arguments for the same reason.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import KW_ONLY, dataclass
 from typing import Iterable
@@ -69,6 +70,10 @@ class Layout:
         """The layout a job's ``parallel`` section asks for (raytp.config.schema.Parallel)."""
         return cls(parallel.tp, pp=parallel.pp, dp=parallel.dp, zero=parallel.zero,
                    ep=getattr(parallel, "ep", 1), etp=getattr(parallel, "etp", 1))
+
+    def changed(self, **degrees: int | None) -> "Layout":
+        """This layout with the named degrees changed (a None leaves one as it is); validated as any."""
+        return dataclasses.replace(self, **{k: v for k, v in degrees.items() if v is not None})
 
     @property
     def sharded_optimizer(self) -> bool:

@@ -65,7 +65,11 @@ class Ownership:
     def writes_weights(self, rank: int) -> bool:
         """Whether `rank` writes its weights into checkpoints: it is the first of the ranks holding the same
         weights as it (replica 0's ranks for a dense model)."""
-        return _holders(self.layout, self._weights, rank)[0] == rank
+        return self.weight_holders(rank)[0] == rank
+
+    def weight_holders(self, rank: int) -> list[int]:
+        """Every rank holding the same weights as `rank` (itself included), ascending."""
+        return list(_holders(self.layout, self._weights, rank))
 
     def holders(self, rank: int) -> list[int]:
         """Every rank holding the same bytes as `rank` (itself included), ascending: its DP group for a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from enum import Enum
 from dataclasses import dataclass
 from typing import Hashable, Mapping, Sequence
 
@@ -19,15 +20,17 @@ from raytp.parallel.ownership import Ownership
 
 # -- failures ----------------------------------------------------------------------------------
 
-RECOVER, GIVE_UP, JOB_ERROR = "recover", "give up", "job error"
+class OnFailure(Enum):
+    """What a failed step calls for."""
+    RECOVER = "recover"
+    GIVE_UP = "give up"
+    JOB_ERROR = "job error"
 
 
-def layout_of(cfg: config_mod.JobConfig) -> Layout:
-    """The layout a job asks for: every degree of its mesh, and whether the optimizer is sharded over DP."""
-    return cfg.layout
+RECOVER, GIVE_UP, JOB_ERROR = OnFailure.RECOVER, OnFailure.GIVE_UP, OnFailure.JOB_ERROR
 
 
-def on_failure(lost: Mapping[int, str], failures_before: int, max_failures: int) -> str:
+def on_failure(lost: Mapping[int, str], failures_before: int, max_failures: int) -> OnFailure:
     """A step failed and `lost` are the ranks that no longer serve: recover them, give up (too many
     losses), or fail the job at once (none lost: an error of the job itself, which would only repeat)."""
     if not lost:
@@ -120,78 +123,34 @@ def choose_spares(layout: Layout, lost: Sequence[int], nodes: Sequence[str | Non
     return chosen
 
 
-# -- resizing ----------------------------------------------------------------------------------
+# -- resizing (which ranks a layout change keeps and starts: raytp.runtime.elastic.rank_plans) ---
 
-def resized_config(cfg: config_mod.JobConfig, tp: int, dp: int, pp: int | None = None) -> config_mod.JobConfig:
-    """The job at layout tp x pp x dp (pp: the job's if None; a new pp splits the layers by cost): the
-    same global batch, the same micro-batch where it divides the new per-replica share (so the
-    micro-batches, hence the numbers, stay those of the old layout). Raises ConfigError for a layout the
-    job cannot take."""
+def resized_config(cfg: config_mod.JobConfig, target: Layout) -> config_mod.JobConfig:
+    """The job at layout `target` (a new pp splits the layers by cost): the same global batch, the same
+    micro-batch where it divides the new per-replica share (so the micro-batches, hence the numbers, stay
+    those of the old layout). Raises ConfigError for a layout the job cannot take."""
+    dp = target.dp
     local = cfg.train.batch_size // dp if cfg.train.batch_size % dp == 0 else cfg.train.batch_size
     micro = math.gcd(cfg.micro_batch, local)
-    stages = {} if pp is None or pp == cfg.parallel.pp else {"pp": pp, "pp_layers": None}
+    stages = {} if target.pp == cfg.parallel.pp else {"pp": target.pp, "pp_layers": None}
     new = dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, dp=dp, **stages),
+        cfg, parallel=dataclasses.replace(cfg.parallel, tp=target.tp, dp=dp, zero=target.zero, **stages),
         train=dataclasses.replace(cfg.train, micro_batch_size=micro))
     config_mod.validate(new, "scale request")
     return new
 
 
-@dataclass(frozen=True)
-class RankPlan:
-    """Which workers of a resize keep their processes, and which start (and when)."""
-    kept: tuple[int, ...]                # same rank, name and bundle at both layouts
-    early: tuple[int, ...]               # new ranks whose names are free: started while the old layout trains
-    late: tuple[int, ...]                # new ranks whose names are taken: started once the old holder is gone
-    removed: tuple[int, ...]             # old ranks that stop
+class GrowStep(Enum):
+    """After an elastic shrink, at a step boundary: ask for the missing replicas, wait for them, or grow."""
+    REQUEST = "request"
+    WAIT = "wait"
+    NOW = "grow"
 
 
-def dp_resize_ranks(replica_size: int, old_dp: int, new_dp: int) -> RankPlan:
-    """A DP change keeps the staying replicas' workers (`replica_size` ranks each: tp x pp); added
-    replicas' ranks are new numbers."""
-    n = replica_size
-    keep = min(old_dp, new_dp) * n
-    return RankPlan(tuple(range(keep)), tuple(range(old_dp * n, new_dp * n)), (),
-                    tuple(range(new_dp * n, old_dp * n)))
+GROW_REQUEST, GROW_WAIT, GROW_NOW = GrowStep.REQUEST, GrowStep.WAIT, GrowStep.NOW
 
 
-def tp_resize_ranks(old: Layout, new: Layout) -> RankPlan:
-    """A TP change keeps replica 0's first min(old, new) TP ranks (the only ranks whose number,
-    replica and bundle are the same at both layouts); every other rank starts anew. Early, while the
-    old layout trains on: those whose name is free and whose bundle no old worker holds (a staying
-    replica's bundle TP index i < old.tp is old rank i's of that replica until the switch: placement
-    reserve_tp keeps a replica's old bundles first); the others once the old workers are gone."""
-    keep = min(old.tp, new.tp)
-
-    def free(r: int) -> bool:
-        at = new.coords(r)
-        return r >= old.world_size and (at.dp >= old.dp or at.tp >= old.tp)
-
-    starting = range(keep, new.world_size)
-    return RankPlan(tuple(range(keep)), tuple(r for r in starting if free(r)),
-                    tuple(r for r in starting if not free(r)), tuple(range(keep, old.world_size)))
-
-
-def stage_resize_ranks(old: Layout, new: Layout) -> RankPlan:
-    """A change of the stages at the same TP degree keeps the processes of the ranks whose number, TP
-    rank, stage and replica are the same at both layouts (replica 0's stages present at both: their
-    placement groups stay, raytp.runtime.cluster.placement.reserve_stages); every other rank starts
-    anew, early where its name is free and its bundle is not an old worker's (an old stage group)."""
-    kept = tuple(r for r in range(min(old.world_size, new.world_size)) if old.coords(r) == new.coords(r))
-
-    def free(r: int) -> bool:
-        at = new.coords(r)
-        return r >= old.world_size and not (at.dp < old.dp and at.pp < old.pp)
-
-    starting = [r for r in range(new.world_size) if r not in kept]
-    return RankPlan(kept, tuple(r for r in starting if free(r)), tuple(r for r in starting if not free(r)),
-                    tuple(r for r in range(old.world_size) if r not in kept))
-
-
-GROW_REQUEST, GROW_WAIT, GROW_NOW = "request", "wait", "grow"
-
-
-def grow_back(dp: int, target_dp: int, requested: bool, placed: bool) -> str | None:
+def grow_back(dp: int, target_dp: int, requested: bool, placed: bool) -> GrowStep | None:
     """After an elastic shrink: ask for the missing replicas' placement at once (the autoscaler sees
     the demand), wait while it is pending, grow at the first step boundary once it is placed."""
     if dp >= target_dp:

@@ -53,8 +53,7 @@ class PendingResize:
     """A requested resize whose new ranks are starting while the old layout trains on."""
     t0: float                      # the request (perf_counter)
     new_cfg: Any                   # the job at the new layout (JobConfig)
-    kind: str                      # "tp", "pp", "dp", or "restage" (a TP change at pp > 1: every worker new)
-    plan: Any                      # its policy.RankPlan (which ranks stay, start early or late, go): made once
+    change: Any                    # its plan (raytp.runtime.elastic.changes): which ranks stay, start, go
     base: tuple                    # the layout and placement groups it was planned against
     reserved: Any                  # the placement it reserved, for the switch
     requested: list                # placement groups asked for (released if it is cancelled)

@@ -29,7 +29,6 @@ from typing import Iterable, Mapping
 import ray
 
 from raytp.parallel.layout import Layout
-from raytp.runtime import policy
 from raytp.runtime.cluster import health, placement as placements, relay
 from raytp.runtime.cluster.streaming import StepStream, direct_ranks
 from raytp.runtime.cluster.group_state import GroupState
@@ -84,7 +83,7 @@ class WorkerGroup(GroupState):
 
     @property
     def layout(self) -> Layout:
-        return policy.layout_of(self.cfg)
+        return self.cfg.layout
 
     def start_worker(self, rank: int, cfg=None, pgs=None, ahead: int = 0) -> tuple[object, tuple]:
         """A new actor for `rank` (of this group's layout, or of `cfg`/`pgs` not yet switched to; `ahead`:

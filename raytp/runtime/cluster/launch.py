@@ -15,7 +15,6 @@ import ray
 from ray.exceptions import ActorAlreadyExistsError
 
 from raytp import names
-from raytp.runtime import policy
 from raytp.runtime.cluster import placement
 from raytp.runtime.cluster.data_copy import NodeCopies
 
@@ -52,7 +51,7 @@ class Launcher:
         bundle it sits in. `ahead` (k > 0): started beside a layout that still runs, for the k-th resize
         that starts every worker ahead; where a running worker holds the rank's name the new one is
         named ``names.worker_ahead`` instead of waiting for it."""
-        lay = policy.layout_of(cfg)
+        lay = cfg.layout
         at = lay.coords(rank)
         self.prepare_nodes(cfg, {at.dp: pgs[at.dp]})
         pg, index = placement.bundle_of(pgs[at.dp], lay.bundle_index(rank))

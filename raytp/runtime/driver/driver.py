@@ -13,8 +13,10 @@ directory keeps every line written so far.
 The Ray-facing parts are class attributes a test may swap: ``worker_cls``
 (what each rank runs: faults are injected through it), ``group_cls`` (how
 workers are placed, started and called: a fake runs the loop without Ray),
-``control_cls`` and ``copy_cls`` (the control actor, the off-node snapshot copy). The control side
-and the resizes are mixed in from raytp.runtime.driver.driver_control and raytp.runtime.driver.driver_resize.
+``control_cls`` and ``copy_cls`` (the control actor, the off-node snapshot copy). Its collaborators
+each own their part and hand back what changed: Elastic (the resizes: raytp.runtime.elastic.resize),
+recovery (raytp.runtime.recovery.recovery), Checkpoints, Snapshots and their copy, Spares, Profiles,
+the control channel (requests arrive typed: raytp.runtime.driver.run_status).
 """
 from __future__ import annotations
 
@@ -30,24 +32,24 @@ from raytp.runtime.driver import follow_on
 from raytp.runtime.recovery import recovery
 from raytp.runtime.driver import reporting
 from raytp.runtime.state.checkpoints import Checkpoints
+from raytp.runtime.driver import run_status
 from raytp.runtime.driver.control_actor import ControlChannel
-from raytp.runtime.driver.driver_control import DriverControl
-from raytp.runtime.driver.driver_resize import DriverResize
+from raytp.runtime.elastic import resize
 from raytp.runtime.elastic.resize import Elastic
-from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
+from raytp.runtime.errors import FAILURES
 from raytp.runtime.cluster.group import WorkerGroup
 from raytp.runtime.driver.metrics import RunLog
 from raytp.runtime.driver.profiles import Profiles
 from raytp.runtime.driver.progress import Progress
 from raytp.files.storage import checkpoint_location
-from raytp.runtime.records import State, StopRequest
+from raytp.runtime.records import Outcome, State
 from raytp.runtime.state.snapshots import Cadence, OffNodeCopy, Snapshots
 from raytp.runtime.recovery.spares import Spares
 from raytp.runtime.worker.worker import Worker
 from raytp.files.checkpoint import CheckpointError
 
 
-class Driver(DriverControl, DriverResize):
+class Driver:
     worker_cls = Worker
     group_cls = WorkerGroup
     control_cls = ControlChannel
@@ -64,11 +66,11 @@ class Driver(DriverControl, DriverResize):
         self.out = self.log.tee(out)  # also kept in the run dir's driver.log
         self.state = State.SCHEDULING
         self.group: WorkerGroup | None = None
-        self.control = None
+        self.controls = run_status.RunControl(None)  # the control actor's channel, the stop asked for
         self.step = 0
         self.last: dict = {}
         self.first_step: float | None = None  # seconds from the command to the first completed step
-        self.snapshots = Snapshots(Ownership(policy.layout_of(cfg)).parts)
+        self.snapshots = Snapshots(Ownership(cfg.layout).parts)
         self.cadence = Cadence(cfg)  # how often replica 0 snapshots
         self.copy = self.copy_cls(run, self.log)
         self.spares = Spares(run, cfg.recovery.spares, self.log)
@@ -79,7 +81,6 @@ class Driver(DriverControl, DriverResize):
         self.healing = None            # records.Healing, until the next completed step
         self.resizing = None           # records.Resizing, until the next completed step
         self.elastic = Elastic(cfg.parallel.dp, self._say, self.log)
-        self.stop_request: StopRequest | None = None
         self.t_start = time.perf_counter()
         self.stream = None  # the streamed call in flight
         self.next = None    # the call submitted behind it (raytp.runtime.driver.follow_on), if any
@@ -91,10 +92,10 @@ class Driver(DriverControl, DriverResize):
 
     @property
     def layout(self) -> Layout:
-        return policy.layout_of(self.cfg)
+        return self.cfg.layout
 
     def view(self) -> dict:
-        """What the control side publishes of the run (raytp.runtime.driver.driver_control.summary)."""
+        """What the control side publishes of the run (raytp.runtime.driver.run_status.summary)."""
         return {"state": self.state, "step": self.step, "steps": self.cfg.train.steps, "layout": self.layout,
                 "last": self.last, "failures": self.failures, "spares": len(self.spares.pool),
                 "run_dir": str(self.run_dir.resolve()), "placement": self.group.placement if self.group else ()}
@@ -118,7 +119,7 @@ class Driver(DriverControl, DriverResize):
             self.train_loop(t_start)
             summary = {"steps": self.step, "loss": self.last.get("loss"), "val_loss": self.last.get("val_loss"),
                        "seconds": time.perf_counter() - t_start, "failures": self.failures}
-            if self.stop_request is None:
+            if self.controls.stop is None:
                 self.state = State.FINISHED
                 self.log.event("finished", **summary)
             self.publish()
@@ -136,8 +137,8 @@ class Driver(DriverControl, DriverResize):
             self.log.close()
 
     def start(self) -> None:
-        cfg, lay = self.job, policy.layout_of(self.job)
-        self.control = self.control_cls(self.run, self._say) if self.control_cls else None
+        cfg, lay = self.job, self.job.layout
+        self.controls = run_status.RunControl(self.control_cls(self.run, self._say) if self.control_cls else None)
         self.publish()
         self.log.event("started", run=self.run, tp=lay.tp, dp=lay.dp, world_size=lay.world_size,
                        device=cfg.runtime.device, steps=cfg.train.steps)
@@ -181,8 +182,8 @@ class Driver(DriverControl, DriverResize):
                     self.advance_resize()
                     self._take(self.elastic.grow(self.group, self.step))
                 self.spares.refill(self.group)
-                if self.stop_request is not None and self.next is None:
-                    self._answer(*(self.elastic.cancel(self.group, "the run was stopped") or (None, None)))
+                if self.controls.stop is not None and self.next is None:
+                    self.controls.answer(*(self.elastic.cancel(self.group, "the run was stopped") or (None, None)))
                     self.stop()
                     return
                 try:
@@ -195,7 +196,7 @@ class Driver(DriverControl, DriverResize):
                         self._report()
                 except FAILURES + (CheckpointError,) as e:
                     self._recover(e)
-                self.profiles.poll(self.step, self._answer)  # every rank's calls before this step have ended
+                self.profiles.poll(self.step, self.controls.answer)  # every rank's calls before this step have ended
                 self.publish()
         finally:
             self.next = None  # set here only on an exception, which ends the run: the workers go with it
@@ -243,8 +244,8 @@ class Driver(DriverControl, DriverResize):
     def _submit_next(self, end: int) -> None:
         """Submit the next call behind the one in flight if nothing must happen between them."""
         cfg = self.cfg
-        quiet = (self.stop_request is None and self.pending_resize is None and self.elastic.growing is None
-                 and not self.requests_waiting())
+        quiet = (self.controls.stop is None and self.pending_resize is None and self.elastic.growing is None
+                 and not self.controls.waiting())
         follow = follow_on.follow_on(self.stream.start + self.stream.count, end, cfg.train.steps,
                                     cfg.train.steps_per_call, cfg.train.eval_interval, cfg.checkpoint.every,
                                     self.checkpoints.last_step, quiet)
@@ -267,12 +268,10 @@ class Driver(DriverControl, DriverResize):
         self.checkpoints.drop()
         ctx = recovery.RecoveryContext(self.log, self._say, self.spares, self.snapshots, self.copy, self.checkpoints)
         partial = self.stream.partial if self.stream is not None else None
-        try:
-            r = recovery.recover(ctx, self.group, error, self.step, self.failures, partial)
-        except (RecoveryFailed, JobError) as e:
-            if getattr(e, "group", None) is not None:
-                self.adopt(e.group)  # so that release() finds every actor the recovery started
-            raise
+        r = recovery.recover(ctx, self.group, error, self.step, self.failures, partial)
+        if isinstance(r, recovery.GaveUp):
+            self.adopt(r.group)  # so that release() finds every actor the recovery started
+            raise r.error
         for stream in (self.stream, behind):
             if stream is not None:
                 stream.drain()  # the aborted steps' errors: read, so that Ray does not report them
@@ -287,6 +286,88 @@ class Driver(DriverControl, DriverResize):
                       f"DP={self.elastic.target_dp} when capacity returns)")
         self.state = State.RUNNING
 
+    # -- control requests (raytp stop / scale / profile), served at step boundaries -----------------
+    @property
+    def control(self):
+        """The channel to the run's control actor (raytp.runtime.driver.control_actor), None without one."""
+        return self.controls.channel
+
+    def publish(self) -> None:
+        self.controls.publish(self.view(), time.perf_counter() - self.t_start)
+
+    def request_stop(self, request_id: int | None = None, via: str = "control") -> None:
+        self.controls.ask_stop(request_id, via)
+
+    def handle_requests(self) -> None:
+        """Serve the requests filed through the control actor at this step boundary (a stop is served by
+        the loop, at the boundary, with a checkpoint)."""
+        for req in self.controls.take():
+            if isinstance(req, run_status.ScaleAsked):  # answered now, or when the new layout takes over
+                try:
+                    target = req.target(self.layout)
+                except ValueError as e:
+                    self.controls.answer(req.id, Outcome.refused(str(e)))
+                    continue
+                self.controls.answer(req.id, self.request_resize(target, req.id))
+                self.publish()
+            elif isinstance(req, run_status.ProfileAsked):  # answered now (where), and when traces are written
+                ranks = None if req.ranks is None else list(req.ranks)
+                self.controls.answer(req.id, self.profiles.request(self.group, self.step, self.cfg.train.steps,
+                                                                   req.steps, ranks, req.memory, req.id))
+
+    def stop(self) -> None:
+        """Stop at this step boundary on request: a checkpoint of the step reached, then release."""
+        self.handle_requests()  # a stop filed meanwhile (`raytp stop` sends SIGTERM too) is answered as well
+        path = self.save_checkpoint() if self.step > 0 else None
+        self.state = State.STOPPED
+        self.log.event("stopped", step=self.step, reason="requested", checkpoint=str(path) if path else None)
+        for rid in self.controls.stop.ids:
+            self.controls.answer(rid, Outcome(ok=True, step=self.step, checkpoint=str(path) if path else None))
+        self._say(f"stopped at step {self.step} on request" + (f"; checkpoint {path}" if path else ""))
+
+    # -- resizes (carried out by Elastic; adopted here) ----------------------------------------
+    @property
+    def pending_resize(self):
+        return self.elastic.pending
+
+    def resize(self, *, tp: int | None = None, dp: int | None = None, pp: int | None = None) -> Outcome:
+        """Move to the layout with these degrees now: request, wait for the new ranks, switch (tests,
+        benchmarks)."""
+        outcome = self.request_resize(self.layout.changed(tp=tp, dp=dp, pp=pp))
+        if outcome is None:
+            self.group.answered(self.elastic.pending.ready, timeout_s=self.cfg.runtime.placement_timeout_s)
+            outcome = self.advance_resize(now=True)
+        return outcome
+
+    def request_resize(self, target: Layout, request_id: int | None = None) -> Outcome | None:
+        """Begin a resize to `target`; its outcome, or None while its new ranks start (`request_id` is
+        answered when it finishes). One with nothing to start (a shrink) switches at once."""
+        got = self._take(self.elastic.request(self.group, target, self.step, request_id))
+        return self.advance_resize() if got is None and self.elastic.due(self.group) else got
+
+    def advance_resize(self, now: bool = False) -> Outcome | None:
+        """At a step boundary: switch to the pending layout if it is due (or `now`)."""
+        if not self.elastic.due(self.group, now):
+            return None
+        self.state = State.RESIZING
+        self.publish()
+        request_id, got = self.elastic.finish(self.group, self.step)
+        outcome = self._take(got)
+        self.state = State.RUNNING
+        self.controls.answer(request_id, outcome)
+        return outcome
+
+    def _take(self, got):
+        """Adopt the group of a switch (resize.Switched); the outcome. A requested DP degree is the one an
+        elastic job grows back to from then on (not the one it started at)."""
+        if not isinstance(got, resize.Switched):
+            return got
+        self.adopt(got.group)
+        self.resizing = got.resizing or self.resizing
+        if got.resizing is not None and got.resizing.reason.startswith("requested"):
+            self.elastic.target_dp = got.group.layout.dp
+        return got.outcome
+
     def logits(self, idx):
         """Full-vocabulary logits of a batch from replica 0 (for checks and tests)."""
         return self.group.logits(idx)
@@ -295,12 +376,10 @@ class Driver(DriverControl, DriverResize):
         """Kill the actors and remove the placement groups (idempotent)."""
         if self.group is not None:
             self.group.release()
-            self._answer(*(self.elastic.release(self.group) or (None, None)))
+            self.controls.answer(*(self.elastic.release(self.group) or (None, None)))
         self.copy.release()
         self.spares.release()
-        if self.control is not None:
-            self.control.close()
-            self.control = None
+        self.controls.close()
 
     def _say(self, msg: str) -> None:
         print(f"[raytp] {msg}", file=self.out, flush=True)

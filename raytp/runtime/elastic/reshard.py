@@ -31,7 +31,7 @@ from __future__ import annotations
 from raytp.config.adapters import model_args
 from raytp.models.stage import stage_of
 from raytp.parallel.ownership import Ownership
-from raytp.runtime import policy
+from raytp.runtime.elastic import rank_plans
 from raytp.runtime.errors import FAILURES
 from raytp.runtime.cluster.launch import actor_id
 from raytp.runtime.cluster.slots import unused_groups
@@ -49,10 +49,10 @@ class SwitchFailed(Exception):
 def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: dict | None = None, plan=None):
     """`group` at DP degree new_cfg.parallel.dp: (new group, bytes moved). `reserved`: placement of the
     added replicas (reserved now if None); `early`: {rank: (actor, bundle)} of added ranks started ahead;
-    `plan`: the request's policy.dp_resize_ranks (made here if None). Under zero 1 every rank first cuts
+    `plan`: the request's rank_plans.dp_resize_ranks (made here if None). Under zero 1 every rank first cuts
     the AdamW rows it keeps into bundles for the new DP ranks (``_rows``); added ranks copy only the weights."""
     old_dp, new_dp = group.layout.dp, new_cfg.parallel.dp
-    plan = plan or policy.dp_resize_ranks(group.layout.replica_size, old_dp, new_dp)
+    plan = plan or rank_plans.dp_resize_ranks(group.layout.replica_size, old_dp, new_dp)
     added = list(range(old_dp, new_dp))
     if reserved is None:
         reserved = group.reserve(new_cfg, group.launcher.run, added,
@@ -70,10 +70,10 @@ def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: di
         workers = list(group.workers[:len(plan.kept)]) + [early[r][0] for r in plan.early]
         nxt = group.successor(new_cfg, pgs, workers, bundles={actor_id(a): k for a, k in early.values()})
         nxt = nxt.join(setup=plan.early)
-        own, lay = Ownership(nxt.layout), nxt.layout
-        zero = rows is not None  # weights from replica 0 (under zero 1 each rank owns its own part)
-        donors = {r: lay.rank(tp=lay.coords(r).tp, pp=lay.coords(r).pp) if zero else own.owner(own.part(r))
-                  for r in plan.early}  # an added rank takes the bytes it holds from their owner
+        own = Ownership(nxt.layout)
+        zero = rows is not None  # only the weights are copied (under zero 1 each rank owns its own rows)
+        # An added rank takes the bytes it holds from the first rank holding the same.
+        donors = {r: (own.weight_holders(r) if zero else own.holders(r))[0] for r in plan.early}
         moved = nxt.copy_shards(donors, step, weights_only=zero)
         if zero:
             nxt.take_rows(_rows(group.layout, nxt.layout, rows[0]))
@@ -93,7 +93,7 @@ def _rows(old, new, refs: list) -> dict[int, list]:
     out = {}
     for r in range(new.world_size):
         at = new.coords(r)
-        out[r] = [refs[old.rank(tp=at.tp, pp=at.pp, dp=d)][at.dp] for d in range(old.dp)]
+        out[r] = [refs[o][at.dp] for o in old.dp_group(at.tp, at.pp)]
     return out
 
 
@@ -102,8 +102,8 @@ def switch_tp(group, new_cfg, reserved: tuple, early: dict, plan):
     (new group, bytes moved). `reserved`: placement.reserve_tp's placement; `early`: {rank: (actor,
     bundle)} of the ranks whose names were free, started ahead. The state moves worker to worker
     (raytp.runtime.worker.transfer); the driver passes references only. `plan`: the request's
-    policy.tp_resize_ranks."""
-    old, new = group.layout, policy.layout_of(new_cfg)
+    rank_plans.tp_resize_ranks."""
+    old, new = group.layout, new_cfg.layout
     new_pgs, requested, unused = reserved
     started = [a for a, _ in early.values()]
     exported = reshaped = None
@@ -162,7 +162,7 @@ def restart_tp(group, new_cfg, new_pgs: dict | None = None, early: dict | None =
     every worker new, the state moved worker to worker: (new group, bytes moved). `new_pgs`: the new
     layout's placement, reserved beside the job (reserved now if None); `early`: {rank: (actor, bundle)}
     of every new rank, started there ahead while the job trained on (started now if None)."""
-    new = policy.layout_of(new_cfg)
+    new = new_cfg.layout
     if new_pgs is None:
         new_pgs = group.reserve(new_cfg, group.launcher.run, list(range(new.dp)))
     try:
@@ -181,7 +181,7 @@ def restart_in(group, new_cfg, new_pgs: dict, early: dict | None = None):
     (`early`: {rank: (actor, bundle)} started ahead in `new_pgs`, else started now) fill their shards from
     the bundles: (new group, bytes moved). On a failure the old layout starts again, in its own placement,
     from the same bundles."""
-    old, new = group.layout, policy.layout_of(new_cfg)
+    old, new = group.layout, new_cfg.layout
     stages = new_stages(new_cfg)
     try:
         if early:  # one lost while it started: the old layout goes on untouched
@@ -216,11 +216,11 @@ def restart_in(group, new_cfg, new_pgs: dict, early: dict | None = None):
 
 def switch_stages(group, new_cfg, reserved: tuple, early: dict, plan):
     """`group` at another number of stages (the same TP degree), keeping the processes of `plan.kept`
-    (raytp.runtime.policy.stage_resize_ranks; their placement groups stay): every old owner cuts its
+    (raytp.runtime.elastic.rank_plans.stage_resize_ranks; their placement groups stay): every old owner cuts its
     shard into one bundle per new stage (raytp.runtime.worker.transfer), kept processes reshape to
     their new stage from them and the others start (or started ahead, `early`) and fill theirs: (new
     group, bytes moved). On a failure after the export the old layout starts again from the bundles."""
-    old, new = group.layout, policy.layout_of(new_cfg)
+    old, new = group.layout, new_cfg.layout
     new_pgs, requested, unused = reserved
     stages = new_stages(new_cfg)
     started = [a for a, _ in early.values()]

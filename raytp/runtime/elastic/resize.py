@@ -59,7 +59,7 @@ from raytp import config as config_mod
 from raytp.parallel.layout import Layout
 from raytp.runtime import policy
 from raytp.runtime.driver.reporting import layout_dict
-from raytp.runtime.elastic import reshard
+from raytp.runtime.elastic import changes, reshard
 from raytp.runtime.cluster import slots
 from raytp.runtime.errors import FAILURES, PlacementError
 from raytp.runtime.records import GrowBack, Outcome, PendingResize, Resizing
@@ -91,88 +91,67 @@ class Elastic:
         self.growing: GrowBack | None = None
         self.restages = 0  # resizes that started every worker ahead (their names: names.worker_ahead)
 
-    def request(self, group, tp: int, dp: int, step: int, request_id: int | None = None, pp: int | None = None):
-        """Begin moving `group` to layout tp x pp x dp (pp: the job's if None): an Outcome if it is refused
-        or trivial, a Switched if it had to be done at once (a TP grow whose bundles landed off a replica's
-        node; a switch inside the job's own bundles), else None while its new ranks start (``pending``;
-        ``finish`` completes it at a step boundary where it is ``due``)."""
+    def request(self, group, target: Layout, step: int, request_id: int | None = None):
+        """Begin moving `group` to layout `target`: an Outcome if it is refused or trivial, a Switched if it
+        had to be done at once (a TP grow whose bundles landed off a replica's node; a switch inside the
+        job's own bundles), else None while its new ranks start (``pending``; ``finish`` completes it at a
+        step boundary where it is ``due``). Every kind of change is a plan (raytp.runtime.elastic.changes)
+        carried out here the same way: reserve, start its early ranks, wait, switch."""
         if self.pending is not None:
             new = self.pending.new_cfg.parallel
             return Outcome.refused(f"a resize to TP={new.tp} x PP={new.pp} x DP={new.dp} is in progress")
         t0, old = time.perf_counter(), group.layout
-        pp = old.pp if pp is None else pp
-        if old.zero and (tp, pp) != (old.tp, old.pp):
+        if old.zero and (target.tp, target.pp) != (old.tp, old.pp):
             return Outcome.refused("a live TP or stage resize under parallel.zero: 1 is not supported yet (DP "
                                    "resizes are): stop the run and resume it at the new layout from its "
                                    "checkpoint (any layout, zero 0 or 1, reads it)")
         try:
-            new_cfg = policy.resized_config(group.cfg, tp, dp, pp)
+            new_cfg = policy.resized_config(group.cfg, target)
         except config_mod.ConfigError as e:
             return Outcome.refused("; ".join(e.problems))
-        if (tp, pp, dp) == (old.tp, old.pp, old.dp):
+        if target == old:
             return Outcome(ok=True, layout=str(old), note="already at this layout")
-        if tp != old.tp and (pp > 1 or old.pp > 1):
-            return self._restage(group, new_cfg, t0, step, request_id)
-        self.say(f"resizing {old} -> {policy.layout_of(new_cfg)} (requested at step {step})")
-        run = group.launcher.run
+        change = changes.plan_change(old, target)
+        ahead = 0
+        if change.restarts_all:
+            self.restages += 1
+            ahead = self.restages
+            self.say(f"resizing {old} -> {target} (requested at step {step}): every worker starts anew")
+        else:
+            self.say(f"resizing {old} -> {target} (requested at step {step})")
+        got, early = None, {}
         try:
-            if pp != old.pp:
-                kind, plan = "pp", policy.stage_resize_ranks(old, policy.layout_of(new_cfg))
-                reserved = group.placer.reserve_stages(new_cfg, run, group.pgs, old.dp, old.pp)
-                requested, pgs = reserved[1], reserved[0]
-            elif tp == old.tp:
-                kind, plan = "dp", policy.dp_resize_ranks(old.replica_size, old.dp, dp)
-                added = list(range(old.dp, dp))
-                reserved = group.reserve(new_cfg, run, added, avoid_nodes=group.placer.nodes_of(group.pgs)) \
-                    if added else {}
-                requested = list(reserved.values())
-                pgs = {**{q: pg for q, pg in group.pgs.items() if q < dp}, **reserved}
-            else:
-                kind, plan = "tp", policy.tp_resize_ranks(old, Layout(tp, dp=dp, zero=old.zero))
-                reserved = group.placer.reserve_tp(new_cfg, run, group.pgs, old.dp)
-                if reserved is None:  # an extension landed on another node than its replica
-                    self.say("more bundles could not be had on a replica's node: restarting every worker")
-                    return carry_out(group, lambda: reshard.restart_tp(group, new_cfg), t0, "requested", step)
-                requested, pgs = reserved[1], reserved[0]
-            early = {r: group.start_worker(r, new_cfg, pgs) for r in plan.early}
-        except PlacementError as e:
-            carved = None if old.zero else slots.carve(group.pgs, tp, dp)  # in place: whole states only
-            if carved is None:
-                self.log.event("resize_refused", old={"tp": old.tp, "dp": old.dp}, new={"tp": tp, "dp": dp},
-                               error=str(e))
-                return Outcome.refused(str(e))
-            self.say(f"no room to start TP={tp} x DP={dp} beside the job ({e}); switching inside its own bundles")
-            return carry_out(group, lambda: reshard.restart_in(group, new_cfg, carved), t0, "requested, in place",
-                             step)
-        except FAILURES as e:
-            return Outcome.refused(f"resize failed and was rolled back: {type(e).__name__}: {e}")
-        self.pending = PendingResize(t0, new_cfg, kind, plan, base(group), reserved, requested, early,
+            got = change.reserve(group, new_cfg)
+            if got is None:  # an extension landed on another node than its replica
+                self.say("more bundles could not be had on a replica's node: restarting every worker")
+                return carry_out(group, lambda: reshard.restart_tp(group, new_cfg), t0, "requested", step)
+            for r in change.ranks.early:
+                early[r] = group.start_worker(r, new_cfg, got.pgs, ahead=ahead)
+        except (PlacementError, *FAILURES) as e:
+            group.kill_actors(a for a, _ in early.values())
+            if got is not None:
+                group.placer.release(got.requested)
+            if change.restarts_all or not isinstance(e, PlacementError):
+                self.log.event("resize_refused", old=layout_dict(old), new=layout_dict(target), error=str(e))
+                why = str(e) if change.restarts_all else f"resize failed and was rolled back: {type(e).__name__}: {e}"
+                return Outcome.refused(why)
+            return self._in_place(group, new_cfg, e, t0, step)
+        self.pending = PendingResize(t0, new_cfg, change, base(group), got.reserved, got.requested, early,
                                      group.pinged(a for a, _ in early.values()), request_id if early else None)
         return None
 
-    def _restage(self, group, new_cfg, t0: float, step: int, request_id: int | None):
-        """A TP change at pp > 1 (or to or from it): the new layout's placement is reserved beside the job
-        and every one of its workers starts there while the old layout trains on (``pending``); at the
-        switch every old worker hands its shard over worker to worker, each byte once, and stops
-        (raytp.runtime.elastic.reshard.restart_tp). A name still held by the running layout's rank goes
-        to the new worker as ``names.worker_ahead``."""
-        new = policy.layout_of(new_cfg)
-        self.say(f"resizing {group.layout} -> {new} (requested at step {step}): every worker starts anew")
-        self.restages += 1
-        pgs, early = None, {}
-        try:
-            pgs = group.reserve(new_cfg, group.launcher.run, list(range(new.dp)))
-            for r in range(new.world_size):
-                early[r] = group.start_worker(r, new_cfg, pgs, ahead=self.restages)
-        except (PlacementError, *FAILURES) as e:
-            group.kill_actors(a for a, _ in early.values())
-            if pgs is not None:
-                group.placer.release(pgs.values())
-            self.log.event("resize_refused", old=layout_dict(group.layout), new=layout_dict(new), error=str(e))
-            return Outcome.refused(str(e))
-        self.pending = PendingResize(t0, new_cfg, "restage", None, base(group), pgs, list(pgs.values()), early,
-                                     group.pinged(a for a, _ in early.values()), request_id)
-        return None
+    def _in_place(self, group, new_cfg, error: PlacementError, t0: float, step: int):
+        """No room beside the job: switch inside the bundles it holds where the new layout fits there
+        (whole states only: not under zero 1), else refuse."""
+        old, new = group.layout, new_cfg.layout
+        carved = None if old.zero else slots.carve(group.pgs, new.tp, new.dp)
+        if carved is None:
+            self.log.event("resize_refused", old={"tp": old.tp, "dp": old.dp}, new={"tp": new.tp, "dp": new.dp},
+                           error=str(error))
+            return Outcome.refused(str(error))
+        self.say(f"no room to start TP={new.tp} x DP={new.dp} beside the job ({error}); switching inside its "
+                 "own bundles")
+        return carry_out(group, lambda: reshard.restart_in(group, new_cfg, carved), t0, "requested, in place", step)
 
     def due(self, group, now: bool = False) -> bool:
         """Whether the pending resize switches at this step boundary: at once if `now` or it has no new
@@ -193,14 +172,7 @@ class Elastic:
         if base(group) != p.base:  # a failure was healed by shrinking meanwhile: the plan no longer fits
             return p.request_id, _drop(group, p, "the layout changed while its new workers started "
                                                  "(a failure was healed)")
-        if p.kind == "dp":
-            switch = lambda: reshard.switch_dp(group, p.new_cfg, step, p.reserved, p.early, p.plan)  # noqa: E731
-        elif p.kind == "restage":
-            switch = lambda: reshard.restart_tp(group, p.new_cfg, p.reserved, p.early)  # noqa: E731
-        elif p.kind == "pp":
-            switch = lambda: reshard.switch_stages(group, p.new_cfg, p.reserved, p.early, p.plan)  # noqa: E731
-        else:
-            switch = lambda: reshard.switch_tp(group, p.new_cfg, p.reserved, p.early, p.plan)  # noqa: E731
+        switch = lambda: p.change.switch(group, p, step)  # noqa: E731
         return p.request_id, carry_out(group, switch, p.t0, "requested", step)
 
     def cancel(self, group, why: str) -> tuple[int | None, Outcome] | None:
@@ -224,7 +196,7 @@ class Elastic:
                 avoid_nodes=group.placer.nodes_of(group.pgs)))
             return None
         self.say(f"capacity is back: growing to TP={lay.tp} x DP={self.target_dp}")
-        new_cfg = policy.resized_config(group.cfg, lay.tp, self.target_dp)
+        new_cfg = policy.resized_config(group.cfg, lay.changed(dp=self.target_dp))
         reserved, self.growing = self.growing.pgs, None
         sw = carry_out(group, lambda: reshard.switch_dp(group, new_cfg, step, reserved=reserved),
                        time.perf_counter(), "capacity returned", step)

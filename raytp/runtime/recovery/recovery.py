@@ -29,13 +29,14 @@
    logs ``recovered``.
 
 A failure during a recovery starts it again (and counts). Nothing here writes
-into the driver: ``recover`` returns a ``Recovered`` and the driver adopts it.
+into the driver: ``recover`` returns a ``Recovered`` (or a ``GaveUp``) and the
+driver adopts its group.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ray.exceptions import ObjectLostError, OwnerDiedError, RayTaskError
 
@@ -46,16 +47,22 @@ from raytp.runtime.records import Healing, Resizing
 from raytp.runtime.cluster.slots import unused_groups
 from raytp.files.checkpoint import CheckpointError
 
+if TYPE_CHECKING:  # the run's parts a recovery reads and asks (none imports this module)
+    from raytp.runtime.driver.metrics import RunLog
+    from raytp.runtime.recovery.spares import Spares
+    from raytp.runtime.state.checkpoints import Checkpoints
+    from raytp.runtime.state.snapshots import OffNodeCopy, Snapshots
+
 
 @dataclass(frozen=True)
 class RecoveryContext:
     """What a recovery needs of the run besides its workers."""
-    log: object                      # RunLog: the failure events
+    log: "RunLog"                    # the failure events
     say: Callable[[str], None]
-    spares: object                   # Spares
-    snapshots: object                # Snapshots of the current layout
-    copy: object                     # OffNodeCopy
-    checkpoints: object              # Checkpoints
+    spares: "Spares"
+    snapshots: "Snapshots"           # of the current layout
+    copy: "OffNodeCopy"              # the snapshots' copy on another node
+    checkpoints: "Checkpoints"
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,14 @@ class Recovered:
     resizing: Resizing | None = None  # set when it healed by shrinking
 
 
+@dataclass(frozen=True)
+class GaveUp:
+    """A recovery that could not heal the job: the group as far as it got (to adopt, so that release finds
+    every actor the recovery started), and the error that ends the run."""
+    group: object
+    error: RecoveryFailed | JobError
+
+
 class _Attempt:
     """The group as far as the recovery got (a failure midway starts again from there)."""
 
@@ -76,17 +91,16 @@ class _Attempt:
 
 
 def recover(ctx: RecoveryContext, group, error: BaseException, step: int, failures: int,
-            partial: dict | None = None) -> Recovered:
+            partial: dict | None = None) -> Recovered | GaveUp:
     """Heal `group` after `error` at `step` (`failures`: worker losses so far; `partial`: rank 0's
-    record of the step in progress). Raises JobError, or RecoveryFailed when it gives up."""
+    record of the step in progress): Recovered, or GaveUp (a JobError, or a RecoveryFailed)."""
     t0 = time.perf_counter()
     attempt = _Attempt(group, failures)
     while True:
         try:
             return _recover_once(ctx, attempt, error, step, partial, t0)
         except (RecoveryFailed, JobError) as e:
-            e.group = attempt.group  # what the driver must release: the actors this recovery started too
-            raise
+            return GaveUp(attempt.group, e)
         except FAILURES as e:
             ctx.say(f"failure during recovery: {type(e).__name__}: {str(e)[:200]}")
             error = e
@@ -186,7 +200,7 @@ def _shrink(ctx: RecoveryContext, attempt: _Attempt, shrink: policy.Shrink, lost
     group.kill(r for q in range(lay.dp) if q not in shrink.keep for r in lay.replica(q))
     group.placer.release(unused_groups([group.pgs[q] for q in range(lay.dp) if q not in shrink.keep],
                                        [group.pgs[q] for q in shrink.keep]))
-    new_cfg = policy.resized_config(group.cfg, lay.tp, shrink.new_dp)
+    new_cfg = policy.resized_config(group.cfg, lay.changed(dp=shrink.new_dp))
     workers = [group.workers[r] for q in shrink.keep for r in lay.replica(q)]
     pgs = {i: group.pgs[q] for i, q in enumerate(shrink.keep)}
     group = attempt.group = group.successor(new_cfg, pgs, workers).join()
@@ -210,7 +224,7 @@ def _recut_from_snapshot(ctx: RecoveryContext, group, old) -> tuple[int, str]:
         sources.append(("snapshot copy", held, lambda: ctx.copy.parts(held, own.parts)))
     for name, step, parts in sorted(sources, key=lambda s: -s[1]):
         got = parts()
-        refs = {r: [got[own.part(old.rank(tp=c.tp, pp=c.pp, dp=d))] for d in range(old.dp)]
+        refs = {r: [got[own.part(o)] for o in old.dp_group(c.tp, c.pp)]
                 for r, c in ((r, new.coords(r)) for r in range(new.world_size))}
         try:
             group.recut_parts(refs, old.dp, step)

@@ -1,0 +1,102 @@
+"""The kinds of layout change a running job makes: each a plan that reserves its own placement and switches.
+
+``plan_change(old, new)`` picks the plan (which ranks it keeps and starts: raytp.runtime.elastic.rank_plans);
+raytp.runtime.elastic.resize.Elastic carries any plan out the same way: ``reserve`` the new layout's
+placement beside the job, start the plan's early ranks there while the old layout trains on, ``switch`` at
+a step boundary (raytp.runtime.elastic.reshard moves the state worker to worker), adopt or roll back.
+
+- ``DpChange``: replicas added or removed; the staying ones keep their processes.
+- ``TpChange``: TP at pp == 1; replica 0's first TP ranks keep theirs (placement grows replicas in place).
+- ``StageChange``: the pipeline degree at the same TP; stages present at both layouts keep theirs.
+- ``Restage``: TP at pp > 1 (or to or from it): every worker starts anew, ahead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from raytp.parallel.layout import Layout
+from raytp.runtime.elastic import rank_plans, reshard
+from raytp.runtime.elastic.rank_plans import RankPlan
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What a plan reserved: the new layout's placement (dp_rank -> placement group), what its switch is
+    handed, and the groups asked for (released if the change is dropped)."""
+    pgs: dict
+    reserved: Any
+    requested: list
+
+
+@dataclass(frozen=True)
+class Change:
+    ranks: RankPlan
+    restarts_all = False  # every worker starts anew, ahead (its names: raytp.names.worker_ahead)
+
+    def reserve(self, group, new_cfg) -> Reservation | None:
+        """The new layout's placement, waited for (PlacementError if it cannot be had); None where the
+        plan cannot keep its processes there (the caller then restarts every worker)."""
+        raise NotImplementedError
+
+    def switch(self, group, pending, step: int):
+        """Switch `group` to the pending layout: (new group, bytes moved); SwitchFailed rolls back."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class DpChange(Change):
+    def reserve(self, group, new_cfg) -> Reservation:
+        old, dp = group.layout, new_cfg.parallel.dp
+        added = list(range(old.dp, dp))
+        reserved = group.reserve(new_cfg, group.launcher.run, added,
+                                 avoid_nodes=group.placer.nodes_of(group.pgs)) if added else {}
+        pgs = {**{q: pg for q, pg in group.pgs.items() if q < dp}, **reserved}
+        return Reservation(pgs, reserved, list(reserved.values()))
+
+    def switch(self, group, pending, step: int):
+        return reshard.switch_dp(group, pending.new_cfg, step, pending.reserved, pending.early, self.ranks)
+
+
+@dataclass(frozen=True)
+class TpChange(Change):
+    def reserve(self, group, new_cfg) -> Reservation | None:
+        reserved = group.placer.reserve_tp(new_cfg, group.launcher.run, group.pgs, group.layout.dp)
+        return None if reserved is None else Reservation(reserved[0], reserved, reserved[1])
+
+    def switch(self, group, pending, step: int):
+        return reshard.switch_tp(group, pending.new_cfg, pending.reserved, pending.early, self.ranks)
+
+
+@dataclass(frozen=True)
+class StageChange(Change):
+    def reserve(self, group, new_cfg) -> Reservation:
+        old = group.layout
+        reserved = group.placer.reserve_stages(new_cfg, group.launcher.run, group.pgs, old.dp, old.pp)
+        return Reservation(reserved[0], reserved, reserved[1])
+
+    def switch(self, group, pending, step: int):
+        return reshard.switch_stages(group, pending.new_cfg, pending.reserved, pending.early, self.ranks)
+
+
+@dataclass(frozen=True)
+class Restage(Change):
+    restarts_all = True
+
+    def reserve(self, group, new_cfg) -> Reservation:
+        pgs = group.reserve(new_cfg, group.launcher.run, list(range(new_cfg.parallel.dp)))
+        return Reservation(pgs, pgs, list(pgs.values()))
+
+    def switch(self, group, pending, step: int):
+        return reshard.restart_tp(group, pending.new_cfg, pending.reserved, pending.early)
+
+
+def plan_change(old: Layout, new: Layout) -> Change:
+    """The plan that takes a running job from `old` to `new` (which differ)."""
+    if new.tp != old.tp and (new.pp > 1 or old.pp > 1):
+        return Restage(rank_plans.restage_ranks(old, new))
+    if new.pp != old.pp:
+        return StageChange(rank_plans.stage_resize_ranks(old, new))
+    if new.tp == old.tp:
+        return DpChange(rank_plans.dp_resize_ranks(old.replica_size, old.dp, new.dp))
+    return TpChange(rank_plans.tp_resize_ranks(old, new))
