@@ -44,7 +44,8 @@ def format_live(st: dict) -> str:
     def num(key, fmt):
         return format(st[key], fmt) if st.get(key) is not None else "-"
     return (f"{st['run']}: {st['state']}  step {st.get('step', 0)}/{st.get('steps', '?')}  "
-            f"TP={st.get('tp', '?')} x DP={st.get('dp', '?')} ({st.get('world_size', '?')} workers)  "
+            f"TP={st.get('tp', '?')} x " + (f"PP={st['pp']} x " if (st.get("pp") or 1) > 1 else "")
+            + f"DP={st.get('dp', '?')} ({st.get('world_size', '?')} workers)  "
             f"loss {num('loss', '.4f')}  val {num('val_loss', '.4f')}  tok/s {num('tokens_per_s', ',.0f')}  "
             f"failures {st.get('failures', 0)}" + (f"  spares {st['spares']}" if st.get("spares") else "")
             + f"  dir {st.get('run_dir', '-')}")

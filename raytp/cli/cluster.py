@@ -86,7 +86,7 @@ def submit(job, address, sets, name, run_dir, resume, runtime_env):
         jobs.submit(head, sub)
     where = f" --address {address}" if address else ""
     click.echo(f"submitted run {run} as Ray job {sub.submission_id} to {head.dashboard}\n"
-               f"  layout TP={cfg.parallel.tp} x DP={cfg.parallel.dp}, {cfg.train.steps} steps; "
+               f"  layout {cfg.layout}, {cfg.train.steps} steps; "
                f"run dir on the cluster: {sub.run_dir}"
                + (f"; resuming from {resume if resume != 'latest' else 'its newest checkpoint'}" if resume else "")
                + "\n"

@@ -163,7 +163,8 @@ class RuntimeConfig:
     peak_tflops: Optional[float] = _f(None, "peak dense bf16 TFLOP/s of one device, for MFU; null = from the "
                                             "device's name (known GPUs; none on cpu: TFLOP/s only)", POSITIVE)
     storage: Optional[str] = _f(None, "a shared path or URL where the run directory's records (config.yaml, "
-                                      "metrics.jsonl, events.jsonl) are mirrored as they are written, under "
+                                      "metrics.jsonl, events.jsonl, driver.log) are mirrored as they are "
+                                      "written, under "
                                       "<storage>/<run>/ (and its checkpoints written, unless checkpoint.dir is "
                                       "set): `raytp status RUN --storage` reads them after the head is gone; "
                                       "null = none")

@@ -18,7 +18,9 @@ groups, the job and rank as they now are).
 All calls to the workers go through here, so the driver, recovery and resize
 never touch an actor directly (and the tests can swap this class for a fake).
 Its calls that move state in and out (checkpoints, snapshots, copies between
-replicas, the distributed optimizer's rows) are in raytp.runtime.cluster.group_state.
+replicas, the distributed optimizer's rows) are a value of their own,
+raytp.runtime.cluster.group_state.StateCalls, which the methods of the same
+names here hand each call to.
 """
 from __future__ import annotations
 
@@ -31,12 +33,12 @@ import ray
 from raytp.parallel.layout import Layout
 from raytp.runtime.cluster import health, placement as placements, relay
 from raytp.runtime.cluster.streaming import StepStream, direct_ranks
-from raytp.runtime.cluster.group_state import GroupState
+from raytp.runtime.cluster.group_state import StateCalls
 from raytp.runtime.cluster.launch import Launcher, actor_id
 
 
 @dataclass(frozen=True)
-class WorkerGroup(GroupState):
+class WorkerGroup:
     cfg: object                      # the JobConfig at this layout
     pgs: Mapping[int, object]        # dp_rank -> the replica's placement (a group, or a placement.Slots)
     workers: tuple                   # actor handles, rank order
@@ -182,6 +184,46 @@ class WorkerGroup(GroupState):
     def nodes(self) -> list[str | None]:
         """Each rank's node, as last placed."""
         return [p.get("node_id") for p in self.placement]
+
+    # -- state in and out (raytp.runtime.cluster.group_state) ------------------------------------------
+    def state_calls(self) -> StateCalls:
+        return StateCalls(self.workers, self.cfg)
+
+    def owner_workers(self) -> list:
+        return self.state_calls().owner_workers()
+
+    def shard_states(self) -> list[dict]:
+        return self.state_calls().shard_states()
+
+    def fetch(self, refs) -> list:
+        return self.state_calls().fetch(refs)
+
+    def begin_save(self, url: str, directory: str) -> tuple[dict, list]:
+        return self.state_calls().begin_save(url, directory)
+
+    def probe_storage(self, url: str, token: str) -> list[str | None]:
+        return self.state_calls().probe_storage(url, token)
+
+    def load_source(self, source, step: int) -> None:
+        self.state_calls().load_source(source, step)
+
+    def write_snapshot(self, url: str, directory: str, parts: list) -> list[dict]:
+        return self.state_calls().write_snapshot(url, directory, parts)
+
+    def copy_shards(self, donors: Mapping[int, int], step: int, weights_only: bool = False) -> int:
+        return self.state_calls().copy_shards(donors, step, weights_only)
+
+    def export_rows(self, new_dp: int) -> tuple[list, list]:
+        return self.state_calls().export_rows(new_dp)
+
+    def recut_parts(self, refs: Mapping[int, list], old_dp: int, step: int) -> None:
+        self.state_calls().recut_parts(refs, old_dp, step)
+
+    def take_rows(self, refs: Mapping[int, list]) -> None:
+        self.state_calls().take_rows(refs)
+
+    def load_parts(self, ranks: Iterable[int], parts: Mapping[int, object], step: int) -> None:
+        self.state_calls().load_parts(ranks, parts, step)
 
     # -- training --------------------------------------------------------------------------------
     def run_steps(self, start: int, count: int, snapshot_every: int) -> StepStream:

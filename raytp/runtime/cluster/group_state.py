@@ -1,9 +1,12 @@
 """A worker group's state in and out: its owners' shards read and written (checkpoints, snapshots, a source
 loaded), copied from replicas, and under the distributed optimizer its AdamW rows cut for a new DP degree.
-A part of raytp.runtime.cluster.group.WorkerGroup, kept apart (the class mixes it in and owns every attribute
-it reads: workers, layout, cfg)."""
+
+``StateCalls`` is a value of its own: the workers in rank order, their job (its layout) and how long a call
+may take. raytp.runtime.cluster.group.WorkerGroup hands one out for each call (``WorkerGroup.state_calls``),
+so the group's methods of the same names are where a test's fake group takes over."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import ray
@@ -13,7 +16,15 @@ from raytp.parallel.ownership import Ownership
 from raytp.runtime.state.checkpoints import write_part_task
 
 
-class GroupState:
+@dataclass(frozen=True)
+class StateCalls:
+    workers: tuple        # actor handles, rank order
+    cfg: object           # the JobConfig at their layout
+
+    @property
+    def layout(self):
+        return self.cfg.layout
+
     def owner_workers(self) -> list:
         """The workers that own the state (raytp.parallel.ownership), part 0 first."""
         return [self.workers[r] for r in Ownership(self.layout).owners()]

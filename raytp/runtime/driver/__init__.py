@@ -1,1 +1,4 @@
-"""The driver's room: the Driver state machine (driver.py) with its control side (driver_control.py) and resizes (driver_resize.py), the control actor (control_actor.py), when the next call is submitted (follow_on.py), and what the run reports: metrics.jsonl, events, Ray metrics (metrics.py), the metrics line and closing events (reporting.py), progress (progress.py)."""
+"""The driver's room: the Driver state machine (driver.py); what it publishes and the control requests it
+serves, typed (run_status.py) through the control actor (control_actor.py); when the next call is submitted
+(follow_on.py); what the run reports: metrics.jsonl, events, Ray metrics (metrics.py), the metrics line and
+closing events (reporting.py), progress (progress.py), trackers (tracking.py), profiles (profiles.py)."""

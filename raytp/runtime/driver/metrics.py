@@ -125,7 +125,7 @@ class RunLog:
                 if rec.get(key) is not None:
                     self.ray.set(gauge, rec[key])
             if rec.get("tp") and rec.get("dp"):
-                self.ray.set("world_size", rec["tp"] * rec["dp"])
+                self.ray.set("world_size", rec["tp"] * rec.get("pp", 1) * rec["dp"])
             self.ray.inc("steps")
 
     def event(self, kind: str, **fields) -> dict:

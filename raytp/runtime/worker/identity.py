@@ -33,7 +33,8 @@ class WorkerIdentity:
         if self.rank < 0:
             return "Worker(spare)"
         g = self.groups
-        where = f", TP rank {g.tp_rank}/{g.layout.tp}, DP rank {g.dp_rank}/{g.layout.dp}" if g is not None else ""
+        stage = f", stage {g.pp_rank}/{g.layout.pp}" if g is not None and g.layout.pp > 1 else ""
+        where = f", TP rank {g.tp_rank}/{g.layout.tp}{stage}, DP rank {g.dp_rank}/{g.layout.dp}" if g is not None else ""
         return f"Worker(rank {self.rank}{where})"
 
     def _announce(self) -> None:
