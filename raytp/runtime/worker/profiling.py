@@ -1,7 +1,7 @@
 """Profiling on demand: torch.profiler traces of chosen steps on chosen ranks, written to the run's storage.
 
 The driver hands a rank a ``ProfilePlan`` (the job's ``profile`` section before the first step, or what
-``raytp profile`` asks for at a step boundary) through ``WorkerProfiling.profile``, an actor call answered
+``raytp profile`` asks for at a step boundary) through ``Worker.profile``, an actor call answered
 while steps run (the worker is a threaded actor). The rank's step loop takes every step through
 ``StepProfiler.run``: at the first step a plan covers it starts ``torch.profiler.profile`` (CPU activity,
 CUDA too on cuda; ``profile_memory`` and, on cuda, the CUDA allocator's history when the plan asks for
@@ -159,21 +159,3 @@ def write_profile(prof: torch.profiler.profile, plan: ProfilePlan, rank: int, me
 def _upload(storage: Storage, local: str, rel: str) -> None:
     with open(local, "rb") as src, storage.open_write(rel) as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
-
-
-class WorkerProfiling:
-    """Mixed into the Worker (raytp.runtime.worker.worker): the actor call that hands this rank a plan, and
-    the step loop's way through the profiler."""
-
-    @property
-    def profiler(self) -> StepProfiler:
-        # made at the first use by either thread: setdefault is atomic, so both see the same one
-        return self.__dict__.setdefault("_profiler", StepProfiler())
-
-    def profile(self, plan: ProfilePlan) -> None:
-        """Trace the steps of `plan` on this rank (answered while steps run: from its next step)."""
-        self.profiler.add(plan)
-
-    def _profiled_step(self, step: int, before_update=None) -> dict:
-        """`_step`, traced when a plan of this rank covers `step`."""
-        return self.profiler.run(step, self.rank, self.device, lambda: self._step(step, before_update))

@@ -19,30 +19,28 @@ import time
 import torch
 
 from raytp.config import from_dict
-from raytp.config.adapters import model_args, hyper
+from raytp.config.adapters import model_args
 from raytp.parallel import comm
 from raytp.parallel.groups import destroy_process_groups, init_process_groups, listening_store
 from raytp.parallel.layout import Layout
-from raytp.models.shard import build_shard, rebind_groups
+from raytp.models.shard import rebind_groups
 from raytp.models.stage import stage_of
 from raytp.runtime.cluster import relay as relay_calls
-from raytp.runtime.worker.background_save import BackgroundSave
-from raytp.runtime.worker.calls import Calls, on_thread
-from raytp.runtime.worker.identity import WorkerIdentity
+from raytp.runtime.worker import forwards, identity
+from raytp.runtime.worker.streamed_calls import StreamedCalls
 from raytp.runtime.errors import WorkerAborted
-from raytp.runtime.worker.snapshot_buffers import SnapshotBuffers
-from raytp.runtime.worker.forwards import WorkerForwards
-from raytp.runtime.worker.profiling import WorkerProfiling
-from raytp.runtime.worker.worker_state import WorkerState
+from raytp.runtime.worker.held_shard import HeldShard
+from raytp.runtime.worker.profiling import ProfilePlan, StepProfiler
 from raytp.runtime.worker.process import tune_malloc
+from raytp.files.storage import Storage, answer_probe
 from raytp.train.efficiency import peak_memory, peak_tflops
-from raytp.train.shard_state import live_state, state_bytes
+from raytp.train.shard_state import live_state
 from raytp.data.corpus import batch, check_ids, document_eod, epochs_read, job_corpus, vocabulary_fits
 from raytp.train.stage_runner import PipelineSchedule
-from raytp.train.step import make_optimizer, train_step
+from raytp.train.step import eval_loss, train_step
 
 
-class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
+class Worker:
     def __init__(self, job: dict, rank: int):
         tune_malloc()
         self.cfg = from_dict(job)
@@ -53,13 +51,13 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         self.device = torch.device("cuda", 0) if self.cfg.runtime.device == "cuda" else torch.device("cpu")
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(0) if self.device.type == "cuda" else None,
                                        self.cfg.runtime.peak_tflops)
-        self.groups = self.model = self.optimizer = None
+        self.groups = None  # raytp.parallel.groups.ProcessGroups, once it joined
+        self.shard: HeldShard | None = None  # its weights and AdamW state
         self.pipeline = None  # raytp.train.stage_runner.PipelineSchedule of this rank's stage, at pp > 1
-        self.completed, self.calls = 0, Calls()  # calls: the order of its run_steps calls
-        self.snap_bufs = SnapshotBuffers(self.device)
-        self.saving: BackgroundSave | None = None  # this rank's file of the checkpoint being written
-        self.previous = None  # the shard a reshape replaced, until the switch is committed or reverted
-        self.snapshot_s = None  # what the last snapshot cost (packing + object store), reported with each step
+        self.completed = 0
+        self.steps = StreamedCalls(self.device)  # its streamed calls: their order, the snapshot buffers
+        self.profiler = StepProfiler()  # traces of the steps a ProfilePlan names
+        self.previous = None  # (job, rank, shard, layout) a reshape replaced, until committed or reverted
         # What building the first optimizer imports (~1 s), paid here: a spare, or a rank started ahead
         # of a resize, has it behind it when it is needed.
         importlib.import_module("torch._dynamo")
@@ -77,7 +75,7 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
     def rendezvous_address(self) -> str:
         """tcp://<this node's ip>:<port> of a store this rank (rank 0 of the next join) listens on already,
         so that no rank connects before it listens (raytp.parallel.groups.listening_store)."""
-        ip = self._node_ip()
+        ip = identity.node_ip()
         self.store = listening_store(ip, self.cfg.runtime.collective_timeout_s)
         return f"tcp://{ip}:{self.store.port}"
 
@@ -95,14 +93,21 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         self.pipeline = PipelineSchedule(p.pp_schedule, stage, p.sequence_parallel) if stage else None
         return stage
 
-    def _training_modes(self) -> None:
-        """What the job turns on in a new shard: activation checkpointing, the document mask."""
-        self.model.activation_checkpointing = self.cfg.train.activation_checkpointing
-        self.model.document_eod = self.document_eod
+    def _build(self, source=None, own=None) -> None:
+        """A new shard at this rank's place in its groups (raytp.runtime.worker.held_shard.HeldShard.build):
+        seeded, or holding its slices of `source`; the one it replaces is let go first."""
+        old, self.shard = self.shard, None
+        if old is not None:
+            old.settle()
+        modes = {"activation_checkpointing": self.cfg.train.activation_checkpointing,
+                 "document_eod": self.document_eod}
+        self.shard = HeldShard.build(self.cfg, self.groups, self.device, self._stage(), modes, source, own)
+        if old is not None:
+            self.shard.saving = old.saving  # a checkpoint file still being written goes on being written
 
     def _join(self, layout: Layout, rank: int, init_method: str):
         """Meet the world of `layout` at `init_method` as `rank`; its TP and DP groups."""
-        self.calls.reset()
+        self.steps.calls.reset()
         try:
             return init_process_groups(layout, rank, init_method, self.cfg.runtime.device,
                                        self.cfg.runtime.collective_timeout_s)
@@ -120,18 +125,8 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         directory; or a one-device state), from its slices of it, with no initialisation at all."""
         t0 = time.perf_counter()
         self.groups = self._join(self._checked(layout), self.rank, init_method)
-        if source is None:
-            self.model = build_shard(model_args(self.cfg), self.cfg.train.seed, self.groups.tp,
-                                     self.cfg.parallel.sequence_parallel, self.device, self._stage())
-            self._training_modes()
-            self.hyper = hyper(self.cfg)
-            self.optimizer = make_optimizer(self.model, self.hyper, self.groups.layout.dp, self.groups.dp_rank,
-                                            self.groups.layout.zero,
-                                            overlap=self.cfg.parallel.overlap_grad_reduce,
-                                            overlap_gather=self.cfg.parallel.overlap_param_gather)
-        else:
-            self._build_from(source)
-        n_local = sum(p.numel() for p in self.model.parameters())
+        self._build(source)
+        n_local = sum(p.numel() for p in self.shard.model.parameters())
         self._announce()
         return {"rank": self.rank, "params_local": n_local, "setup_s": time.perf_counter() - t0}
 
@@ -140,16 +135,16 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         `rank` (with the job as it now is), and rebuild the shard at the new TP degree from its slices of
         `source`, without the seeded initialisation."""
         t0 = time.perf_counter()
-        self._settle()
+        self.shard.settle()
         # The old shard is kept until the switch is committed (commit_reshape) or undone (revert).
-        self.previous = (self.cfg, self.rank, self.model, self.optimizer, self.hyper, self.groups.layout)
-        own = (self.model, self.optimizer, self.groups.tp_rank, self.groups.layout.tp)
+        self.previous = (self.cfg, self.rank, self.shard, self.groups.layout)
+        own = (self.shard.model, self.shard.optimizer, self.groups.tp_rank, self.groups.layout.tp)
         self.cfg, self.rank = from_dict(job), rank
         # No gc.collect as in leave_groups: no peer is blocked on this rank's sockets.
         destroy_process_groups()
         self.groups = None
         self.groups = self._join(self._checked(layout), rank, init_method)
-        self._build_from(source, own)
+        self._build(source, own)  # the old shard stays in self.previous
         self._announce()
         return {"rank": self.rank, "reshape_s": time.perf_counter() - t0}
 
@@ -170,7 +165,8 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         t0 = time.perf_counter()
         micro_batches = self._micro_batches("train", step)
         data_s = time.perf_counter() - t0
-        r = train_step(self.model, self.optimizer, micro_batches, self.groups, step, self.hyper, before_update,
+        sh = self.shard
+        r = train_step(sh.model, sh.optimizer, micro_batches, self.groups, step, sh.hyper, before_update,
                        self.pipeline)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -178,7 +174,7 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
         self.completed = step + 1
         ranks = comm.all_gather_float(elapsed - comm_s, self.device)  # each rank's compute: who holds back whom
         return {"step": step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "step_time_s": elapsed,
-                "comm_s": comm_s, "snapshot_s": self.snapshot_s, "data_s": data_s, "rank_compute_s": ranks,
+                "comm_s": comm_s, "snapshot_s": self.steps.snapshot_s, "data_s": data_s, "rank_compute_s": ranks,
                 "epoch": epochs_read(self.corpus, (step + 1) * self.cfg.train.batch_size, self.cfg.model.block_size),
                 "peak_tflops": self.peak_tflops, **peak_memory(self.device)}
 
@@ -188,33 +184,14 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
 
     def run_steps(self, start: int, count: int, snapshot_every: int, seq: int, after: int | None = None,
                   report: bool = True, relay: list | None = None):
-        """Like `train`, streamed (call with num_returns="streaming"): yields each step's record as
-        it completes (only on a reporting rank, `report`; the driver reads the others' ends and
-        errors) and, every `snapshot_every` steps on the ranks that own the state, this rank's
-        state right after it, followed by that step's record whether it reports or not (so a record
-        read means the snapshot part before it is whole, not the error of a rank that died in
-        between). Yielded objects are owned by the caller (the driver), so a snapshot outlives this
-        worker.
-
-        Calls run one at a time, in the driver's order (raytp.runtime.worker.calls): `seq` numbers
-        this call; `after` is the call it was submitted behind, while that one ran. It starts the
-        moment that call's steps end here, or fails at once, without a step, if that call failed or
-        this rank's process groups were torn down or rebuilt since.
-
-        A snapshot stalls nothing: steps run on a training thread of their own, while this
-        generator's thread packs the state into a reused host buffer and writes it to the object
-        store (the yield). The next step only reads the weights and optimizer state until its
-        optimizer update, and that update waits until the packing is done; so the copy overlaps the
-        next forward and backward passes.
-
-        If a collective fails (a peer died, or left one), this rank destroys its process groups,
-        which closes its sockets so that peers blocked on it fail too, and raises WorkerAborted.
-
-        `relay`: the handles of other ranks of this node this rank hands the call to (it leads them,
-        raytp.runtime.cluster.relay); its call ends once theirs have, with the first error of theirs.
-        """
+        """Steps start .. start+count-1, streamed (call with num_returns="streaming"): each step's record
+        and, every `snapshot_every` steps on the ranks that own the state, that state (what it yields, in
+        which order, on which threads: raytp.runtime.worker.streamed_calls). `relay`: the handles of other
+        ranks of this node this rank hands the call to (it leads them, raytp.runtime.cluster.relay); its
+        call ends once theirs have, with the first error of theirs."""
         peers = relay_calls.forward(relay, (start, count, snapshot_every, seq, after)) if relay else []
-        own = self._own_steps(start, count, snapshot_every, seq, after, report)
+        own = self.steps.run(self.rank, start, count, snapshot_every, seq, after, report,
+                             self._traced_step, self._snapshot_state, self.leave_groups)
         try:
             yield from own
         except BaseException:
@@ -222,53 +199,15 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
             raise
         relay_calls.collect(peers)
 
-    def _own_steps(self, start: int, count: int, snapshot_every: int, seq: int, after: int | None, report: bool):
-        """This rank's part of run_steps (a generator of what it yields)."""
-        self.calls.begin(seq, start, after)
-        if after is None:  # else the call before ended well, and left the buffers to its last yield
-            self.snap_bufs.reset()
+    def _traced_step(self, step: int, last) -> dict:
+        """One step, traced where a profile plan covers it; its optimizer update waits for the snapshot
+        `last` to be packed."""
+        return self.profiler.run(step, self.rank, self.device,
+                                 lambda: self._step(step, before_update=lambda: self.shard.settle(last)))
 
-        def loop(put) -> None:
-            failure, last = None, None  # last: the buffer of the newest snapshot, maybe still packing
-            try:
-                for step in range(start, start + count):
-                    try:
-                        rec = self._profiled_step(step, before_update=lambda last=last: self._settle(last))
-                    except Exception as e:  # noqa: BLE001 - every failure mid-step leaves the groups
-                        failure = f"rank {self.rank} left step {step}: {type(e).__name__}: {e}"
-                        break
-                    snapshot = snapshot_every and (step + 1) % snapshot_every == 0 and self.groups.owns_state
-                    if snapshot:
-                        state = live_state(self.model, self.optimizer)
-                        last = self.snap_bufs.take(state_bytes(state))
-                        put((step + 1, last, state))  # before the record: a record read proves its part
-                    if report or snapshot:
-                        put(rec)
-                if last is not None:
-                    last.packed.wait()  # the state is the snapshot's until it is copied
-            except BaseException as e:  # noqa: BLE001 - reported through the stream, never lost
-                failure = f"rank {self.rank} failed: {type(e).__name__}: {e}"
-            if failure:  # outside the except block, so the failed step's frames are gone
-                self.leave_groups()
-            self.calls.end(seq, None if failure else start + count)  # a call queued behind starts now
-            if failure:
-                raise WorkerAborted(failure)
-
-        for item in on_thread(loop, f"raytp-rank{self.rank}-steps"):
-            if isinstance(item, tuple):  # (step after, buffer, live state) of a snapshot
-                at_step, buf, state = item
-                t0 = time.perf_counter()
-                try:
-                    packed = self.snap_bufs.pack(state, buf)
-                finally:
-                    buf.packed.set()
-                del state
-                self.snap_bufs.newest = (at_step, packed, buf)
-                yield packed
-                self.snapshot_s = time.perf_counter() - t0  # packing and the write to the object store
-                buf.free.set()  # written to the object store: the buffer may be packed again
-            else:
-                yield item
+    def _snapshot_state(self):
+        """The live state to snapshot, on a rank that owns the state (raytp.parallel.ownership); else None."""
+        return live_state(self.shard.model, self.shard.optimizer) if self.groups.owns_state else None
 
     def ping(self) -> int:
         return self.rank
@@ -276,19 +215,19 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
     def status(self) -> dict:
         """Answered even while a step runs (the actor is threaded): completed steps, and whether a call runs
         (or one queued behind it is about to)."""
-        return {"rank": self.rank, "completed": self.completed, "running": self.calls.busy()}
+        return {"rank": self.rank, "completed": self.completed, "running": self.steps.calls.busy()}
 
     def leave_groups(self) -> None:
         """Destroy this rank's process groups and drop every reference to them, so that their
         sockets close now: peers blocked on this rank then fail too (gloo has no abort that
         unblocks a collective; a closed socket does); no call queued behind the one that ran may start
         now. Idempotent."""
-        self.calls.reset()
-        if self.optimizer is not None:
-            self.optimizer.abandon()  # its collectives in flight hold their groups (and sockets) open
+        self.steps.calls.reset()
+        if self.shard is not None:
+            self.shard.optimizer.abandon()  # its collectives in flight hold their groups (and sockets) open
         destroy_process_groups()
-        if self.model is not None:
-            rebind_groups(self.model, None)
+        if self.shard is not None:
+            rebind_groups(self.shard.model, None)
         self.groups = None
         gc.collect()
 
@@ -302,8 +241,98 @@ class Worker(WorkerState, WorkerForwards, WorkerIdentity, WorkerProfiling):
             self.rank = rank
         destroy_process_groups()
         self.groups = self._join(self._checked(layout), self.rank, init_method)
-        rebind_groups(self.model, self.groups)
+        rebind_groups(self.shard.model, self.groups)
         self._announce()
 
     def shutdown(self) -> None:
         destroy_process_groups()
+
+    # -- its state in and out (raytp.runtime.worker.held_shard) ---------------------------------
+    def export_pieces(self, new_tp: int, skip: list[int], stages: list | None = None):
+        """HeldShard.export_pieces; call with num_returns=new_tp * len(stages or [None]) + 2."""
+        return self.shard.export_pieces(self.groups, self.cfg.model.vocab_size, new_tp, skip, stages)
+
+    def export_rows(self, new_dp: int):
+        """HeldShard.export_rows; call with num_returns=new_dp + 1."""
+        return self.shard.export_rows(new_dp)
+
+    def take_rows(self, refs: list) -> None:
+        self.shard.take_rows(self.groups, refs)
+
+    def recut_parts(self, refs: list, old_dp: int, completed: int) -> None:
+        """HeldShard.recut_parts, as the state after `completed` steps."""
+        self.shard.recut_parts(self.groups, refs, old_dp)
+        self.completed = completed
+
+    def commit_reshape(self) -> None:
+        """The switch took: the old shard kept by `reshape` goes."""
+        self.previous = None
+        gc.collect()
+
+    def revert(self) -> None:
+        """The switch failed: take back the shard `reshape` kept (its process groups come with a rejoin)."""
+        if self.previous is not None:
+            destroy_process_groups()
+            self.cfg, self.rank, self.shard, _ = self.previous
+            rebind_groups(self.shard.model, None)
+            self.groups, self.previous = None, None
+
+    def get_state(self, weights_only: bool = False) -> dict:
+        return self.shard.get_state(weights_only)
+
+    def set_shard(self, state: dict, completed: int, weights_only: bool = False) -> None:
+        """HeldShard.set_shard, as the state after `completed` steps."""
+        self.shard.set_shard(state, weights_only)
+        self.completed = completed
+
+    def load(self, source, completed: int) -> None:
+        """Take this rank's slices of `source` as the state after `completed` steps."""
+        self.shard.load(self.groups, source)
+        self.completed = completed
+
+    def begin_save(self, url: str, directory: str) -> dict | None:
+        return self.shard.begin_save(self.groups, self.cfg, self.steps.snap_bufs, self.completed, url, directory)
+
+    def save_result(self) -> dict:
+        """{"file", "bytes"} of the save begun last, once written (raises if the write failed)."""
+        return self.shard.saving.wait()
+
+    def probe_storage(self, url: str, token: str) -> str | None:
+        """Whether this process reaches the checkpoint location as the driver does (None: it does)."""
+        return answer_probe(Storage(url), token, self.rank)
+
+    def weights_nbytes(self) -> int:
+        return self.shard.weights_nbytes()
+
+    def state_nbytes(self) -> int:
+        return self.shard.state_nbytes()
+
+    # -- besides training --------------------------------------------------------------------
+    def evaluate(self, step: int) -> float:
+        cfg = self.cfg
+        batches = []
+        for i in range(cfg.train.eval_steps):
+            batches += self._micro_batches("val", step * cfg.train.eval_steps + i)
+        try:
+            return eval_loss(self.shard.model, batches, self.groups, self.shard.hyper, self.pipeline)
+        except Exception as e:  # noqa: BLE001 - as in run_steps: leave, so that peers get out too
+            failure = f"rank {self.rank} left evaluation: {type(e).__name__}: {e}"
+        self.leave_groups()
+        raise WorkerAborted(failure)
+
+    def logits(self, idx):
+        return forwards.logits(self.shard.model, idx, self.device, self.groups, self.pipeline, self.shard.hyper,
+                               self.cfg.model.vocab_size)
+
+    def profile(self, plan: ProfilePlan) -> None:
+        """Trace the steps of `plan` on this rank (answered while steps run: from its next step)."""
+        self.profiler.add(plan)
+
+    def where(self) -> dict:
+        return identity.where(self.rank, self.up)
+
+    def __repr__(self) -> str:
+        return identity.role(self.rank, self.groups)
+
+    def _announce(self) -> None:
+        identity.announce(repr(self))

@@ -1,0 +1,170 @@
+"""What a worker holds, and how it comes and goes: ``HeldShard``, a rank's shard as a value of its own.
+
+A shard (weights, AdamW state and the knobs that step it) is built seeded, or empty and filled from a
+source (raytp.files.state_sources: a checkpoint, a Hugging Face directory; a live
+resize's bundles, raytp.runtime.worker.transfer), copied from a DP replica or a
+snapshot (``set_shard``), cut into bundles for a new TP layout
+(``export_pieces``), and written to a checkpoint by a thread of its own
+(``begin_save``). ``settle`` waits until nothing reads the live tensors any
+more (a snapshot being packed, a file being written) before they change.
+
+It reads nothing of the Worker actor (raytp.runtime.worker.worker): the rank's process groups, its job and
+its snapshot buffers are handed to each call; the Worker holds one and replaces it whole.
+"""
+from __future__ import annotations
+
+
+import torch
+
+from raytp.config.adapters import model_args, hyper
+from raytp.parallel.ownership import Ownership
+from raytp.models.shard import build_empty_shard, build_shard
+from raytp.models.stage import copied_name
+from raytp.runtime.worker import transfer
+from raytp.runtime.worker.background_save import BackgroundSave
+from raytp.runtime.worker.transfer import PiecesSource
+from raytp.files import checkpoint
+from raytp.train.shard_state import load_shard_state, shard_state, unpack_state
+from raytp.files.state_sources import StateSource
+from raytp.train.step import make_optimizer
+from raytp.files.storage import Storage
+
+
+class HeldShard:
+    def __init__(self, model, optimizer, hyper, device: torch.device):
+        self.model, self.optimizer, self.hyper, self.device = model, optimizer, hyper, device
+        self.saving: BackgroundSave | None = None  # this rank's file of the checkpoint being written
+
+    @classmethod
+    def build(cls, cfg, groups, device: torch.device, stage, modes: dict, source=None, own=None) -> "HeldShard":
+        """This rank's shard at its place in `groups`: from the seeded initialisation (only its own slices are
+        computed), or built empty and holding its slices of `source` (raytp.files.state_sources, a one-device
+        state, a resize's bundles; `own`: the old (model, optimizer, TP rank, TP degree) of a process that
+        reshapes). `modes`: attributes the job sets on the model (activation checkpointing, the document
+        mask)."""
+        args, sp = model_args(cfg), cfg.parallel.sequence_parallel
+        if source is None:
+            model = build_shard(args, cfg.train.seed, groups.tp, sp, device, stage)
+        else:
+            model = build_empty_shard(args, groups.tp, sp, device, stage)
+        for k, v in modes.items():
+            setattr(model, k, v)
+        knobs = hyper(cfg)
+        optimizer = make_optimizer(model, knobs, groups.layout.dp, groups.dp_rank, groups.layout.zero,
+                                   overlap=cfg.parallel.overlap_grad_reduce,
+                                   overlap_gather=cfg.parallel.overlap_param_gather)
+        if source is not None:
+            source = StateSource(source) if isinstance(source, dict) else source
+            # A kept process copies its own slices locally where the bundles leave them out (a TP resize: None)
+            keep_own = own is not None and isinstance(source, PiecesSource) and None in source.refs
+            source.fill(model, optimizer, groups.tp_rank, groups.layout.tp, **({"own": own} if keep_own else {}))
+        return cls(model, optimizer, knobs, device)
+
+    def export_pieces(self, groups, vocab_size: int, new_tp: int, skip: list[int], stages: list | None = None):
+        """For a live resize: one bundle per new TP rank j (and new stage, given the new layout's `stages`)
+        of the slices of this shard that go there (none for j in `skip`: those this process keeps), then
+        the replicated tensors alone, then the bundles' sizes (raytp.runtime.worker.transfer)."""
+        bundles = transfer.export_pieces(self.model, self.optimizer, groups.tp_rank, groups.layout.tp, new_tp,
+                                         vocab_size, set(skip), stages=stages)
+        return (*bundles, transfer.replicated(self.model, self.optimizer), [transfer.bundle_bytes(b) for b in bundles])
+
+    def export_rows(self, new_dp: int):
+        """A DP resize under zero 1: one bundle per DP rank of `new_dp` of the AdamW rows this rank keeps that
+        that rank will keep (raytp.train.optimizer rows_for), then the bundles' sizes."""
+        self.settle()
+        bundles = [transfer.pack([(f"optim/{n}/{k}", a, a, t) for n, k, a, _, t in rows])
+                   for rows in self.optimizer.rows_for(new_dp)]
+        return (*bundles, [transfer.bundle_bytes(b) for b in bundles])
+
+    def take_rows(self, groups, refs: list) -> None:
+        """Keep the AdamW rows of this rank's DP position in `groups`' layout, filled from the bundles `refs`
+        (export_rows' of the ranks that kept them: a DP resize under zero 1, or its rollback)."""
+        import ray
+        self.settle()
+        self.optimizer.recut(groups.layout.dp, groups.dp_rank)
+        for ref in refs:
+            for key, start, _, t in transfer.unpack(ray.get(ref)):  # one bundle in memory at a time
+                _, name, k = key.split("/")
+                self.optimizer.put_rows(name, k, start, t)
+
+    def recut_parts(self, groups, refs: list, old_dp: int) -> None:
+        """Take the weights and this rank's AdamW rows at its DP position from snapshot parts of old DP ranks
+        0.. (`refs`, cut at `old_dp`: each holds the rows its rank kept): an elastic shrink under zero 1.
+        One part in memory at a time."""
+        import ray
+        self.settle()
+        self.optimizer.recut(groups.layout.dp, groups.dp_rank)
+        for d, ref in enumerate(refs):
+            part = unpack_state(ray.get(ref), views=True)
+            if d == 0:  # every replica's weights are the same
+                load_shard_state(self.model, None, part)
+            self.optimizer.take_part(part["optim"], old_dp, d)
+
+    def get_state(self, weights_only: bool = False) -> dict:
+        """The weights and AdamW state (CPU tensors), e.g. for a DP replica to copy; `weights_only`: without
+        the AdamW state (a DP replica under zero 1 keeps other rows of it)."""
+        if weights_only:
+            return {"model": shard_state(self.model, self.optimizer, copy=True)["model"], "optim": {}}
+        return shard_state(self.model, self.optimizer)
+
+    def load(self, groups, source) -> None:
+        """Take this rank's slices of `source` (raytp.files.state_sources) into this shard (a recovery from a
+        checkpoint)."""
+        self.settle()
+        source.fill(self.model, self.optimizer, groups.tp_rank, groups.layout.tp)
+
+    def begin_save(self, groups, cfg, snap_bufs, completed: int, url: str, directory: str) -> dict | None:
+        """Start writing this rank's file of a checkpoint into `directory` of storage `url`, in the background
+        (raytp.runtime.worker.background_save): from the snapshot of step `completed` if one is packed in
+        `snap_bufs` (training never waits for it), else from the live tensors. The first ranks holding each
+        weight write it (raytp.parallel.ownership); under the distributed optimizer every rank writes the
+        AdamW state of its rows. TP rank 0 (of each stage, of replica 0) returns its tensor table."""
+        self.settle()
+        g = groups
+        held = snap_bufs.hold(completed)
+        stage = g.pp_rank if g.layout.pp > 1 else None  # its files and table entries name the stage
+        weights = Ownership(g.layout).writes_weights(g.rank)
+        copy = copied_name(self.model.stage_parts(), getattr(self.model, "stage", None))
+        kw = {"tp": g.layout.tp, "stage": stage, "dp_rank": g.dp_rank if g.layout.sharded_optimizer else 0}
+        if held is not None:
+            packed, buf = held
+            tensors = checkpoint.without_copies(checkpoint.state_tensors(unpack_state(packed, views=True),
+                                                                         model_args(cfg)), copy)
+            if not weights:
+                tensors = {k: v for k, v in tensors.items() if not k.startswith("model/")}
+            self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, torch.device("cpu"),
+                                         staged=True, then=lambda: snap_bufs.release(buf), **kw)
+        else:
+            tensors = checkpoint.named_tensors(self.model, self.optimizer, weights=weights)
+            self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, self.device, **kw)
+        if g.tp_rank != 0 or not weights:
+            return None
+        if not g.layout.sharded_optimizer:
+            return checkpoint.tensor_table(tensors, g.layout.tp, cfg.model.vocab_size, stage)
+        table = checkpoint.tensor_table({k: v for k, v in tensors.items() if k.startswith("model/")}, g.layout.tp,
+                                        cfg.model.vocab_size, stage)
+        params = {n: p.detach() for n, p in self.model.named_parameters()}
+        table.update(checkpoint.zero_table(params, model_args(cfg), g.layout.tp, g.layout.dp, stage, copy))
+        return table
+
+    def settle(self, snapshot=None) -> None:
+        """Wait until nothing reads the live state any more: a snapshot being packed, a file being written."""
+        if snapshot is not None:
+            snapshot.packed.wait()
+        if self.saving is not None:
+            self.saving.copied.wait()
+        if self.optimizer is not None:
+            self.optimizer.settle()  # zero 1 may still be gathering the new weights
+
+    def weights_nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def state_nbytes(self) -> int:
+        """Bytes of the weights and optimizer state."""
+        return self.weights_nbytes() + self.optimizer.state_nbytes()
+
+    def set_shard(self, state: dict, weights_only: bool = False) -> None:
+        """Take a shard_state (or a packed one) of this shard's own shape (from a DP replica or a snapshot);
+        `weights_only`: its weights, leaving the AdamW state as it is."""
+        self.settle()
+        load_shard_state(self.model, None if weights_only else self.optimizer, unpack_state(state))
