@@ -50,7 +50,7 @@ from raytp.models.shard import build_shard
 from raytp.models.stage import keep_stage, stage_of
 from raytp.parallel.groups import build_groups
 from raytp.parallel.layout import Layout
-from raytp.parallel.pp_schedule import bubble
+from raytp.parallel.pipeline.pp_schedule import bubble
 from raytp.data.corpus import batch
 from raytp.train.optimizer import DistributedAdamW
 from raytp.train.stage_runner import PipelineSchedule

@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from raytp.parallel.pp_schedule import one_f_one_b
+from raytp.parallel.pipeline.pp_schedule import one_f_one_b
 from raytp.train.stage_runner import PipelineSchedule
 
 
@@ -65,7 +65,7 @@ class BusyPipeline(PipelineSchedule):
 def one_f_one_b_idle(t_f: tuple[float, ...], t_b: tuple[float, ...], m: int) -> list[float]:
     """Each stage's idle share of a step of raytp's 1F1B table (p = len(t_f) stages, m micro-batches) when
     stage s takes t_f[s] and t_b[s] for a micro-batch's forward and backward and nothing else costs time:
-    raytp.parallel.pp_schedule.simulate's model with a time per stage. Equal stages give (p-1)/(m+p-1);
+    raytp.parallel.pipeline.pp_schedule.simulate's model with a time per stage. Equal stages give (p-1)/(m+p-1);
     unequal ones idle more, and differently on each stage."""
     p = len(t_f)
     table, done, free, pos = one_f_one_b(p, m), {}, [0.0] * p, [0] * p

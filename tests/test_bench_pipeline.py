@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bench.pipeline_probes import SavedActivations, one_f_one_b_idle
-from raytp.parallel.pp_schedule import bubble, one_f_one_b, simulate
+from raytp.parallel.pipeline.pp_schedule import bubble, one_f_one_b, simulate
 
 
 def test_saved_bytes_count_each_storage_once_and_leave_out_parameters():
@@ -40,7 +40,7 @@ def test_peak_tracks_graphs_alive_at_once():
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 @pytest.mark.parametrize("m", [1, 4, 8, 32])
 def test_idle_model_is_the_schedule_simulation_with_equal_stages(p, m):
-    """Equal stages: the idle of raytp.parallel.pp_schedule.simulate, which is the formula (p-1)/(m+p-1)."""
+    """Equal stages: the idle of raytp.parallel.pipeline.pp_schedule.simulate, which is the formula (p-1)/(m+p-1)."""
     timeline = simulate(one_f_one_b(p, m), p, t_f=1.0, t_b=2.0)
     got = one_f_one_b_idle((1.0,) * p, (2.0,) * p, m)
     assert got == pytest.approx([timeline.idle(s) for s in range(p)], abs=1e-12)

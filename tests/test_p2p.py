@@ -1,4 +1,4 @@
-"""raytp.parallel.p2p as the pipeline uses it: every stage expects exactly the messages the others send it,
+"""raytp.parallel.pipeline.p2p as the pipeline uses it: every stage expects exactly the messages the others send it,
 in the order it takes them, and on gloo a receive is posted while the one before it is being taken (so the
 sender's isend goes through at once instead of waiting for the receiver to get there)."""
 import datetime
@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from raytp.parallel.groups import build_groups
 from raytp.parallel.layout import Layout
-from raytp.parallel.p2p import Expected, StageLink, tag_of
-from raytp.parallel.pp_schedule import schedule
+from raytp.parallel.pipeline.p2p import Expected, StageLink, tag_of
+from raytp.parallel.pipeline.pp_schedule import schedule
 from raytp.parallel.spawn import run_ranks
 from raytp.train.stage_runner import expected_messages
 

@@ -4,7 +4,7 @@ from fractions import Fraction
 
 import pytest
 
-from raytp.parallel.pp_schedule import (
+from raytp.parallel.pipeline.pp_schedule import (
     SCHEDULES, Action, ScheduleError, bubble, check, interleaved_1f1b, one_f_one_b, peers, schedule, simulate)
 
 F = lambda mb, c: Action("F", mb, c)  # noqa: E731

@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import pytest
 
-from raytp.parallel.pp_split import SplitError, check_split, layer_costs, split_layers, stage_layers
+from raytp.parallel.pipeline.pp_split import SplitError, check_split, layer_costs, split_layers, stage_layers
 
 
 def compositions(n, k):

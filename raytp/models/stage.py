@@ -23,7 +23,7 @@ import functools
 from dataclasses import dataclass
 
 from raytp.models.base import CausalLM
-from raytp.parallel.pp_split import layer_costs, split_layers, stage_layers
+from raytp.parallel.pipeline.pp_split import layer_costs, split_layers, stage_layers
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Stage:
 
 def chunk_split(cfg, pp: int, v: int = 1, pp_layers: list[int] | None = None) -> list[int]:
     """Layers per model chunk (pp * v of them): `pp_layers` as given, else balanced by cost with the
-    embedding on the first chunk and the head and its loss on the last (raytp.parallel.pp_split)."""
+    embedding on the first chunk and the head and its loss on the last (raytp.parallel.pipeline.pp_split)."""
     if pp_layers:
         return list(pp_layers)
     return list(_balanced(cfg, pp, v))

@@ -3,14 +3,14 @@
 ``PipelineSchedule`` has the signature of raytp.train.schedule's schedules, so
 raytp.train.step.train_step runs it in place of the accumulation loop and
 finishes the step the same way. It runs this stage's row of a table from
-raytp.parallel.pp_schedule (1F1B, or interleaved 1F1B over several model
+raytp.parallel.pipeline.pp_schedule (1F1B, or interleaved 1F1B over several model
 chunks per stage), one action at a time: a forward receives the chunk's input
 from the stage before (the first chunk embeds the tokens instead), runs the
 chunk's layers (``model(idx, hidden=..., layers=...)``) and sends the result on,
 or, on the last chunk, computes the loss; a backward receives the gradient of
 its output (the last chunk starts from its loss), runs backward and sends the
 gradient of its input back. The row says up front which messages the stage
-receives, in which order (``expected_messages``), so raytp.parallel.p2p can
+receives, in which order (``expected_messages``), so raytp.parallel.pipeline.p2p can
 post each receive before the stage needs it. Micro-batches keep their global
 index for the dropout keys, so masks are those of one device, and every stage
 accumulates its gradients in micro-batch order (the tables keep each chunk's
@@ -26,8 +26,8 @@ from raytp.models.base import dropout_sites, set_dropout_key
 from raytp.models.stage import Stage
 from raytp.parallel import comm
 from raytp.parallel.groups import ProcessGroups
-from raytp.parallel.p2p import Expected, StageLink, tag_of
-from raytp.parallel.pp_schedule import Action, schedule as schedule_table
+from raytp.parallel.pipeline.p2p import Expected, StageLink, tag_of
+from raytp.parallel.pipeline.pp_schedule import Action, schedule as schedule_table
 from raytp.seeds import derive_seed
 from raytp.train.hyper import Hyper, compute_precision
 
@@ -39,7 +39,7 @@ class PipelineSchedule:
     def __init__(self, name: str, stage: Stage, sequence_parallel: bool):
         self.name, self.stage, self.sp = name, stage, sequence_parallel
         self.chunks, self.virtual = stage.all_chunks, len(stage.split) // stage.pp
-        self.sent_bytes = 0  # across nodes, in the last step (raytp.parallel.p2p)
+        self.sent_bytes = 0  # across nodes, in the last step (raytp.parallel.pipeline.p2p)
 
     def __call__(self, model: torch.nn.Module, micro_batches, groups: ProcessGroups, step: int,
                  h: Hyper) -> torch.Tensor:

@@ -23,7 +23,7 @@ would hold this rank's sends behind it (a deadlock), and a receive does not
 block the host there anyway. A message carries a tag naming its
 (micro-batch, chunk, direction), so on gloo a schedule that got the order
 wrong fails instead of mixing tensors up; NCCL ignores tags and matches in
-order, which raytp.parallel.pp_schedule's tables keep the same on both sides.
+order, which raytp.parallel.pipeline.pp_schedule's tables keep the same on both sides.
 """
 from __future__ import annotations
 

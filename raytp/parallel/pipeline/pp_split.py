@@ -1,7 +1,7 @@
 """Which transformer blocks each pipeline chunk holds: consecutive layers, balanced by cost. Pure.
 
 The model's ``n_layer`` blocks are cut into ``pp * v`` consecutive chunks (chunk c on stage c % pp, see
-raytp.parallel.pp_schedule). Chunk 0 also holds the embedding and the last chunk the output layer and
+raytp.parallel.pipeline.pp_schedule). Chunk 0 also holds the embedding and the last chunk the output layer and
 its vocabulary-parallel loss, so, as torchtitan's ``generate_llm_fqn_per_model_part`` (input_weight,
 output_weight) and Megatron's ``account_for_embedding/loss_in_pipeline_split`` do, those chunks get
 fewer blocks. ``split_layers`` finds the exact best split; ``layer_costs`` prices the three parts of a
