@@ -115,3 +115,39 @@ def test_dense_placements_give_the_ownership_rule(tp, pp, dp, zero):
     assert dense_state(0, lay).on("dp") == (Shard(ROWS) if sharded else REPLICATE)
     assert TensorPlacement.of(tp=Shard(0), dp=REPLICATE) == dense_weight(0)
     assert list(itertools.chain(*lay.groups("dp"))) == [r for g in lay.dp_groups() for r in g]
+
+
+def test_layers_are_rebound_to_the_group_of_the_axis_they_name_never_guessed():
+    """After a recovery or resize every layer gets the group of its own axis; one that names none is an error
+    (an expert dispatcher must never be rebound to the TP group by default)."""
+    import torch.nn as nn
+
+    from raytp.models.shard import rebind_groups
+    from raytp.parallel.groups import ProcessGroups
+    from raytp.parallel.layers import RowParallelLinear
+
+    class Dispatch(nn.Module):
+        group_axis = "ep"
+
+        def __init__(self):
+            super().__init__()
+            self.group = None
+
+    model = nn.Sequential(Dispatch(), RowParallelLinear.__new__(RowParallelLinear))
+    nn.Module.__init__(model[1])
+    model[1].group = None
+    groups = ProcessGroups(Layout(2, dp=2, ep=2), 0, tp="tp-group", ep="ep-group")
+    rebind_groups(model, groups)
+    assert model[0].group == "ep-group" and model[1].group == "tp-group"
+    rebind_groups(model, None)
+    assert model[0].group is None and model[1].group is None
+
+    class Unnamed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.group = None
+
+    with pytest.raises(TypeError, match="names no mesh axis"):
+        rebind_groups(nn.Sequential(Unnamed()), groups)
+    with pytest.raises(KeyError, match="no process group 'edp'"):
+        groups.group("edp")

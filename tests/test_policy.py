@@ -170,3 +170,11 @@ def test_a_layout_change_is_one_plan_chosen_by_the_layouts_alone():
     assert isinstance(restage, changes.Restage) and restage.restarts_all
     assert restage.ranks == rank_plans.RankPlan((), (0, 1), (), (0, 1, 2, 3))
     assert changes.plan_change(one, one.changed(dp=3)).ranks == rank_plans.dp_resize_ranks(2, 2, 3)
+
+
+def test_only_a_group_off_its_target_beside_a_copy_of_its_stage_is_asked_for_again():
+    """(stage, landed on, aimed at) per group: two copies of stage 1 on node a, one of them aimed at c."""
+    landed = [(0, "a", "a"), (1, "a", "b"), (0, "b", "b"), (1, "a", "a"), (1, "c", "c")]
+    assert policy.off_their_twins(landed) == [1]
+    assert policy.off_their_twins([(0, "a", "a"), (1, "a", "b")]) == []  # two stages may share a node
+    assert policy.off_their_twins([(0, "a", None), (0, "a", None)]) == []  # aimed nowhere: one node only

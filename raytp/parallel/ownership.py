@@ -36,31 +36,27 @@ class Ownership:
     @property
     def table(self) -> tuple[TensorPlacement, ...]:
         """Every distinct placement of the state, weights first."""
-        return tuple(dict.fromkeys(self._weights + (self.state if self.state is not None
-                                                    else dense_state_placements(self.layout))))
-
-    @property
-    def _weights(self) -> tuple[TensorPlacement, ...]:
-        return self.weights if self.weights is not None else dense_weight_placements()
+        return _rule(self.layout, self.weights, self.state).table
 
     @property
     def parts(self) -> int:
         """How many distinct parts the state is in (one per owner)."""
-        return len(self.owners())
+        return len(_rule(self.layout, self.weights, self.state).owners)
 
     def owners(self) -> list[int]:
         """The ranks that own the state, part 0 first: together they hold all of it."""
-        return list(_owners(self.layout, self.table)[0])
+        return list(_rule(self.layout, self.weights, self.state).owners)
 
     def owns(self, rank: int) -> bool:
         return self.holders(rank)[0] == rank
 
     def part(self, rank: int) -> int:
         """Which part of the state `rank` holds (the same for every rank holding the same bytes)."""
-        return _owners(self.layout, self.table)[1][self.holders(rank)[0]]
+        rule = _rule(self.layout, self.weights, self.state)
+        return rule.part_of[rule.holders[self._checked(rank)][0]]
 
     def owner(self, part: int) -> int:
-        return self.owners()[part]
+        return _rule(self.layout, self.weights, self.state).owners[part]
 
     def writes_weights(self, rank: int) -> bool:
         """Whether `rank` writes its weights into checkpoints: it is the first of the ranks holding the same
@@ -69,24 +65,50 @@ class Ownership:
 
     def weight_holders(self, rank: int) -> list[int]:
         """Every rank holding the same weights as `rank` (itself included), ascending."""
-        return list(_holders(self.layout, self._weights, rank))
+        return list(_rule(self.layout, self.weights, self.state).weight_holders[self._checked(rank)])
 
     def holders(self, rank: int) -> list[int]:
         """Every rank holding the same bytes as `rank` (itself included), ascending: its DP group for a
         dense model, or itself alone under zero 1."""
-        return list(_holders(self.layout, self.table, rank))
+        return list(_rule(self.layout, self.weights, self.state).holders[self._checked(rank)])
+
+    def _checked(self, rank: int) -> int:
+        if not 0 <= rank < self.layout.world_size:
+            raise ValueError(f"rank {rank} outside world of {self.layout.world_size} ({self.layout})")
+        return rank
 
 
-@lru_cache(maxsize=4096)
-def _holders(layout: Layout, table: tuple[TensorPlacement, ...], rank: int) -> tuple[int, ...]:
-    held = None
+@dataclass(frozen=True)
+class _Rule:
+    """The ownership rule of one (layout, placements), worked out once for every rank."""
+    table: tuple[TensorPlacement, ...]
+    holders: tuple[tuple[int, ...], ...]          # rank -> the ranks holding the same state
+    weight_holders: tuple[tuple[int, ...], ...]   # rank -> the ranks holding the same weights
+    owners: tuple[int, ...]
+    part_of: dict
+
+
+def _same(layout: Layout, table: tuple[TensorPlacement, ...]) -> tuple[tuple[int, ...], ...]:
+    """For every rank, the ranks that hold the same bytes of every placement in `table`: those in the same
+    sub-mesh of each placement's replicated axes (one pass over the ranks per placement)."""
+    keys = [() for _ in range(layout.world_size)]
     for p in table:
-        mine = set(p.holders(layout, rank))
-        held = mine if held is None else held & mine
-    return tuple(sorted(held)) if held else (rank,)
+        axes = [a for a in p.replicated_axes if layout.degree(a) > 1]
+        if not axes:
+            return tuple((r,) for r in range(layout.world_size))
+        for g, members in enumerate(layout.groups(axes)):
+            for r in members:
+                keys[r] += (g,)
+    by_key: dict[tuple, list[int]] = {}
+    for r, k in enumerate(keys):
+        by_key.setdefault(k, []).append(r)
+    return tuple(tuple(by_key[keys[r]]) for r in range(layout.world_size))
 
 
 @lru_cache(maxsize=64)
-def _owners(layout: Layout, table: tuple[TensorPlacement, ...]) -> tuple[tuple[int, ...], dict[int, int]]:
-    owners = tuple(r for r in range(layout.world_size) if _holders(layout, table, r)[0] == r)
-    return owners, {r: i for i, r in enumerate(owners)}
+def _rule(layout: Layout, weights, state) -> _Rule:
+    weights = weights if weights is not None else dense_weight_placements()
+    table = tuple(dict.fromkeys(weights + (state if state is not None else dense_state_placements(layout))))
+    holders = _same(layout, table)
+    owners = tuple(r for r in range(layout.world_size) if holders[r][0] == r)
+    return _Rule(table, holders, _same(layout, weights), owners, {r: i for i, r in enumerate(owners)})

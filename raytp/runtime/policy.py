@@ -241,3 +241,14 @@ def spread_targets(nodes: int, replicas: int, pp: int) -> list[int | None]:
             out.append(n)
     return out
 
+
+def off_their_twins(landed: Sequence[tuple[int, str | None, str | None]]) -> list[int]:
+    """Which placement groups to ask for again, from (stage, node it landed on, node it was aimed at) of each
+    group: those that landed off their target on a node that holds another copy of the same stage (that
+    node's loss would take both; Ray's target is soft, and a node still releasing a run's groups is passed
+    over). Indices into `landed`."""
+    count: dict = {}
+    for stage, node, _ in landed:
+        count[(stage, node)] = count.get((stage, node), 0) + 1
+    return [i for i, (stage, node, target) in enumerate(landed)
+            if target is not None and node != target and count[(stage, node)] > 1]

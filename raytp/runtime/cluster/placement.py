@@ -22,6 +22,7 @@ a replica's placement as either a plain group or a ``Slots`` (``bundle_of``,
 from __future__ import annotations
 
 import itertools
+import time
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -30,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raytp import names
 from raytp.config import JobConfig
 from raytp.runtime.errors import PlacementError
-from raytp.runtime.policy import spread_targets
+from raytp.runtime.policy import off_their_twins, spread_targets
 from raytp.runtime.cluster.slots import (Slots, bundle_of, carve, extended, groups_of, size_of, trimmed,  # noqa: F401
                                  unused_groups)
 
@@ -81,34 +82,78 @@ def request_replicas(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int],
                      avoid_nodes: set[str] = frozenset()) -> dict[int, PlacementGroup]:
     """Ask for one STRICT_PACK group of `tp` bundles for each DP rank in `dp_ranks`, each aimed at a node
     of its own; {dp_rank: group}, not waited for (a pending group is also a demand the autoscaler sees)."""
+    return _request(cfg, run, tp, dp_ranks, avoid_nodes)[0]
+
+
+def _request(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int], avoid_nodes) -> tuple[dict, dict]:
+    """request_replicas, and the node each group was aimed at ({group id: node id or None})."""
     need = _replica_need(cfg, tp)
     targets = _candidate_nodes(need, set(avoid_nodes))
     pp = cfg.parallel.pp
     aims = spread_targets(len(targets), len(dp_ranks), pp)
-    pgs = {}
+    pgs, aimed = {}, {}
     for i, d in enumerate(dp_ranks):
         stages = []
         for s in range(pp):  # one group per stage, the stages (and replicas) aimed at nodes of their own
-            k = i * pp + s
-            target = targets[aims[k]] if aims[k] is not None else None
-            name = names.replica_group(run, d, next(_GENERATION)) + (f"-pp{s}" if pp > 1 else "")
-            stages.append(placement_group([worker_resources(cfg)] * tp, strategy="STRICT_PACK", name=name,
-                                          _soft_target_node_id=target))
+            target = targets[aims[i * pp + s]] if aims[i * pp + s] is not None else None
+            stages.append(_group(cfg, run, tp, d, s, target))
+            aimed[stages[-1].id.hex()] = target
         pgs[d] = stages[0] if pp == 1 else Slots(tuple((g, 0, tp) for g in stages))
-    return pgs
+    return pgs, aimed
+
+
+def _group(cfg: JobConfig, run: str, tp: int, dp_rank: int, stage: int, target: str | None) -> PlacementGroup:
+    name = names.replica_group(run, dp_rank, next(_GENERATION)) + (f"-pp{stage}" if cfg.parallel.pp > 1 else "")
+    return placement_group([worker_resources(cfg)] * tp, strategy="STRICT_PACK", name=name,
+                           _soft_target_node_id=target)
 
 
 def reserve_replicas(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int], timeout_s: float,
                      avoid_nodes: set[str] = frozenset()) -> dict[int, PlacementGroup]:
     """request_replicas, waited for; raises PlacementError (leaving nothing behind) if not all are
-    ready within `timeout_s`."""
-    pgs = request_replicas(cfg, run, tp, dp_ranks, avoid_nodes)
+    ready within `timeout_s`. A group that landed next to another copy of its stage, off the node it was
+    aimed at, is asked for again there (``respread``)."""
+    pgs, aimed = _request(cfg, run, tp, dp_ranks, avoid_nodes)
     groups = [g for replica in pgs.values() for g in groups_of(replica)]
     ready, _ = ray.wait([pg.ready() for pg in groups], num_returns=len(groups), timeout=timeout_s)
     if len(ready) < len(groups):
         release(pgs.values())
         raise PlacementError(f"could not place the workers within {timeout_s:g}s: "
                              + explain_shortfall(cfg, tp, len(dp_ranks)))
+    return respread(cfg, run, tp, pgs, aimed)
+
+
+RESPREAD_TRIES, RESPREAD_WAIT_S = 4, 1.0  # a target with room takes a group in ~0.1 s
+
+
+def respread(cfg: JobConfig, run: str, tp: int, pgs: dict, aimed: dict) -> dict:
+    """`pgs` (placed) with each group that sits off its target beside a copy of its own stage
+    (policy.off_their_twins) placed again at its target where that node has room now: a new group is asked
+    for there, kept if it lands there (the old one goes), dropped otherwise. A few tries, a moment apart."""
+    pgs = dict(pgs)
+    for attempt in range(RESPREAD_TRIES):
+        table = ray.util.placement_group_table()
+        where = [(d, s, g) for d in sorted(pgs) for s, g in enumerate(groups_of(pgs[d]))]
+        landed = [(s, next(iter(table.get(g.id.hex(), {}).get("bundles_to_node_id", {}).values()), None),
+                   aimed.get(g.id.hex())) for d, s, g in where]
+        off = off_their_twins(landed)
+        if not off:
+            break
+        if attempt:
+            time.sleep(1.0)  # a node releasing another run's groups frees them in a moment
+        for i in off:
+            d, s, old = where[i]
+            target = landed[i][2]
+            new = _group(cfg, run, tp, d, s, target)
+            got = ray.wait([new.ready()], timeout=RESPREAD_WAIT_S)[0]
+            node = ray.util.placement_group_table().get(new.id.hex(), {}).get("bundles_to_node_id", {})
+            if got and target in node.values():
+                aimed[new.id.hex()] = target
+                pgs[d] = new if not isinstance(pgs[d], Slots) else Slots(tuple(
+                    (new if g is old else g, start, n) for g, start, n in pgs[d].parts))
+                release([old])
+            else:
+                release([new])
     return pgs
 
 
