@@ -50,11 +50,11 @@ GOAL_SPARE_S = 2.0
 KILL_RANK = 1
 
 
-def _wait(cond, thread: threading.Thread, timeout: float = 600) -> None:
+def _wait(cond, thread: threading.Thread, errors: list | None = None, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the run ended or stalled before the kill step")
+            raise RuntimeError(f"the run ended or stalled before the kill step: {errors or 'no error'}")
         time.sleep(0.005)
 
 
@@ -84,9 +84,10 @@ def raytp_once(p: dict, tp: int, dp: int, spares: int, run_dir: Path) -> dict:
     steps = k + p["after"] + (p["spare_steps"] if spares else 0)
     d = driver(job(p["model"], p["batch_size"], tp, dp, steps, recovery={"spares": spares}), run_dir)
     t, errors = _in_thread(d.run_to_end)
-    _wait(lambda: len(jsonl(run_dir / "metrics.jsonl")) >= k, t)
+    _wait(lambda: len(jsonl(run_dir / "metrics.jsonl")) >= k, t, errors)
     if spares:
-        _wait(lambda: any(e["kind"] == "spares" and "ready" in e for e in jsonl(run_dir / "events.jsonl")), t)
+        _wait(lambda: any(e["kind"] == "spares" and "ready" in e for e in jsonl(run_dir / "events.jsonl")), t,
+              errors)
         k = len(jsonl(run_dir / "metrics.jsonl"))
     pid = next(w["pid"] for w in d.group.placement if w["rank"] == KILL_RANK)
     killed = time.time()
@@ -119,14 +120,18 @@ def train_loop(c: dict) -> None:
     from raytp.models.gpt2.model import GPT
     from raytp.data.corpus import batch, load_corpus
     from raytp.train.hyper import Hyper, lr_at
-    from raytp.train.step import make_optimizer
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     h = Hyper(lr=3e-3, min_lr=3e-4, warmup_steps=2, steps=c["steps"], seed=1337)
     torch.manual_seed(h.seed)
     model = GPT(ModelArgs(**c["model"], dropout=0.0))
-    opt = make_optimizer(model, h)
+    # torch's AdamW, as a Ray Train user has it (decay on matrices only, as raytp's): raytp's own optimizer
+    # keeps its state in DP buckets and has no state_dict to checkpoint.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": h.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                            lr=h.lr, betas=(h.beta1, h.beta2))
     start, ckpt = 0, ray.train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as cdir:
@@ -172,7 +177,7 @@ def ray_train_once(p: dict, work: Path) -> dict:
                              checkpoint_config=CheckpointConfig(num_to_keep=2)))
     t_fit = time.time()
     t, errors = _in_thread(trainer.fit)
-    _wait(lambda: sum(1 for r in jsonl(log) if r["rank"] == 0) >= k, t)
+    _wait(lambda: sum(1 for r in jsonl(log) if r["rank"] == 0) >= k, t, errors)
     lines = jsonl(log)
     old_pids = {r["pid"] for r in lines}
     pid = next(r["pid"] for r in lines if r["rank"] == KILL_RANK)
