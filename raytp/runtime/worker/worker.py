@@ -81,9 +81,8 @@ class Worker:
 
     def _checked(self, layout: Layout) -> Layout:
         """The layout the driver hands over, which the job this worker runs must ask for."""
-        if layout != Layout.of(self.cfg.parallel):
-            raise ValueError(f"rank {self.rank} was handed layout {layout!r} for a job at "
-                             f"{Layout.of(self.cfg.parallel)!r}")
+        if layout != self.cfg.layout:
+            raise ValueError(f"rank {self.rank} was handed layout {layout!r} for a job at {self.cfg.layout!r}")
         return layout
 
     def _stage(self):
