@@ -58,17 +58,24 @@ def _shared_ray_ends_with_the_session():
 
 @pytest.fixture(scope="session")
 def recovery_reference(tmp_path_factory):
-    """reference(tp, dp, **runtime): the final state of an uninterrupted helpers.recovery_job(tp, dp) run,
+    """reference(tp, dp, **runtime): the final state of an uninterrupted helpers.recovery_job(tp, dp) run
+    (``reference.run_dir(tp, dp)``: its run dir),
     run in the Ray the first asking test is connected to and shared by every module of the session.
     `runtime` placement keys (gpus_per_worker) choose where the workers run, not what they compute
     (runtime.device is cpu), so they are not part of what is shared."""
     from helpers import final_state, recovery_job, run
-    done = {}
+    done, dirs = {}, {}
 
     def final(tp, dp, **runtime):
         if (tp, dp) not in done:
             run_dir = tmp_path_factory.mktemp(f"ref-tp{tp}-dp{dp}")
             run(recovery_job(tp, dp, **runtime), run_dir, f"ref{tp}{dp}")
-            done[(tp, dp)] = final_state(run_dir)
+            done[(tp, dp)], dirs[(tp, dp)] = final_state(run_dir), run_dir
         return done[(tp, dp)]
+
+    def run_dir(tp, dp):
+        """The run dir of that reference run (its metrics.jsonl, events.jsonl)."""
+        final(tp, dp)
+        return dirs[(tp, dp)]
+    final.run_dir = run_dir
     return final

@@ -16,7 +16,6 @@ class FakeStream:
     def __init__(self, group, start, count, snap, after=None):
         self.group, self.start, self.count, self.snap, self.after = group, start, count, snap, after
         self.seq = next(_ids)
-        self.partial = None
 
     def then(self, count, snap):
         return FakeStream(self.group, self.start + self.count, count, snap, after=self.seq)
@@ -51,7 +50,8 @@ class FakeStream:
                 w.completed = step + 1
             recs = [{"step": step, "loss": 1.0 / (1.0 + w.x), "lr": 1e-3, "grad_norm": 1.0, "step_time_s": 0.001,
                      "comm_s": 0.0, "snapshot_s": cluster.snapshot_s} for w in ws]
-            self.partial = recs[0]
+            for w, rec in zip(ws, recs):
+                w.kept[step] = rec
             parts = {}
             if self.snap and (step + 1) % self.snap == 0:
                 parts = {t: Ref(state_of(ws[lay.rank(tp=t)].x)) for t in range(lay.tp)}

@@ -28,6 +28,7 @@ class FakeActor:
         self._actor_id = _Id()
         self.cluster, self.pg, self.rank = cluster, pg, rank
         self.alive, self.x, self.completed = True, 0.0, 0
+        self.kept = {}  # step -> its record, as Worker.kept_records reads them
         # The newest call begun here, and the step it ended at if it ended well and the process groups
         # stayed since: what a call submitted behind it needs to start (raytp.runtime.worker.calls).
         self.newest, self.ended_at = None, None
@@ -101,6 +102,14 @@ class FakeCluster:
         """Fresh groups for every replica (the fake has no extensions): (placement, requested, unused)."""
         new = self.reserve_replicas(cfg, run, cfg.parallel.tp, list(range(cfg.parallel.dp)), 0)
         return new, list(new.values()), list(pgs.values())
+
+    def check_room(self, cfg, bundles, what):
+        if sum(bundles) > self.free():
+            raise PlacementError(f"no room for {what} beside the job: {sum(bundles)} slots, {self.free()} free")
+
+    @staticmethod
+    def size_of(pg) -> int:
+        return pg.bundle_count
 
     def placed(self, pgs) -> bool:
         for pg in pgs:
@@ -186,6 +195,14 @@ class FakeGroup(WorkerGroup):
         for r in survivors:
             self.workers[r].ended_at = None  # they leave their process groups
         return {r: self.workers[r].completed for r in survivors}, []
+
+    def kept_records(self, completed, start):
+        out = {}
+        for r in sorted(completed, key=lambda r: (-completed[r], r)):
+            for s in range(start, completed[r]):
+                if s in self.workers[r].kept:
+                    out.setdefault(s, (r, self.workers[r].kept[s]))
+        return dict(sorted(out.items()))
 
     @staticmethod
     def pinged(actors):

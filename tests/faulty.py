@@ -115,3 +115,20 @@ class Buggy(Worker):
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class DiesAfterItsStep(Worker):
+    """Each rank of `at` ({rank: step}) exits right after it finished that step (its collectives done, its
+    record made) and before the record leaves it: the survivors have finished the step too, and the
+    driver never reads its record from this rank. Once per test each (marker files `marker`-rank-step)."""
+
+    at: dict = {}
+    marker = ""
+
+    def _step(self, step, before_update=None):
+        rec = super()._step(step, before_update)
+        path = f"{type(self).marker}-{self.rank}-{step}"
+        if type(self).at.get(self.rank) == step and not os.path.exists(path):
+            open(path, "w").close()
+            os._exit(1)
+        return rec

@@ -252,3 +252,18 @@ def off_their_twins(landed: Sequence[tuple[int, str | None, str | None]]) -> lis
         count[(stage, node)] = count.get((stage, node), 0) + 1
     return [i for i, (stage, node, target) in enumerate(landed)
             if target is not None and node != target and count[(stage, node)] > 1]
+
+
+def fits_now(free: Sequence[Mapping[str, float]], groups: Sequence[Mapping[str, float]]) -> bool:
+    """Whether packed groups (each `groups` entry: what one group needs, all of it on one node) fit in the
+    nodes' `free` resources as they are: placed largest first, each on the fullest node that holds it (a
+    first-fit packing: it may say no where a cleverer one fits, never yes where nothing does)."""
+    room = [dict(n) for n in free]
+    for need in sorted(groups, key=lambda g: -sum(g.values())):
+        fit = [n for n in room if all(n.get(k, 0.0) >= v for k, v in need.items())]
+        if not fit:
+            return False
+        node = min(fit, key=lambda n: sum(n.get(k, 0.0) for k in need))
+        for k, v in need.items():
+            node[k] -= v
+    return True

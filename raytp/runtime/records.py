@@ -46,6 +46,7 @@ class Resizing:
     new: Layout
     bytes: int                     # state moved between workers
     reason: str                    # "requested", "capacity returned", "lost capacity; ..."
+    before: float | None = None    # wall time of the last step's record before it (metrics.jsonl's "time")
 
 
 @dataclass

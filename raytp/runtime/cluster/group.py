@@ -260,6 +260,11 @@ class WorkerGroup:
         return health.wait_out(self.workers, survivors, self.cfg.recovery.ping_timeout_s,
                                self.cfg.runtime.collective_timeout_s, self.kill)
 
+    def kept_records(self, completed: dict[int, int], start: int) -> dict[int, tuple[int, dict]]:
+        """{step: (rank, record)} of the steps from `start` that the survivors (`completed`: wait_out's)
+        finished, read back from them (health.kept_records)."""
+        return health.kept_records(self.workers, completed, start, self.cfg.recovery.ping_timeout_s)
+
     @staticmethod
     def pinged(actors: Iterable) -> list:
         """Refs that resolve once each actor is up (placed, __init__ done)."""

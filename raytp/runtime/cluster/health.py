@@ -56,3 +56,23 @@ def wait_out(workers: list, survivors: list[int], ping_timeout_s: float, collect
     # Waited for: a worker is threaded, so a leave still queued could run after the rejoin that follows.
     ray.get([workers[r].leave_groups.remote() for r in completed], timeout=collective_timeout_s)
     return completed, stuck
+
+
+def kept_records(workers: list, completed: dict[int, int], start: int, ping_timeout_s: float
+                 ) -> dict[int, tuple[int, dict]]:
+    """The records of steps `start` .. that survivors finished ({rank: completed steps}), read back from
+    the records each rank keeps (raytp.runtime.worker.worker.Worker.kept_records): {step: (rank, record)},
+    each step from the lowest rank that has it. The survivors furthest ahead are asked first, one at a
+    time, until every step they finished is found (a rank that joined late lacks the steps before it)."""
+    stop = max(completed.values(), default=start)
+    out: dict[int, tuple[int, dict]] = {}
+    for rank in sorted(completed, key=lambda r: (-completed[r], r)):
+        if completed[rank] <= start or all(s in out for s in range(start, stop)):
+            break
+        try:
+            got = ray.get(workers[rank].kept_records.remote(start, completed[rank]), timeout=ping_timeout_s)
+        except (RayActorError, ray.exceptions.GetTimeoutError):
+            continue
+        for rec in got:
+            out.setdefault(rec["step"], (rank, rec))
+    return dict(sorted(out.items()))

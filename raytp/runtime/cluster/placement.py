@@ -32,50 +32,14 @@ from raytp import names
 from raytp.config import JobConfig
 from raytp.runtime.errors import PlacementError
 from raytp.runtime.policy import off_their_twins, spread_targets
+from raytp.runtime.cluster.resources import (candidate_nodes, check_room, explain_shortfall, replica_need,  # noqa: F401
+                                            worker_resources)
 from raytp.runtime.cluster.slots import (Slots, bundle_of, carve, extended, groups_of, size_of, trimmed,  # noqa: F401
                                  unused_groups)
 
 __all__ = ["PlacementError", "Slots"]  # and the functions below
 
 _GENERATION = itertools.count()  # group names must be unique while the old ones of a resize live
-
-
-def worker_resources(cfg: JobConfig) -> dict[str, float]:
-    """What one rank reserves: {"CPU": n} on cpu, {"CPU": n, "GPU": 1} on cuda."""
-    gpus = cfg.runtime.gpus_per_worker
-    if gpus is None:
-        gpus = 1.0 if cfg.runtime.device == "cuda" else 0.0
-    res = {"CPU": float(cfg.runtime.cpus_per_worker)}
-    if gpus:
-        res["GPU"] = float(gpus)
-    return res
-
-
-def _fmt(res: dict) -> str:
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(res.items())) + "}"
-
-
-def _replica_need(cfg: JobConfig, tp: int) -> dict[str, float]:
-    return {k: v * tp for k, v in worker_resources(cfg).items()}
-
-
-def explain_shortfall(cfg: JobConfig, tp: int, dp: int) -> str:
-    """Why a layout does not fit: what each TP group needs against what each node has."""
-    need = _replica_need(cfg, tp)
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    fits = sum(int(min(n["Resources"].get(k, 0.0) // v for k, v in need.items())) for n in nodes)
-    have = "; ".join(f"{n['NodeManagerAddress']}: {_fmt({k: n['Resources'].get(k, 0.0) for k in need})}"
-                     for n in nodes) or "no alive nodes"
-    return (f"TP={tp} x DP={dp} needs {dp} node slot(s) of {_fmt(need)} (each TP group inside one node), "
-            f"the cluster's nodes can hold {fits} (nodes, total resources: {have})")
-
-
-def _candidate_nodes(need: dict[str, float], avoid: set[str]) -> list[str]:
-    """Alive nodes big enough for one replica, those not in `avoid` first."""
-    nodes = [n for n in ray.nodes() if n.get("Alive")
-             and all(n["Resources"].get(k, 0.0) >= v for k, v in need.items())]
-    ids = [n["NodeID"] for n in nodes]
-    return [i for i in ids if i not in avoid] + [i for i in ids if i in avoid]
 
 
 def request_replicas(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int],
@@ -87,8 +51,8 @@ def request_replicas(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int],
 
 def _request(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int], avoid_nodes) -> tuple[dict, dict]:
     """request_replicas, and the node each group was aimed at ({group id: node id or None})."""
-    need = _replica_need(cfg, tp)
-    targets = _candidate_nodes(need, set(avoid_nodes))
+    need = replica_need(cfg, tp)
+    targets = candidate_nodes(need, set(avoid_nodes))
     pp = cfg.parallel.pp
     aims = spread_targets(len(targets), len(dp_ranks), pp)
     pgs, aimed = {}, {}

@@ -71,7 +71,7 @@ def direct_ranks(layout: Layout) -> list[int]:
 class StepStream:
     """One streamed call of `count` steps on `workers` (rank order, of `layout`): iterate for each
     step's StepRecords. Raises StepDeadline if a step makes no progress within `timeout` seconds,
-    and Ray's errors if a worker dies or aborts. ``partial``: rank 0's record of the step in progress.
+    and Ray's errors if a worker dies or aborts.
     `after`: the number (``seq``) of the call this one was submitted behind (see ``then``).
     `relay`: {leader: (peer ranks, ref of the list of their handles)}: ranks the call reaches through
     their leader (raytp.runtime.cluster.relay.relay_plan); every other rank gets it from here."""
@@ -81,7 +81,6 @@ class StepStream:
         self.workers, self.layout, self.timeout = workers, layout, timeout
         self.start, self.count, self.snap = start, count, snapshot_every
         self.after, self.relay = after, relay or {}
-        self.partial: dict | None = None
         self.seq = next(_numbers)
         self.reporters, self.owners = reporting_ranks(layout), Ownership(layout).owners()
         relayed = {p for peers, _ in self.relay.values() for p in peers}
@@ -118,12 +117,9 @@ class StepStream:
                 errors = [parts.get(k) for k, rank in enumerate(owners) if rank in ended]
                 ray.get([e for e in errors if e is not None])
                 raise WorkerAborted(f"rank(s) {ended} ended their call before step {step}")
-            try:
-                got = dict(zip(readers, ray.get(refs)))  # raises if a rank died, also between its part and record
-            except Exception:
-                self.partial = _value_or_none(refs[0])
-                raise
-            self.partial = got[0]
+            # Raises if a rank died, also between its part and record (the survivors' records of steps
+            # they finished are read back by the recovery: raytp.runtime.worker.worker.Worker.kept_records).
+            got = dict(zip(readers, ray.get(refs)))
             if step == self.start + self.count - 1:
                 self._ends_read()  # the call's last step counts once every rank's part ended well
             now = time.perf_counter()
@@ -192,9 +188,3 @@ class StepStream:
                 except Exception:  # noqa: BLE001 - the error it ended with, expected and handled
                     pass
 
-
-def _value_or_none(ref):
-    try:
-        return ray.get(ref, timeout=0)
-    except Exception:  # noqa: BLE001 - rank 0 has no record of this step
-        return None

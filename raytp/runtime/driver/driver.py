@@ -20,6 +20,7 @@ the control channel (requests arrive typed: raytp.runtime.driver.run_status).
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -82,8 +83,7 @@ class Driver:
         self.resizing = None           # records.Resizing, until the next completed step
         self.elastic = Elastic(cfg.parallel.dp, self._say, self.log)
         self.t_start = time.perf_counter()
-        self.stream = None  # the streamed call in flight
-        self.next = None    # the call submitted behind it (raytp.runtime.driver.follow_on), if any
+        self.calls = follow_on.Calls()  # the streamed call in flight and the one submitted behind it
 
     # -- the group and what follows from it ----------------------------------------------------
     @property
@@ -177,12 +177,12 @@ class Driver:
             while self.step < end or (self.step == steps and policy.checkpoint_due(
                     steps, steps, self.cfg.checkpoint.every, self.checkpoints.last_step)):
                 self.checkpoints.poll(self.group)
-                if self.next is None:  # else the next call runs already: this waits for its end
+                if self.calls.next is None:  # else the next call runs already: this waits for its end
                     self.handle_requests()
                     self.advance_resize()
                     self._take(self.elastic.grow(self.group, self.step))
                 self.spares.refill(self.group)
-                if self.controls.stop is not None and self.next is None:
+                if self.controls.stop is not None and self.calls.next is None:
                     self.controls.answer(*(self.elastic.cancel(self.group, "the run was stopped") or (None, None)))
                     self.stop()
                     return
@@ -199,7 +199,7 @@ class Driver:
                 self.profiles.poll(self.step, self.controls.answer)  # every rank's calls before this step have ended
                 self.publish()
         finally:
-            self.next = None  # set here only on an exception, which ends the run: the workers go with it
+            self.calls.forget_next()
             progress.close()
 
     def _call(self, end: int, t_start: float, progress: Progress) -> None:
@@ -207,18 +207,19 @@ class Driver:
         cfg = self.cfg
         steps, every, save_every = cfg.train.steps, cfg.train.eval_interval, cfg.checkpoint.every
         self.cadence.follow(cfg)
-        self.stream, self.next = self.next, None
-        if self.stream is None:
+        if self.calls.next is None:
             warm = self.first_step is not None and self.pending_resize is None
             n = policy.call_length(self.step, end, cfg.train.steps_per_call, warm, every, save_every)
             if policy.checkpoint_due(self.step, steps, save_every, self.checkpoints.last_step):
                 self.checkpoints.begin(self.group, self.step)  # a save interrupted by a failure, redone now
-            self.stream = self.group.run_steps(self.step, n, self.cadence.every)
-        snap = self.stream.snap
-        if self.stream.count == 1:
+        else:
+            n = 0  # the call behind the last one
+        stream = self.calls.begin(self.group, self.step, n, self.cadence.every)
+        snap = stream.snap
+        if stream.count == 1:
             self._submit_next(end)
-        for done in self.stream:
-            if self.step == self.stream.start and self.stream.count > 1:
+        for done in stream:
+            if self.step == stream.start and stream.count > 1:
                 self._submit_next(end)  # once the call runs: its ranks are not slowed while it starts
             for tp_rank, ref in done.snapshot.items():
                 self.snapshots.add(done.step + 1, tp_rank, ref)
@@ -243,23 +244,17 @@ class Driver:
 
     def _submit_next(self, end: int) -> None:
         """Submit the next call behind the one in flight if nothing must happen between them."""
-        cfg = self.cfg
         quiet = (self.controls.stop is None and self.pending_resize is None and self.elastic.growing is None
                  and not self.controls.waiting())
-        follow = follow_on.follow_on(self.stream.start + self.stream.count, end, cfg.train.steps,
-                                    cfg.train.steps_per_call, cfg.train.eval_interval, cfg.checkpoint.every,
-                                    self.checkpoints.last_step, quiet)
-        if follow is not None:
-            self.next = self.stream.then(follow, self.cadence.every)
+        self.calls.submit_next(self.cfg, end, self.checkpoints.last_step, quiet, self.cadence.every)
 
     def _report(self) -> None:
         """The job went on after a recovery or a resize: log how long that took."""
-        reporting.closed(self.log, self._say, self.healing, self.resizing, self.step)
+        reporting.closed(self.log, self._say, self.healing, self.resizing, self.step, self.last)
         self.healing = self.resizing = None
 
     def _recover(self, error: BaseException) -> None:
         self.state = State.RECOVERING
-        behind, self.next = self.next, None  # its ranks refuse it, or fail in it, once their groups go
         self.publish()
         try:
             self.checkpoints.poll(self.group)  # a save every rank finished is still committed
@@ -267,21 +262,17 @@ class Driver:
             pass
         self.checkpoints.drop()
         ctx = recovery.RecoveryContext(self.log, self._say, self.spares, self.snapshots, self.copy, self.checkpoints)
-        partial = self.stream.partial if self.stream is not None else None
-        r = recovery.recover(ctx, self.group, error, self.step, self.failures, partial)
+        r = recovery.recover(ctx, self.group, error, self.step, self.failures)
         if isinstance(r, recovery.GaveUp):
             self.adopt(r.group)  # so that release() finds every actor the recovery started
             raise r.error
-        for stream in (self.stream, behind):
-            if stream is not None:
-                stream.drain()  # the aborted steps' errors: read, so that Ray does not report them
+        self.calls.abandon()
         self.failures += r.failures
-        if r.replayed is not None:  # the step the survivors finished as the rank died
-            self.log.metric(reporting.step_record(r.replayed, [r.replayed], self.cfg, self.layout))
+        reporting.unread_steps(self.log, r.replayed, self.step, r.step, self.cfg, self.layout)
         self.adopt(r.group)
         self.step, self.healing = r.step, r.healing
         if r.resizing is not None:
-            self.resizing = r.resizing
+            self.resizing = dataclasses.replace(r.resizing, before=self.last.get("time"))
             self._say(f"no capacity for the lost workers: continuing at {self.layout} (grows back to "
                       f"DP={self.elastic.target_dp} when capacity returns)")
         self.state = State.RUNNING
@@ -301,19 +292,13 @@ class Driver:
     def handle_requests(self) -> None:
         """Serve the requests filed through the control actor at this step boundary (a stop is served by
         the loop, at the boundary, with a checkpoint)."""
-        for req in self.controls.take():
-            if isinstance(req, run_status.ScaleAsked):  # answered now, or when the new layout takes over
-                try:
-                    target = req.target(self.layout)
-                except ValueError as e:
-                    self.controls.answer(req.id, Outcome.refused(str(e)))
-                    continue
-                self.controls.answer(req.id, self.request_resize(target, req.id))
-                self.publish()
-            elif isinstance(req, run_status.ProfileAsked):  # answered now (where), and when traces are written
-                ranks = None if req.ranks is None else list(req.ranks)
-                self.controls.answer(req.id, self.profiles.request(self.group, self.step, self.cfg.train.steps,
-                                                                   req.steps, ranks, req.memory, req.id))
+        if self.controls.serve(self.layout, self.request_resize, self._profile):
+            self.publish()
+
+    def _profile(self, req: run_status.ProfileAsked) -> Outcome:
+        ranks = None if req.ranks is None else list(req.ranks)
+        return self.profiles.request(self.group, self.step, self.cfg.train.steps, req.steps, ranks, req.memory,
+                                     req.id)
 
     def stop(self) -> None:
         """Stop at this step boundary on request: a checkpoint of the step reached, then release."""
@@ -363,7 +348,8 @@ class Driver:
         if not isinstance(got, resize.Switched):
             return got
         self.adopt(got.group)
-        self.resizing = got.resizing or self.resizing
+        if got.resizing is not None:
+            self.resizing = dataclasses.replace(got.resizing, before=self.last.get("time"))
         if got.resizing is not None and got.resizing.reason.startswith("requested"):
             self.elastic.target_dp = got.group.layout.dp
         return got.outcome

@@ -43,6 +43,19 @@ def step_record(rec: dict, all_ranks: list[dict], cfg, layout: Layout) -> dict:
     return out
 
 
+def unread_steps(log, kept: tuple, step: int, resumed: int, cfg, layout: Layout) -> None:
+    """After a recovery: log the records of the steps the survivors finished but the driver never read
+    (`kept`: (rank, record) of each, from raytp.runtime.cluster.health.kept_records), steps `step` ..
+    `resumed`-1 of the job's curve, and an event naming where each came from (and any found nowhere)."""
+    if resumed <= step:
+        return
+    for _, rec in kept:
+        log.metric(step_record(rec, [rec], cfg, layout), rec.get("rank_compute_s"))
+    found = {rec["step"]: rank for rank, rec in kept}
+    log.event("records_recovered", steps=sorted(found), from_ranks=[found[s] for s in sorted(found)],
+              missing=[s for s in range(step, resumed) if s not in found])
+
+
 def first_step(log, say, cfg, rec: dict, seconds: float) -> None:
     """The first completed step: when, and the memory a worker measured at its peak against the start line's
     estimate (raytp.runtime.estimate: host memory on a CPU, the device's on a GPU)."""
@@ -66,23 +79,31 @@ def recovered(log, say, h: Healing, step: int) -> None:
     say(f"recovered in {seconds:.1f}s from {h.source}, {h.lost_steps} step(s) lost")
 
 
-def resized(log, say, r: Resizing, step: int) -> None:
-    """The first completed step after a resize: how long it took, how long training paused."""
+def resized(log, say, r: Resizing, step: int, rec: dict) -> None:
+    """The first completed step after a resize: how long it took, and how long training paused: the gap
+    between the last step before it and this one (`rec`), as metrics.jsonl's times show it (this step's
+    read time, less its own step time, less the last one's read time); ``switch_s``: from the start of the
+    switch to this step's end."""
     now = time.perf_counter()
-    log.event("resized", old=layout_dict(r.old), new=layout_dict(r.new), seconds=now - r.t0,
-              stall_s=now - r.switch_t0, bytes=r.bytes, lost_steps=0, step=step, reason=r.reason)
+    switch_s = now - r.switch_t0
+    paused = switch_s
+    if r.before is not None and rec.get("time") is not None and rec.get("step_time_s") is not None:
+        paused = max(rec["time"] - rec["step_time_s"] - r.before, 0.0)
+    log.event("resized", old=layout_dict(r.old), new=layout_dict(r.new), seconds=now - r.t0, stall_s=paused,
+              switch_s=switch_s, bytes=r.bytes, lost_steps=0, step=step, reason=r.reason)
     if log.ray:
         log.ray.set("world_size", r.new.world_size)
-    say(f"resized to {r.new} in {now - r.t0:.1f}s, training paused {now - r.switch_t0:.1f}s "
+    say(f"resized to {r.new} in {now - r.t0:.1f}s, training paused {paused:.1f}s "
         f"({r.bytes / 1e6:.1f} MB moved)")
 
 
-def closed(log, say, healing: Healing | None, resizing: Resizing | None, step: int) -> None:
-    """The job went on after a recovery and/or a resize (whichever is given): log how long each took."""
+def closed(log, say, healing: Healing | None, resizing: Resizing | None, step: int, rec: dict) -> None:
+    """The job went on after a recovery and/or a resize (whichever is given): log how long each took.
+    `rec`: the metrics line of the first step after it."""
     if healing is not None:
         recovered(log, say, healing, step)
     if resizing is not None:
-        resized(log, say, resizing, step)
+        resized(log, say, resizing, step, rec)
 
 
 def interval_chosen(log, cadence, every: int, step: int, last: dict) -> None:

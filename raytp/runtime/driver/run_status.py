@@ -100,6 +100,25 @@ class RunControl:
                 self.answer(req.id, Outcome.refused(f"unknown request {req.kind!r}"))
         return out
 
+    def serve(self, layout, scale, profile) -> bool:
+        """Serve the requests filed: a scale by `scale(target layout, request id)`, a profile by
+        `profile(request)`, each answered with what it returns (a scale's None: answered when its new
+        layout takes over); a target that `layout` cannot change to is refused. Whether a scale was
+        served (the run's view changed)."""
+        scaled = False
+        for req in self.take():
+            if isinstance(req, ScaleAsked):
+                try:
+                    target = req.target(layout)
+                except ValueError as e:
+                    self.answer(req.id, Outcome.refused(str(e)))
+                    continue
+                self.answer(req.id, scale(target, req.id))
+                scaled = True
+            elif isinstance(req, ProfileAsked):
+                self.answer(req.id, profile(req))
+        return scaled
+
     def ask_stop(self, request_id: int | None = None, via: str = "control") -> None:
         """Stop at the next step boundary (`raytp stop`, or SIGTERM); answer `request_id` then."""
         stop = self.stop or StopRequest(via=via)

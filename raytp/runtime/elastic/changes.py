@@ -34,6 +34,12 @@ class Change:
     ranks: RankPlan
     restarts_all = False  # every worker starts anew, ahead (its names: raytp.names.worker_ahead)
 
+    def bundles(self, old: Layout, new: Layout, held) -> list[int]:
+        """The groups ``reserve`` asks for, as their bundle counts (each group packed on one node; `held(q)`:
+        the bundles replica q holds now): what the cluster must have free for the change to start beside
+        the job."""
+        raise NotImplementedError
+
     def reserve(self, group, new_cfg) -> Reservation | None:
         """The new layout's placement, waited for (PlacementError if it cannot be had); None where the
         plan cannot keep its processes there (the caller then restarts every worker)."""
@@ -46,6 +52,9 @@ class Change:
 
 @dataclass(frozen=True)
 class DpChange(Change):
+    def bundles(self, old: Layout, new: Layout, held) -> list[int]:
+        return [new.tp] * (new.pp * max(new.dp - old.dp, 0))
+
     def reserve(self, group, new_cfg) -> Reservation:
         old, dp = group.layout, new_cfg.parallel.dp
         added = list(range(old.dp, dp))
@@ -60,6 +69,10 @@ class DpChange(Change):
 
 @dataclass(frozen=True)
 class TpChange(Change):
+    def bundles(self, old: Layout, new: Layout, held) -> list[int]:
+        grown = [new.tp - held(q) for q in range(min(old.dp, new.dp)) if held(q) < new.tp]  # extensions
+        return grown + [new.tp] * max(new.dp - old.dp, 0)
+
     def reserve(self, group, new_cfg) -> Reservation | None:
         reserved = group.placer.reserve_tp(new_cfg, group.launcher.run, group.pgs, group.layout.dp)
         return None if reserved is None else Reservation(reserved[0], reserved, reserved[1])
@@ -70,6 +83,9 @@ class TpChange(Change):
 
 @dataclass(frozen=True)
 class StageChange(Change):
+    def bundles(self, old: Layout, new: Layout, held) -> list[int]:
+        return [new.tp] * (new.dp * max(new.pp - old.pp, 0))
+
     def reserve(self, group, new_cfg) -> Reservation:
         old = group.layout
         reserved = group.placer.reserve_stages(new_cfg, group.launcher.run, group.pgs, old.dp, old.pp)
@@ -82,6 +98,9 @@ class StageChange(Change):
 @dataclass(frozen=True)
 class Restage(Change):
     restarts_all = True
+
+    def bundles(self, old: Layout, new: Layout, held) -> list[int]:
+        return [new.tp] * (new.dp * new.pp)
 
     def reserve(self, group, new_cfg) -> Reservation:
         pgs = group.reserve(new_cfg, group.launcher.run, list(range(new_cfg.parallel.dp)))

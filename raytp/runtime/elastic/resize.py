@@ -121,6 +121,8 @@ class Elastic:
             self.say(f"resizing {old} -> {target} (requested at step {step})")
         got, early = None, {}
         try:
+            held = lambda q: group.placer.size_of(group.pgs[q])  # noqa: E731
+            group.placer.check_room(new_cfg, change.bundles(old, target, held), f"{target}'s new ranks")
             got = change.reserve(group, new_cfg)
             if got is None:  # an extension landed on another node than its replica
                 self.say("more bundles could not be had on a replica's node: restarting every worker")

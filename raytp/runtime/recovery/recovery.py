@@ -71,7 +71,7 @@ class Recovered:
     step: int                        # where training goes on
     healing: Healing
     failures: int                    # worker losses counted by this recovery
-    replayed: dict | None = None     # rank 0's record of a step the survivors finished (log it)
+    replayed: tuple = ()             # (rank, record) of each step the survivors finished unread (log them)
     resizing: Resizing | None = None  # set when it healed by shrinking
 
 
@@ -90,15 +90,14 @@ class _Attempt:
         self.group, self.failures, self.counted = group, failures, 0
 
 
-def recover(ctx: RecoveryContext, group, error: BaseException, step: int, failures: int,
-            partial: dict | None = None) -> Recovered | GaveUp:
-    """Heal `group` after `error` at `step` (`failures`: worker losses so far; `partial`: rank 0's
-    record of the step in progress): Recovered, or GaveUp (a JobError, or a RecoveryFailed)."""
+def recover(ctx: RecoveryContext, group, error: BaseException, step: int, failures: int) -> Recovered | GaveUp:
+    """Heal `group` after `error` at `step` (the first step whose record the driver has not read;
+    `failures`: worker losses so far): Recovered, or GaveUp (a JobError, or a RecoveryFailed)."""
     t0 = time.perf_counter()
     attempt = _Attempt(group, failures)
     while True:
         try:
-            return _recover_once(ctx, attempt, error, step, partial, t0)
+            return _recover_once(ctx, attempt, error, step, t0)
         except (RecoveryFailed, JobError) as e:
             return GaveUp(attempt.group, e)
         except FAILURES as e:
@@ -106,7 +105,7 @@ def recover(ctx: RecoveryContext, group, error: BaseException, step: int, failur
             error = e
 
 
-def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, partial, t0: float) -> Recovered:
+def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0: float) -> Recovered:
     group = attempt.group
     cfg, lay = group.cfg, group.layout
     lost = group.find_lost()
@@ -115,6 +114,7 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, par
         raise JobError(f"a step failed with every worker alive: {type(cause).__name__}: {cause}") from error
     completed, stuck = group.wait_out([r for r in range(lay.world_size) if r not in lost])
     lost.update({r: "stuck" for r in stuck})
+    kept = group.kept_records({r: c for r, c in completed.items() if r not in lost}, step)
     for rank, cause in lost.items():
         where = group.placement[rank] if rank < len(group.placement) else {}
         ctx.log.event("failure", rank=rank, node=where.get("node_id"), pid=where.get("pid"), cause=cause,
@@ -143,16 +143,21 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, par
         shrink = policy.shrink_decision(lay, list(lost), completed, cfg.parallel.min_dp, cfg.train.batch_size)
         if shrink is None:
             give_up(ctx, group, why)
-        return _shrink(ctx, attempt, shrink, lost, t0)
+        return _shrink(ctx, attempt, shrink, lost, t0, _unread(kept, step))
     group = attempt.group = group.join(setup=lost)
     restored, source = restore(ctx, group, list(lost), completed)
     if source == "snapshot" and not snap_nodes <= set(group.placer.alive_nodes()):
         source = "snapshot copy"  # a part's own node is gone: Ray served the copy kept on another node
     ahead = max(completed.values(), default=restored)
-    replayed = partial if partial is not None and partial["step"] == step and restored > step else None
     healing = Healing(t0, max(ahead - restored, 0), source, tuple(sorted(lost)),
                       tuple(sorted(s.name for s in promoted.values())))
-    return Recovered(group, restored, healing, attempt.counted, replayed)
+    return Recovered(group, restored, healing, attempt.counted, _unread(kept, step, restored))
+
+
+def _unread(kept: dict, step: int, stop: int | None = None) -> tuple:
+    """The (rank, record)s of `kept` (group.kept_records) of steps `step` .. `stop`-1 (all past `step`
+    without `stop`): the steps the job goes on after, whose records the driver never read."""
+    return tuple(kept[s] for s in sorted(kept) if s >= step and (stop is None or s < stop))
 
 
 def restore(ctx: RecoveryContext, group, lost: list[int], completed: dict[int, int]) -> tuple[int, str]:
@@ -191,10 +196,12 @@ def restore(ctx: RecoveryContext, group, lost: list[int], completed: dict[int, i
     raise AssertionError("restore_plan always ends with the checkpoint")
 
 
-def _shrink(ctx: RecoveryContext, attempt: _Attempt, shrink: policy.Shrink, lost: dict, t0: float) -> Recovered:
+def _shrink(ctx: RecoveryContext, attempt: _Attempt, shrink: policy.Shrink, lost: dict, t0: float,
+            unread: tuple) -> Recovered:
     """Go on with the whole replicas, renumbered in order; the others' workers and groups go. Under zero 1 the
     lost ranks' AdamW rows have no replica: every kept rank takes the newest snapshot (or its copy, or the
-    checkpoint) at the new DP degree, its rows cut anew, and the job replays from there."""
+    checkpoint) at the new DP degree, its rows cut anew, and the job replays from there. `unread`: the
+    survivors' records the driver has not read (those of steps before the one it goes on from are kept)."""
     group = attempt.group
     lay = group.layout
     group.kill(r for q in range(lay.dp) if q not in shrink.keep for r in lay.replica(q))
@@ -207,7 +214,8 @@ def _shrink(ctx: RecoveryContext, attempt: _Attempt, shrink: policy.Shrink, lost
     step, source = (shrink.step, "") if not lay.sharded_optimizer else _recut_from_snapshot(ctx, group, lay)
     resizing = Resizing(t0, t0, lay, group.layout, 0, f"lost capacity; kept replicas {list(shrink.keep)} of {lay.dp}")
     healing = Healing(t0, max(shrink.step - step, 0), f"shrink to DP={shrink.new_dp}" + source, tuple(sorted(lost)))
-    return Recovered(group, step, healing, attempt.counted, resizing=resizing)
+    return Recovered(group, step, healing, attempt.counted, tuple(x for x in unread if x[1]["step"] < step),
+                     resizing=resizing)
 
 
 def _recut_from_snapshot(ctx: RecoveryContext, group, old) -> tuple[int, str]:

@@ -20,24 +20,26 @@ import torch
 
 from raytp.config import from_dict
 from raytp.config.adapters import model_args
-from raytp.parallel import comm
 from raytp.parallel.groups import destroy_process_groups, init_process_groups, listening_store
 from raytp.parallel.layout import Layout
 from raytp.models.shard import rebind_groups
 from raytp.models.stage import stage_of
 from raytp.runtime.cluster import relay as relay_calls
-from raytp.runtime.worker import forwards, identity
+from raytp.runtime.worker import identity, rank_compute
 from raytp.runtime.worker.streamed_calls import StreamedCalls
 from raytp.runtime.errors import WorkerAborted
 from raytp.runtime.worker.held_shard import HeldShard
 from raytp.runtime.worker.profiling import ProfilePlan, StepProfiler
 from raytp.runtime.worker.process import tune_malloc
 from raytp.files.storage import Storage, answer_probe
-from raytp.train.efficiency import peak_memory, peak_tflops
+from raytp.train.efficiency import peak_tflops
 from raytp.train.shard_state import live_state
-from raytp.data.corpus import batch, check_ids, document_eod, epochs_read, job_corpus, vocabulary_fits
+from raytp.data.corpus import document_eod, job_corpus, vocabulary_fits
 from raytp.train.stage_runner import PipelineSchedule
-from raytp.train.step import eval_loss, train_step
+from raytp.train.step import eval_loss
+
+
+KEPT_RECORDS = 256  # steps whose records a rank keeps, at least: two streamed calls' (the one read, the one behind)
 
 
 class Worker:
@@ -55,6 +57,7 @@ class Worker:
         self.shard: HeldShard | None = None  # its weights and AdamW state
         self.pipeline = None  # raytp.train.stage_runner.PipelineSchedule of this rank's stage, at pp > 1
         self.completed = 0
+        self.kept: dict[int, dict] = {}  # the records of its last KEPT_RECORDS steps (recovery reads them back)
         self.steps = StreamedCalls(self.device)  # its streamed calls: their order, the snapshot buffers
         self.profiler = StepProfiler()  # traces of the steps a ProfilePlan names
         self.previous = None  # (job, rank, shard, layout) a reshape replaced, until committed or reverted
@@ -149,33 +152,21 @@ class Worker:
 
     # -- training ------------------------------------------------------------------
     def _micro_batches(self, split: str, step: int) -> list:
-        cfg, g = self.cfg, self.groups
-        x, y = batch(self.corpus, split, cfg.train.seed, step, g.dp_rank, g.layout.dp,
-                     cfg.train.batch_size, cfg.model.block_size)
-        check_ids(x, y, cfg.model.vocab_size, split, step)
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        n = cfg.micro_batch
-        return list(zip(x.split(n), y.split(n)))
+        return rank_compute.micro_batches(self.cfg, self.corpus, self.groups, self.device, split, step)
 
     def _step(self, step: int, before_update=None) -> dict:
-        comm.STATS.take()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        micro_batches = self._micro_batches("train", step)
-        data_s = time.perf_counter() - t0
-        sh = self.shard
-        r = train_step(sh.model, sh.optimizer, micro_batches, self.groups, step, sh.hyper, before_update,
-                       self.pipeline)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed, comm_s = time.perf_counter() - t0, comm.STATS.take()[0]
+        record = rank_compute.train_record(self.cfg, self.corpus, self.shard, self.groups, self.pipeline, self.device,
+                                         step, before_update)
         self.completed = step + 1
-        ranks = comm.all_gather_float(elapsed - comm_s, self.device)  # each rank's compute: who holds back whom
-        return {"step": step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "step_time_s": elapsed,
-                "comm_s": comm_s, "snapshot_s": self.steps.snapshot_s, "data_s": data_s, "rank_compute_s": ranks,
-                "epoch": epochs_read(self.corpus, (step + 1) * self.cfg.train.batch_size, self.cfg.model.block_size),
-                "peak_tflops": self.peak_tflops, **peak_memory(self.device)}
+        record = {**record, "snapshot_s": self.steps.snapshot_s, "peak_tflops": self.peak_tflops}
+        self.kept[step] = record
+        self.kept.pop(step - max(KEPT_RECORDS, 2 * self.cfg.train.steps_per_call + 2), None)
+        return record
+
+    def kept_records(self, start: int, stop: int) -> list[dict]:
+        """The records this rank kept of steps start .. stop-1 (those it ran of its last KEPT_RECORDS or more), in
+        order: a step it finished whose record the driver never read (it failed reading) is read here."""
+        return [self.kept[s] for s in range(start, stop) if s in self.kept]
 
     def train(self, start: int, count: int) -> list[dict]:
         """Run optimizer steps start .. start+count-1; returns one record per step."""
@@ -320,7 +311,7 @@ class Worker:
         raise WorkerAborted(failure)
 
     def logits(self, idx):
-        return forwards.logits(self.shard.model, idx, self.device, self.groups, self.pipeline, self.shard.hyper,
+        return rank_compute.logits(self.shard.model, idx, self.device, self.groups, self.pipeline, self.shard.hyper,
                                self.cfg.model.vocab_size)
 
     def profile(self, plan: ProfilePlan) -> None:

@@ -1,0 +1,72 @@
+"""What a rank computes: a training step, as the record the driver reads (its batch, the step, its times
+and memory), and the logits of a batch (the validation loss is raytp.train.step.eval_loss).
+
+The batch is a pure function of (seed, step, DP rank), so any rank of any
+process computes the same micro-batches for the same place in the mesh. The
+record's ``rank_compute_s`` holds every rank's compute time (the step less its
+communication), gathered once per step: who holds back whom
+(raytp.runtime.driver.stragglers). With pipeline stages the logits' forwards run through every stage
+(raytp.train.stage_runner.pipeline_forward).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from raytp.data.corpus import batch, check_ids, epochs_read
+from raytp.parallel import comm
+from raytp.train.efficiency import peak_memory
+from raytp.train.hyper import compute_precision
+from raytp.train.stage_runner import pipeline_forward
+from raytp.train.step import train_step
+
+
+def micro_batches(cfg, corpus, groups, device: torch.device, split: str, step: int) -> list:
+    """This rank's micro-batches of `split` at `step`, on `device`, checked against the vocabulary."""
+    x, y = batch(corpus, split, cfg.train.seed, step, groups.dp_rank, groups.layout.dp, cfg.train.batch_size,
+                 cfg.model.block_size)
+    check_ids(x, y, cfg.model.vocab_size, split, step)
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    n = cfg.micro_batch
+    return list(zip(x.split(n), y.split(n)))
+
+
+def train_record(cfg, corpus, shard, groups, pipeline, device: torch.device, step: int, before_update=None) -> dict:
+    """Run optimizer step `step` on `shard` (raytp.runtime.worker.held_shard.HeldShard) in `groups`; its
+    record: loss, learning rate, gradient norm, times (whole, communication, data), every rank's compute
+    time, epochs read, peak memory."""
+    comm.STATS.take()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    batches = micro_batches(cfg, corpus, groups, device, "train", step)
+    data_s = time.perf_counter() - t0
+    r = train_step(shard.model, shard.optimizer, batches, groups, step, shard.hyper, before_update, pipeline)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed, comm_s = time.perf_counter() - t0, comm.STATS.take()[0]
+    ranks = comm.all_gather_float(elapsed - comm_s, device)
+    return {"step": step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "step_time_s": elapsed,
+            "comm_s": comm_s, "data_s": data_s, "rank_compute_s": ranks,
+            "epoch": epochs_read(corpus, (step + 1) * cfg.train.batch_size, cfg.model.block_size),
+            **peak_memory(device)}
+
+
+@torch.no_grad()
+def logits(model, idx: torch.Tensor, device: torch.device, groups, pipeline, hyper, vocab_size: int
+           ) -> torch.Tensor | None:
+    """Full-vocabulary logits (B, T, V) of a batch, gathered over TP (every TP rank must be called; with
+    pipeline stages every rank of the replica, and those of the last stage answer, the others None)."""
+    model.eval()
+    idx = idx.to(device)
+    if pipeline is not None:
+        outs = pipeline_forward(model, [(idx, None)], groups, pipeline.stage, pipeline.sp, hyper)
+        local = outs[0].float() if outs else None
+    else:
+        with compute_precision(hyper, device):
+            local = model(idx).float()  # (B, T, V_pad/tp)
+    model.train()
+    if local is None:
+        return None
+    return comm.gather_last(local, groups.tp)[..., :vocab_size].cpu()
