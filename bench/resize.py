@@ -40,6 +40,13 @@ release, load, ``start`` and the step. The restart happens inside this process,
 on the running Ray: a real restart would add a new process and ``ray.init``,
 which favours the peer. An untimed TP=4 job runs first: a fresh Ray's first
 actors started up to 20 s slower than later ones.
+
+full_cluster: on a Ray of 4 CPUs that a TP=4 job fills, TP=4 -> TP=1 x DP=2 as
+``raytp scale`` asks for it: nothing can be reserved beside the job, which the
+request knows from the nodes' free resources, so it switches inside the job's
+own bundles. Measured: the pause as metrics.jsonl shows it (the first new step's
+time less its step time, less the last old step's time) and as the ``resized``
+event reports it (goal: at most 3 s, the report within 10%).
 """
 from __future__ import annotations
 
@@ -53,6 +60,7 @@ from bench.snapshots import MODEL, close, driver, job, jsonl, med, ray_session, 
 PEER = ("stop + restart with the same code: Driver.save_checkpoint() to disk (the workers write it), release, new "
         "Driver at the new layout with init_state from that checkpoint (each worker reads its slices), start, one step")
 GOAL_RATIO = 0.3
+FULL_CLUSTER_GOAL_S = 3.0
 FULL = {"model": MODEL["FULL"], "batch_size": 8, "warmup": 3, "reps": 3}
 QUICK = {"model": MODEL["QUICK"], "batch_size": 4, "warmup": 2, "reps": 1}
 CASES = {"tp_2_to_4": ((2, 1), (4, 1)), "dp_2_to_1": ((2, 2), (2, 1)),
@@ -188,6 +196,28 @@ def changing_owner_bytes(p: dict, old: tuple, new: tuple) -> int:
     return total
 
 
+def full_cluster(p: dict, run_dir: Path) -> dict:
+    """TP=4 x DP=1 on a Ray of 4 CPUs (the job holds them all) -> TP=1 x DP=2, as `raytp scale` asks: no
+    room beside the job, so it switches inside its own bundles. The pause as metrics.jsonl shows it (the
+    first step at the new layout's time, less its step time, less the last old step's time) beside the
+    pause the resized event reports."""
+    d = _started(p, 4, 1, run_dir)
+    try:
+        t0 = time.perf_counter()
+        _accepted(d.request_resize(d.layout.changed(tp=1, dp=2)), (4, 1), (1, 2))
+        t1 = time.perf_counter()
+        while d.pending_resize is not None or not _same(d, (1, 2)) or d.resizing is not None:
+            d.train_loop(until=d.step + 1)
+    finally:
+        close(d)
+    ev = next(e for e in jsonl(run_dir / "events.jsonl") if e["kind"] == "resized")
+    m = jsonl(run_dir / "metrics.jsonl")
+    after = next(i for i, r in enumerate(m) if r["dp"] == 2)
+    gap = m[after]["time"] - m[after]["step_time_s"] - m[after - 1]["time"]
+    return {"pause_metrics_s": gap, "pause_reported_s": ev["stall_s"], "request_s": t1 - t0,
+            "reason": ev["reason"]}
+
+
 def run(quick: bool = False) -> dict:
     p = QUICK if quick else FULL
     methods = {"raytp": in_memory, "training_on": training_on, "restart": restart}
@@ -202,6 +232,12 @@ def run(quick: bool = False) -> dict:
                     res[(case, method)].append(r)
                     say(f"resize: {case} {method} rep {i + 1}: "
                         + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k.endswith("_s")))
+    full = []
+    with ray_session(4), tempfile.TemporaryDirectory(prefix="raytp-bench-resize-full-") as tmp:
+        for i in range(p["reps"]):
+            full.append(full_cluster(p, Path(tmp) / f"resize-full-{os.getpid()}-{i}"))
+            say(f"resize: full cluster rep {i + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in full[-1].items()
+                                                                 if k.endswith("_s")))
     m = p["model"]
     fig: dict = {"peer": PEER, "reps": p["reps"],
                  "model": f"GPT {m['n_layer']}L x {m['n_embd']} wide, {m['n_head']} heads, block {m['block_size']}, "
@@ -232,6 +268,15 @@ def run(quick: bool = False) -> dict:
             "training_on_request_to_new_layout_step_s": med([r["request_to_new_layout_step_s"] for r in on]),
             "training_on_steps_while_starting": [r["steps_while_starting"] for r in on]})
         met = met and pause / b <= GOAL_RATIO
+    pm, pr = med([r["pause_metrics_s"] for r in full]), med([r["pause_reported_s"] for r in full])
+    fig["full_cluster"] = {
+        "layouts": "TP=4 x DP=1 -> TP=1 x DP=2 on 4 CPUs the job holds (no room beside it: switched in its bundles)",
+        "pause_from_metrics_s": pm, "pause_reported_s": pr,
+        "pause_from_metrics_runs_s": [round(r["pause_metrics_s"], 2) for r in full],
+        "pause_reported_runs_s": [round(r["pause_reported_s"], 2) for r in full],
+        "request_s": med([r["request_s"] for r in full]), "reason": full[0]["reason"],
+        "goal": f"pause <= {FULL_CLUSTER_GOAL_S:g} s from the metrics, the reported pause within 10% of it",
+        "goal_met": pm <= FULL_CLUSTER_GOAL_S and abs(pr - pm) <= 0.1 * pm}
     fig["goal"] = (f"raytp <= {GOAL_RATIO}x restart: the time training stops (raytp as `raytp scale` runs it: "
                    "the job trains on while new ranks start) vs the restart's request -> next completed step")
     fig["goal_met"] = met

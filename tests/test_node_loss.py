@@ -158,29 +158,44 @@ def test_removed_node_under_zero1_restores_from_the_snapshot_copy(cluster, zero_
     assert rec["source"] == "snapshot copy" and rec["lost_steps"] <= 3, rec
 
 
-def test_removed_node_of_a_pipeline_stage_loses_nothing(cluster, tmp_path):
-    """PP=2 x DP=2 (one placement group per stage and replica, aimed at nodes of their own): the node
-    of replica 1's last stage goes; its ranks come back on the spare capacity, restored bit for bit."""
+@pytest.fixture(scope="module")
+def pp2_dp2_reference(cluster, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ppnref") / "run"
+    gpu_nodes(cluster, 3)
+    run(pp_job(), run_dir, "ppnref")
+    return final_state(run_dir)
+
+
+def pp_job():
+    cfg = recovery_job(1, 2, gpus_per_worker=1.0)
+    return cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=1, pp=2, dp=2)})
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_each_node_of_a_pipeline_job_whose_loss_the_start_line_says_it_survives_loses_nothing(
+        cluster, pp2_dp2_reference, which, tmp_path):
+    """PP=2 x DP=2 (one placement group per stage and replica) on three GPU nodes: placed by rule so that
+    no node holds both copies of a stage, which the start line and the `survival` event say; each node in
+    turn (the `which`-th the event names) is removed, and its ranks come back on the capacity left,
+    restored bit for bit from the other copies."""
     by_id = {n.node_id: n for n in gpu_nodes(cluster, 3)}
-
-    def pp_job():
-        cfg = recovery_job(1, 2, gpus_per_worker=1.0)
-        return cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=1, pp=2, dp=2)})
-
-    run(pp_job(), tmp_path / "ref", "ppnref")
-
-    def remove_rank_3_node(run_name):
-        node_id = ray_actors(f"raytp.{run_name}.rank3")[f"raytp.{run_name}.rank3"]["node_id"]
-        cluster.remove_node(by_id[node_id])
-        remove_rank_3_node.node_id = node_id
-
     run_dir = tmp_path / "run"
-    run(pp_job(), run_dir, "ppnloss", faults=[(6, remove_rank_3_node)])
-    assert_bitwise_equal(final_state(run_dir), final_state(tmp_path / "ref"))
+
+    def remove_a_node(run_name):
+        (ev,) = events(run_dir, "survival")
+        assert len(ev["nodes"]) == 3 and all(ev["nodes"].values()), ev  # survives any one node's loss
+        node_id = list(ev["nodes"])[which]
+        cluster.remove_node(by_id[node_id])
+        remove_a_node.node_id = node_id
+
+    run(pp_job(), run_dir, f"ppnloss{which}", faults=[(6, remove_a_node)])
+    assert "node loss: survives the loss of any 1 node without a checkpoint" in (
+        tmp_path / f"ppnloss{which}.out").read_text()
+    assert_bitwise_equal(final_state(run_dir), pp2_dp2_reference)
     fails = events(run_dir, "failure")
-    assert 3 in {f["rank"] for f in fails} and {f["node"] for f in fails} == {remove_rank_3_node.node_id}
+    assert fails and {f["node"] for f in fails} == {remove_a_node.node_id}
     (rec,) = events(run_dir, "recovered")
-    assert rec["lost_steps"] == 0
+    assert rec["lost_steps"] == 0 and rec["source"] == "replica", rec
 
 
 def test_elastic_shrink_under_zero1_recuts_the_lost_rows_from_the_snapshot(cluster, zero_reference, tmp_path):

@@ -178,3 +178,29 @@ def test_only_a_group_off_its_target_beside_a_copy_of_its_stage_is_asked_for_aga
     assert policy.off_their_twins(landed) == [1]
     assert policy.off_their_twins([(0, "a", "a"), (1, "a", "b")]) == []  # two stages may share a node
     assert policy.off_their_twins([(0, "a", None), (0, "a", None)]) == []  # aimed nowhere: one node only
+
+
+def test_fits_now_packs_groups_whole_on_nodes_with_room():
+    free = [{"CPU": 2.0}, {"CPU": 1.0}]
+    assert policy.fits_now(free, [{"CPU": 2.0}, {"CPU": 1.0}])
+    assert not policy.fits_now(free, [{"CPU": 2.0}, {"CPU": 2.0}])  # 3 CPUs free, but not 2 on two nodes
+    assert not policy.fits_now(free, [{"CPU": 3.0}])  # a packed group never spans nodes
+    assert not policy.fits_now([{"CPU": 4.0}], [{"CPU": 1.0, "GPU": 1.0}])  # a resource no node has
+    assert policy.fits_now([], [])
+    # largest first: {1} then {2} on the fullest node that holds it would strand the 2
+    assert policy.fits_now([{"CPU": 1.0}, {"CPU": 2.0}], [{"CPU": 1.0}, {"CPU": 2.0}])
+
+
+def test_node_losses_says_which_nodes_a_layout_survives():
+    pp2dp2 = Layout(1, pp=2, dp=2, zero=0)  # ranks 0, 1: replica 0's stages; 2, 3: replica 1's
+    spread = ["a", "b", "c", "a"]  # stage 0 on a and c, stage 1 on b and a: every stage has a copy elsewhere
+    assert policy.node_losses(pp2dp2, spread) == {"a": True, "b": True, "c": True}
+    twins = ["a", "b", "a", "b"]  # the same stage's two copies on one node
+    assert policy.node_losses(pp2dp2, twins) == {"a": False, "b": False}
+    assert policy.node_losses(pp2dp2, twins, copy_node="c") == {"a": True, "b": True}  # the snapshots' copy
+    assert policy.node_losses(pp2dp2, twins, copy_node="a") == {"a": False, "b": True}
+    zero = Layout(1, pp=1, dp=2, zero=1)  # the AdamW rows have no replica under zero 1
+    assert policy.node_losses(zero, ["a", "b"]) == {"a": False, "b": False}
+    line = policy.survival_line({"a": True, "b": False}, {"b": "10.0.0.2"})
+    assert line == "a loss of node 10.0.0.2 needs the checkpoint (no copy of its shards on another node)"
+    assert policy.survival_line({"a": True}, {}) == "survives the loss of any 1 node without a checkpoint"

@@ -72,15 +72,18 @@ def test_tp_2_4_1_moves_state_worker_to_worker_and_the_driver_never_fetches_a_sh
 
 @pytest.mark.slow
 def test_a_reshape_on_a_cluster_the_job_fills_switches_in_its_own_bundles(ray_local, tmp_path):
-    """TP=4 x DP=1 on all 4 CPUs: TP=1 x DP=2 cannot be reserved beside it, and fits in its bundles."""
+    """TP=4 x DP=1 on all 4 CPUs: TP=1 x DP=2 cannot be reserved beside it, and fits in its bundles. That is
+    known from the nodes' free resources at the request (the placement timeout, NEVER_S here, is never
+    waited out), the switch happens at the next step boundary, and the pause the resized event reports is
+    the gap metrics.jsonl shows between the last step before and the first after."""
     out = io.StringIO()
-    d = Driver(job(4, 1, steps=10, placement_timeout_s=3.0), tmp_path / "run", "inplace", out=out)
+    d = Driver(job(4, 1, steps=10), tmp_path / "run", "inplace", out=out)
     try:
         d.start()
         d.train_loop(until=3)
         before = d.logits(FIXED)
-        outcome = d.resize(tp=1, dp=2)
-        assert outcome.ok, outcome
+        outcome = d.request_resize(d.layout.changed(tp=1, dp=2))
+        assert outcome is not None and outcome.ok, outcome  # switched at this boundary: nothing to wait for
         assert "switching inside its own bundles" in out.getvalue()
         assert (d.layout.tp, d.layout.dp) == (1, 2)
         assert float((d.logits(FIXED) - before).abs().max()) < 1e-5
@@ -94,4 +97,10 @@ def test_a_reshape_on_a_cluster_the_job_fills_switches_in_its_own_bundles(ray_lo
     (ev,) = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl") if '"resized"' in line]
     assert (ev["old"], ev["new"]) == ({"tp": 4, "pp": 1, "dp": 1}, {"tp": 1, "pp": 1, "dp": 2}) and ev["lost_steps"] == 0
     assert "in place" in ev["reason"]
+    assert ev["seconds"] < d.cfg.runtime.placement_timeout_s  # the timeout was not waited out
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == list(range(10))
+    after = next(i for i, m in enumerate(metrics) if m["dp"] == 2)
+    gap = metrics[after]["time"] - metrics[after]["step_time_s"] - metrics[after - 1]["time"]
+    assert ev["stall_s"] == pytest.approx(gap, abs=1e-6), (ev, gap)  # the pause as the curve shows it
     print(ev, file=sys.stderr)

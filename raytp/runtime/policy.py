@@ -267,3 +267,25 @@ def fits_now(free: Sequence[Mapping[str, float]], groups: Sequence[Mapping[str, 
         for k, v in need.items():
             node[k] -= v
     return True
+
+
+def node_losses(layout: Layout, nodes: Sequence[str | None], copy_node: str | None = None) -> dict[str, bool]:
+    """For each node that holds ranks (`nodes`: each rank's node): whether the job survives its loss
+    without a checkpoint: every rank on it holds bytes that a rank on another node holds too
+    (Ownership.holders: its DP replicas), or the off-node copy of the snapshots (`copy_node`, None
+    without one) lives on another node."""
+    own = Ownership(layout)
+    out = {}
+    for node in dict.fromkeys(n for n in nodes if n is not None):
+        lost = [r for r, n in enumerate(nodes) if n == node]
+        copied = copy_node is not None and copy_node != node
+        out[node] = copied or all(any(nodes[h] != node for h in own.holders(r)) for r in lost)
+    return out
+
+
+def survival_line(losses: Mapping[str, bool], names: Mapping[str, str]) -> str:
+    """The start line's words for node_losses' answer (`names`: a node's name to show, its address)."""
+    if all(losses.values()):
+        return "survives the loss of any 1 node without a checkpoint"
+    bad = [names.get(n, n) for n, ok in losses.items() if not ok]
+    return f"a loss of node {', '.join(bad)} needs the checkpoint (no copy of its shards on another node)"

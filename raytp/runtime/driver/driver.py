@@ -150,6 +150,8 @@ class Driver:
         self.checkpoints.check_reached(self.group)
         if self.cadence.every:
             self.copy.update(self.group, self.snapshots, self.step)  # its keeper starts while the first step runs
+        reporting.survival(self.log, self._say, self.layout, self.group.nodes(), self.group.placement,
+                           self.copy.node if self.cadence.every else None)
         self.spares.start(self.group)  # in the background, like the keeper
         if self.init_state is not None:
             step, _, source = self.init_state

@@ -8,7 +8,7 @@ import time
 
 from raytp.config.adapters import model_args
 from raytp.parallel.layout import Layout
-from raytp.runtime import estimate
+from raytp.runtime import estimate, policy
 from raytp.runtime.driver import stragglers
 from raytp.train import efficiency
 from raytp.runtime.records import Healing, Resizing
@@ -54,6 +54,17 @@ def unread_steps(log, kept: tuple, step: int, resumed: int, cfg, layout: Layout)
     found = {rec["step"]: rank for rank, rec in kept}
     log.event("records_recovered", steps=sorted(found), from_ranks=[found[s] for s in sorted(found)],
               missing=[s for s in range(step, resumed) if s not in found])
+
+
+def survival(log, say, layout: Layout, nodes: list, placement, copy_node: str | None) -> None:
+    """Once placed: which single node losses the job survives without a checkpoint (its replicas' nodes,
+    the snapshots' off-node copy: raytp.runtime.policy.node_losses), as an event and a line."""
+    losses = policy.node_losses(layout, nodes, copy_node)
+    if not losses:
+        return
+    names = {p.get("node_id"): p.get("ip") or p.get("node_id") for p in placement if p.get("node_id")}
+    log.event("survival", nodes=losses, copy_node=copy_node)
+    say(f"node loss: {policy.survival_line(losses, names)}")
 
 
 def first_step(log, say, cfg, rec: dict, seconds: float) -> None:

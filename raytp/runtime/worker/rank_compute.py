@@ -32,15 +32,17 @@ def micro_batches(cfg, corpus, groups, device: torch.device, split: str, step: i
     return list(zip(x.split(n), y.split(n)))
 
 
-def train_record(cfg, corpus, shard, groups, pipeline, device: torch.device, step: int, before_update=None) -> dict:
+def train_record(cfg, corpus, shard, groups, pipeline, device: torch.device, step: int, before_update=None,
+                 batches_of=None) -> dict:
     """Run optimizer step `step` on `shard` (raytp.runtime.worker.held_shard.HeldShard) in `groups`; its
     record: loss, learning rate, gradient norm, times (whole, communication, data), every rank's compute
-    time, epochs read, peak memory."""
+    time, epochs read, peak memory. `batches_of(split, step)`: the micro-batches (default: micro_batches')."""
     comm.STATS.take()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    batches = micro_batches(cfg, corpus, groups, device, "train", step)
+    batches = (batches_of("train", step) if batches_of is not None
+               else micro_batches(cfg, corpus, groups, device, "train", step))
     data_s = time.perf_counter() - t0
     r = train_step(shard.model, shard.optimizer, batches, groups, step, shard.hyper, before_update, pipeline)
     if device.type == "cuda":

@@ -156,7 +156,7 @@ class Worker:
 
     def _step(self, step: int, before_update=None) -> dict:
         record = rank_compute.train_record(self.cfg, self.corpus, self.shard, self.groups, self.pipeline, self.device,
-                                         step, before_update)
+                                           step, before_update, self._micro_batches)
         self.completed = step + 1
         record = {**record, "snapshot_s": self.steps.snapshot_s, "peak_tflops": self.peak_tflops}
         self.kept[step] = record
