@@ -38,7 +38,7 @@ class NoCopy:
     """No off-node snapshot copy (a one-node fake cluster has nowhere to keep one)."""
 
     def __init__(self, run, log):
-        pass
+        self.node = None
 
     def update(self, group, snapshots, step):
         pass

@@ -1,7 +1,9 @@
 """The driver's loop, recovery and resize carried out on a fake worker group (tests/fakes.py), without
 Ray: each decision path in milliseconds, beside the real-cluster tests of the same paths."""
+import dataclasses
 import io
 import json
+import time
 
 import pytest
 
@@ -44,7 +46,7 @@ def test_an_uninterrupted_run(tmp_path):
     assert d.run_to_end()["state"] == "finished"
     assert x_saved(tmp_path) == expected_x(STEPS)
     assert metric_steps(tmp_path) == list(range(STEPS))
-    assert [e["kind"] for e in events(tmp_path)] == ["started", "placed", "first_step", "checkpoint", "finished"]
+    assert [e["kind"] for e in events(tmp_path)] == ["started", "placed", "survival", "first_step", "checkpoint", "finished"]
 
 
 def test_a_lost_rank_is_restored_from_its_dp_replica(tmp_path):
@@ -128,7 +130,8 @@ def test_a_scale_request_trains_on_while_the_new_ranks_start_then_switches(tmp_p
         d.log.close()
     assert x_saved(tmp_path) == expected_x(STEPS)
     (ev,) = events(tmp_path, "resized")
-    assert (ev["old"], ev["new"]) == ({"tp": 2, "pp": 1, "dp": 1}, {"tp": 4, "pp": 1, "dp": 1}) and 0 < ev["stall_s"] < ev["seconds"]
+    assert (ev["old"], ev["new"]) == ({"tp": 2, "pp": 1, "dp": 1}, {"tp": 4, "pp": 1, "dp": 1}) and 0 <= ev["stall_s"] < ev["seconds"]
+    assert 0 < ev["switch_s"] < ev["seconds"]  # the pause as metrics.jsonl shows it is ~0 in the fake; the switch is not
     assert not cluster.pgs, "placement groups left after release"
 
 
@@ -274,3 +277,52 @@ def test_status_is_published_when_it_changes_and_the_ranks_when_placed(tmp_path)
     finally:
         d.release()
         d.log.close()
+
+
+def test_a_scale_request_with_no_room_waits_for_it_while_the_job_trains_on(tmp_path):
+    """TP=2 x DP=1 fills the cluster; DP=2 is asked for: no room beside the job, none inside its bundles. The
+    request is not refused nor waited for on the loop: the job trains on, looks again at each boundary, and
+    grows once capacity comes (before step 6); every step keeps its record."""
+    cluster = FakeCluster(slots=2)
+    cluster.give_at(6, 2)
+    d = fake_driver(cluster, fake_job(2, 1), tmp_path)
+    try:
+        d.start()
+        d.train_loop(until=2)
+        rid = d.control.file("scale", tp=2, dp=2)
+        d.train_loop(until=3)
+        assert d.elastic.awaiting is not None and rid not in d.control.outcomes
+        while rid not in d.control.outcomes and d.step < STEPS:
+            d.train_loop(until=d.step + 1)
+        assert d.control.outcomes[rid]["ok"] and (d.layout.tp, d.layout.dp) == (2, 2)
+        assert d.step >= 6, "the job did not train on while it waited for room"
+        d.train_loop()
+    finally:
+        d.release()
+        d.log.close()
+    assert x_saved(tmp_path) == expected_x(STEPS)
+    assert metric_steps(tmp_path) == list(range(STEPS))
+    assert not events(tmp_path, "resize_refused")
+
+
+def test_a_scale_request_whose_room_never_comes_is_refused_after_the_placement_timeout(tmp_path):
+    cluster = FakeCluster(slots=2)
+    cfg = fake_job(2, 1)
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, placement_timeout_s=0.05))
+    d = fake_driver(cluster, cfg, tmp_path)
+    try:
+        d.start()
+        d.train_loop(until=2)
+        rid = d.control.file("scale", tp=2, dp=2)
+        while rid not in d.control.outcomes and d.step < STEPS:
+            time.sleep(0.03)  # fake steps take no time: let the timeout pass within a few of them
+            d.train_loop(until=d.step + 1)
+        assert "could not place the workers within 0.05s: no room for" in d.control.outcomes[rid]["error"]
+        assert (d.layout.tp, d.layout.dp) == (2, 1)
+        d.train_loop()
+    finally:
+        d.release()
+        d.log.close()
+    assert metric_steps(tmp_path) == list(range(STEPS))
+    (ev,) = events(tmp_path, "resize_refused")
+    assert ev["new"]["dp"] == 2

@@ -64,6 +64,17 @@ class PendingResize:
 
 
 @dataclass(frozen=True)
+class AwaitingRoom:
+    """A requested resize with no room beside the job and none inside its bundles: the job trains on, and
+    the room is looked for again at each step boundary until runtime.placement_timeout_s is over."""
+    t0: float                      # the request (perf_counter)
+    target: Any                    # the layout asked for (Layout)
+    base: tuple                    # the layout and placement it was asked against (resize.base)
+    request_id: int | None
+    why: str                       # the last shortfall, for the answer if it never comes
+
+
+@dataclass(frozen=True)
 class GrowBack:
     """Placement groups asked for to grow an elastic job back to its DP degree."""
     pgs: dict                      # dp_rank -> placement group (pending until placed)

@@ -62,7 +62,7 @@ def check_room(cfg: JobConfig, bundles: list[int], what: str) -> None:
     per = worker_resources(cfg)
     if not fits_now(free, [{k: v * n for k, v in per.items()} for n in bundles]):
         have = "; ".join(_fmt({k: n.get(k, 0.0) for k in per}) for n in free) or "no alive nodes"
-        raise PlacementError(f"could not place the workers: no room for {what} beside the job: {len(bundles)} group(s) of "
+        raise PlacementError(f"no room for {what} beside the job: {len(bundles)} group(s) of "
                              f"{', '.join(str(n) for n in bundles)} x {_fmt(per)} on one node each; free per "
                              f"node now: {have}")
 

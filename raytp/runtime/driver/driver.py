@@ -247,6 +247,7 @@ class Driver:
     def _submit_next(self, end: int) -> None:
         """Submit the next call behind the one in flight if nothing must happen between them."""
         quiet = (self.controls.stop is None and self.pending_resize is None and self.elastic.growing is None
+                 and self.elastic.awaiting is None
                  and not self.controls.waiting())
         self.calls.submit_next(self.cfg, end, self.checkpoints.last_step, quiet, self.cadence.every)
 
@@ -321,6 +322,9 @@ class Driver:
         """Move to the layout with these degrees now: request, wait for the new ranks, switch (tests,
         benchmarks)."""
         outcome = self.request_resize(self.layout.changed(tp=tp, dp=dp, pp=pp))
+        while outcome is None and self.elastic.awaiting is not None:  # no room yet: wait for it here
+            time.sleep(0.2)
+            outcome = self.advance_resize()
         if outcome is None:
             self.group.answered(self.elastic.pending.ready, timeout_s=self.cfg.runtime.placement_timeout_s)
             outcome = self.advance_resize(now=True)
@@ -333,7 +337,13 @@ class Driver:
         return self.advance_resize() if got is None and self.elastic.due(self.group) else got
 
     def advance_resize(self, now: bool = False) -> Outcome | None:
-        """At a step boundary: switch to the pending layout if it is due (or `now`)."""
+        """At a step boundary: look again for room for a request waiting for it; switch to the pending
+        layout if it is due (or `now`)."""
+        retried = self.elastic.retry(self.group, self.step)
+        if retried is not None:  # answered now (refused, or switched at once)
+            outcome = self._take(retried[1])
+            self.controls.answer(retried[0], outcome)
+            return outcome
         if not self.elastic.due(self.group, now):
             return None
         self.state = State.RESIZING

@@ -62,7 +62,7 @@ from raytp.runtime.driver.reporting import layout_dict
 from raytp.runtime.elastic import changes, reshard
 from raytp.runtime.cluster import slots
 from raytp.runtime.errors import FAILURES, PlacementError
-from raytp.runtime.records import GrowBack, Outcome, PendingResize, Resizing
+from raytp.runtime.records import AwaitingRoom, GrowBack, Outcome, PendingResize, Resizing
 
 
 @dataclass(frozen=True)
@@ -89,18 +89,20 @@ class Elastic:
         self.say, self.log = say, log
         self.pending: PendingResize | None = None
         self.growing: GrowBack | None = None
+        self.awaiting: AwaitingRoom | None = None  # a request waiting for room while the job trains on
+        self.told: float | None = None  # the request (its t0) whose wait for room was said
         self.restages = 0  # resizes that started every worker ahead (their names: names.worker_ahead)
 
-    def request(self, group, target: Layout, step: int, request_id: int | None = None):
+    def request(self, group, target: Layout, step: int, request_id: int | None = None, t0: float | None = None):
         """Begin moving `group` to layout `target`: an Outcome if it is refused or trivial, a Switched if it
         had to be done at once (a TP grow whose bundles landed off a replica's node; a switch inside the
         job's own bundles), else None while its new ranks start (``pending``; ``finish`` completes it at a
         step boundary where it is ``due``). Every kind of change is a plan (raytp.runtime.elastic.changes)
         carried out here the same way: reserve, start its early ranks, wait, switch."""
-        if self.pending is not None:
-            new = self.pending.new_cfg.parallel
+        if self.pending is not None or self.awaiting is not None:
+            new = self.pending.new_cfg.layout if self.pending is not None else self.awaiting.target
             return Outcome.refused(f"a resize to TP={new.tp} x PP={new.pp} x DP={new.dp} is in progress")
-        t0, old = time.perf_counter(), group.layout
+        t0, old = time.perf_counter() if t0 is None else t0, group.layout
         if old.zero and (target.tp, target.pp) != (old.tp, old.pp):
             return Outcome.refused("a live TP or stage resize under parallel.zero: 1 is not supported yet (DP "
                                    "resizes are): stop the run and resume it at the new layout from its "
@@ -119,10 +121,13 @@ class Elastic:
             self.say(f"resizing {old} -> {target} (requested at step {step}): every worker starts anew")
         else:
             self.say(f"resizing {old} -> {target} (requested at step {step})")
-        got, early = None, {}
         try:
             held = lambda q: group.placer.size_of(group.pgs[q])  # noqa: E731
             group.placer.check_room(new_cfg, change.bundles(old, target, held), f"{target}'s new ranks")
+        except PlacementError as e:  # known from the nodes' free resources: nothing was asked for
+            return self._no_room(group, new_cfg, change, e, t0, step, request_id)
+        got, early = None, {}
+        try:
             got = change.reserve(group, new_cfg)
             if got is None:  # an extension landed on another node than its replica
                 self.say("more bundles could not be had on a replica's node: restarting every worker")
@@ -141,6 +146,37 @@ class Elastic:
         self.pending = PendingResize(t0, new_cfg, change, base(group), got.reserved, got.requested, early,
                                      group.pinged(a for a, _ in early.values()), request_id if early else None)
         return None
+
+    def _no_room(self, group, new_cfg, change, error: PlacementError, t0: float, step: int, request_id):
+        """No room beside the job now: switch inside its own bundles where the new layout fits there, else
+        wait for room while the job trains on (``retry`` at each step boundary): None then."""
+        old, new = group.layout, new_cfg.layout
+        if not change.restarts_all and not old.zero and slots.carve(group.pgs, new.tp, new.dp) is not None:
+            return self._in_place(group, new_cfg, error, t0, step)
+        if self.told != t0:  # once per request
+            self.told = t0
+            self.say(f"no room for {new} beside the job yet: training on, and looking again at each step boundary "
+                     f"for up to runtime.placement_timeout_s={group.cfg.runtime.placement_timeout_s:g}s")
+        self.awaiting = AwaitingRoom(t0, new, base(group), request_id, str(error))
+        return None
+
+    def retry(self, group, step: int) -> tuple[int | None, object] | None:
+        """At a step boundary, for a request waiting for room: (the request to answer, what ``request``
+        gives now: an Outcome, a Switched); None without one, or while it still waits or its new ranks start.
+        Past runtime.placement_timeout_s it is refused; a layout changed meanwhile (a failure healed by
+        shrinking) cancels it."""
+        a, self.awaiting = self.awaiting, None
+        if a is None:
+            return None
+        if base(group) != a.base:
+            return a.request_id, Outcome.refused("resize cancelled: the layout changed while it waited for room")
+        timeout = group.cfg.runtime.placement_timeout_s
+        if time.perf_counter() - a.t0 >= timeout:
+            old = group.layout
+            self.log.event("resize_refused", old=layout_dict(old), new=layout_dict(a.target), error=a.why)
+            return a.request_id, Outcome.refused(f"could not place the workers within {timeout:g}s: {a.why}")
+        got = self.request(group, a.target, step, a.request_id, t0=a.t0)
+        return None if got is None else (a.request_id, got)
 
     def _in_place(self, group, new_cfg, error: PlacementError, t0: float, step: int):
         """No room beside the job: switch inside the bundles it holds where the new layout fits there
@@ -181,6 +217,9 @@ class Elastic:
         """Drop the pending resize, if any: its new ranks stop and its placement groups go; the job is
         untouched. (the request to answer, the Outcome)."""
         p, self.pending = self.pending, None
+        if p is None and self.awaiting is not None:
+            a, self.awaiting = self.awaiting, None
+            return a.request_id, Outcome.refused(f"resize cancelled: {why}")
         return None if p is None else (p.request_id, _drop(group, p, why))
 
     def grow(self, group, step: int):
