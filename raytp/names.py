@@ -20,6 +20,12 @@ def worker(run: str, rank: int) -> str:
     return f"{PREFIX}{run}.rank{rank}"
 
 
+def worker_moved(run: str, rank: int, k: int) -> str:
+    """A worker started for rank R on another node while the running rank R holds its name (the k-th move
+    of a copy off its twin's node, raytp.runtime.recovery.respread)."""
+    return f"{worker(run, rank)}.moved{k}"
+
+
 def worker_ahead(run: str, rank: int, k: int) -> str:
     """A worker started for rank R of the next layout while the running layout's rank R holds its name (the
     k-th resize of the run that starts every worker ahead); its repr shows the rank it holds."""

@@ -108,6 +108,10 @@ class FakeCluster:
             raise PlacementError(f"no room for {what} beside the job: {sum(bundles)} slots, {self.free()} free")
 
     @staticmethod
+    def free_by_node():
+        return None  # one node: no stage is ever moved off its twin's
+
+    @staticmethod
     def size_of(pg) -> int:
         return pg.bundle_count
 

@@ -132,3 +132,38 @@ class DiesAfterItsStep(Worker):
             open(path, "w").close()
             os._exit(1)
         return rec
+
+
+class WaitsForRoom(Worker):
+    """Rank 0 holds its step 4 until the node whose id file `node_file` names has a replica's room (`need`)
+    free as the driver reads it; its step 8 until a placement group of replica 1 of run `run` other than
+    those of step 4 is placed (the one a move off its twin's node asked for); its step 10 until the moved
+    workers (``raytp.<run>.rank<R>.moved1`` of replica 1) are up. The move then happens at the boundary
+    after step 11 at the latest, however loaded the machine is."""
+
+    run = node_file = ""
+    need: dict = {}
+
+    def _step(self, step, before_update=None):
+        cls = type(self)
+        if self.rank == 0 and step == 4:
+            from ray._private.state import available_resources_per_node
+
+            def room():
+                node = open(cls.node_file).read() if os.path.exists(cls.node_file) else None
+                return node and all(available_resources_per_node().get(node, {}).get(k, 0.0) >= v
+                                    for k, v in cls.need.items())
+            hold_until(room, "the added node showed no room")
+            self.first_groups = self._replica1_groups()
+        if self.rank == 0 and step == 8:
+            hold_until(lambda: self._replica1_groups() - self.first_groups,
+                       "no placement group for a move of replica 1 was placed")
+        if self.rank == 0 and step == 10:
+            hold_until(lambda: len(_answers(f"raytp.{cls.run}.rank2.moved1", "where")
+                                   + _answers(f"raytp.{cls.run}.rank3.moved1", "where")) == 2,
+                       "the moved workers did not start")
+        return super()._step(step, before_update)
+
+    def _replica1_groups(self) -> set:
+        return {pid for pid, g in ray.util.placement_group_table().items()
+                if g.get("name", "").startswith(f"raytp.{type(self).run}.replica1.") and g.get("state") == "CREATED"}

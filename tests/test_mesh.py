@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from raytp.parallel.layout import AXES, Layout
+from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import Ownership
 from raytp.parallel.placements import (REPLICATE, ROWS, Shard, TensorPlacement, dense_state, dense_weight,
                                        expert_placement)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import ray
-from faulty import HOLD_S, WaitsForSnapshotCopy
+from faulty import HOLD_S, WaitsForRoom, WaitsForSnapshotCopy
 from helpers import (NEVER_S, assert_bitwise_equal, events, final_state, gpu_cluster, job, ray_actors,
                      recovery_job, run, steps_logged, wait_for)
 from raytp.runtime.driver.control_actor import find_control
@@ -52,6 +52,51 @@ def test_removed_node_is_replaced_from_the_dp_replica(cluster, recovery_referenc
     assert rec["source"] == "replica" and rec["lost_steps"] == 0
     placed = events(run_dir, "placed")[-1]["ranks"]
     assert placed[2]["node_id"] == placed[3]["node_id"] != remove_replica_1_node.node_id
+
+
+def test_a_replica_beside_its_twin_moves_to_a_node_that_joins(cluster, recovery_reference, tmp_path):
+    """TP=2 x DP=2 on one 4-GPU node: a loss of that node needs the checkpoint. A 2-GPU node joins while the
+    job trains: replica 1 moves there at a step boundary (from its twin, nothing lost, bit for bit), and
+    the job then survives the loss of either node."""
+    gpu_nodes(cluster, 0)
+    big = cluster.add_node(num_cpus=4, num_gpus=4)
+    cluster.wait_for_nodes(timeout=NEVER_S)
+    reference = recovery_reference(2, 2, gpus_per_worker=1.0)  # on the big node, if not run already
+    ref_dir = recovery_reference.run_dir(2, 2)
+    added = []
+
+    def add_a_node(run_name):
+        added.append(cluster.add_node(num_cpus=2, num_gpus=2))
+        cluster.wait_for_nodes(timeout=NEVER_S)
+
+    try:
+        run_dir = tmp_path / "run"
+        # the node's id is known only once it is added, after the worker class was shipped: a file tells it
+        node_file = tmp_path / "node-id"
+        WaitsForRoom.run, WaitsForRoom.node_file, WaitsForRoom.need = "move", str(node_file), {"GPU": 2.0, "CPU": 2.0}
+        cfg = recovery_job(2, 2, gpus_per_worker=1.0, step_timeout_s=2 * HOLD_S)
+
+        def add_and_tell(run_name):
+            add_a_node(run_name)
+            node_file.write_text(added[0].node_id)
+
+        run(cfg, run_dir, "move", faults=[(2, add_and_tell)], worker_cls=WaitsForRoom)
+        assert_bitwise_equal(final_state(run_dir), reference)
+        (moved,) = events(run_dir, "moved")
+        assert moved["ranks"] == [2, 3] and moved["from_node"] == big.node_id and moved["to_node"] == added[0].node_id
+        assert moved["lost_steps"] == 0 and moved["stall_s"] > 0
+        first, *_, last = events(run_dir, "survival")
+        assert first["replicas"] == {big.node_id: False}  # (the snapshots' copy on the head covers it)
+        assert last["replicas"] == last["nodes"] == {big.node_id: True, added[0].node_id: True}
+        placed = events(run_dir, "placed")[-1]["ranks"]
+        assert [p["node_id"] for p in placed] == [big.node_id] * 2 + [added[0].node_id] * 2
+        assert [m["step"] for m in map(json.loads, open(run_dir / "metrics.jsonl"))] == \
+            [m["step"] for m in map(json.loads, open(ref_dir / "metrics.jsonl"))]
+        assert [(m["step"], m["loss"]) for m in map(json.loads, open(run_dir / "metrics.jsonl"))] == \
+            [(m["step"], m["loss"]) for m in map(json.loads, open(ref_dir / "metrics.jsonl"))]
+    finally:
+        for node in [big, *added]:
+            cluster.remove_node(node)
 
 
 def test_elastic_job_shrinks_without_capacity_and_grows_back(cluster, tmp_path):

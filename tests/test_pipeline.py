@@ -5,7 +5,6 @@ of one device running the same micro-batches, final weights (gathered over TP, m
 1e-5. Without Ray: one process per rank (raytp.parallel.spawn), gloo."""
 import numpy as np
 import pytest
-import torch
 import torch.distributed as dist
 from tp_training import HYPER, SEED, STEPS, corpus, gpt_config, llama_config, without_key_bias
 
@@ -138,7 +137,7 @@ def test_stages_send_one_tp_share_of_the_activations_across_nodes(trained):
     i = RUNS[4].index(("gpt2", True, 0.0, 2, 2, 1, False, "1f1b", 1, 4))
     per_rank = trained(4)
     cfg = config("gpt2", True)
-    m, b, s, h, p, tp = 4, BATCH // 4, cfg.block_size, cfg.n_embd, 2, 2
+    m, b, s, h, p = 4, BATCH // 4, cfg.block_size, cfg.n_embd, 2
     total = sum(r[i][3] for r in per_rank)
     assert total == 2 * m * b * s * h * 4 * (p - 1)
     assert len({r[i][3] for r in per_rank}) == 1, "the TP ranks did not share the traffic evenly"

@@ -144,21 +144,6 @@ def test_a_replica_elsewhere_is_one_on_nodes_replica_0_does_not_use():
     assert not policy.replica_elsewhere(TP2_DP2, ["A", "A"])  # not placed yet
 
 
-def test_placement_aims_keep_a_stages_replicas_on_different_nodes():
-    # Enough nodes: one (replica, stage) group per node, in order.
-    assert policy.spread_targets(4, 2, 2) == [0, 1, 2, 3]
-    # 3 nodes for 2 replicas x 2 stages: the fourth group shares a node, but not with the other replica's
-    # copy of its stage, so losing any one node leaves every stage a replica.
-    aims = policy.spread_targets(3, 2, 2)
-    assert aims[:3] == [0, 1, 2] and aims[3] != aims[1]
-    for node in range(3):
-        lost = {k % 2 for k, n in enumerate(aims) if n == node}  # stages on that node
-        assert all(any(aims[r * 2 + s] != node for r in range(2)) for s in lost)
-    # Fewer nodes than replicas of a stage: the least loaded.
-    assert policy.spread_targets(2, 3, 1) == [0, 1, 0]
-    assert policy.spread_targets(0, 2, 1) == [None, None]
-
-
 def test_a_layout_change_is_one_plan_chosen_by_the_layouts_alone():
     """Which kind of change a resize is, and which ranks it keeps and starts, follow from (old, new) only."""
     from raytp.runtime.elastic import changes
@@ -172,14 +157,6 @@ def test_a_layout_change_is_one_plan_chosen_by_the_layouts_alone():
     assert changes.plan_change(one, one.changed(dp=3)).ranks == rank_plans.dp_resize_ranks(2, 2, 3)
 
 
-def test_only_a_group_off_its_target_beside_a_copy_of_its_stage_is_asked_for_again():
-    """(stage, landed on, aimed at) per group: two copies of stage 1 on node a, one of them aimed at c."""
-    landed = [(0, "a", "a"), (1, "a", "b"), (0, "b", "b"), (1, "a", "a"), (1, "c", "c")]
-    assert policy.off_their_twins(landed) == [1]
-    assert policy.off_their_twins([(0, "a", "a"), (1, "a", "b")]) == []  # two stages may share a node
-    assert policy.off_their_twins([(0, "a", None), (0, "a", None)]) == []  # aimed nowhere: one node only
-
-
 def test_fits_now_packs_groups_whole_on_nodes_with_room():
     free = [{"CPU": 2.0}, {"CPU": 1.0}]
     assert policy.fits_now(free, [{"CPU": 2.0}, {"CPU": 1.0}])
@@ -189,18 +166,3 @@ def test_fits_now_packs_groups_whole_on_nodes_with_room():
     assert policy.fits_now([], [])
     # largest first: {1} then {2} on the fullest node that holds it would strand the 2
     assert policy.fits_now([{"CPU": 1.0}, {"CPU": 2.0}], [{"CPU": 1.0}, {"CPU": 2.0}])
-
-
-def test_node_losses_says_which_nodes_a_layout_survives():
-    pp2dp2 = Layout(1, pp=2, dp=2, zero=0)  # ranks 0, 1: replica 0's stages; 2, 3: replica 1's
-    spread = ["a", "b", "c", "a"]  # stage 0 on a and c, stage 1 on b and a: every stage has a copy elsewhere
-    assert policy.node_losses(pp2dp2, spread) == {"a": True, "b": True, "c": True}
-    twins = ["a", "b", "a", "b"]  # the same stage's two copies on one node
-    assert policy.node_losses(pp2dp2, twins) == {"a": False, "b": False}
-    assert policy.node_losses(pp2dp2, twins, copy_node="c") == {"a": True, "b": True}  # the snapshots' copy
-    assert policy.node_losses(pp2dp2, twins, copy_node="a") == {"a": False, "b": True}
-    zero = Layout(1, pp=1, dp=2, zero=1)  # the AdamW rows have no replica under zero 1
-    assert policy.node_losses(zero, ["a", "b"]) == {"a": False, "b": False}
-    line = policy.survival_line({"a": True, "b": False}, {"b": "10.0.0.2"})
-    assert line == "a loss of node 10.0.0.2 needs the checkpoint (no copy of its shards on another node)"
-    assert policy.survival_line({"a": True}, {}) == "survives the loss of any 1 node without a checkpoint"

@@ -225,35 +225,6 @@ def keeper_node(layout: Layout, nodes: Sequence[str | None], alive: Sequence[str
     return (here if here in others else others[0]), None
 
 
-def spread_targets(nodes: int, replicas: int, pp: int) -> list[int | None]:
-    """Which of `nodes` candidate nodes (indices) each (replica, stage) placement group aims at, replica by
-    replica, stage by stage: the least loaded node that holds no other replica's copy of the same stage,
-    if any (so one node's loss leaves every stage a replica), else the least loaded; None without nodes."""
-    load, stages, out = [0] * nodes, [set() for _ in range(nodes)], []
-    for _ in range(replicas):
-        for s in range(pp):
-            if not nodes:
-                out.append(None)
-                continue
-            n = min(range(nodes), key=lambda i: (s in stages[i], load[i], i))
-            load[n] += 1
-            stages[n].add(s)
-            out.append(n)
-    return out
-
-
-def off_their_twins(landed: Sequence[tuple[int, str | None, str | None]]) -> list[int]:
-    """Which placement groups to ask for again, from (stage, node it landed on, node it was aimed at) of each
-    group: those that landed off their target on a node that holds another copy of the same stage (that
-    node's loss would take both; Ray's target is soft, and a node still releasing a run's groups is passed
-    over). Indices into `landed`."""
-    count: dict = {}
-    for stage, node, _ in landed:
-        count[(stage, node)] = count.get((stage, node), 0) + 1
-    return [i for i, (stage, node, target) in enumerate(landed)
-            if target is not None and node != target and count[(stage, node)] > 1]
-
-
 def fits_now(free: Sequence[Mapping[str, float]], groups: Sequence[Mapping[str, float]]) -> bool:
     """Whether packed groups (each `groups` entry: what one group needs, all of it on one node) fit in the
     nodes' `free` resources as they are: placed largest first, each on the fullest node that holds it (a
@@ -267,25 +238,3 @@ def fits_now(free: Sequence[Mapping[str, float]], groups: Sequence[Mapping[str, 
         for k, v in need.items():
             node[k] -= v
     return True
-
-
-def node_losses(layout: Layout, nodes: Sequence[str | None], copy_node: str | None = None) -> dict[str, bool]:
-    """For each node that holds ranks (`nodes`: each rank's node): whether the job survives its loss
-    without a checkpoint: every rank on it holds bytes that a rank on another node holds too
-    (Ownership.holders: its DP replicas), or the off-node copy of the snapshots (`copy_node`, None
-    without one) lives on another node."""
-    own = Ownership(layout)
-    out = {}
-    for node in dict.fromkeys(n for n in nodes if n is not None):
-        lost = [r for r, n in enumerate(nodes) if n == node]
-        copied = copy_node is not None and copy_node != node
-        out[node] = copied or all(any(nodes[h] != node for h in own.holders(r)) for r in lost)
-    return out
-
-
-def survival_line(losses: Mapping[str, bool], names: Mapping[str, str]) -> str:
-    """The start line's words for node_losses' answer (`names`: a node's name to show, its address)."""
-    if all(losses.values()):
-        return "survives the loss of any 1 node without a checkpoint"
-    bad = [names.get(n, n) for n, ok in losses.items() if not ok]
-    return f"a loss of node {', '.join(bad)} needs the checkpoint (no copy of its shards on another node)"

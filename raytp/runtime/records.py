@@ -49,6 +49,17 @@ class Resizing:
     before: float | None = None    # wall time of the last step's record before it (metrics.jsonl's "time")
 
 
+@dataclass(frozen=True)
+class Moving:
+    """A DP replica's stage moved off the node of its twin (raytp.runtime.recovery.respread), until the first
+    completed step after it."""
+    t0: float                      # when training paused for it (perf_counter)
+    ranks: tuple[int, ...]
+    from_node: str | None
+    to_node: str
+    before: float | None = None    # wall time of the last step's record before it (metrics.jsonl's "time")
+
+
 @dataclass
 class PendingResize:
     """A requested resize whose new ranks are starting while the old layout trains on."""

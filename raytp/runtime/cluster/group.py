@@ -87,10 +87,11 @@ class WorkerGroup:
     def layout(self) -> Layout:
         return self.cfg.layout
 
-    def start_worker(self, rank: int, cfg=None, pgs=None, ahead: int = 0) -> tuple[object, tuple]:
-        """A new actor for `rank` (of this group's layout, or of `cfg`/`pgs` not yet switched to; `ahead`:
-        see Launcher.start)."""
-        return self.launcher.start(cfg or self.cfg, pgs if pgs is not None else self.pgs, rank, ahead=ahead)
+    def start_worker(self, rank: int, cfg=None, pgs=None, ahead: int = 0, name: str | None = None) -> tuple[object, tuple]:
+        """A new actor for `rank` (of this group's layout, or of `cfg`/`pgs` not yet switched to; `ahead`,
+        `name`: see Launcher.start)."""
+        return self.launcher.start(cfg or self.cfg, pgs if pgs is not None else self.pgs, rank, ahead=ahead,
+                                   name=name)
 
     def with_workers(self, actors: Mapping[int, object], bundles: Mapping[int, tuple] | None = None) -> "WorkerGroup":
         """This group with ranks' actors replaced: {rank: actor}; `bundles`: {rank: bundle} of the new
@@ -103,6 +104,10 @@ class WorkerGroup:
             workers[rank] = actor
             keys[actor_id(actor)] = (bundles or {}).get(rank, old)
         return self._with(workers=tuple(workers), bundles=self._keep(keys, workers))
+
+    def placed_in(self, pgs: Mapping[int, object]) -> "WorkerGroup":
+        """This group with replicas' placements replaced (the ranks started next take bundles there)."""
+        return self._with(pgs=dict(pgs))
 
     def started(self, ranks: Iterable[int]) -> "WorkerGroup":
         """This group with new actors started for `ranks`, each in the rank's own bundle."""

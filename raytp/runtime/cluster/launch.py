@@ -46,17 +46,17 @@ class Launcher:
         self.copies.ensure(cfg, pgs)
 
     def start(self, cfg, pgs: dict, rank: int, timeout_s: float = 30.0,
-              ahead: int = 0) -> tuple[object, tuple[str, int]]:
+              ahead: int = 0, name: str | None = None) -> tuple[object, tuple[str, int]]:
         """The actor of `rank` of layout `cfg` placed in `pgs` (dp_rank -> replica placement), and the
         bundle it sits in. `ahead` (k > 0): started beside a layout that still runs, for the k-th resize
         that starts every worker ahead; where a running worker holds the rank's name the new one is
-        named ``names.worker_ahead`` instead of waiting for it."""
+        named ``names.worker_ahead`` instead of waiting for it. `name`: the actor's name instead."""
         lay = cfg.layout
         at = lay.coords(rank)
         self.prepare_nodes(cfg, {at.dp: pgs[at.dp]})
         pg, index = placement.bundle_of(pgs[at.dp], lay.bundle_index(rank))
         self.evict(pg, index)
-        name = names.worker(self.run, rank)
+        name = name or names.worker(self.run, rank)
         deadline = time.monotonic() + timeout_s
         while True:
             opts = placement.bundle_options(cfg, pg, index, name)

@@ -31,11 +31,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raytp import names
 from raytp.config import JobConfig
 from raytp.runtime.errors import PlacementError
-from raytp.runtime.policy import off_their_twins, spread_targets
-from raytp.runtime.cluster.resources import (candidate_nodes, check_room, explain_shortfall, replica_need,  # noqa: F401
-                                            worker_resources)
-from raytp.runtime.cluster.slots import (Slots, bundle_of, carve, extended, groups_of, size_of, trimmed,  # noqa: F401
-                                 unused_groups)
+from raytp.runtime.spread import off_their_twins, spread_targets
+from raytp.runtime.cluster.resources import (candidate_nodes, check_room, explain_shortfall, free_by_node,  # noqa: F401
+                                            replica_need, worker_resources)
+from raytp.runtime.cluster.slots import (Slots, bundle_of, carve, extended, groups_of, replaced, size_of,  # noqa: F401
+                                 trimmed, unused_groups)
 
 __all__ = ["PlacementError", "Slots"]  # and the functions below
 
@@ -66,6 +66,12 @@ def _request(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int], avoid_nodes
     return pgs, aimed
 
 
+def request_stage(cfg: JobConfig, run: str, dp_rank: int, stage: int, target: str) -> PlacementGroup:
+    """A group for one stage of replica `dp_rank` (its `tp` bundles), aimed at node `target`; not waited for
+    (check it with extension_placed: Ray's target is soft)."""
+    return _group(cfg, run, cfg.parallel.tp, dp_rank, stage, target)
+
+
 def _group(cfg: JobConfig, run: str, tp: int, dp_rank: int, stage: int, target: str | None) -> PlacementGroup:
     name = names.replica_group(run, dp_rank, next(_GENERATION)) + (f"-pp{stage}" if cfg.parallel.pp > 1 else "")
     return placement_group([worker_resources(cfg)] * tp, strategy="STRICT_PACK", name=name,
@@ -92,7 +98,7 @@ RESPREAD_TRIES, RESPREAD_WAIT_S = 4, 1.0  # a target with room takes a group in 
 
 def respread(cfg: JobConfig, run: str, tp: int, pgs: dict, aimed: dict) -> dict:
     """`pgs` (placed) with each group that sits off its target beside a copy of its own stage
-    (policy.off_their_twins) placed again at its target where that node has room now: a new group is asked
+    (raytp.runtime.spread.off_their_twins) placed again at its target where that node has room now: a new group is asked
     for there, kept if it lands there (the old one goes), dropped otherwise. A few tries, a moment apart."""
     pgs = dict(pgs)
     for attempt in range(RESPREAD_TRIES):
@@ -170,7 +176,8 @@ def request_extension(cfg: JobConfig, run: str, dp_rank: int, replica, n: int) -
 
 
 def extension_placed(pg: PlacementGroup, node: str | None) -> bool:
-    """Whether a ready extension group's bundles all sit on `node` (a TP group must stay on one node)."""
+    """Whether a ready extension (or moved stage's) group's bundles all sit on `node` (a TP group must stay
+    on one node)."""
     bundles = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
     return node is not None and bool(bundles) and set(bundles.values()) == {node}
 

@@ -42,14 +42,19 @@ def explain_shortfall(cfg: JobConfig, tp: int, dp: int) -> str:
             f"the cluster's nodes can hold {fits} (nodes, total resources: {have})")
 
 
-def free_per_node() -> list[dict[str, float]] | None:
-    """What each alive node has free now (not held by any placement group or task); None where this Ray
-    does not say."""
+def free_by_node() -> dict[str, dict[str, float]] | None:
+    """What each alive node has free now (not held by any placement group or task), by node id; None where
+    this Ray does not say."""
     try:
         from ray._private.state import available_resources_per_node
-        return list(available_resources_per_node().values())
+        return dict(available_resources_per_node())
     except Exception:  # noqa: BLE001 - an internal API: without it, placement is waited for as before
         return None
+
+
+def free_per_node() -> list[dict[str, float]] | None:
+    free = free_by_node()
+    return None if free is None else list(free.values())
 
 
 def check_room(cfg: JobConfig, bundles: list[int], what: str) -> None:

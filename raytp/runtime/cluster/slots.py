@@ -49,6 +49,22 @@ def extended(replica, ext, n: int) -> Slots:
     return Slots(_parts(replica) + ((ext, 0, n),))
 
 
+def replaced(replica, start: int, n: int, new):
+    """The replica's placement with its bundles `start` .. `start+n`-1 taken from group `new` (its bundles
+    0 .. n-1) instead: one stage moved to a group of its own."""
+    if start == 0 and n == size_of(replica):
+        return new
+    flat = [(pg, b) for pg, first, k in _parts(replica) for b in range(first, first + k)]
+    flat[start:start + n] = [(new, i) for i in range(n)]
+    parts: list = []
+    for pg, b in flat:
+        if parts and parts[-1][0] == pg and parts[-1][1] + parts[-1][2] == b:
+            parts[-1] = (pg, parts[-1][1], parts[-1][2] + 1)
+        else:
+            parts.append((pg, b, 1))
+    return Slots(tuple(parts))
+
+
 def trimmed(replica, n: int):
     """(the replica's placement cut to its first `n` bundles, the groups no longer used). A group partly
     used stays whole (Ray cannot shrink one): its bundles past `n` stay reserved, idle."""

@@ -31,6 +31,7 @@ from raytp.parallel.ownership import Ownership
 from raytp.runtime import policy
 from raytp.runtime.driver import follow_on
 from raytp.runtime.recovery import recovery
+from raytp.runtime.recovery.respread import Respread
 from raytp.runtime.driver import reporting
 from raytp.runtime.state.checkpoints import Checkpoints
 from raytp.runtime.driver import run_status
@@ -81,9 +82,11 @@ class Driver:
         self.failures = 0
         self.healing = None            # records.Healing, until the next completed step
         self.resizing = None           # records.Resizing, until the next completed step
+        self.moving = None             # records.Moving, until the next completed step
         self.elastic = Elastic(cfg.parallel.dp, self._say, self.log)
         self.t_start = time.perf_counter()
         self.calls = follow_on.Calls()  # the streamed call in flight and the one submitted behind it
+        self.respread = Respread(run, self.log, self._say)  # copies moved off their twins' nodes
 
     # -- the group and what follows from it ----------------------------------------------------
     @property
@@ -150,8 +153,7 @@ class Driver:
         self.checkpoints.check_reached(self.group)
         if self.cadence.every:
             self.copy.update(self.group, self.snapshots, self.step)  # its keeper starts while the first step runs
-        reporting.survival(self.log, self._say, self.layout, self.group.nodes(), self.group.placement,
-                           self.copy.node if self.cadence.every else None)
+        self._survival()
         self.spares.start(self.group)  # in the background, like the keeper
         if self.init_state is not None:
             step, _, source = self.init_state
@@ -183,6 +185,7 @@ class Driver:
                     self.handle_requests()
                     self.advance_resize()
                     self._take(self.elastic.grow(self.group, self.step))
+                    self._moved(self.respread.advance(self.group, self.step))
                 self.spares.refill(self.group)
                 if self.controls.stop is not None and self.calls.next is None:
                     self.controls.answer(*(self.elastic.cancel(self.group, "the run was stopped") or (None, None)))
@@ -231,6 +234,7 @@ class Driver:
             if self.step == steps or (every and self.step % every == 0):
                 self.last["val_loss"] = self.group.evaluate(self.step)
             self.log.metric(self.last, done.records[0].get("rank_compute_s"))
+            self.respread.wants_boundary(self.group)  # a move off a twin's node, taken a stage further
             if snap:
                 self.copy.update(self.group, self.snapshots, self.step)
             self._report()
@@ -248,13 +252,29 @@ class Driver:
         """Submit the next call behind the one in flight if nothing must happen between them."""
         quiet = (self.controls.stop is None and self.pending_resize is None and self.elastic.growing is None
                  and self.elastic.awaiting is None
-                 and not self.controls.waiting())
+                 and not self.controls.waiting() and not self.respread.wants_boundary(self.group))
         self.calls.submit_next(self.cfg, end, self.checkpoints.last_step, quiet, self.cadence.every)
 
     def _report(self) -> None:
         """The job went on after a recovery or a resize: log how long that took."""
-        reporting.closed(self.log, self._say, self.healing, self.resizing, self.step, self.last)
-        self.healing = self.resizing = None
+        reporting.closed(self.log, self._say, self.healing, self.resizing, self.step, self.last, self.moving)
+        self.healing = self.resizing = self.moving = None
+
+    def _survival(self) -> None:
+        reporting.survival(self.log, self._say, self.layout, self.group.nodes(), self.group.placement,
+                           self.copy.node if self.cadence.every else None)
+
+    def _moved(self, moved) -> None:
+        """Adopt the group of a stage moved off its twin's node (raytp.runtime.recovery.respread); a failure
+        during the move is recovered from as a failed step is."""
+        if moved is None:
+            return
+        self.adopt(moved.group)
+        if moved.error is not None:
+            self._recover(moved.error)
+            return
+        self.moving = dataclasses.replace(moved.moving, before=self.last.get("time"))
+        self._survival()
 
     def _recover(self, error: BaseException) -> None:
         self.state = State.RECOVERING
@@ -375,6 +395,7 @@ class Driver:
         if self.group is not None:
             self.group.release()
             self.controls.answer(*(self.elastic.release(self.group) or (None, None)))
+            self.respread.release(self.group)
         self.copy.release()
         self.spares.release()
         self.controls.close()

@@ -8,10 +8,10 @@ import time
 
 from raytp.config.adapters import model_args
 from raytp.parallel.layout import Layout
-from raytp.runtime import estimate, policy
+from raytp.runtime import estimate, spread
 from raytp.runtime.driver import stragglers
 from raytp.train import efficiency
-from raytp.runtime.records import Healing, Resizing
+from raytp.runtime.records import Healing, Moving, Resizing
 
 
 def layout_dict(lay: Layout) -> dict:
@@ -58,13 +58,14 @@ def unread_steps(log, kept: tuple, step: int, resumed: int, cfg, layout: Layout)
 
 def survival(log, say, layout: Layout, nodes: list, placement, copy_node: str | None) -> None:
     """Once placed: which single node losses the job survives without a checkpoint (its replicas' nodes,
-    the snapshots' off-node copy: raytp.runtime.policy.node_losses), as an event and a line."""
-    losses = policy.node_losses(layout, nodes, copy_node)
+    the snapshots' off-node copy: raytp.runtime.spread.node_losses), as an event and a line."""
+    losses = spread.node_losses(layout, nodes, copy_node)
     if not losses:
         return
+    by_replica = spread.node_losses(layout, nodes)
     names = {p.get("node_id"): p.get("ip") or p.get("node_id") for p in placement if p.get("node_id")}
-    log.event("survival", nodes=losses, copy_node=copy_node)
-    say(f"node loss: {policy.survival_line(losses, names)}")
+    log.event("survival", nodes=losses, replicas=by_replica, copy_node=copy_node)
+    say(f"node loss: {spread.survival_line(losses, names, by_replica)}")
 
 
 def first_step(log, say, cfg, rec: dict, seconds: float) -> None:
@@ -90,6 +91,15 @@ def recovered(log, say, h: Healing, step: int) -> None:
     say(f"recovered in {seconds:.1f}s from {h.source}, {h.lost_steps} step(s) lost")
 
 
+def paused_for(before: float | None, started: float, rec: dict) -> float:
+    """How long training paused, as metrics.jsonl's times show it: the read time of the first step after
+    the pause (`rec`), less its own step time, less the last one's read time (`before`); from `started`
+    (perf_counter) to now where either is missing."""
+    if before is not None and rec.get("time") is not None and rec.get("step_time_s") is not None:
+        return max(rec["time"] - rec["step_time_s"] - before, 0.0)
+    return time.perf_counter() - started
+
+
 def resized(log, say, r: Resizing, step: int, rec: dict) -> None:
     """The first completed step after a resize: how long it took, and how long training paused: the gap
     between the last step before it and this one (`rec`), as metrics.jsonl's times show it (this step's
@@ -97,9 +107,7 @@ def resized(log, say, r: Resizing, step: int, rec: dict) -> None:
     switch to this step's end."""
     now = time.perf_counter()
     switch_s = now - r.switch_t0
-    paused = switch_s
-    if r.before is not None and rec.get("time") is not None and rec.get("step_time_s") is not None:
-        paused = max(rec["time"] - rec["step_time_s"] - r.before, 0.0)
+    paused = paused_for(r.before, r.switch_t0, rec)
     log.event("resized", old=layout_dict(r.old), new=layout_dict(r.new), seconds=now - r.t0, stall_s=paused,
               switch_s=switch_s, bytes=r.bytes, lost_steps=0, step=step, reason=r.reason)
     if log.ray:
@@ -108,13 +116,24 @@ def resized(log, say, r: Resizing, step: int, rec: dict) -> None:
         f"({r.bytes / 1e6:.1f} MB moved)")
 
 
-def closed(log, say, healing: Healing | None, resizing: Resizing | None, step: int, rec: dict) -> None:
-    """The job went on after a recovery and/or a resize (whichever is given): log how long each took.
-    `rec`: the metrics line of the first step after it."""
+def moved(log, say, m: Moving, step: int, rec: dict) -> None:
+    """The first completed step after a stage moved off its twin's node: how long training paused."""
+    paused = paused_for(m.before, m.t0, rec)
+    log.event("moved", ranks=list(m.ranks), from_node=m.from_node, to_node=m.to_node,
+              seconds=time.perf_counter() - m.t0, stall_s=paused, lost_steps=0, step=step)
+    say(f"moved ranks {list(m.ranks)} to node {m.to_node}: training paused {paused:.1f}s, 0 steps lost")
+
+
+def closed(log, say, healing: Healing | None, resizing: Resizing | None, step: int, rec: dict,
+           moving: Moving | None = None) -> None:
+    """The job went on after a recovery, a resize and/or a move (whichever is given): log how long each
+    took. `rec`: the metrics line of the first step after it."""
     if healing is not None:
         recovered(log, say, healing, step)
     if resizing is not None:
         resized(log, say, resizing, step, rec)
+    if moving is not None:
+        moved(log, say, moving, step, rec)
 
 
 def interval_chosen(log, cadence, every: int, step: int, last: dict) -> None:

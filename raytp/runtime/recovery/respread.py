@@ -1,0 +1,170 @@
+"""Moving a copy off its twin's node once the cluster has room: a node loss made survivable after the fact.
+
+Placement aims the copies of each stage at nodes of their own (raytp.runtime.spread), but Ray's target
+is soft: on a full cluster a DP replica's stage lands beside its twin, and that node's loss then needs the
+checkpoint. When a node has room later (it joined, or another job left), the driver moves one such
+stage there, one move at a time:
+
+1. Look, as each step's record arrives (a read of the nodes' free resources, ~2 ms, on the driver while
+   the workers run on), and only
+   while a move could help at all (raytp.runtime.spread.could_move: never under zero 1, where no rank's
+   bytes are held twice): spread.move_off_twin picks the (replica, stage) and the node.
+2. Reserve: a placement group for that stage aimed at the node, asked for while training goes on. One
+   that lands elsewhere, or is not placed within ``runtime.placement_timeout_s``, is dropped and that node
+   not tried again until the set of nodes changes.
+3. Start ahead: once the group is placed there, the stage's new workers start in it (named
+   ``raytp.<run>.rank<R>.moved<K>``), still while training goes on: a process start is most of a
+   move's time.
+4. Move, at the next step boundary once they are up: the old workers of the stage stop, the new ones
+   meet the others in torch.distributed and copy their shards from their DP twins (a recovery's
+   "replica" source: nothing lost, bit for bit), and the old group is released. Training pauses for
+   this only; the ``moved`` event, logged with the first step after it, says the pause as
+   metrics.jsonl shows it, and a new ``survival`` event follows.
+
+A failure during the move is handed to the driver as any failed step is (a recovery heals it).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from raytp import names
+from raytp.runtime import policy, spread
+from raytp.runtime.errors import FAILURES
+from raytp.runtime.records import Moving
+from raytp.runtime.cluster.slots import replaced, unused_groups
+
+
+@dataclass
+class _Pending:
+    move: spread.Move
+    pg: object                 # the placement group asked for the stage
+    ready: object              # its ready() ref
+    placement: tuple           # the job's placement it was chosen against (a change since voids it)
+    t0: float                  # asked at (perf_counter)
+    early: dict = field(default_factory=dict)  # rank -> (actor, bundle) started ahead in `pg`
+    pings: list = field(default_factory=list)  # refs that resolve once those are up
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What a move hands the driver: the group to adopt, and the record of the move or the failure that
+    broke it off (then the driver recovers)."""
+    group: object
+    moving: Moving | None
+    error: BaseException | None = None
+
+
+class Respread:
+    def __init__(self, run: str, log, say):
+        self.run, self.log, self.say = run, log, say
+        self.pending: _Pending | None = None
+        self.moves = 0                    # moves started (the new workers' names count them)
+        self._seen: tuple | None = None   # the placement `_could` was worked out for
+        self._could = False
+        self._tried: set[str] = set()     # nodes a group for a move did not land on (until the nodes change)
+        self._nodes: frozenset = frozenset()
+
+    def wants_boundary(self, group) -> bool:
+        """Look for a move, or take the one under way a stage further (never waits: the driver calls this
+        as each step's record arrives); whether one is under way (the driver then stops at the next step
+        boundary instead of submitting a call behind)."""
+        self._progress(group)
+        return self.pending is not None
+
+    def advance(self, group, step: int) -> Moved | None:
+        """At a step boundary: carry out the move under way once its workers are up; else take it (or
+        the look for one) a stage further."""
+        self._progress(group)
+        p = self.pending
+        if p is None or not p.pings or not group.answered(p.pings):
+            return None
+        self.pending = None
+        return self._move(group, p, step)
+
+    def _progress(self, group) -> None:
+        p = self.pending
+        if p is None:
+            self._look(group)
+        elif p.placement != group.placement:  # a recovery or resize changed the job meanwhile
+            self._drop(group)
+        elif not p.early:
+            if ray.wait([p.ready], timeout=0)[0]:
+                if group.placer.extension_placed(p.pg, p.move.node):
+                    self._start_ahead(group, p)
+                else:
+                    self._drop(group)
+            elif time.perf_counter() - p.t0 > group.cfg.runtime.placement_timeout_s:
+                self._drop(group)
+
+    def _look(self, group) -> None:
+        if group.placement != self._seen:
+            self._seen = group.placement
+            self._could = bool(group.placement) and spread.could_move(group.layout, group.nodes())
+        if not self._could:
+            return
+        free = group.placer.free_by_node()
+        if not free:
+            return
+        if frozenset(free) != self._nodes:
+            self._nodes, self._tried = frozenset(free), set()
+        cfg = group.cfg
+        move = spread.move_off_twin(group.layout, group.nodes(),
+                                    {n: r for n, r in free.items() if n not in self._tried},
+                                    group.placer.replica_need(cfg, cfg.parallel.tp))
+        if move is None:
+            return
+        pg = group.placer.request_stage(cfg, self.run, move.dp, move.stage, move.node)
+        self.pending = _Pending(move, pg, pg.ready(), group.placement, time.perf_counter())
+
+    def _start_ahead(self, group, p: _Pending) -> None:
+        lay = group.layout
+        self.moves += 1
+        pgs = {**group.pgs, p.move.dp: replaced(group.pgs[p.move.dp], p.move.stage * lay.tp, lay.tp, p.pg)}
+        try:
+            for r in lay.tp_group(p.move.dp, p.move.stage):
+                p.early[r] = group.start_worker(r, pgs=pgs, name=names.worker_moved(self.run, r, self.moves))
+        except FAILURES as e:
+            self.say(f"a move off a twin's node was given up: {type(e).__name__}: {e}")
+            self._drop(group)
+            return
+        p.pings.extend(group.pinged(a for a, _ in p.early.values()))
+
+    def _drop(self, group) -> None:
+        p, self.pending = self.pending, None
+        self._tried.add(p.move.node)
+        group.kill_actors(a for a, _ in p.early.values())
+        group.placer.release([p.pg])
+
+    def _move(self, group, p: _Pending, step: int) -> Moved | None:
+        lay, move = group.layout, p.move
+        ranks = sorted(p.early)
+        plan = policy.restore_plan(lay, ranks, {r: step for r in range(lay.world_size) if r not in ranks}, [])[0]
+        if plan.source != "replica":  # could_move says a twin holds every byte; kept as the move's condition
+            self.pending = p
+            self._drop(group)
+            return None
+        t0 = time.perf_counter()
+        old = group.pgs[move.dp]
+        new = replaced(old, move.stage * lay.tp, lay.tp, p.pg)
+        from_node = group.nodes()[ranks[0]]
+        self.say(f"moving ranks {ranks} (replica {move.dp}" + (f", stage {move.stage}" if lay.pp > 1 else "")
+                 + f") off node {from_node}, which holds their DP twins too, to node {move.node}")
+        try:
+            group.kill(ranks)
+            group = group.placed_in({**group.pgs, move.dp: new}).with_workers(
+                {r: a for r, (a, _) in p.early.items()}, {r: b for r, (_, b) in p.early.items()})
+            group = group.join(setup=ranks)
+            group.copy_shards(plan.donors, step)
+        except FAILURES as e:
+            return Moved(group, None, e)
+        group.placer.release(unused_groups([old], [new]))
+        return Moved(group, Moving(t0, tuple(ranks), from_node, move.node))
+
+    def release(self, group) -> None:
+        """Give back what a move not carried out holds (the run ends)."""
+        if self.pending is not None and group is not None:
+            self._drop(group)
+        self.pending = None

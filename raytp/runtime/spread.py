@@ -1,0 +1,121 @@
+"""Where the copies of a shard sit, as pure functions: which single node losses a layout survives, where to
+aim each replica's placement groups, and which copy to move once a node has room.
+
+A shard survives its node's loss without a checkpoint when a rank on another node holds the same bytes
+(raytp.parallel.ownership: its DP replicas) or the snapshots' off-node copy lives elsewhere. Placement aims
+the copies of each stage at nodes of their own (``spread_targets``); Ray's target is soft, so a copy can
+land beside its twin on a full cluster, and ``move_off_twin`` says which one to move, and where, once a
+node has room. Nothing here imports Ray (tests/test_spread.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from raytp.parallel.layout import Layout
+from raytp.parallel.ownership import Ownership
+
+
+def spread_targets(nodes: int, replicas: int, pp: int) -> list[int | None]:
+    """Which of `nodes` candidate nodes (indices) each (replica, stage) placement group aims at, replica by
+    replica, stage by stage: the least loaded node that holds no other replica's copy of the same stage,
+    if any (so one node's loss leaves every stage a replica), else the least loaded; None without nodes."""
+    load, stages, out = [0] * nodes, [set() for _ in range(nodes)], []
+    for _ in range(replicas):
+        for s in range(pp):
+            if not nodes:
+                out.append(None)
+                continue
+            n = min(range(nodes), key=lambda i: (s in stages[i], load[i], i))
+            load[n] += 1
+            stages[n].add(s)
+            out.append(n)
+    return out
+
+
+def off_their_twins(landed: Sequence[tuple[int, str | None, str | None]]) -> list[int]:
+    """Which placement groups to ask for again, from (stage, node it landed on, node it was aimed at) of each
+    group: those that landed off their target on a node that holds another copy of the same stage (that
+    node's loss would take both; Ray's target is soft, and a node still releasing a run's groups is passed
+    over). Indices into `landed`."""
+    count: dict = {}
+    for stage, node, _ in landed:
+        count[(stage, node)] = count.get((stage, node), 0) + 1
+    return [i for i, (stage, node, target) in enumerate(landed)
+            if target is not None and node != target and count[(stage, node)] > 1]
+
+
+def node_losses(layout: Layout, nodes: Sequence[str | None], copy_node: str | None = None) -> dict[str, bool]:
+    """For each node that holds ranks (`nodes`: each rank's node): whether the job survives its loss
+    without a checkpoint: every rank on it holds bytes that a rank on another node holds too
+    (Ownership.holders: its DP replicas), or the off-node copy of the snapshots (`copy_node`, None
+    without one) lives on another node."""
+    own = Ownership(layout)
+    out = {}
+    for node in dict.fromkeys(n for n in nodes if n is not None):
+        lost = [r for r, n in enumerate(nodes) if n == node]
+        copied = copy_node is not None and copy_node != node
+        out[node] = copied or all(any(nodes[h] != node for h in own.holders(r)) for r in lost)
+    return out
+
+
+def survival_line(losses: Mapping[str, bool], names: Mapping[str, str],
+                  by_replica: Mapping[str, bool] | None = None) -> str:
+    """The start line's words for node_losses' answer (`names`: a node's name to show, its address;
+    `by_replica`: node_losses without the snapshots' copy, to say which losses roll back to it)."""
+    if all(losses.values()):
+        copied = [names.get(n, n) for n, ok in (by_replica or {}).items() if not ok]
+        if copied:
+            return (f"survives the loss of any 1 node without a checkpoint (of node {', '.join(copied)} from "
+                    f"the snapshots' copy on another node: the steps since it are run again)")
+        return "survives the loss of any 1 node without a checkpoint"
+    bad = [names.get(n, n) for n, ok in losses.items() if not ok]
+    return f"a loss of node {', '.join(bad)} needs the checkpoint (no copy of its shards on another node)"
+
+
+@dataclass(frozen=True)
+class Move:
+    """Move stage `stage` of replica `dp` (its TP group: one placement group) to node `node`."""
+    dp: int
+    stage: int
+    node: str
+
+
+def move_off_twin(layout: Layout, nodes: Sequence[str | None], free: Mapping[str, Mapping[str, float]],
+                  need: Mapping[str, float]) -> Move | None:
+    """The one move of a (replica, stage) TP group that most reduces the node losses needing a checkpoint
+    (node_losses, without the snapshots' copy: the copies themselves should be apart), or None if no move
+    reduces them. `nodes`: each rank's node; `free`: each alive node's free resources; `need`: what the
+    group needs on one node. Later replicas move first (replica 0 makes the snapshots), then the least
+    loaded target node."""
+    if len(nodes) < layout.world_size or None in nodes:
+        return None
+    bad = _needing_checkpoint(layout, nodes)
+    if not bad:
+        return None
+    load = {n: sum(1 for m in nodes if m == n) for n in free}
+    best: tuple[int, Move] | None = None
+    for d in reversed(range(layout.dp)):
+        for s in range(layout.pp):
+            ranks = layout.tp_group(d, s)
+            here = {nodes[r] for r in ranks}
+            if len(here) != 1:
+                continue
+            for node in sorted(free, key=lambda n: (load[n], n)):
+                if node in here or not all(free[node].get(k, 0.0) >= v for k, v in need.items()):
+                    continue
+                moved = [node if r in ranks else n for r, n in enumerate(nodes)]
+                after = _needing_checkpoint(layout, moved)
+                if after < bad and (best is None or after < best[0]):
+                    best = (after, Move(d, s, node))
+    return best[1] if best else None
+
+
+def could_move(layout: Layout, nodes: Sequence[str | None]) -> bool:
+    """Whether a node with room would let move_off_twin reduce the losses that need a checkpoint (never
+    under zero 1, where no rank's bytes are held twice): only then is the cluster's room worth reading."""
+    return move_off_twin(layout, nodes, {"": {}}, {}) is not None
+
+
+def _needing_checkpoint(layout: Layout, nodes: Sequence[str | None]) -> int:
+    return sum(not ok for ok in node_losses(layout, nodes).values())

@@ -1,0 +1,75 @@
+"""Where the copies of a shard sit (raytp.runtime.spread): pure, no Ray."""
+from raytp.parallel.layout import Layout
+from raytp.runtime import spread
+from raytp.runtime.spread import Move
+
+GPU2 = {"GPU": 2.0, "CPU": 2.0}
+
+
+def test_placement_aims_keep_a_stages_replicas_on_different_nodes():
+    # Enough nodes: one (replica, stage) group per node, in order.
+    assert spread.spread_targets(4, 2, 2) == [0, 1, 2, 3]
+    # 3 nodes for 2 replicas x 2 stages: the fourth group shares a node, but not with the other replica's
+    # copy of its stage, so losing any one node leaves every stage a replica.
+    aims = spread.spread_targets(3, 2, 2)
+    assert aims[:3] == [0, 1, 2] and aims[3] != aims[1]
+    for node in range(3):
+        lost = {k % 2 for k, n in enumerate(aims) if n == node}  # stages on that node
+        assert all(any(aims[r * 2 + s] != node for r in range(2)) for s in lost)
+    # Fewer nodes than replicas of a stage: the least loaded.
+    assert spread.spread_targets(2, 3, 1) == [0, 1, 0]
+    assert spread.spread_targets(0, 2, 1) == [None, None]
+
+
+def test_only_a_group_off_its_target_beside_a_copy_of_its_stage_is_asked_for_again():
+    """(stage, landed on, aimed at) per group: two copies of stage 1 on node a, one of them aimed at c."""
+    landed = [(0, "a", "a"), (1, "a", "b"), (0, "b", "b"), (1, "a", "a"), (1, "c", "c")]
+    assert spread.off_their_twins(landed) == [1]
+    assert spread.off_their_twins([(0, "a", "a"), (1, "a", "b")]) == []  # two stages may share a node
+    assert spread.off_their_twins([(0, "a", None), (0, "a", None)]) == []  # aimed nowhere: one node only
+
+
+def test_node_losses_says_which_nodes_a_layout_survives():
+    pp2dp2 = Layout(1, pp=2, dp=2, zero=0)  # ranks 0, 1: replica 0's stages; 2, 3: replica 1's
+    apart = ["a", "b", "c", "a"]  # stage 0 on a and c, stage 1 on b and a: every stage has a copy elsewhere
+    assert spread.node_losses(pp2dp2, apart) == {"a": True, "b": True, "c": True}
+    twins = ["a", "b", "a", "b"]  # the same stage's two copies on one node
+    assert spread.node_losses(pp2dp2, twins) == {"a": False, "b": False}
+    assert spread.node_losses(pp2dp2, twins, copy_node="c") == {"a": True, "b": True}  # the snapshots' copy
+    assert spread.node_losses(pp2dp2, twins, copy_node="a") == {"a": False, "b": True}
+    zero = Layout(1, pp=1, dp=2, zero=1)  # the AdamW rows have no replica under zero 1
+    assert spread.node_losses(zero, ["a", "b"]) == {"a": False, "b": False}
+    line = spread.survival_line({"a": True, "b": False}, {"b": "10.0.0.2"})
+    assert line == "a loss of node 10.0.0.2 needs the checkpoint (no copy of its shards on another node)"
+    assert spread.survival_line({"a": True}, {}) == "survives the loss of any 1 node without a checkpoint"
+    line = spread.survival_line({"a": True}, {"a": "10.0.0.1"}, by_replica={"a": False})
+    assert line.startswith("survives the loss of any 1 node without a checkpoint (of node 10.0.0.1 from the snapshots'")
+
+
+def test_a_copy_beside_its_twin_moves_to_a_node_with_room():
+    tp2dp2 = Layout(2, dp=2)  # replica 0: ranks 0, 1; replica 1: ranks 2, 3
+    both = ["a", "a", "a", "a"]
+    # replica 1 (not replica 0, which makes the snapshots) goes to the node with room
+    assert spread.move_off_twin(tp2dp2, both, {"a": {}, "b": GPU2}, {"GPU": 2.0}) == Move(1, 0, "b")
+    assert spread.move_off_twin(tp2dp2, both, {"a": {}, "b": {"GPU": 1.0}}, {"GPU": 2.0}) is None  # no room
+    assert spread.move_off_twin(tp2dp2, ["a", "a", "b", "b"], {"c": GPU2}, {"GPU": 2.0}) is None  # apart already
+    assert spread.move_off_twin(tp2dp2, both[:2], {"b": GPU2}, {}) is None  # not placed yet
+    # the least loaded node with room
+    free = {"a": {}, "b": GPU2, "c": GPU2}
+    assert spread.move_off_twin(tp2dp2, both, free, {"GPU": 2.0}).node == "b"
+    assert spread.move_off_twin(tp2dp2, ["a", "a", "a", "a", "c"][:4], free, {"GPU": 2.0}).node == "b"
+
+
+def test_a_stage_moves_only_where_the_losses_needing_a_checkpoint_go_down():
+    pp2dp2 = Layout(1, pp=2, dp=2, zero=0)  # ranks 0, 1: replica 0's stages; 2, 3: replica 1's
+    twins = ["a", "b", "a", "b"]  # both copies of stage 0 on a, of stage 1 on b
+    move = spread.move_off_twin(pp2dp2, twins, {"c": {"CPU": 1.0}}, {"CPU": 1.0})
+    assert move is not None and move.dp == 1 and move.node == "c"
+    moved = list(twins)
+    moved[pp2dp2.tp_group(move.dp, move.stage)[0]] = "c"
+    assert sum(not ok for ok in spread.node_losses(pp2dp2, moved).values()) == 1  # one of two nodes fixed
+    assert spread.move_off_twin(pp2dp2, twins, {"a": {"CPU": 1.0}}, {"CPU": 1.0}).stage == 1  # b's twin to a
+    assert spread.move_off_twin(pp2dp2, ["a", "b", "c", "d"], {"e": {"CPU": 1.0}}, {"CPU": 1.0}) is None
+    assert spread.could_move(pp2dp2, twins)
+    assert not spread.could_move(pp2dp2, ["a", "b", "c", "d"])
+    assert not spread.could_move(Layout(1, dp=2, zero=1), ["a", "a"])  # zero 1: no rank's bytes held twice
