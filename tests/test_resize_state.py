@@ -8,7 +8,7 @@ import pytest
 import ray
 import torch
 
-from helpers import FIXED, job, ray_actors
+from helpers import FIXED, job, losses, ray_actors
 from raytp.runtime.driver.driver import Driver
 
 TENSOR_LIMIT = 4096  # bytes: what the driver may see of any one object (a rendezvous address, some sizes)
@@ -75,19 +75,24 @@ def test_a_reshape_on_a_cluster_the_job_fills_switches_in_its_own_bundles(ray_lo
     """TP=4 x DP=1 on all 4 CPUs: TP=1 x DP=2 cannot be reserved beside it, and fits in its bundles. That is
     known from the nodes' free resources at the request (the placement timeout, NEVER_S here, is never
     waited out), the switch happens at the next step boundary, and the pause the resized event reports is
-    the gap metrics.jsonl shows between the last step before and the first after."""
+    the gap metrics.jsonl shows between the last step before and the first after. The old processes in the
+    new ranks' bundles take the new ranks (no process start), and the loss curve tracks an unresized run's."""
+    Driver(job(4, 1, steps=10), tmp_path / "ref", "inplace-ref", out=io.StringIO()).run_to_end()
     out = io.StringIO()
     d = Driver(job(4, 1, steps=10), tmp_path / "run", "inplace", out=out)
     try:
         d.start()
         d.train_loop(until=3)
         before = d.logits(FIXED)
+        pids = {n: a["pid"] for n, a in ray_actors("raytp.inplace.rank").items()}
         outcome = d.request_resize(d.layout.changed(tp=1, dp=2))
         assert outcome is not None and outcome.ok, outcome  # switched at this boundary: nothing to wait for
         assert "switching inside its own bundles" in out.getvalue()
         assert (d.layout.tp, d.layout.dp) == (1, 2)
         assert float((d.logits(FIXED) - before).abs().max()) < 1e-5
-        assert sorted(ray_actors("raytp.inplace.rank")) == ["raytp.inplace.rank0", "raytp.inplace.rank1"]
+        names = ray_actors("raytp.inplace.rank")
+        assert sorted(names) == ["raytp.inplace.rank0", "raytp.inplace.rank1"]
+        assert {n: a["pid"] for n, a in names.items()} == {n: pids[n] for n in names}  # the same processes
         d.train_loop()
         assert d.step == 10
     finally:
@@ -103,4 +108,6 @@ def test_a_reshape_on_a_cluster_the_job_fills_switches_in_its_own_bundles(ray_lo
     after = next(i for i, m in enumerate(metrics) if m["dp"] == 2)
     gap = metrics[after]["time"] - metrics[after]["step_time_s"] - metrics[after - 1]["time"]
     assert ev["stall_s"] == pytest.approx(gap, abs=1e-6), (ev, gap)  # the pause as the curve shows it
+    ours, theirs = np.array([m["loss"] for m in metrics]), np.array(losses(tmp_path / "ref"))
+    assert (np.abs(ours - theirs) / theirs).max() < 1e-4, "the loss curve left the unresized run's"
     print(ev, file=sys.stderr)

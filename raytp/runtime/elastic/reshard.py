@@ -33,8 +33,8 @@ from raytp.models.stage import stage_of
 from raytp.parallel.ownership import Ownership
 from raytp.runtime.elastic import rank_plans
 from raytp.runtime.errors import FAILURES
-from raytp.runtime.cluster.launch import actor_id
-from raytp.runtime.cluster.slots import unused_groups
+from raytp.runtime.cluster.launch import actor_id, bundle_key
+from raytp.runtime.cluster.slots import bundle_of, unused_groups
 from raytp.runtime.worker.transfer import PiecesSource, RebuildSource
 
 
@@ -179,7 +179,9 @@ def restart_in(group, new_cfg, new_pgs: dict, early: dict | None = None):
     """Every worker of `group` cuts its shard into bundles for the new layout (in the object store: one per
     new TP rank and stage, each holding only that stage's layers), stops, and the new layout's workers
     (`early`: {rank: (actor, bundle)} started ahead in `new_pgs`, else started now) fill their shards from
-    the bundles: (new group, bytes moved). On a failure the old layout starts again, in its own placement,
+    the bundles: (new group, bytes moved). Inside the job's own bundles (`new_pgs` carved from them) the
+    old process in each new rank's bundle takes the new rank instead of stopping (no process start: the
+    pause is the export and the rebuild). On a failure the old layout starts again, in its own placement,
     from the same bundles."""
     old, new = group.layout, new_cfg.layout
     stages = new_stages(new_cfg)
@@ -196,17 +198,24 @@ def restart_in(group, new_cfg, new_pgs: dict, early: dict | None = None):
         at = new.coords(r)
         return at.tp * len(stages) + (at.pp if new.pp > 1 else 0)
 
-    group.kill(range(old.world_size))  # (the new ranks started now take the old names and, in place, bundles)
+    kept = None if early else _holders(group, new, new_pgs)
+    # (the new ranks started now take the old names and, in place, bundles; kept processes keep theirs)
+    group.kill(r for r in range(old.world_size) if kept is None or group.workers[r] not in kept.values())
     nxt = None
     try:
-        if early:
-            nxt = group.successor(new_cfg, new_pgs, [early[r][0] for r in range(new.world_size)],
-                                  bundles={actor_id(a): k for a, k in early.values()})
-        else:
-            nxt = type(group).create(group.launcher, new_cfg, new_pgs)
         sources = {r: PiecesSource(tuple(refs[i][slot(r)] for i in range(owners)), new_cfg.model.vocab_size)
                    for r in range(new.world_size)}
-        nxt = nxt.join(setup=range(new.world_size), states=sources)
+        if kept:  # in place: each new rank's bundle is an old worker's, whose process takes the new rank
+            nxt = group.successor(new_cfg, new_pgs, [kept[r] for r in range(new.world_size)])
+            nxt = nxt.join(reshape=range(new.world_size), states=sources)
+            nxt.commit_reshape(range(new.world_size))
+        elif early:
+            nxt = group.successor(new_cfg, new_pgs, [early[r][0] for r in range(new.world_size)],
+                                  bundles={actor_id(a): k for a, k in early.values()})
+            nxt = nxt.join(setup=range(new.world_size), states=sources)
+        else:
+            nxt = type(group).create(group.launcher, new_cfg, new_pgs).join(setup=range(new.world_size),
+                                                                             states=sources)
     except FAILURES as e:
         if nxt is not None:
             nxt.kill(range(new.world_size))
@@ -257,6 +266,21 @@ def new_stages(cfg) -> list:
     """The Stage of each pipeline stage of `cfg`'s layout ([None] at pp == 1: the whole model)."""
     p = cfg.parallel
     return [stage_of(model_args(cfg), p.pp, s, p.pp_virtual, p.pp_layers) for s in range(p.pp)]
+
+
+def _holders(group, new, new_pgs: dict) -> dict | None:
+    """{new rank: the old worker sitting in the bundle the rank takes} where every new rank's bundle is an
+    old worker's (a switch inside the job's own bundles, one stage each side), else None."""
+    if new.pp > 1 or group.layout.pp > 1:
+        return None
+    by_bundle = {group.bundles.get(actor_id(w)): w for w in group.workers}
+    out = {}
+    for r in range(new.world_size):
+        pg, index = bundle_of(new_pgs[new.coords(r).dp], new.bundle_index(r))
+        out[r] = by_bundle.get(bundle_key(pg, index))
+        if out[r] is None:
+            return None
+    return out
 
 
 def _restarted_from(group, refs, replicated):
