@@ -252,7 +252,7 @@ class Driver:
         """Submit the next call behind the one in flight if nothing must happen between them."""
         quiet = (self.controls.stop is None and self.pending_resize is None and self.elastic.growing is None
                  and self.elastic.awaiting is None
-                 and not self.controls.waiting() and not self.respread.wants_boundary(self.group))
+                 and not self.controls.waiting() and self.respread.pending is None)
         self.calls.submit_next(self.cfg, end, self.checkpoints.last_step, quiet, self.cadence.every)
 
     def _report(self) -> None:

@@ -89,20 +89,21 @@ class Respread:
         if p is None:
             self._look(group)
         elif p.placement != group.placement:  # a recovery or resize changed the job meanwhile
-            self._drop(group)
+            self._drop(group, p)
         elif not p.early:
             if ray.wait([p.ready], timeout=0)[0]:
                 if group.placer.extension_placed(p.pg, p.move.node):
                     self._start_ahead(group, p)
                 else:
-                    self._drop(group)
+                    self._drop(group, p)
             elif time.perf_counter() - p.t0 > group.cfg.runtime.placement_timeout_s:
-                self._drop(group)
+                self._drop(group, p)
 
     def _look(self, group) -> None:
+        nodes = group.nodes()
         if group.placement != self._seen:
             self._seen = group.placement
-            self._could = bool(group.placement) and spread.could_move(group.layout, group.nodes())
+            self._could = bool(group.placement) and spread.could_move(group.layout, nodes)
         if not self._could:
             return
         free = group.placer.free_by_node()
@@ -111,7 +112,7 @@ class Respread:
         if frozenset(free) != self._nodes:
             self._nodes, self._tried = frozenset(free), set()
         cfg = group.cfg
-        move = spread.move_off_twin(group.layout, group.nodes(),
+        move = spread.move_off_twin(group.layout, nodes,
                                     {n: r for n, r in free.items() if n not in self._tried},
                                     group.placer.replica_need(cfg, cfg.parallel.tp))
         if move is None:
@@ -128,12 +129,13 @@ class Respread:
                 p.early[r] = group.start_worker(r, pgs=pgs, name=names.worker_moved(self.run, r, self.moves))
         except FAILURES as e:
             self.say(f"a move off a twin's node was given up: {type(e).__name__}: {e}")
-            self._drop(group)
+            self._drop(group, p)
             return
         p.pings.extend(group.pinged(a for a, _ in p.early.values()))
 
-    def _drop(self, group) -> None:
-        p, self.pending = self.pending, None
+    def _drop(self, group, p: _Pending) -> None:
+        """Give up move `p`: its workers and group go, and its node is not tried again until the nodes change."""
+        self.pending = None
         self._tried.add(p.move.node)
         group.kill_actors(a for a, _ in p.early.values())
         group.placer.release([p.pg])
@@ -143,8 +145,7 @@ class Respread:
         ranks = sorted(p.early)
         plan = policy.restore_plan(lay, ranks, {r: step for r in range(lay.world_size) if r not in ranks}, [])[0]
         if plan.source != "replica":  # could_move says a twin holds every byte; kept as the move's condition
-            self.pending = p
-            self._drop(group)
+            self._drop(group, p)
             return None
         t0 = time.perf_counter()
         old = group.pgs[move.dp]
@@ -166,5 +167,5 @@ class Respread:
     def release(self, group) -> None:
         """Give back what a move not carried out holds (the run ends)."""
         if self.pending is not None and group is not None:
-            self._drop(group)
+            self._drop(group, self.pending)
         self.pending = None
