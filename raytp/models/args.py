@@ -3,7 +3,8 @@
 One frozen value, written into checkpoint manifests and model files as a dict,
 read back by ``ModelArgs(**d)``. The keys after ``dropout`` are for the
 architectures that have them (a Llama's grouped-query heads, SwiGLU width,
-rotary base and its Llama 3 rescaling, untied head, norm epsilon); an
+rotary base and its Llama 3 rescaling, untied head, norm epsilon, expert
+layers); an
 architecture that fixes one (GPT-2 ties its head and has no KV grouping) says
 so in ``FIXED`` below, its only architecture-specific knowledge, so that the
 derived figures are right for it.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any
+
+from raytp.models.moe.args import MoeArgs
 
 # What an architecture fixes, whatever the keys say: GPT-2 has no KV grouping, a 4x MLP and a tied head.
 FIXED: dict[str, dict] = {"gpt2": {"n_kv_head": None, "intermediate_size": None, "tie_embeddings": True}}
@@ -97,10 +100,13 @@ class ModelArgs:
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     rope_scaling: RopeScaling | None = None  # None: unscaled rotary embedding
+    moe: MoeArgs | None = None               # None: every MLP dense (raytp.models.moe.args)
 
     def __post_init__(self):
         if self.rope_scaling is not None:  # read back from a manifest's or model file's dict
             object.__setattr__(self, "rope_scaling", RopeScaling.parse(self.rope_scaling))
+        if self.moe is not None:
+            object.__setattr__(self, "moe", MoeArgs.parse(self.moe))
 
     def _get(self, key: str):
         fixed = FIXED.get(self.arch, {})

@@ -77,6 +77,19 @@ class ParallelInput(nn.Module):
         return comm.gather_seq(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
 
 
+class ParallelOutput(nn.Module):
+    """The exit collective of a block whose row-parallel part is not one Linear (an MoE layer's experts, each
+    leaving a partial sum): Megatron's g, or the sequence reduce-scatter under SP."""
+    group_axis = "tp"  # the mesh axis of its group (raytp.models.shard.rebind_groups)
+
+    def __init__(self, group, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return comm.reduce_scatter_seq(y, self.group) if self.sequence_parallel else comm.reduce_from_tp(y, self.group)
+
+
 class ShardedLinear(nn.Module):
     """Y_i = X A_i: a column-parallel projection whose input a ParallelInput already made whole."""
     group_axis = "tp"  # the mesh axis of its group (raytp.models.shard.rebind_groups)

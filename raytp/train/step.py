@@ -21,7 +21,9 @@ DP part may start during the last backward passes: ``parallel.overlap_grad_reduc
 - shared KV heads (grouped-query attention at tp > n_kv_head; tagged
   ``shared_head``): each rank's copy saw only its own query heads, so the
   copies of a head have their gradients summed over the ranks sharing it
-  (in the same all-reduce as SP's).
+  (in the same all-reduce as SP's);
+- an MoE layer's router (tagged ``partial_over_tp``): each TP rank's gradient
+  came through its slice of the experts, so they are summed over TP too.
 Clipping uses the global norm: each parameter's squares are summed over the
 mesh axes its placement splits it along (TP; a shared head's once), replicated
 ones counted once; with DP replicas
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from raytp.models.moe.layer import set_aux_scale
 from raytp.models.registry import placement_of
 from raytp.models.stage import replicated_copy
 from raytp.parallel import comm
@@ -58,9 +61,9 @@ def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float = 1.0) -> 
 def _sum_over_tp(grads: list, group) -> None:
     """Sum over TP, in one all-reduce, the gradients TP ranks each hold a part of ([(parameter, gradient)]:
     the whole gradient, or the rows of it this DP rank owns, the same rows on every TP rank): SP-tagged
-    ones, and shared KV-head copies (each placed at its head's slot of a buffer of all heads, so the sum
-    adds up the copies of each head and nothing else)."""
-    sp = [g for p, g in grads if getattr(p, "sequence_parallel", False)]
+    ones, an MoE router's (``partial_over_tp``), and shared KV-head copies (each placed at its head's slot
+    of a buffer of all heads, so the sum adds up the copies of each head and nothing else)."""
+    sp = [g for p, g in grads if getattr(p, "sequence_parallel", False) or getattr(p, "partial_over_tp", False)]
     shared = []
     for p, g in grads:
         if hasattr(p, "shared_head"):
@@ -124,6 +127,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     (default: raytp.train.schedule.accumulate), then finish_step. `before_update`: see finish_step. With an
     optimizer that overlaps, the DP reduction starts during the schedule's last backward passes."""
     model.train()
+    set_aux_scale(model, 1.0 / len(micro_batches))  # MoE auxiliary losses weigh as each micro-batch's loss
     optimizer.zero_grad(set_to_none=False)  # the same buffers every step: no allocator churn
     optimizer.follow(groups.layout.dp, groups.dp_rank)
     if groups.dp is not None and getattr(optimizer, "overlap", False):  # a tied copy's bucket waits (its sum)

@@ -5,8 +5,10 @@ causal self-attention with rotary position embedding (Su et al. 2021, base
 ``rope_theta``; Llama 3.1+'s frequency rescaling with ``rope_scaling``) and
 grouped-query attention (``n_kv_head`` key/value heads, each shared by
 n_head / n_kv_head query heads; Ainslie et al. 2023), a SwiGLU MLP
-(down(silu(gate(x)) * up(x))), no biases, a final RMSNorm and an output
-head, untied from the embedding unless ``tie_embeddings``. Parameter names and
+(down(silu(gate(x)) * up(x))) or, in the layers ``moe`` names, a Mixture-of-
+Experts layer of SwiGLU experts (raytp.models.moe: Mixtral, Qwen-MoE,
+DeepSeek-style routers), no biases, a final RMSNorm and an output head,
+untied from the embedding unless ``tie_embeddings``. Parameter names and
 numerics follow Hugging Face's LlamaForCausalLM (minus the ``model.`` prefix),
 so its checkpoints load as they are.
 
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from raytp.initialization import InitRule
 from raytp.models.args import ModelArgs, RopeScaling
 from raytp.models.base import CausalLM, LMLoss
+from raytp.models.moe.layer import MoE
 
 
 class RMSNorm(nn.Module):
@@ -111,12 +114,12 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelArgs):
+    def __init__(self, cfg: ModelArgs, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = MoE(cfg.n_embd, cfg.moe) if cfg.moe is not None and cfg.moe.is_moe(layer) else SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,7 +137,7 @@ class Llama(CausalLM):
 
     def _layers(self, cfg: ModelArgs) -> None:
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})  # keys: global layer indices
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layer)})  # keys: global layer indices
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.criterion = LMLoss()

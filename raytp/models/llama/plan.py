@@ -10,7 +10,7 @@
    copies' gradients summed over the ranks sharing them (raytp.train.step);
    o_proj row-parallel (g, or the reduce-scatter under SP).
 3. per block, MLP: one ParallelInput feeds gate and up (column-parallel); down
-   is row-parallel.
+   is row-parallel. An MoE layer's experts split the same way (raytp.models.moe.plan).
 So each block costs two all-reduces forward and two backward, as Megatron's.
 4. with sequence parallelism, the RMSNorm weights see only this rank's slice
    of the sequence: their gradients are summed over TP by the step.
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from raytp.parallel.layers import (ColumnParallelLinear, ParallelInput, RowParallelLinear, ShardedLinear,
                                    VocabParallelCrossEntropy, VocabParallelEmbedding)
+from raytp.models.moe import plan as moe_plan
+from raytp.models.moe.layer import MoE
 from raytp.parallel.sharding import KV_HEADS, Sharding
 
 SHARDING: tuple[tuple[str, Sharding], ...] = (  # (regex over parameter names, sharding); others replicated
@@ -27,6 +29,7 @@ SHARDING: tuple[tuple[str, Sharding], ...] = (  # (regex over parameter names, s
     (r"layers\.\d+\.self_attn\.[kv]_proj\.weight", KV_HEADS),
     (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight", Sharding(dim=0)),
     (r"layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight", Sharding(dim=1)),
+    *moe_plan.SHARDING,
 )
 
 BLOCK_PARTS = (("self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj"),
@@ -47,6 +50,9 @@ def swap_parallel(model, group, sequence_parallel: bool, sliced, rank: int, tp: 
     for i, block in model.layers.items():
         for part, columns, row in BLOCK_PARTS:
             mod, prefix = getattr(block, part), f"layers.{i}.{part}"
+            if isinstance(mod, MoE):
+                moe_plan.parallelize(mod, prefix, group, sequence_parallel, sliced)
+                continue
             mod.tp_in = ParallelInput(group, sequence_parallel)
             for leaf in columns:
                 setattr(mod, leaf, ShardedLinear(sliced(f"{prefix}.{leaf}.weight", getattr(mod, leaf).weight)))
@@ -56,9 +62,11 @@ def swap_parallel(model, group, sequence_parallel: bool, sliced, rank: int, tp: 
 
 def tag(model, group, sequence_parallel: bool, rank: int, tp: int) -> None:
     """Mark the parameters whose gradients the step must sum over TP ranks (once every one is made):
-    shared KV-head copies, and, under SP, the RMSNorm weights."""
+    shared KV-head copies, an MoE layer's router, and, under SP, the RMSNorm weights."""
     kv = Sharding(dim=0, heads=model.cfg.kv_heads)
     for block in model.layers.values():
+        if isinstance(block.mlp, MoE):
+            moe_plan.tag(block.mlp)
         if kv.holders(tp) > 1:
             for proj in (block.self_attn.k_proj, block.self_attn.v_proj):
                 proj.weight.shared_head = (rank // kv.holders(tp), kv.heads, kv.holders(tp))

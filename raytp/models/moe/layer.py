@@ -1,0 +1,118 @@
+"""An MoE feed-forward layer (Mixtral's SparseMoeBlock, Qwen-MoE's with a shared expert, DeepSeek's router):
+a router, ``n_experts`` SwiGLU experts each token reaches ``top_k`` of, and optional shared experts every
+token goes through. Plain PyTorch; tensor parallelism is applied from outside (raytp.models.moe.plan).
+
+Each expert is its own module with two-dimensional weights under its global index
+(``experts.<j>.gate_proj.weight``), as transformers' checkpoints name them: the model's files, checkpoints and
+the TP split of an expert are those of a dense SwiGLU MLP (Megatron's SequentialMLP). The experts run one after
+another on the tokens routed to them; every expert runs each step, on no rows when none chose it, so each of
+its parameters gets a gradient every step.
+
+The router runs in float32 on the whole sequence. Its auxiliary losses (raytp.models.moe.routing: balance
+and z, weighted by ``aux_coeff`` and ``z_coeff``) never join the language-model loss that is reported:
+``AuxLoss`` hands their gradient to the router in backward, weighted as the step weighs this micro-batch's
+loss (``aux_scale``, set by raytp.train.step) and shared among the TP ranks that each compute it whole (their
+router gradients are summed over TP), so the gradient is the same at every layout and on any pipeline stage
+(Megatron's MoEAuxLossAutoScaler).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from raytp.models.moe.args import MoeArgs
+from raytp.models.moe.routing import balance_loss, counts, route, z_loss
+from raytp.parallel import comm
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert: down(silu(gate(x)) * up(x)), no biases (the names of Qwen-MoE's experts)."""
+
+    def __init__(self, n_embd: int, width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(n_embd, width, bias=False)
+        self.up_proj = nn.Linear(n_embd, width, bias=False)
+        self.down_proj = nn.Linear(width, n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class AuxLoss(torch.autograd.Function):
+    """Returns x unchanged; in backward gives `loss` the gradient `scale` (the loss's weight in the step),
+    so the auxiliary losses need no path of their own through the pipeline."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.like = scale, loss.detach()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full_like(ctx.like, ctx.scale), None
+
+
+class MoE(nn.Module):
+    def __init__(self, n_embd: int, m: MoeArgs):
+        super().__init__()
+        self.args = m
+        self.tp_in, self.tp_out = nn.Identity(), nn.Identity()  # the TP entry and exit collectives (plan.py)
+        self.gate = nn.Linear(n_embd, m.n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(n_embd, m.moe_ffn) for _ in range(m.n_experts))
+        self.shared_expert = Expert(n_embd, m.shared_width) if m.n_shared else None
+        self.shared_expert_gate = nn.Linear(n_embd, 1, bias=False) if m.shared_gate else None
+        self.aux_scale = 1.0  # this micro-batch's weight in the step's loss (set_aux_scale)
+        self.load: torch.Tensor | None = None  # tokens per expert since reset_load()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tp_in(x)  # (B, T, C): the whole sequence, also under sequence parallelism
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)
+        logits = F.linear(flat.float(), self.gate.weight.float())  # (N, E), float32
+        weights, experts, scores = route(logits, self.args)
+        out = self._routed(flat, weights, experts)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
+        y = self.tp_out(out.view(B, T, C))  # this TP rank's part of every expert summed over TP
+        load = counts(experts.detach(), self.args.n_experts)
+        self.load = load if self.load is None else self.load + load
+        m = self.args
+        if (m.aux_coeff or m.z_coeff) and self.training and torch.is_grad_enabled():
+            aux = m.aux_coeff * balance_loss(scores, experts, B, m) if m.aux_coeff else logits.new_zeros(())
+            if m.z_coeff:
+                aux = aux + m.z_coeff * z_loss(logits)
+            y = AuxLoss.apply(y, aux, self.aux_scale / comm.group_size(getattr(self.tp_out, "group", None)))
+        return y
+
+    def _routed(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """sum over each token's k experts of weight * expert(token), expert by expert."""
+        k = experts.shape[1]
+        order = experts.reshape(-1).argsort(stable=True)  # choices grouped by expert, tokens in order
+        tokens, w = order // k, weights.reshape(-1)[order]
+        out = torch.zeros_like(flat)
+        at = 0
+        for expert, n in zip(self.experts, counts(experts, self.args.n_experts).tolist()):
+            rows = tokens[at:at + n]
+            y = expert(flat[rows]) * w[at:at + n, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+            at += n
+        return out
+
+    def reset_load(self) -> torch.Tensor:
+        """The tokens each expert got since the last reset, and start again."""
+        load, self.load = self.load, None
+        return torch.zeros(self.args.n_experts, dtype=torch.long) if load is None else load
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def set_aux_scale(model: nn.Module, scale: float) -> None:
+    """Weigh the auxiliary losses of the next backward passes by `scale` (1 / micro-batches per step)."""
+    for m in moe_layers(model):
+        m.aux_scale = scale

@@ -1,0 +1,62 @@
+"""How each token picks its experts, and the router's auxiliary losses: pure functions of the router's
+logits, the same on every rank that computes them.
+
+- ``route``: softmax over the experts then the top k (Mixtral, Qwen-MoE), or a sigmoid per expert then
+  the top k (DeepSeek-V3), the k weights renormalised to sum to 1 when ``norm_topk`` (Mixtral always),
+  then times ``routed_scale``.
+- ``balance_loss``: the load-balancing loss per sequence, E / (k T) * sum_i count_i * mean_t p_i (Switch's
+  E * sum f_i P_i with f_i the share of the sequence's k T choices that went to expert i; DeepSeek-V3's
+  sequence-wise form), averaged over the sequences. Being a mean over sequences, it is the same whichever
+  data-parallel rank or micro-batch a sequence lands in: the gradient is equal at every layout (a global
+  per-batch f_i would depend on how the batch is split). transformers' Mixtral loss is k times this
+  (its f_i counts each of the k slots over T).
+- ``z_loss``: mean over tokens of logsumexp(logits)^2 (ST-MoE's router z-loss).
+"""
+from __future__ import annotations
+
+import torch
+
+from raytp.models.moe.args import MoeArgs
+
+
+def route(logits: torch.Tensor, m: MoeArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits (N, E) float32 -> (weights (N, k) float32, experts (N, k) int64, scores (N, E): the
+    probabilities the balance loss reads)."""
+    if m.score == "softmax":
+        scores = logits.softmax(dim=-1)
+        weights, experts = scores.topk(m.top_k, dim=-1)
+        if m.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    else:
+        scores = logits.sigmoid()
+        experts = scores.topk(m.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if m.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if m.routed_scale != 1.0:
+        weights = weights * m.routed_scale
+    return weights, experts, scores
+
+
+def counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many of the choices in `experts` (any shape) went to each expert: (E,) int64."""
+    return torch.bincount(experts.reshape(-1), minlength=n_experts)
+
+
+def balance_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, m: MoeArgs) -> torch.Tensor:
+    """The per-sequence load-balancing loss (see the module's text) of `batch` sequences whose tokens'
+    scores (B*T, E) and chosen experts (B*T, k) are given in order; 1.0 when every expert gets its share."""
+    E, k = scores.shape[1], experts.shape[1]
+    T = scores.shape[0] // batch
+    chosen = torch.zeros(batch, E, device=scores.device, dtype=scores.dtype)
+    chosen.scatter_add_(1, experts.reshape(batch, T * k), torch.ones(batch, T * k, device=scores.device,
+                                                                      dtype=scores.dtype))
+    p = scores.reshape(batch, T, E)
+    if m.score == "sigmoid":  # DeepSeek-V3 normalises the sigmoid scores per token first
+        p = p / (p.sum(dim=-1, keepdim=True) + 1e-20)
+    return (E / (k * T) * (chosen * p.mean(dim=1)).sum(dim=-1)).mean()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
