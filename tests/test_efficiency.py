@@ -15,6 +15,10 @@ MODELS = {
                            block_size=32, vocab_size=512),
     "llama-tied": ModelArgs(arch="llama", n_layer=3, n_head=4, n_embd=64, intermediate_size=96, block_size=16,
                             vocab_size=300, tie_embeddings=True),
+    # An expert layer counts what a token goes through: the router, its 2 of 4 experts, the gated shared one.
+    "llama-moe": ModelArgs(arch="llama", n_layer=3, n_head=4, n_embd=64, intermediate_size=96, block_size=16,
+                           vocab_size=300, moe=dict(n_experts=4, top_k=2, moe_ffn=32, first_dense=1, n_shared=1,
+                                                    shared_ffn=48, shared_gate=True)),
 }
 
 

@@ -11,7 +11,8 @@ def model_args(cfg: JobConfig) -> ModelArgs:
     return ModelArgs(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=m.block_size,
                      vocab_size=m.vocab_size, dropout=m.dropout, arch=m.arch, n_kv_head=m.n_kv_head,
                      intermediate_size=m.intermediate_size, rope_theta=m.rope_theta,
-                     tie_embeddings=m.tie_embeddings, norm_eps=m.norm_eps, rope_scaling=m.rope_scaling)
+                     tie_embeddings=m.tie_embeddings, norm_eps=m.norm_eps, rope_scaling=m.rope_scaling,
+                     moe=m.moe)
 
 
 def hyper(cfg: JobConfig) -> Hyper:

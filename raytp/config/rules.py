@@ -44,6 +44,17 @@ def _tp_message(v) -> str:
     return f"{tp} {why[0]}; valid tp: {', '.join(map(str, _tp_degrees(v)))}"
 
 
+def _moe_tp_problem(v) -> str | None:
+    """Which expert width parallel.tp does not divide (None: it divides them all)."""
+    m, tp = v["model.moe"], v["parallel.tp"]
+    for key, width in (("moe_ffn", m.moe_ffn), ("shared_ffn", m.shared_width)):
+        if width % tp:
+            what = key if key == "moe_ffn" else "n_shared * shared_ffn"
+            return (f"{tp} does not divide model.moe.{what}={width} (every expert is split over TP like the dense "
+                    f"MLP); valid tp: {', '.join(d for d in _divisors(width).split(', ') if int(d) in _tp_degrees(v))}")
+    return None
+
+
 def _micro_batches(v) -> int:
     local = v["train.batch_size"] // v["parallel.dp"]
     return local // v["train.micro_batch_size"] if v["train.micro_batch_size"] else 1
@@ -107,6 +118,16 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
     (("parallel.tp", *_MODEL),
      lambda v: v["parallel.tp"] in _tp_degrees(v),
      _tp_message),
+    (("model.moe", "model.arch"),
+     lambda v: v["model.moe"] is None or v["model.arch"] == "llama",
+     lambda v: f"expert layers are the Llama family's; set model.arch: llama (got {v['model.arch']!r})"),
+    (("model.moe", "model.n_layer"),
+     lambda v: v["model.moe"] is None or any(v["model.moe"].is_moe(i) for i in range(v["model.n_layer"])),
+     lambda v: f"first_dense={v['model.moe'].first_dense} and moe_every={v['model.moe'].moe_every} leave none "
+               f"of the model.n_layer={v['model.n_layer']} layers an expert layer"),
+    (("parallel.tp", "model.moe"),
+     lambda v: v["model.moe"] is None or _moe_tp_problem(v) is None,
+     lambda v: _moe_tp_problem(v)),
     # Sequence parallelism splits each sequence into tp equal pieces.
     (("parallel.sequence_parallel", "parallel.tp", "model.block_size"),
      lambda v: not v["parallel.sequence_parallel"]
@@ -169,7 +190,7 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
 # (raytp.runtime.origin checks the job again once it has it), so the job's defaults refuse nothing.
 FROM_MODEL = frozenset({"model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "model.vocab_size",
                         "model.arch", "model.n_kv_head", "model.intermediate_size", "model.rope_theta",
-                        "model.tie_embeddings", "model.norm_eps", "model.rope_scaling"})
+                        "model.tie_embeddings", "model.norm_eps", "model.rope_scaling", "model.moe"})
 
 
 def check(cfg: JobConfig, where, bad: set[str], shape_known: bool = True) -> list[str]:

@@ -16,6 +16,7 @@ from raytp.config.data_mix import Mix
 from raytp.config.values import NONNEG, POSITIVE, UNIT, IntList, Range
 from raytp.config.tracking import MlflowTarget, WandbTarget
 from raytp.models.args import RopeScaling
+from raytp.models.moe.args import MoeArgs
 from raytp.models.arch import ARCHES
 from raytp.parallel.layout import Layout
 
@@ -52,6 +53,12 @@ class ModelConfig:
     tie_embeddings: bool = _f(False, "llama: the output head shares the token embedding's weight "
                                      "(gpt2 always ties)")
     norm_eps: float = _f(1e-5, "llama: RMSNorm epsilon", POSITIVE)
+    moe: Optional[MoeArgs] = _f(
+        None, "llama: Mixture-of-Experts layers, {n_experts, top_k, moe_ffn (an expert's SwiGLU width), "
+              "moe_every: 1, first_dense: 0 (the first layers kept dense), score: softmax (Mixtral, Qwen) or "
+              "sigmoid (DeepSeek), norm_topk: true, routed_scale: 1.0, n_shared: 0, shared_ffn: 0, "
+              "shared_gate: false, aux_coeff: 0.0 (per-sequence load-balancing loss), z_coeff: 0.0 (router "
+              "z-loss)}; null = every layer dense")
 
 
 @dataclass(frozen=True)

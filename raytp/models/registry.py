@@ -7,6 +7,7 @@ architecture a Hugging Face directory holds, and the job checks of each.
 from __future__ import annotations
 
 import importlib
+import math
 import re
 
 import torch
@@ -82,15 +83,24 @@ def full_size_of(name: str, cfg: ModelArgs) -> int | None:
     return cfg.vocab_size if sharding_of(name, cfg).pad else None
 
 
+def _widths(cfg: ModelArgs) -> list[tuple[str, int]]:
+    """The widths TP splits: the dense MLP's and, with expert layers, an expert's and the shared experts'."""
+    out = [(spec(cfg).width_name, cfg.mlp_width)]
+    if cfg.moe is not None:
+        out.append(("moe_ffn", cfg.moe.moe_ffn))
+        if cfg.moe.shared_width:
+            out.append(("n_shared * shared_ffn", cfg.moe.shared_width))
+    return out
+
+
 def valid_tp_degrees(cfg: ModelArgs) -> list[int]:
-    return tp_degrees(cfg.n_head, cfg.kv_heads, cfg.mlp_width)
+    return tp_degrees(cfg.n_head, cfg.kv_heads, math.gcd(*(w for _, w in _widths(cfg))))
 
 
 def check_tp(cfg: ModelArgs, tp: int) -> None:
     """Reject a TP degree that does not divide the heads or the MLP width (or, with grouped-query
     attention, neither divides nor is a multiple of the KV heads), naming the valid ones."""
-    width = spec(cfg).width_name
-    bad = [f"does not divide {what}={n}" for what, n in (("n_head", cfg.n_head), (width, cfg.mlp_width)) if n % tp]
+    bad = [f"does not divide {what}={n}" for what, n in (("n_head", cfg.n_head), *_widths(cfg)) if n % tp]
     if cfg.kv_heads != cfg.n_head and not kv_fits(cfg.kv_heads, tp):
         bad.append(f"neither divides nor is a multiple of n_kv_head={cfg.kv_heads}")
     if bad:

@@ -8,7 +8,8 @@ for the backward pass (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", eq. 2 with tensor parallelism,
 doubled for float32: per layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in
 half precision, or s*b*h*(34/t + 5*a*s/(h*t)) with sequence parallelism; plus
-the vocabulary-parallel logits), the host buffers of in-memory snapshots (two
+the vocabulary-parallel logits; the MLP's share scaled to the width a token
+goes through, k experts' in an expert layer), the host buffers of in-memory snapshots (two
 copies of the weights and AdamW state it keeps on each rank that owns a part), and a fixed
 allowance for the process (Python, torch, Ray). On cpu all of it is host
 memory; on cuda the snapshot buffers and the allowance are host memory and the
@@ -84,6 +85,17 @@ def _local_sizes(model_cfg, tp: int) -> dict[str, int]:
     return out
 
 
+def _moe_mlp_ratio(model_cfg, layers) -> float:
+    """The MLP activations of the stage's layers, on average, against the formula's 4h MLP (whose share is
+    16 s b h / t bytes a layer): an expert layer's token goes through k experts and the shared ones, each
+    keeping its SwiGLU's activations (the router's are (s b E) floats, left out)."""
+    m, layers = model_cfg.moe, list(layers)
+    if m is None or not layers:
+        return 1.0
+    dense, routed = model_cfg.mlp_width, m.top_k * m.moe_ffn + m.shared_width
+    return sum((routed if m.is_moe(i) else dense) for i in layers) / (len(layers) * 4 * model_cfg.n_embd)
+
+
 def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
     """The memory of a worker of stage `pp_rank`: its layers' state, and the activations of the micro-batches
     1F1B keeps in flight there (pp - pp_rank of them at most; all of its model at pp == 1)."""
@@ -103,6 +115,7 @@ def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
         per_layer = s * b * h * (34 / tp + 5 * a * s / (h * tp))
     else:
         per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    per_layer += s * b * h * 16 / tp * (_moe_mlp_ratio(model_cfg, stage.layers if stage else range(m.n_layer)) - 1)
     per_layer *= 2 if cfg.train.precision == "fp32" else 1  # the formula counts 2-byte activations
     last = stage is None or stage.last
     logits = s * b * padded_vocab(m.vocab_size, tp) / tp * 4 * 3 if last else 0  # logits, softmax, gradient

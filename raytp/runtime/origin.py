@@ -20,6 +20,21 @@ def from_checkpoint(location, cfg: config_mod.JobConfig | None = None, warn=None
     return found.step, CheckpointSource.of(found), found.where
 
 
+def _experts(job, model, where):
+    """The expert layers of a run from a Hugging Face directory: the directory's, with the job's training
+    knobs (aux_coeff, z_coeff) when the job gives model.moe; ValueError naming the key where the job's shape
+    disagrees with the directory's (or the job asks for experts of a dense model)."""
+    if job is None:
+        return model
+    if model is None:
+        raise ValueError(f"model.moe: the model in {where} has no expert layers (its config.json is a dense one)")
+    for key in ("n_experts", "top_k", "moe_ffn"):  # the keys a job's model.moe always gives
+        if getattr(job, key) != getattr(model, key):
+            raise ValueError(f"model.moe.{key}: {getattr(job, key)!r}, but the model in {where} has "
+                             f"{getattr(model, key)!r} ({where}/config.json)")
+    return dataclasses.replace(model, aux_coeff=job.aux_coeff, z_coeff=job.z_coeff)
+
+
 def starting_state(cfg: config_mod.JobConfig, resume: str | None, run_dir: Path, say=print, run: str | None = None):
     """(cfg, init_state) where init_state is (step, source, where) or None.
 
@@ -46,7 +61,8 @@ def starting_state(cfg: config_mod.JobConfig, resume: str | None, run_dir: Path,
             cfg.model, n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd,
             block_size=block, vocab_size=shape.vocab_size, arch=shape.arch, n_kv_head=shape.n_kv_head,
             intermediate_size=shape.intermediate_size, rope_theta=shape.rope_theta,
-            tie_embeddings=shape.tie_embeddings, norm_eps=shape.norm_eps, rope_scaling=shape.rope_scaling))
+            tie_embeddings=shape.tie_embeddings, norm_eps=shape.norm_eps, rope_scaling=shape.rope_scaling,
+            moe=_experts(cfg.model.moe, shape.moe, cfg.model.init_from)))
         config_mod.validate(cfg, f"{cfg.model.init_from}/config.json")
         say(f"starting from the {spec.title} in {cfg.model.init_from} ({shape.n_layer} layers x {shape.n_embd} wide, "
             f"{shape.n_head} heads, {shape.kv_heads} KV heads, vocabulary {shape.vocab_size})")

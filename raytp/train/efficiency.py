@@ -3,7 +3,8 @@ worker process has used at its peak. Pure functions, but ``peak_memory`` (which 
 
 FLOPs per token (torchtitan's and PaLM's count): a matmul of a weight with N elements costs 2N FLOPs per
 token forward and 4N backward, so a training step costs 6 x the matmul weights (every parameter but the
-token and position embeddings, which are looked up; a tied head counts once more as the head's matmul);
+token and position embeddings, which are looked up; a tied head counts once more as the head's matmul; of an
+expert layer, the active parameters only: the router and the k experts and shared experts a token reaches);
 attention adds, per layer, QK^T and AV over the whole context: 2 x 2 x T x d forward, x 3 with the
 backward (12 x n_layer x d x T; causal masking is not subtracted, as in those counts). Checked against
 ``torch.utils.flop_counter`` on the one-device model (tests/test_efficiency.py).
@@ -27,14 +28,19 @@ PEAK_TFLOPS = (
 
 
 def matmul_params(cfg: ModelArgs) -> int:
-    """Elements of the weights used in matmuls (a tied head counted as the head)."""
+    """Elements of the weights used in matmuls per token (a tied head counted as the head; an expert layer's
+    active ones)."""
     d, layers = cfg.n_embd, cfg.n_layer
     if cfg.arch == "llama":
         kv = cfg.kv_heads * cfg.head_dim
-        per_layer = d * d + 2 * d * kv + d * d + 3 * d * cfg.mlp_width
+        per_layer = [d * d + 2 * d * kv + d * d + 3 * d * cfg.mlp_width] * layers
+        m = cfg.moe
+        if m is not None:  # an expert layer: the router, and the k experts and shared ones a token goes through
+            active = d * m.n_experts + 3 * d * (m.top_k * m.moe_ffn + m.shared_width) + (d if m.shared_gate else 0)
+            per_layer = [p - 3 * d * cfg.mlp_width + active if m.is_moe(i) else p for i, p in enumerate(per_layer)]
     else:  # GPT-2: qkv, projection, the 4x MLP (biases are not matmuls)
-        per_layer = 3 * d * d + d * d + 2 * d * cfg.mlp_width
-    return layers * per_layer + d * cfg.vocab_size
+        per_layer = [3 * d * d + d * d + 2 * d * cfg.mlp_width] * layers
+    return sum(per_layer) + d * cfg.vocab_size
 
 
 def flops_per_token(cfg: ModelArgs, seq_len: int | None = None) -> float:

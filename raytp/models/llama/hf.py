@@ -11,14 +11,17 @@ from __future__ import annotations
 import dataclasses
 
 from raytp.models.args import ModelArgs, RopeScaling
+from raytp.models.llama import mixtral
 
-MODEL_TYPES = ("llama", "mistral")  # Mistral is a Llama with (optionally) sliding-window attention
+# Mistral is a Llama with (optionally) sliding-window attention; Mixtral a Mistral of expert layers (mixtral.py)
+MODEL_TYPES = ("llama", "mistral", mixtral.MODEL_TYPE)
 
 
 def hf_config(cfg: ModelArgs) -> dict:
+    """A LlamaForCausalLM's config.json, or with expert layers a MixtralForCausalLM's."""
     # transformers >= 5 reads rope_parameters, older releases rope_theta and rope_scaling: both are written
     scaling = dataclasses.asdict(cfg.rope_scaling) if cfg.rope_scaling else None
-    return {
+    llama = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_width,
         "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
@@ -30,6 +33,7 @@ def hf_config(cfg: ModelArgs) -> dict:
         "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": 0.02,
         "torch_dtype": "float32",
     }
+    return llama if cfg.moe is None else mixtral.hf_config(llama, cfg)
 
 
 def rope_scaling_of(d: dict) -> RopeScaling | None:
@@ -50,7 +54,7 @@ def rope_scaling_of(d: dict) -> RopeScaling | None:
 
 
 def config_from_hf(d: dict, where: str = "config.json") -> ModelArgs:
-    """The shape of a LlamaForCausalLM (or Mistral) config.json; what raytp's Llama cannot be is refused,
+    """The shape of a LlamaForCausalLM (or Mistral, or Mixtral) config.json; what raytp's Llama cannot be is refused,
     every such key named at once."""
     problems = []
     if d.get("hidden_act", "silu") != "silu":
@@ -68,7 +72,8 @@ def config_from_hf(d: dict, where: str = "config.json") -> ModelArgs:
     if d.get("head_dim") not in (None, width // heads):
         problems.append(f"head_dim={d['head_dim']} differs from hidden_size/num_attention_heads={width // heads}")
     window = d.get("sliding_window")
-    if d.get("model_type") == "mistral" and window is not None and window < d.get("max_position_embeddings", 0):
+    moe = mixtral.moe_from_hf(d, problems) if d.get("model_type") == mixtral.MODEL_TYPE else None
+    if d.get("model_type") in ("mistral", mixtral.MODEL_TYPE) and window is not None and window < d.get("max_position_embeddings", 0):
         problems.append(f"sliding_window={window} attention; raytp attends over the whole context")
     if problems:
         raise ValueError(f"{where}: " + "; ".join(problems))
@@ -76,11 +81,14 @@ def config_from_hf(d: dict, where: str = "config.json") -> ModelArgs:
                      n_kv_head=d.get("num_key_value_heads") or heads, intermediate_size=d["intermediate_size"],
                      block_size=d["max_position_embeddings"], vocab_size=d["vocab_size"],
                      rope_theta=float(theta), norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                     tie_embeddings=bool(d.get("tie_word_embeddings", False)), rope_scaling=scaling)
+                     tie_embeddings=bool(d.get("tie_word_embeddings", False)), rope_scaling=scaling, moe=moe)
 
 
 def to_hf(name: str, cfg: ModelArgs | None = None) -> tuple[str, bool]:
     """The directory's name of raytp weight `name`; never transposed (both are nn.Linear)."""
+    theirs = mixtral.to_hf(name) if cfg is not None and cfg.moe is not None else None
+    if theirs is not None:
+        return theirs, False
     return (name if name.startswith("lm_head.") else f"model.{name}"), False
 
 
@@ -89,7 +97,8 @@ def from_hf(hf_name: str, cfg: ModelArgs) -> str | None:
     rotary frequency buffers older transformers saved)."""
     if hf_name.endswith("rotary_emb.inv_freq") or (cfg.tied and hf_name == "lm_head.weight"):
         return None
-    return hf_name.removeprefix("model.")
+    ours = mixtral.from_hf(hf_name) if cfg.moe is not None else None
+    return ours or hf_name.removeprefix("model.")
 
 
 def block_size(job: int, model: int) -> int:
