@@ -1,13 +1,17 @@
 """TP x PP x DP trains like one device: GPT-2 (tied embedding: copies on the first and last stage) and
-Llama (GQA, shared KV heads past n_kv_head, untied and tied), 5 layers on 2 and 3 stages (uneven), 1F1B and
+Llama (GQA, shared KV heads past n_kv_head, untied and tied; with expert layers on the second stage only),
+5 layers on 2 and 3 stages (uneven), 1F1B and
 interleaved, with and without sequence parallelism: 20 AdamW steps, every step's loss within 1e-5 relative
 of one device running the same micro-batches, final weights (gathered over TP, merged over stages) within
 1e-5. Without Ray: one process per rank (raytp.parallel.spawn), gloo."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch.distributed as dist
 from tp_training import HYPER, SEED, STEPS, corpus, gpt_config, llama_config, without_key_bias
 
+from raytp.models.moe.args import MoeArgs
 from raytp.models.registry import build_model
 from raytp.models.shard import build_shard, gather_full_state
 from raytp.models.stage import replicated_copy, stage_of
@@ -21,8 +25,17 @@ from raytp.train.step import eval_loss, make_optimizer, train_step
 BATCH = 8
 
 
+# "moe": the Llama with expert layers from layer 2 on (Mixtral's router with the balance and z losses): the
+# first stage of two holds dense layers only, and the auxiliary losses' gradients are sent back with no
+# path of their own.
+MOE = MoeArgs(n_experts=4, top_k=2, moe_ffn=16, first_dense=2, aux_coeff=0.05, z_coeff=0.01)
+
+
 def config(arch, tied=False, dropout=0.0):
-    return gpt_config(dropout=dropout, n_layer=5) if arch == "gpt2" else llama_config(tied=tied, n_layer=5)
+    if arch == "gpt2":
+        return gpt_config(dropout=dropout, n_layer=5)
+    cfg = llama_config(tied=tied, n_layer=5)
+    return dataclasses.replace(cfg, moe=MOE) if arch == "moe" else cfg
 
 
 def micro_batches(data, cfg, step, dp_rank, dp, m):
@@ -73,10 +86,10 @@ def one_device(rank, world, init, keys):
 # Tied weights with DP and PP x DP are run at 8 (TP=2 x PP=2 x DP=2), a tied Llama at 3.
 RUNS = {
     2: [("gpt2", True, 0.0, 1, 2, 1, False, "1f1b", 1, 4), ("llama", False, 0.0, 1, 2, 1, False, "interleaved", 2, 4),
-        ("gpt2", True, 0.1, 1, 2, 1, False, "interleaved", 2, 4)],
+        ("gpt2", True, 0.1, 1, 2, 1, False, "interleaved", 2, 4), ("moe", False, 0.0, 1, 2, 1, False, "1f1b", 1, 4)],
     3: [("gpt2", True, 0.0, 1, 3, 1, False, "1f1b", 1, 4), ("llama", True, 0.0, 1, 3, 1, False, "1f1b", 1, 8)],
     4: [("gpt2", True, 0.0, 2, 2, 1, False, "1f1b", 1, 4), ("gpt2", True, 0.0, 2, 2, 1, True, "interleaved", 2, 4),
-        ("llama", False, 0.0, 2, 2, 1, True, "1f1b", 1, 4)],
+        ("llama", False, 0.0, 2, 2, 1, True, "1f1b", 1, 4), ("moe", False, 0.0, 2, 2, 1, True, "1f1b", 1, 4)],
     8: [("gpt2", True, 0.0, 2, 2, 2, True, "1f1b", 1, 2), ("llama", False, 0.0, 2, 2, 2, False, "interleaved", 2, 2)],
 }
 

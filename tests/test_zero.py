@@ -1,14 +1,17 @@
 """The distributed optimizer (parallel.zero 1) takes the same steps as the replicated one (zero 0), bit for
 bit on gloo (losses, gradient norms, final weights), and both train like one device within 1e-5: DP=2,
-TP=2 x DP=2 with sequence parallelism, DP=4 (parameter counts no DP degree divides), two pipeline stages x
+an MoE Llama at DP=2, TP=2 x DP=2 with sequence parallelism, DP=4 (parameter counts no DP degree divides), two pipeline stages x
 DP=2, bf16; small buckets so a step reduces several. Each rank keeps the AdamW moments of its own rows
 only. Without Ray: one process per rank (raytp.parallel.spawn), gloo."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from tp_training import HYPER, SEED, STEPS, corpus, gpt_config, llama_config, without_key_bias
 
+from raytp.models.moe.args import MoeArgs
 from raytp.models.registry import build_model
 from raytp.models.shard import build_shard, gather_full_state
 from raytp.models.stage import replicated_copy, stage_of
@@ -25,8 +28,13 @@ BATCH, M = 8, 2
 BUCKET = 3000  # elements: several buckets per shard, one tensor (the embedding) alone in one
 
 
+MOE = MoeArgs(n_experts=4, top_k=2, moe_ffn=16, aux_coeff=0.05)  # "moe": the Llama's MLPs expert layers
+
+
 def config(arch):
-    return gpt_config(n_layer=2) if arch == "gpt2" else llama_config(n_layer=2)
+    if arch == "gpt2":
+        return gpt_config(n_layer=2)
+    return dataclasses.replace(llama_config(n_layer=2), moe=MOE) if arch == "moe" else llama_config(n_layer=2)
 
 
 def hyper(precision):
@@ -82,7 +90,7 @@ def one_device(rank, world, init, keys):
 # (arch, tp, pp, dp, sp, precision) each at zero 0, zero 0 with overlap and zero 1 with overlap, by world size:
 # one spawn each
 LAYOUTS = {
-    2: [("gpt2", 1, 1, 2, False, "fp32")],
+    2: [("gpt2", 1, 1, 2, False, "fp32"), ("moe", 1, 1, 2, False, "fp32")],
     4: [("llama", 2, 1, 2, True, "fp32"), ("gpt2", 1, 1, 4, False, "fp32"), ("gpt2", 1, 2, 2, False, "fp32"),
         ("llama", 1, 1, 4, False, "bf16")],
 }
