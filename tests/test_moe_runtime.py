@@ -1,8 +1,11 @@
 """The runtime on an MoE Llama (4 experts, top 2, balance loss on) at TP=2 x DP=2: a SIGKILLed worker is
 healed from its DP replica with nothing lost, bit for bit; a live TP change (2 -> 1 -> 2, with DP 2) keeps
 the model and tracks the unresized run; a checkpoint written at TP=2 x DP=2 resumes on one device and goes
-on as the unbroken run did."""
+on as the unbroken run did; every step's record has each expert layer's load and losses, and the
+progress line the worst layer's imbalance."""
 import io
+import json
+import re
 import signal
 
 import numpy as np
@@ -76,3 +79,18 @@ def test_checkpoint_at_tp2_dp2_resumes_on_one_device(reference, tmp_path):
         d.log.close()
     ours, theirs = np.array(losses(tmp_path / "run")), np.array(losses(reference))[4:]
     assert len(ours) == STEPS - 4 and (np.abs(ours - theirs) / theirs).max() < 1e-4
+
+
+@pytest.mark.slow
+def test_every_step_records_its_expert_load_and_the_progress_line_shows_it(reference):
+    recs = [json.loads(line) for line in open(reference / "metrics.jsonl")]
+    assert [r["step"] for r in recs] == list(range(STEPS))
+    for r in recs:
+        layers = r["experts"]
+        assert set(layers) == {str(i) for i in range(job(2, 2, model=MOE).model.n_layer)}
+        for f in layers.values():
+            assert 0 <= f["min"] <= f["max"] and f["imbalance"] >= 1.0 and f["balance_loss"] > 0
+        assert r["expert_imbalance"] == max(f["imbalance"] for f in layers.values())
+        assert r["balance_loss"] == pytest.approx(sum(f["balance_loss"] for f in layers.values()))
+    out = (reference.parent / "moeref.out").read_text()
+    assert re.search(r"experts \d+\.\d\dx", out), out[-500:]

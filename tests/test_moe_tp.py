@@ -120,3 +120,52 @@ def test_expert_weights_split_like_a_dense_mlp_and_the_router_is_replicated():
     assert sharding_of("layers.2.mlp.shared_expert.up_proj.weight", cfg).dim == 0
     assert sharding_of("layers.1.mlp.gate.weight", cfg).dim is None
     assert sharding_of("layers.1.mlp.shared_expert_gate.weight", cfg).dim is None
+
+
+def figures_at(rank, world, init, layouts):
+    """expert_figures after one step at each (tp, pp, dp), on the first stage's first rank."""
+    from raytp.models.stage import stage_of
+    from raytp.train.expert_load import expert_figures
+    from raytp.train.stage_runner import PipelineSchedule
+    from raytp.train.step import make_optimizer, train_step
+    from tp_training import HYPER
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    out = []
+    for tp, pp, dp in layouts:
+        cfg = moe_config("deepseek")
+        groups = build_groups(Layout(tp, pp=pp, dp=dp), rank)
+        stage = stage_of(cfg, pp, groups.pp_rank) if pp > 1 else None
+        model = build_shard(cfg, SEED, groups.tp, False, stage=stage)
+        x, y = batch(corpus(cfg.vocab_size), "train", SEED, 0, groups.dp_rank, dp, BATCH, cfg.block_size)
+        mbs = list(zip(x.chunk(2 // dp), y.chunk(2 // dp)))
+        train_step(model, make_optimizer(model, HYPER), mbs, groups, 0, HYPER,
+                   schedule=PipelineSchedule("1f1b", stage, False) if stage else None)
+        out.append(expert_figures(model, groups))
+    return out[0] if rank == 0 else None, out[1] if rank == 0 else None
+
+
+def test_expert_figures_count_the_global_batch_at_any_layout():
+    """Tokens per expert summed over DP replicas and pipeline stages, the losses averaged over forwards: the
+    same as one device's over the same batch (a DP=2 run, and a PP=2 run whose first stage holds no expert
+    layer)."""
+    from raytp.models.stage import stage_of
+    from raytp.train.expert_load import expert_figures
+    from raytp.train.step import make_optimizer, train_step
+    from tp_training import HYPER
+    cfg = moe_config("deepseek")
+    model = build_model(cfg, SEED)
+    x, y = batch(corpus(cfg.vocab_size), "train", SEED, 0, 0, 1, BATCH, cfg.block_size)
+    train_step(model, make_optimizer(model, HYPER), list(zip(x.chunk(2), y.chunk(2))),
+               ProcessGroups(Layout(1, dp=1), 0, None, None), 0, HYPER)
+    want = expert_figures(model, ProcessGroups(Layout(1, dp=1), 0, None, None))
+    assert set(want["experts"]) == {"1", "2"} and want["expert_imbalance"] >= 1.0
+    total = BATCH * cfg.block_size * cfg.moe.top_k
+    for layer in want["experts"].values():
+        assert layer["min"] <= total / 4 <= layer["max"]
+    assert stage_of(cfg, 2, 0).layers == (0,)  # the first stage holds the dense layer: the figures come from the last
+    for got in run_ranks(2, figures_at, [(1, 1, 2), (1, 2, 1)])[0]:
+        assert got["experts"].keys() == want["experts"].keys()
+        for layer, figures in want["experts"].items():
+            assert got["experts"][layer]["min"] == figures["min"] and got["experts"][layer]["max"] == figures["max"]
+            for k in ("imbalance", "balance_loss", "z_loss"):
+                assert abs(got["experts"][layer][k] - figures[k]) < 1e-5, (layer, k)

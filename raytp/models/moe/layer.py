@@ -63,7 +63,7 @@ class MoE(nn.Module):
         self.shared_expert = Expert(n_embd, m.shared_width) if m.n_shared else None
         self.shared_expert_gate = nn.Linear(n_embd, 1, bias=False) if m.shared_gate else None
         self.aux_scale = 1.0  # this micro-batch's weight in the step's loss (set_aux_scale)
-        self.load: torch.Tensor | None = None  # tokens per expert since reset_load()
+        self.stats = RoutingStats()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.tp_in(x)  # (B, T, C): the whole sequence, also under sequence parallelism
@@ -78,13 +78,14 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
         y = self.tp_out(out.view(B, T, C))  # this TP rank's part of every expert summed over TP
-        load = counts(experts.detach(), self.args.n_experts)
-        self.load = load if self.load is None else self.load + load
+        if not self.training:
+            return y
         m = self.args
-        if (m.aux_coeff or m.z_coeff) and self.training and torch.is_grad_enabled():
-            aux = m.aux_coeff * balance_loss(scores, experts, B, m) if m.aux_coeff else logits.new_zeros(())
-            if m.z_coeff:
-                aux = aux + m.z_coeff * z_loss(logits)
+        balance, z = balance_loss(scores, experts, B, m), z_loss(logits)
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation in backward (activation checkpointing)
+            self.stats.add(counts(experts, m.n_experts), balance, z)
+        if (m.aux_coeff or m.z_coeff) and torch.is_grad_enabled():
+            aux = m.aux_coeff * balance + m.z_coeff * z
             y = AuxLoss.apply(y, aux, self.aux_scale / comm.group_size(getattr(self.tp_out, "group", None)))
         return y
 
@@ -102,10 +103,26 @@ class MoE(nn.Module):
             at += n
         return out
 
-    def reset_load(self) -> torch.Tensor:
-        """The tokens each expert got since the last reset, and start again."""
-        load, self.load = self.load, None
-        return torch.zeros(self.args.n_experts, dtype=torch.long) if load is None else load
+
+
+class RoutingStats:
+    """What a layer's router did in training forwards since the last ``take``: tokens per expert, and the sums
+    of the balance and z losses with the number of forwards they came from (detached)."""
+
+    def __init__(self):
+        self.load, self.balance, self.z, self.forwards = None, 0.0, 0.0, 0
+
+    def add(self, load: torch.Tensor, balance: torch.Tensor, z: torch.Tensor) -> None:
+        self.load = load if self.load is None else self.load + load
+        self.balance, self.z = self.balance + balance.detach(), self.z + z.detach()
+        self.forwards += 1
+
+    def take(self, n_experts: int) -> tuple[torch.Tensor, float, float, int]:
+        """(tokens per expert, balance loss sum, z loss sum, forwards), and start again."""
+        load = self.load if self.load is not None else torch.zeros(n_experts, dtype=torch.long)
+        out = (load, float(self.balance), float(self.z), self.forwards)
+        self.__init__()
+        return out
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -11,6 +11,7 @@ import json
 import time
 from pathlib import Path
 
+from raytp.runtime.driver.expert_watch import ImbalanceWatch
 from raytp.runtime.driver.stragglers import Stragglers
 
 
@@ -26,7 +27,9 @@ GAUGES = {
     "mfu": "model FLOPs utilisation of the last step (where the device's peak is known)",
     "peak_memory_bytes": "highest peak memory of a worker in the last step (GPU reserved, or CPU resident)",
     "data_seconds": "time the slowest reporting rank took to build its batch in the last step",
+    "expert_imbalance": "the worst expert layer's max/mean tokens per expert in the last step (MoE models only)",
 }
+EXPERT_ONLY = ("expert_imbalance",)  # exported by runs of models with expert layers only
 RANK_GAUGES = {
     "rank_compute_seconds": "a rank's compute time in the last step (its step less its time in collectives)",
 }
@@ -84,6 +87,7 @@ class RunLog:
         self.ray = RayMetrics(run) if ray_metrics else None
         self.next_step = 0  # steps below this have their metrics.jsonl line (a resumed run starts later)
         self.stragglers = Stragglers(straggler_ratio)
+        self.imbalance = ImbalanceWatch()
         self.trackers = trackers  # raytp.runtime.driver.tracking.Trackers: the same records, sent on
         self.mirror = mirror  # raytp.runtime.driver.mirror.Mirror: the files, copied to shared storage
 
@@ -115,13 +119,17 @@ class RunLog:
         named = self.stragglers.observe(rec["step"], rec.get("straggler"))
         if named is not None:
             self.event("straggler", **named)
+        skewed = self.imbalance.observe(rec)
+        if skewed is not None:
+            self.event("expert_imbalance", **skewed)
         if self.ray and rank_compute_s:
             self.ray.set_ranks("rank_compute_seconds", rank_compute_s)
         if self.ray:
             for key, gauge in (("loss", "loss"), ("tokens_per_s", "tokens_per_second"),
                                ("step_time_s", "step_seconds"), ("comm_s", "comm_seconds"), ("step", "step"),
                                ("val_loss", "val_loss"), ("tflops", "tflops"),
-                               ("mfu", "mfu"), ("peak_mem_bytes", "peak_memory_bytes"), ("data_s", "data_seconds")):
+                               ("mfu", "mfu"), ("peak_mem_bytes", "peak_memory_bytes"), ("data_s", "data_seconds"),
+                               ("expert_imbalance", "expert_imbalance")):
                 if rec.get(key) is not None:
                     self.ray.set(gauge, rec[key])
             if rec.get("tp") and rec.get("dp"):

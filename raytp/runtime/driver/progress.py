@@ -24,6 +24,8 @@ class Progress:
             figures["mfu"] = f"{100 * rec['mfu']:.1f}%"
         if rec.get("peak_mem_bytes") is not None:
             figures["mem"] = f"{rec['peak_mem_bytes'] / 2**30:.2f}G"
+        if rec.get("expert_imbalance") is not None:  # the worst expert layer's max/mean tokens per expert
+            figures["experts"] = f"{rec['expert_imbalance']:.2f}x"
         if rec.get("val_loss") is not None:
             figures["val"] = f"{rec['val_loss']:.4f}"
         if self.bar is not None:

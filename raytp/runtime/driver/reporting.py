@@ -36,6 +36,9 @@ def step_record(rec: dict, all_ranks: list[dict], cfg, layout: Layout) -> dict:
     straggler = stragglers.slowest(rec.get("rank_compute_s") or [])
     if straggler is not None:
         out["straggler"] = straggler
+    for key in ("experts", "expert_imbalance", "balance_loss", "z_loss"):  # expert layers (raytp.train.expert_load)
+        if rec.get(key) is not None:
+            out[key] = rec[key]
     for key in ("data_s", "peak_mem_bytes", "alloc_retries"):
         got = [r[key] for r in all_ranks if r.get(key) is not None]
         if got:

@@ -29,6 +29,8 @@ def scalars(rec: dict) -> dict[str, float]:
     """The numbers of a step record to plot."""
     out = {k: float(v) for k, v in rec.items() if k not in SKIP and isinstance(v, (int, float))
            and not isinstance(v, bool)}
+    for layer, figures in (rec.get("experts") or {}).items():  # an expert layer's: experts/<layer>/imbalance ...
+        out.update({f"experts/{layer}/{k}": float(v) for k, v in figures.items()})
     if isinstance(rec.get("straggler"), dict):
         out["straggler_ratio"] = float(rec["straggler"]["ratio"])
     return out

@@ -17,6 +17,7 @@ import torch
 from raytp.data.corpus import batch, check_ids, epochs_read
 from raytp.parallel import comm
 from raytp.train.efficiency import peak_memory
+from raytp.train.expert_load import expert_figures
 from raytp.train.hyper import compute_precision
 from raytp.train.stage_runner import pipeline_forward
 from raytp.train.step import train_step
@@ -36,7 +37,7 @@ def train_record(cfg, corpus, shard, groups, pipeline, device: torch.device, ste
                  batches_of=None) -> dict:
     """Run optimizer step `step` on `shard` (raytp.runtime.worker.held_shard.HeldShard) in `groups`; its
     record: loss, learning rate, gradient norm, times (whole, communication, data), every rank's compute
-    time, epochs read, peak memory. `batches_of(split, step)`: the micro-batches (default: micro_batches')."""
+    time, epochs read, peak memory, and what the expert layers did (raytp.train.expert_load). `batches_of(split, step)`: the micro-batches (default: micro_batches')."""
     comm.STATS.take()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -45,6 +46,7 @@ def train_record(cfg, corpus, shard, groups, pipeline, device: torch.device, ste
                else micro_batches(cfg, corpus, groups, device, "train", step))
     data_s = time.perf_counter() - t0
     r = train_step(shard.model, shard.optimizer, batches, groups, step, shard.hyper, before_update, pipeline)
+    experts = expert_figures(shard.model, groups)  # {} without expert layers
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed, comm_s = time.perf_counter() - t0, comm.STATS.take()[0]
@@ -52,7 +54,7 @@ def train_record(cfg, corpus, shard, groups, pipeline, device: torch.device, ste
     return {"step": step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "step_time_s": elapsed,
             "comm_s": comm_s, "data_s": data_s, "rank_compute_s": ranks,
             "epoch": epochs_read(corpus, (step + 1) * cfg.train.batch_size, cfg.model.block_size),
-            **peak_memory(device)}
+            **peak_memory(device), **experts}
 
 
 @torch.no_grad()

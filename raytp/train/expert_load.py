@@ -1,0 +1,48 @@
+"""What the expert layers did in a step, for its record: per MoE layer, the tokens each expert got over the
+whole global batch (min, max, and max/mean: 1.0 is a perfect balance, E / k is every token on the same k
+experts), and the balance and z losses (means over the step's forwards and DP replicas).
+
+Gathered onto the first stage in two small all-reduces, over DP (replicas route different tokens) and over
+the pipeline's stages (each holds some of the layers); TP ranks route the same tokens and are not summed.
+Every rank of a model with expert layers calls it once per step.
+"""
+from __future__ import annotations
+
+import torch
+
+from raytp.models.moe.layer import MoE
+from raytp.parallel import comm
+from raytp.parallel.groups import ProcessGroups
+
+
+def expert_figures(model: torch.nn.Module, groups: ProcessGroups) -> dict:
+    """{"experts": {layer: {"min", "max", "imbalance", "balance_loss", "z_loss"}}, "expert_imbalance": the
+    worst layer's, "balance_loss" and "z_loss": summed over the layers}, complete on the first stage ({} for a
+    model without expert layers)."""
+    cfg = model.cfg
+    if cfg.moe is None:
+        return {}
+    ids = [i for i in range(cfg.n_layer) if cfg.moe.is_moe(i)]
+    E = cfg.moe.n_experts
+    buf = torch.zeros(len(ids), E + 3, dtype=torch.float64)  # tokens per expert, balance sum, z sum, forwards
+    for key, block in model.block_dict().items():
+        if isinstance(block.mlp, MoE):
+            load, balance, z, forwards = block.mlp.stats.take(E)
+            buf[ids.index(int(key))] = torch.cat([load.double().cpu(), torch.tensor([balance, z, forwards],
+                                                                                    dtype=torch.float64)])
+    device = next(model.parameters()).device
+    buf = buf.to(device)
+    for axis in ("dp", "pp"):
+        if groups.group(axis) is not None:
+            comm.all_reduce(buf, groups.group(axis))
+    buf = buf.cpu()
+    layers = {}
+    for i, row in zip(ids, buf):
+        load, forwards = row[:E], max(float(row[E + 2]), 1.0)
+        mean = float(load.mean())
+        layers[str(i)] = {"min": int(load.min()), "max": int(load.max()),
+                          "imbalance": float(load.max()) / mean if mean else 0.0,
+                          "balance_loss": float(row[E]) / forwards, "z_loss": float(row[E + 1]) / forwards}
+    return {"experts": layers, "expert_imbalance": max(v["imbalance"] for v in layers.values()),
+            "balance_loss": sum(v["balance_loss"] for v in layers.values()),
+            "z_loss": sum(v["z_loss"] for v in layers.values())}
