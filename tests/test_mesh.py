@@ -21,7 +21,7 @@ def test_expert_axes_fold_over_dp_with_etp_equal_to_tp():
 
 
 def test_expert_axes_fold_over_tp_first_with_etp_one():
-    lay = Layout(2, pp=2, dp=4, ep=4)
+    lay = Layout(2, pp=2, dp=4, ep=4, etp=1)  # etp defaults to tp (Megatron's default too)
     assert lay.degree("etp") == 1 and lay.degree("edp") == 2
     assert [lay.coord(11, a) for a in ("etp", "ep", "edp")] == [0, 1, 1]
     assert lay.group(11, "ep") == [10, 11, 14, 15] and lay.group(11, "edp") == [3, 11]

@@ -16,7 +16,8 @@ from raytp.models.args import ModelArgs
 from raytp.models.base import CausalLM
 from raytp.models.arch import ARCHES
 from raytp.models.spec import ModelSpec
-from raytp.parallel.placements import TensorPlacement, dense_weight
+from raytp.models.moe.plan import EXPERT_WEIGHT
+from raytp.parallel.placements import TensorPlacement, dense_weight, expert_placement
 from raytp.parallel.sharding import KV_HEADS, REPLICATED, Sharding
 from raytp.tp_degrees import kv_fits, tp_degrees
 
@@ -66,10 +67,20 @@ def sharding_of(name: str, cfg: ModelArgs | None = None) -> Sharding:
     return REPLICATED
 
 
-def placement_of(name: str, cfg: ModelArgs | None = None) -> TensorPlacement:
+def is_expert_weight(name: str) -> bool:
+    """Whether parameter `name` belongs to one routed expert of an MoE layer (raytp.models.moe)."""
+    return EXPERT_WEIGHT.match(name) is not None
+
+
+def placement_of(name: str, cfg: ModelArgs | None = None, layout=None) -> TensorPlacement:
     """Where parameter `name` lives on the mesh (raytp.parallel.placements): split along TP as its sharding
-    row says (or replicated there), replicated over DP."""
-    return dense_weight(sharding_of(name, cfg).dim)
+    row says (or replicated there), replicated over DP; a routed expert's, on a `layout` whose experts have a
+    mesh of their own (raytp.parallel.layout), split over EP by expert and over ETP as its row says (whole
+    when etp is 1), replicated over expert-DP."""
+    dim = sharding_of(name, cfg).dim
+    if layout is not None and layout.experts_split and is_expert_weight(name):
+        return expert_placement(dim if layout.expert_tp > 1 else None)
+    return dense_weight(dim)
 
 
 def tensor_sharding(name: str, t: torch.Tensor, cfg: ModelArgs | None = None) -> Sharding:

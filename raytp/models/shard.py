@@ -19,12 +19,13 @@ from raytp.models.base import CausalLM
 from raytp.models.stage import Stage, keep_stage
 from raytp.models.registry import check_tp, full_size_of, model_class, sharding_of, spec
 from raytp.parallel import comm
-from raytp.parallel.sharding import local_shape, shard_ranges, shard_tensor, unshard_tensors
+from raytp.parallel.sharding import REPLICATED, local_shape, shard_ranges, shard_tensor, unshard_tensors
 
 
-def apply_tp(model: CausalLM, group, sequence_parallel: bool = False, source=None) -> CausalLM:
+def apply_tp(model: CausalLM, group, sequence_parallel: bool = False, source=None, experts=None) -> CausalLM:
     """Make `model` this rank's TP shard, in place; returns it. `group`: the TP process group (None or
-    one rank: nothing is split).
+    one rank: nothing is split); `experts`: where this rank's experts are (raytp.models.moe.plan.ExpertPlace;
+    None: all of them here).
 
     `source(name, full_shape, sharding, rank, tp)` gives this rank's slice of each parameter (a model
     built on the meta device is shapes only: every parameter comes from the source, so nothing of the
@@ -34,17 +35,17 @@ def apply_tp(model: CausalLM, group, sequence_parallel: bool = False, source=Non
         check_tp(model.cfg, tp)
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
 
-    def sliced(name: str, t: torch.Tensor | None):
+    def sliced(name: str, t: torch.Tensor | None, whole: bool = False):
         if t is None:
             return None
-        s = sharding_of(name, model.cfg)
+        s = REPLICATED if whole else sharding_of(name, model.cfg)
         if source is not None:
             return source(name, full_shapes[name], s, rank, tp)
         return shard_tensor(t, s, rank, tp)
 
     plan = spec(model.cfg)
-    if tp > 1:
-        plan.parallelize(model, group, sequence_parallel, sliced, rank, tp)
+    if tp > 1 or (experts is not None and experts.ep > 1):
+        plan.parallelize(model, group, sequence_parallel, sliced, rank, tp, experts=experts)
     if source is not None:  # what is left on meta (the replicated parameters; all of them at tp=1)
         made: dict[int, nn.Parameter] = {}  # a tied parameter is made once
         for mod_name, mod in model.named_modules():
@@ -71,7 +72,7 @@ def rebind_groups(model: nn.Module, groups) -> None:
 
 
 def build_shard(cfg: ModelArgs, seed: int, group, sequence_parallel: bool = False,
-                device: torch.device | str = "cpu", stage: Stage | None = None) -> CausalLM:
+                device: torch.device | str = "cpu", stage: Stage | None = None, experts=None) -> CausalLM:
     """The local shard of a model initialised from `seed`, on `device`: only this rank's slices are
     computed (raytp.initialization), and they are build_model(cfg, seed)'s numbers there, at every TP
     degree. `stage`: only a pipeline stage's part (raytp.models.stage), the same numbers there."""
@@ -85,22 +86,23 @@ def build_shard(cfg: ModelArgs, seed: int, group, sequence_parallel: bool = Fals
             region[s.dim] = slice(r.start, r.stop)
             parts.append(values(name, rule, seed, full_shape, tuple(region)))
         return torch.cat(parts, dim=s.dim).to(device)
-    return _shard_of_meta(cfg, group, sequence_parallel, initial, stage)
+    return _shard_of_meta(cfg, group, sequence_parallel, initial, stage, experts)
 
 
 def build_empty_shard(cfg: ModelArgs, group, sequence_parallel: bool = False,
-                      device: torch.device | str = "cpu", stage: Stage | None = None) -> CausalLM:
+                      device: torch.device | str = "cpu", stage: Stage | None = None, experts=None) -> CausalLM:
     """The local shard as build_shard makes it, on `device`, with UNINITIALISED weights: for a shard
     whose state is loaded right after (a resume, a resize)."""
     def empty(name, full_shape, s, rank, tp):
         return torch.empty(local_shape(s, full_shape, tp), device=device)
-    return _shard_of_meta(cfg, group, sequence_parallel, empty, stage)
+    return _shard_of_meta(cfg, group, sequence_parallel, empty, stage, experts)
 
 
-def _shard_of_meta(cfg: ModelArgs, group, sequence_parallel: bool, source, stage: Stage | None) -> CausalLM:
+def _shard_of_meta(cfg: ModelArgs, group, sequence_parallel: bool, source, stage: Stage | None,
+                   experts) -> CausalLM:
     with torch.device("meta"):
         model = keep_stage(model_class(cfg)(cfg), stage)  # shapes only: builds no tensor and runs no op
-    return apply_tp(model, group, sequence_parallel, source)
+    return apply_tp(model, group, sequence_parallel, source, experts)
 
 
 @torch.no_grad()

@@ -37,7 +37,8 @@ class ModelSpec:
     facts: ArchFacts                         # its name and job checks (raytp.models.facts: no torch there)
     model: type[CausalLM]
     sharding: tuple[tuple[str, Sharding], ...]  # (regex over parameter names, how it splits); else replicated
-    parallelize: Callable                    # (model, group, sequence_parallel, sliced, rank, tp): swap modules
+    parallelize: Callable                    # (model, group, sequence_parallel, sliced, rank, tp, experts=): swap
+                                             # modules, place experts (raytp.models.moe.plan.ExpertPlace)
     tag: Callable                            # (model, group, sequence_parallel, rank, tp): mark what TP sums
     hf: HFAdapter
 

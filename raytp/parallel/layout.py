@@ -50,26 +50,26 @@ class Layout:
     dp: int = 1
     zero: int = 0  # 1: AdamW state sharded over DP (raytp.train.optimizer): who owns what changes
     ep: int = 1    # expert parallel degree (folded over dp x tp)
-    etp: int = 1   # tensor parallel degree inside an expert: 1 or tp
+    etp: int | None = None  # tensor parallel degree inside an expert: 1 or tp (None: tp, whatever tp becomes)
 
     def __post_init__(self):
         for key in ("tp", "pp", "dp", "ep", "etp"):
-            v = getattr(self, key)
+            v = getattr(self, key) if key != "etp" else self.expert_tp
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Layout.{key} must be a positive integer, got {v!r}")
         if self.zero not in (0, 1):
             raise ValueError(f"Layout.zero must be 0 or 1, got {self.zero!r}")
-        if self.etp not in (1, self.tp):
+        if self.expert_tp not in (1, self.tp):
             raise ValueError(f"Layout.etp must be 1 or tp ({self.tp}), got {self.etp}")
-        if (self.dp * self.tp) % (self.ep * self.etp):
-            raise ValueError(f"Layout.ep x etp ({self.ep} x {self.etp}) must divide dp x tp "
+        if (self.dp * self.tp) % (self.ep * self.expert_tp):
+            raise ValueError(f"Layout.ep x etp ({self.ep} x {self.expert_tp}) must divide dp x tp "
                              f"({self.dp} x {self.tp}): experts are folded over the ranks of a stage")
 
     @classmethod
     def of(cls, parallel) -> "Layout":
         """The layout a job's ``parallel`` section asks for (raytp.config.schema.Parallel)."""
         return cls(parallel.tp, pp=parallel.pp, dp=parallel.dp, zero=parallel.zero,
-                   ep=getattr(parallel, "ep", 1), etp=getattr(parallel, "etp", 1))
+                   ep=getattr(parallel, "ep", 1), etp=getattr(parallel, "etp", None))
 
     def changed(self, **degrees: int | None) -> "Layout":
         """This layout with the named degrees changed (a None leaves one as it is); validated as any."""
@@ -90,14 +90,21 @@ class Layout:
         return self.tp * self.pp
 
     @property
+    def expert_tp(self) -> int:
+        """The TP degree inside an expert: etp, or tp where etp is not given."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
     def experts_split(self) -> bool:
-        """Whether expert layers have an expert mesh of their own (ep or etp above 1)."""
-        return self.ep * self.etp > 1
+        """Whether expert layers have an expert mesh of their own: experts over EP, or whole on each TP rank."""
+        return self.ep > 1 or self.expert_tp != self.tp
 
     def degree(self, axis: str) -> int:
         """How many ranks lie along `axis` (expert-DP: what EP x ETP leave of dp x tp)."""
         if axis == "edp":
-            return self.dp * self.tp // (self.ep * self.etp)
+            return self.dp * self.tp // (self.ep * self.expert_tp)
+        if axis == "etp":
+            return self.expert_tp
         if axis not in AXES:
             raise ValueError(f"no mesh axis {axis!r}; axes: {', '.join(AXES)}")
         return getattr(self, axis)
@@ -120,7 +127,7 @@ class Layout:
         c = self.coords(rank)
         if axis in DENSE_AXES:
             return getattr(c, axis)
-        rest, etp = divmod(c.dp * self.tp + c.tp, self.etp)  # its place among the ranks of its stage
+        rest, etp = divmod(c.dp * self.tp + c.tp, self.expert_tp)  # its place among the ranks of its stage
         edp, ep = divmod(rest, self.ep)
         return {"etp": etp, "ep": ep, "edp": edp}[self._axis(axis)]
 
@@ -134,7 +141,7 @@ class Layout:
         for axis, v in at.items():
             if not 0 <= v < self.degree(axis):
                 raise ValueError(f"{axis}={v} outside {self} (degree {self.degree(axis)})")
-        i = (at.get("edp", 0) * self.ep + at.get("ep", 0)) * self.etp + at.get("etp", 0)
+        i = (at.get("edp", 0) * self.ep + at.get("ep", 0)) * self.expert_tp + at.get("etp", 0)
         dp, tp = divmod(i, self.tp)
         return self.rank(tp=tp, pp=at.get("pp", 0), dp=dp)
 
@@ -216,6 +223,6 @@ class Layout:
         return [self.embedding_group(t, d) for d in range(self.dp) for t in range(self.tp)]
 
     def __str__(self) -> str:
-        experts = (f" x EP={self.ep}" if self.ep > 1 else "") + (f" (ETP={self.etp})" if self.etp > 1 else "")
+        experts = (f" x EP={self.ep}" if self.ep > 1 else "") + (f" (ETP={self.expert_tp})" if self.experts_split and self.tp > 1 else "")
         return (f"TP={self.tp} x " + (f"PP={self.pp} x " if self.pp > 1 else "") + f"DP={self.dp}" + experts
                 + (" (ZeRO-1)" if self.sharded_optimizer else ""))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from raytp.parallel import comm
 from raytp.train.grad_buckets import GradBuckets
 from raytp.train.weight_gather import WeightGather
 from raytp.parallel.zero_plan import BUCKET_NUMEL, Bucket, handover, owned_rows, plan
@@ -38,8 +39,17 @@ class DistributedAdamW:
     """AdamW of one shard (one rank's parameters), replicated or sharded over its DP group."""
 
     def __init__(self, model: torch.nn.Module, h: Hyper, dp: int = 1, dp_rank: int = 0, zero: int = 0,
-                 bucket_numel: int = BUCKET_NUMEL, overlap: bool = False, overlap_gather: bool = False):
+                 bucket_numel: int = BUCKET_NUMEL, overlap: bool = False, overlap_gather: bool = False,
+                 apart=None):
+        # `apart(name)`: the parameters reduced over another group than DP (experts over expert-DP, with expert
+        # parallelism): after the others, outside the DP buckets (``reduce_apart``); zero 1 does not shard them.
         named = list(model.named_parameters())
+        if apart is not None:
+            named = [(n, p) for n, p in named if not apart(n)] + [(n, p) for n, p in named if apart(n)]
+            if zero:
+                raise ValueError("parallel.zero 1 with experts over their own mesh (ep > 1, or etp 1 at tp > 1) is "
+                                 "not built yet; use parallel.zero 0")
+        self.n_bucketed = len(named) if apart is None else sum(1 for n, _ in named if not apart(n))
         self.model, self.overlap_gather = model, overlap_gather
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -81,14 +91,15 @@ class DistributedAdamW:
             raise ValueError(f"the distributed optimizer's rows are cut for DP={self.dp}; it cannot follow "
                              f"DP={dp} in place")
         self.dp, self.dp_rank = dp, dp_rank
-        self.buckets: list[Bucket] = plan([tuple(p.shape) for p in self.params], dp, self.bucket_numel)
+        bucketed = self.params[:self.n_bucketed]  # the parameters apart come last, outside the buckets
+        self.buckets: list[Bucket] = plan([tuple(p.shape) for p in bucketed], dp, self.bucket_numel)
         self.owned = owned_rows(self.buckets, dp_rank)  # index -> (first row, end row)
         if self.grads is not None:
             self.grads.close()
         if self.gather is not None:
             self.gather.close()
-        self.grads = GradBuckets(self.params, self.buckets, self.sharded)
-        self.gather = WeightGather(self.params, self.buckets, dp_rank) if self.sharded else None
+        self.grads = GradBuckets(bucketed, self.buckets, self.sharded)
+        self.gather = WeightGather(bucketed, self.buckets, dp_rank) if self.sharded else None
         if self.gather is not None and self.overlap_gather:
             self.gather.hook(self.model)
 
@@ -136,6 +147,24 @@ class DistributedAdamW:
                         if g is None:
                             continue
                         g[pc.start:pc.stop].copy_(flat[b.span(d, pc)].view_as(g[pc.start:pc.stop]))
+
+    def reduce_apart(self, group, scale: float) -> None:
+        """Sum the gradients of the parameters apart over `group` (then * scale), in one flat all-reduce."""
+        grads = [p.grad for p in self.params[self.n_bucketed:] if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if group is not None:
+            comm.all_reduce(flat, group)
+        flat *= scale
+        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(chunk.view_as(g))
+
+    def apart_grads(self):
+        """(name, parameter, gradient) of the parameters apart (whole on every rank that holds them)."""
+        for i in range(self.n_bucketed, len(self.params)):
+            if self.params[i].grad is not None:
+                yield self.names[i], self.params[i], self.params[i].grad
 
     def update_grads(self):
         """(parameter, the gradient its update reads) for each parameter with one: the whole gradient at zero
@@ -239,7 +268,7 @@ class DistributedAdamW:
         """A DP resize under zero 1: for each DP rank of degree `dp`, the AdamW state of the rows it will keep
         that this rank keeps now, as [(name, key, first row, end row, tensor: those rows; "step": 0-d)]
         (raytp.parallel.zero_plan.handover). Live views: copy them before the state changes."""
-        shapes = [tuple(p.shape) for p in self.params]
+        shapes = [tuple(p.shape) for p in self.params[:self.n_bucketed]]
         out = []
         for mine in handover(shapes, self.dp, self.dp_rank, dp, self.bucket_numel):
             entries = []
@@ -253,7 +282,7 @@ class DistributedAdamW:
     def take_part(self, state: dict[str, dict[str, torch.Tensor]], old_dp: int, old_rank: int) -> None:
         """Keep, of the AdamW state `state` that DP rank `old_rank` of `old_dp` kept under zero 1 ({name:
         {key: its rows}}, e.g. its snapshot part), the rows this rank keeps now."""
-        shapes = [tuple(p.shape) for p in self.params]
+        shapes = [tuple(p.shape) for p in self.params[:self.n_bucketed]]
         old = owned_rows(plan(shapes, old_dp, self.bucket_numel), old_rank)
         for i, (a, b) in handover(shapes, old_dp, old_rank, self.dp, self.bucket_numel)[self.dp_rank].items():
             for k, v in state.get(self.names[i], {}).items():
@@ -280,10 +309,11 @@ class DistributedAdamW:
 
 
 def make_optimizer(model: torch.nn.Module, h: Hyper, dp: int = 1, dp_rank: int = 0, zero: int = 0,
-                   bucket_numel: int = BUCKET_NUMEL, overlap: bool = False, overlap_gather: bool = False
-                   ) -> DistributedAdamW:
+                   bucket_numel: int = BUCKET_NUMEL, overlap: bool = False, overlap_gather: bool = False,
+                   apart=None) -> DistributedAdamW:
     """AdamW; matrices and embeddings decay, biases and LayerNorms do not (as nanoGPT); its state
     replicated over the `dp` replicas (`zero` 0) or sharded over them (`zero` 1); `overlap`: the DP reduction
     runs while the backward pass goes on (``arm``); `overlap_gather` (zero 1): the new weights are gathered
-    while the next forward pass goes on."""
-    return DistributedAdamW(model, h, dp, dp_rank, zero, bucket_numel, overlap, overlap_gather)
+    while the next forward pass goes on; `apart(name)`: the parameters reduced over their own group
+    (``reduce_apart``: experts over expert-DP)."""
+    return DistributedAdamW(model, h, dp, dp_rank, zero, bucket_numel, overlap, overlap_gather, apart)

@@ -83,8 +83,10 @@ def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups, optimizer: D
     stages, and a tied embedding's second copy left out (raytp.models.stage). With DP replicas and
     `optimizer`, each DP rank sums the rows it owns (raytp.train.optimizer) and the sums are added over DP:
     the same at zero 0 and zero 1."""
+    lay = groups.layout
+
     def split(name: str) -> tuple[str, ...]:
-        return tuple(a for a in placement_of(name, model.cfg).split_axes if a != "dp")
+        return tuple(a for a in placement_of(name, model.cfg, lay).split_axes if a not in ("dp", "edp"))
 
     # The axes that split a parameter -> its squares; every rank lists the same keys (a DP rank may own
     # rows of some kinds only), split ones first, so the sums meet in one order everywhere.
@@ -105,6 +107,9 @@ def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups, optimizer: D
         both = torch.stack(sums)
         comm.all_reduce(both, groups.dp)
         sums = list(both.unbind())
+        for name, p, g in optimizer.apart_grads():  # experts: whole on each expert-DP replica, not over DP
+            at = list(by_axes).index(split(name))
+            sums[at] = sums[at] + g.float().pow(2).sum()
     total = None
     for axes, sq in zip(by_axes, sums):
         for axis in axes:
@@ -152,6 +157,8 @@ def finish_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups
         comm.all_reduce(mean_loss, groups.dp)
         mean_loss /= groups.layout.dp
         optimizer.reduce_gradients(groups.dp, 1.0 / groups.layout.dp)
+    if groups.layout.experts_split:  # experts over their own mesh: summed over expert-DP, DP's mean scale
+        optimizer.reduce_apart(groups.group("edp"), 1.0 / groups.layout.dp)
     if groups.tp is not None:  # after the DP sum (Megatron's order), so DP buckets need not wait for it
         _sum_over_tp(list(optimizer.update_grads()), groups.tp)
 

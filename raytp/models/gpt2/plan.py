@@ -27,7 +27,7 @@ SHARDING: tuple[tuple[str, Sharding], ...] = (  # (regex over parameter names, s
 )
 
 
-def swap_parallel(model: GPT, group, sequence_parallel: bool, sliced, rank: int, tp: int) -> None:
+def swap_parallel(model: GPT, group, sequence_parallel: bool, sliced, rank: int, tp: int, experts=None) -> None:
     cfg = model.cfg
     # 1. vocabulary: embedding, tied head, loss.
     start = rank * (-(-cfg.vocab_size // tp))  # the padded vocabulary's rows per rank

@@ -36,7 +36,16 @@ BLOCK_PARTS = (("self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj"),
                ("mlp", ("gate_proj", "up_proj"), "down_proj"))
 
 
-def swap_parallel(model, group, sequence_parallel: bool, sliced, rank: int, tp: int) -> None:
+def swap_parallel(model, group, sequence_parallel: bool, sliced, rank: int, tp: int, experts=None) -> None:
+    """Swap in the TP layers (at tp > 1) and place the expert layers' experts (`experts`: this rank's
+    raytp.models.moe.plan.ExpertPlace; None: every expert here, split over TP)."""
+    place = experts or moe_plan.ExpertPlace()
+    for i, block in model.layers.items():
+        if isinstance(block.mlp, MoE):
+            moe_plan.parallelize(block.mlp, f"layers.{i}.mlp", group if tp > 1 else None, sequence_parallel,
+                                 sliced, place)
+    if tp == 1:
+        return
     cfg = model.cfg
     vocab_shard = -(-cfg.vocab_size // tp)  # the padded vocabulary's rows per rank
     start = rank * vocab_shard
@@ -51,7 +60,6 @@ def swap_parallel(model, group, sequence_parallel: bool, sliced, rank: int, tp: 
         for part, columns, row in BLOCK_PARTS:
             mod, prefix = getattr(block, part), f"layers.{i}.{part}"
             if isinstance(mod, MoE):
-                moe_plan.parallelize(mod, prefix, group, sequence_parallel, sliced)
                 continue
             mod.tp_in = ParallelInput(group, sequence_parallel)
             for leaf in columns:

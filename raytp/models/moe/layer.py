@@ -4,9 +4,10 @@ token goes through. Plain PyTorch; tensor parallelism is applied from outside (r
 
 Each expert is its own module with two-dimensional weights under its global index
 (``experts.<j>.gate_proj.weight``), as transformers' checkpoints name them: the model's files, checkpoints and
-the TP split of an expert are those of a dense SwiGLU MLP (Megatron's SequentialMLP). The experts run one after
-another on the tokens routed to them; every expert runs each step, on no rows when none chose it, so each of
-its parameters gets a gradient every step.
+the TP split of an expert are those of a dense SwiGLU MLP (Megatron's SequentialMLP). ``dispatch``
+(raytp.parallel.expert_dispatch) runs the experts one after another on the tokens routed to them, sending
+them over the expert-parallel group to the rank holding each expert where there is one; every expert runs
+each step, on no rows when none chose it, so each of its parameters gets a gradient every step.
 
 The router runs in float32 on the whole sequence. Its auxiliary losses (raytp.models.moe.routing: balance
 and z, weighted by ``aux_coeff`` and ``z_coeff``) never join the language-model loss that is reported:
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from raytp.models.moe.args import MoeArgs
 from raytp.models.moe.routing import balance_loss, counts, route, z_loss
 from raytp.parallel import comm
+from raytp.parallel.expert_dispatch import ExpertDispatch
 
 
 class Expert(nn.Module):
@@ -59,7 +61,10 @@ class MoE(nn.Module):
         self.args = m
         self.tp_in, self.tp_out = nn.Identity(), nn.Identity()  # the TP entry and exit collectives (plan.py)
         self.gate = nn.Linear(n_embd, m.n_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(n_embd, m.moe_ffn) for _ in range(m.n_experts))
+        # by global index; with expert parallelism a rank keeps its own (raytp.models.moe.plan)
+        self.experts = nn.ModuleDict({str(j): Expert(n_embd, m.moe_ffn) for j in range(m.n_experts)})
+        self.dispatch = ExpertDispatch(m.n_experts)  # over the EP group, once the plan gives it one
+        self.token_share = False  # True: this TP rank runs its share of the tokens only (experts whole per rank)
         self.shared_expert = Expert(n_embd, m.shared_width) if m.n_shared else None
         self.shared_expert_gate = nn.Linear(n_embd, 1, bias=False) if m.shared_gate else None
         self.aux_scale = 1.0  # this micro-batch's weight in the step's loss (set_aux_scale)
@@ -71,7 +76,7 @@ class MoE(nn.Module):
         flat = x.reshape(B * T, C)
         logits = F.linear(flat.float(), self.gate.weight.float())  # (N, E), float32
         weights, experts, scores = route(logits, self.args)
-        out = self._routed(flat, weights, experts)
+        out = self._routed(flat, weights, experts)  # (N, C): partial over TP, or this TP rank's rows only
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:
@@ -90,17 +95,16 @@ class MoE(nn.Module):
         return y
 
     def _routed(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """sum over each token's k experts of weight * expert(token), expert by expert."""
-        k = experts.shape[1]
-        order = experts.reshape(-1).argsort(stable=True)  # choices grouped by expert, tokens in order
-        tokens, w = order // k, weights.reshape(-1)[order]
+        """sum over each token's k experts of weight * expert(token): every token's, or, when the TP ranks
+        hold whole experts (``token_share``), this TP rank's share of the tokens, the other rows zero (the
+        exit collective's sum over TP puts the shares together)."""
+        if not self.token_share:
+            return self.dispatch(flat, weights, experts, self.experts)
+        group = self.tp_out.group
+        n, tp, r = flat.shape[0], comm.group_size(group), comm.group_rank(group)
+        lo, hi = n * r // tp, n * (r + 1) // tp
         out = torch.zeros_like(flat)
-        at = 0
-        for expert, n in zip(self.experts, counts(experts, self.args.n_experts).tolist()):
-            rows = tokens[at:at + n]
-            y = expert(flat[rows]) * w[at:at + n, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-            at += n
+        out[lo:hi] = self.dispatch(flat[lo:hi], weights[lo:hi], experts[lo:hi], self.experts)
         return out
 
 

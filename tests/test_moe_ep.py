@@ -1,0 +1,114 @@
+"""Expert parallelism trains like one device: the Mixtral-style and DeepSeek-style MoE Llamas with their
+experts spread over ranks, tokens sent to them by all-to-all, at EP=2 (over DP), EP=4, TP=2 x DP=2 x EP=2
+with etp 1 (EP over the TP ranks, each holding whole experts and routing its share of the tokens; with and
+without SP) and etp 2 (EP over the replicas, each expert split over TP), and PP=2 x DP=2 x EP=2: 20 AdamW steps,
+losses within 1e-5 relative and final weights (every expert gathered from where it lives) within the bound
+of test_moe_tp. Each rank holds only its experts; expert gradients are summed over expert-DP, not DP.
+Without Ray: one process per rank, gloo."""
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from test_moe_tp import WEIGHTS_TOL, moe_config
+from tp_training import BATCH, HYPER, SEED, STEPS, corpus, train
+
+from raytp.data.corpus import batch
+from raytp.models.moe.plan import ExpertPlace
+from raytp.models.registry import full_size_of, is_expert_weight, sharding_of
+from raytp.models.shard import build_shard
+from raytp.models.stage import replicated_copy, stage_of
+from raytp.parallel.groups import ProcessGroups, build_groups
+from raytp.parallel.layout import Layout
+from raytp.parallel.sharding import unshard_tensors
+from raytp.parallel.spawn import run_ranks
+from raytp.train.optimizer import make_optimizer
+from raytp.train.stage_runner import PipelineSchedule
+from raytp.train.step import train_step
+
+
+def gathered(model, groups, lay: Layout) -> dict:
+    """The one-device state of this rank's stage: TP slices joined, every expert fetched from its EP rank."""
+    tp_group = groups.tp
+    out = {}
+    for name, p in model.named_parameters():
+        if replicated_copy(model, name):
+            continue
+        split_tp = tp_group is not None and sharding_of(name, model.cfg).dim is not None and not (
+            is_expert_weight(name) and lay.expert_tp == 1)
+        if split_tp:
+            parts = [torch.empty_like(p) for _ in range(lay.tp)]
+            dist.all_gather(parts, p.detach().contiguous(), group=tp_group)
+            out[name] = unshard_tensors(parts, sharding_of(name, model.cfg), full_size_of(name, model.cfg))
+        else:
+            out[name] = p.detach().clone()
+    if lay.experts_split and groups.group("ep") is not None:
+        theirs = [None] * lay.ep
+        dist.all_gather_object(theirs, {n: t for n, t in out.items() if is_expert_weight(n)},
+                               group=groups.group("ep"))
+        for part in theirs:
+            out.update(part)
+    return out
+
+
+def train_runs(rank, world, init, runs):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    out = []
+    for which, tp, pp, dp, ep, etp, sp in runs:
+        cfg = moe_config(which)
+        lay = Layout(tp, pp=pp, dp=dp, ep=ep, etp=etp)
+        groups = build_groups(lay, rank)
+        stage = stage_of(cfg, pp, groups.pp_rank) if pp > 1 else None
+        model = build_shard(cfg, SEED, groups.tp, sp, stage=stage, experts=ExpertPlace.of(groups))
+        held = sorted({n.split(".")[4] for n in dict(model.named_parameters()) if is_expert_weight(n)}, key=int)
+        opt = make_optimizer(model, HYPER, dp, groups.dp_rank, apart=is_expert_weight if lay.experts_split else None)
+        pipe = PipelineSchedule("1f1b", stage, sp) if stage else None
+        data = corpus(cfg.vocab_size)
+        losses = []
+        for step in range(STEPS):
+            x, y = batch(data, "train", SEED, step, groups.dp_rank, dp, BATCH, cfg.block_size)
+            mbs = list(zip(x.chunk(2), y.chunk(2))) if pipe else [(x, y)]
+            losses.append(train_step(model, opt, mbs, groups, step, HYPER, schedule=pipe).loss)
+        out.append((losses, gathered(model, groups, lay), held))
+    return out
+
+
+def one_device_runs(rank, world, init, names):
+    return {w: train(moe_config(w), ProcessGroups(Layout(1, dp=1), 0, None, None), False, plain=True)
+            for w in names}
+
+
+# (router, tp, pp, dp, ep, etp, sequence parallel), by world size: one spawn each
+RUNS = {2: [("mixtral", 1, 1, 2, 2, None, False), ("deepseek", 1, 1, 2, 2, None, False)],
+        4: [("mixtral", 1, 1, 4, 4, None, False), ("mixtral", 2, 1, 2, 2, 1, False), ("deepseek", 2, 1, 2, 2, 1, True),
+            ("mixtral", 2, 1, 2, 2, 2, True), ("deepseek", 2, 1, 2, 2, 2, False), ("mixtral", 1, 2, 2, 2, None, False)]}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return run_ranks(1, one_device_runs, ["mixtral", "deepseek"])[0]
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_experts_over_ranks_train_like_one_device(world, references):
+    per_rank = run_ranks(world, train_runs, RUNS[world], timeout_s=600)
+    for i, (which, tp, pp, dp, ep, etp, sp) in enumerate(RUNS[world]):
+        name = f"{which} {Layout(tp, pp=pp, dp=dp, ep=ep, etp=etp)} sp={sp}"
+        ref_losses, ref_state = references[which]
+        per_layer = moe_config(which).moe.n_experts // ep
+        state = {}
+        for rank in range(world):
+            losses, part, held = per_rank[rank][i]
+            assert len(held) == per_layer, f"{name}: rank {rank} holds experts {held}"
+            rel = np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses)
+            assert rel.max() < 1e-5, f"{name}: rank {rank}'s loss differs from one device by {rel.max():.2e}"
+            state.update(part)
+        assert state.keys() == ref_state.keys(), f"{name}: {sorted(set(state) ^ set(ref_state))[:4]}"
+        for k, want in ref_state.items():
+            diff = float((state[k] - want).abs().max())
+            assert diff < WEIGHTS_TOL, f"{name}: final {k} differs by {diff:.2e}"
+
+
+def test_zero1_with_experts_over_ranks_is_refused_by_name():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="parallel.zero 1 with experts over their own mesh"):
+        make_optimizer(model, HYPER, 2, 0, zero=1, apart=lambda n: False)
