@@ -45,7 +45,8 @@ class ProcessGroups:
 
     def __init__(self, layout: Layout, rank: int, tp=None, dp=None, pp=None, emb=None, **others):
         self.layout, self.rank = layout, rank
-        self.named = {"tp": tp, "dp": dp, "pp": pp, "emb": emb, **others}
+        # the expert mesh's axes are None where experts have no mesh of their own (they follow TP and DP)
+        self.named = {"tp": tp, "dp": dp, "pp": pp, "emb": emb, "ep": None, "etp": None, "edp": None, **others}
 
     def group(self, name: str):
         """The group of the sub-mesh `name` this rank is in (None: one rank, or not built)."""
