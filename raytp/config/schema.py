@@ -38,7 +38,7 @@ class ModelConfig:
     vocab_size: int = _f(256, "vocabulary size (padded for TP elsewhere)", POSITIVE)
     dropout: float = _f(0.0, "dropout probability (gpt2 only)", UNIT)
     init_from: Optional[str] = _f(
-        None, "a Hugging Face GPT-2 or Llama directory (config.json and safetensors, one file or sharded with "
+        None, "a Hugging Face GPT-2 or Llama (or Mistral, Mixtral) directory (config.json and safetensors, one file or sharded with "
               "an index) to start from; its config sets the shape keys (a Llama keeps the job's block_size, up "
               "to its max_position_embeddings)")
     arch: str = _f("gpt2", "architecture: " + " or ".join(a.summary for a in ARCHES.values()), tuple(ARCHES))
