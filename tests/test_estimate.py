@@ -96,3 +96,14 @@ def test_a_document_mask_counts_its_bias_per_layer():
     ckpt = dataclasses.replace(masked, train=dataclasses.replace(masked.train, activation_checkpointing=True))
     plain_ckpt = dataclasses.replace(cfg, train=ckpt.train)
     assert _stage_memory(ckpt, 0).activations - _stage_memory(plain_ckpt, 0).activations == 8 * 256 * 256 * 4
+
+
+def test_mixtral_8x7b_fits_80_gb_gpus_on_two_stages_not_one():
+    """46.7B parameters (the meta model's count), TP=8: a stage's share of the experts is the state, and on
+    one stage no 80 GB GPU holds it."""
+    cfg = load(Path(__file__).resolve().parent.parent / "jobs" / "mixtral-8x7b-tp8-pp2.yaml")
+    assert 40 * GiB < estimate(cfg).on_device < 80 * GiB
+    assert estimate(at_pp(cfg, 1)).on_device > 80 * GiB
+    both = sum(_stage_memory(cfg, s).weights for s in range(2))  # fp32 masters: 4 bytes a parameter, 1/8 each
+    replicated = 65 * 4096 + 32 * 8 * 4096  # RMSNorm weights and routers: whole on every rank
+    assert both == 4 * ((46_702_792_704 - replicated) // 8 + replicated)
