@@ -5,8 +5,8 @@ import pytest
 
 from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import Ownership
-from raytp.parallel.placements import (REPLICATE, ROWS, Shard, TensorPlacement, dense_state, dense_weight,
-                                       expert_placement)
+from raytp.parallel.placements import (REPLICATE, ROWS, Shard, TensorPlacement, dense_state, dense_state_placements,
+                                       dense_weight, dense_weight_placements, expert_placement)
 
 
 def test_expert_axes_fold_over_dp_with_etp_equal_to_tp():
@@ -89,8 +89,9 @@ def test_a_tensor_split_over_two_axes():
 
 def test_ownership_of_a_state_with_experts_is_the_intersection_of_its_placements():
     lay = Layout(2, pp=2, dp=4, ep=2, etp=2)
-    dense = Ownership(lay)
+    dense = Ownership(lay, weights=dense_weight_placements(), state=dense_state_placements(lay))
     assert dense.holders(11) == [3, 7, 11, 15] and dense.parts == lay.replica_size
+    assert Ownership(lay).holders(11) == [3, 11]  # a layout with an expert mesh: its experts by default
     moe = Ownership(lay, weights=(dense_weight(0), dense_weight(None), expert_placement(2)))
     # Rank 7 holds rank 11's dense shards but other experts: only rank 3 can stand in for 11.
     assert moe.holders(11) == [3, 11] and moe.owns(3) and not moe.owns(11)

@@ -55,6 +55,28 @@ def _moe_tp_problem(v) -> str | None:
     return None
 
 
+def _experts_problem(v) -> str | None:
+    """What is wrong with parallel.ep / parallel.etp (None: nothing)."""
+    ep, etp, tp, dp, moe = v["parallel.ep"], v["parallel.etp"], v["parallel.tp"], v["parallel.dp"], v["model.moe"]
+    etp_ = tp if etp is None else etp
+    if ep == 1 and etp_ == tp:
+        return None
+    if moe is None:
+        return f"ep={ep}, etp={etp_}: expert parallelism needs expert layers (model.moe)"
+    if etp_ not in (1, tp):
+        return f"etp={etp_} must be 1 or parallel.tp={tp}"
+    if moe.n_experts % ep:
+        return f"ep={ep} does not divide model.moe.n_experts={moe.n_experts}"
+    if (dp * tp) % (ep * etp_):
+        return (f"ep={ep} x etp={etp_} must divide parallel.dp x parallel.tp = {dp * tp} (experts are folded over "
+                "the ranks of each stage)")
+    if v["parallel.zero"]:
+        return "ep or etp 1 with parallel.zero: 1 is not built yet; use parallel.zero: 0"
+    if v["parallel.min_dp"] is not None:
+        return "ep or etp 1 with parallel.min_dp (an elastic shrink) is not built yet"
+    return None
+
+
 def _micro_batches(v) -> int:
     local = v["train.batch_size"] // v["parallel.dp"]
     return local // v["train.micro_batch_size"] if v["train.micro_batch_size"] else 1
@@ -128,6 +150,9 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
     (("parallel.tp", "model.moe"),
      lambda v: v["model.moe"] is None or _moe_tp_problem(v) is None,
      lambda v: _moe_tp_problem(v)),
+    (("parallel.ep", "parallel.etp", "parallel.tp", "parallel.dp", "model.moe", "parallel.zero", "parallel.min_dp"),
+     lambda v: _experts_problem(v) is None,
+     lambda v: _experts_problem(v)),
     # Sequence parallelism splits each sequence into tp equal pieces.
     (("parallel.sequence_parallel", "parallel.tp", "model.block_size"),
      lambda v: not v["parallel.sequence_parallel"]

@@ -85,6 +85,10 @@ class ParallelConfig:
     overlap_param_gather: bool = _f(
         False, "under zero: 1, gather the updated weights while the next forward pass goes on, each layer "
                "waiting only for its own (Megatron's overlap_param_gather; the same bits)")
+    ep: int = _f(1, "expert-parallel degree (models with model.moe): each expert layer's experts spread over ep "
+                    "ranks, folded over the dp x tp ranks of each stage; tokens reach them by all-to-all", POSITIVE)
+    etp: Optional[int] = _f(None, "tensor-parallel degree inside an expert: 1 (whole experts, each TP rank routing "
+                                  "its share of the tokens) or tp; null = tp", POSITIVE)
     min_dp: Optional[int] = _f(
         None, "elastic floor: when lost workers cannot be replaced, shrink to as few as this many "
               "replicas instead of failing, and grow back to dp when capacity returns; null = never shrink",

@@ -123,7 +123,8 @@ def tensor_table(tensors: dict[str, tuple[Sharding, torch.Tensor]], tp: int, voc
 
 
 def write_shard(storage: Storage, directory: str, tensors: dict[str, tuple[Sharding, torch.Tensor]], tp_rank: int,
-                to_host=None, written=None, tp: int = 1, stage: int | None = None, dp_rank: int = 0) -> dict:
+                to_host=None, written=None, tp: int = 1, stage: int | None = None, dp_rank: int = 0,
+                whole: frozenset = frozenset()) -> dict:
     """Write TP rank `tp_rank`'s file of a checkpoint, one tensor at a time, each with its split dim first
     (the caller keeps the tensors unchanged until `written()` is called, or until this returns: once
     every byte is handed to the file the tensors may change while it is made durable; a device tensor
@@ -131,8 +132,8 @@ def write_shard(storage: Storage, directory: str, tensors: dict[str, tuple[Shard
     to_host = to_host or (lambda t: t.cpu())
     items = []
     for key, (s, t) in tensors.items():
-        if (s.dim is None and tp_rank != 0) or not s.owns(tp_rank, tp):
-            continue  # replicated: written once, by TP rank 0; a shared KV head by its owner
+        if key not in whole and ((s.dim is None and tp_rank != 0) or not s.owns(tp_rank, tp)):
+            continue  # replicated: written once, by TP rank 0; a shared KV head by its owner; `whole`: by this rank
         stored = t.t() if s.dim == 1 and t.dim() == 2 else t
         items.append((key, t.dtype, tuple(stored.shape), lambda stored=stored: to_host(stored).contiguous()))
     name = shard_file(tp_rank, stage, dp_rank)
@@ -187,8 +188,9 @@ class Checkpoint:
         dtype = safetensors_io.TORCH[spec["dtype"]]
         stage = spec.get("stage")
         blocks = spec.get("blocks")  # rows written by several DP ranks (raytp.files.checkpoint_blocks)
+        dp, src_tp = spec.get("dp", 0), spec.get("tp", self.tp)  # an expert's file's DP rank, its written TP degree
         if s.dim is None and not blocks:
-            return self._rows(shard_file(0, stage, spec.get("dp", 0)), key, None, None, dtype, shape, out)
+            return self._rows(shard_file(spec.get("tp_file", 0), stage, dp), key, None, None, dtype, shape, out)
         local = local_shape(s, shape, tp) if s.dim is not None else shape
         flip = spec["transposed"] and stored
         if out is None:
@@ -203,13 +205,13 @@ class Checkpoint:
             for src, src_at, length, dst_at in spans:
                 checkpoint_blocks.read_blocks(read_rows, spec, src, src_at, length, out, dst_at, flip)
             return out
-        for p in pieces(s, shape[s.dim], self.tp, tp, rank):
+        for p in pieces(s, shape[s.dim], src_tp, tp, rank):
+            file = shard_file(spec.get("tp_file", p.src), stage, dp)
             if spec["transposed"] and not stored:
-                rows = self._rows(shard_file(p.src, stage), key, p.src_at, p.length, dtype, None)
+                rows = self._rows(file, key, p.src_at, p.length, dtype, None)
                 out.narrow(s.dim, p.dst_at, p.length).copy_(rows.t())
             else:  # rows of `out` along dim 0: read straight into them
-                self._rows(shard_file(p.src, stage), key, p.src_at, p.length, dtype, None,
-                           out.narrow(0, p.dst_at, p.length))
+                self._rows(file, key, p.src_at, p.length, dtype, None, out.narrow(0, p.dst_at, p.length))
         return out
 
     def _rows(self, file: str, key: str, start, count, dtype, shape, into=None) -> torch.Tensor:
@@ -234,10 +236,13 @@ def open_checkpoint(storage: Storage, directory: str, manifest_: dict | None = N
 
 
 def load_into(ckpt, model, optimizer, rank: int, tp: int) -> None:
-    """Give a shard (built empty) its slices of the checkpoint's weights and, if it has any, AdamW state."""
+    """Give a shard (built empty) its slices of the checkpoint's weights and, if it has any, AdamW state (a
+    parameter the shard holds whole though TP splits its kind, an expert at etp 1, reads all of it)."""
     keys = set(ckpt.keys())
+    at = (rank, tp)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            rank, tp = (0, 1) if getattr(p, "whole_on_rank", False) else at
             if f"model/{name}" not in keys:
                 raise CheckpointError(f"{ckpt.where}: holds no model/{name}")
             direct = p.device.type == "cpu" and p.is_contiguous() and ckpt.reads_into  # straight into the tensors

@@ -109,7 +109,7 @@ def load_into(model_dir, model, rank: int, tp: int) -> None:
             file, shape = found[hf_name]
             reader = readers.setdefault(file, Reader(storage, file))
             s = sharding_of(name, model.cfg)
-            if s.dim is None or tp == 1:
+            if s.dim is None or tp == 1 or getattr(p, "whole_on_rank", False):  # whole: an expert at etp 1
                 t = reader.rows(hf_name)
                 p.copy_(t.t() if conv else t)
                 continue

@@ -45,8 +45,7 @@ class ProcessGroups:
 
     def __init__(self, layout: Layout, rank: int, tp=None, dp=None, pp=None, emb=None, **others):
         self.layout, self.rank = layout, rank
-        # the expert mesh's axes are None where experts have no mesh of their own (they follow TP and DP)
-        self.named = {"tp": tp, "dp": dp, "pp": pp, "emb": emb, "ep": None, "etp": None, "edp": None, **others}
+        self.named = {"tp": tp, "dp": dp, "pp": pp, "emb": emb, **others}
 
     def group(self, name: str):
         """The group of the sub-mesh `name` this rank is in (None: one rank, or not built)."""
@@ -113,6 +112,8 @@ def build_groups(layout: Layout, rank: int, timeout_s: float = 120.0) -> Process
             g = dist.new_group(members, timeout=timeout) if len(members) > 1 else None
             if rank in members:
                 mine[kind] = g
+    for axis in ("ep", "etp", "edp"):  # None where experts have no mesh of their own (an MoE layer's dispatch
+        mine.setdefault(axis, None)    # names "ep" on every layout)
     return ProcessGroups(layout, rank, **mine)
 
 

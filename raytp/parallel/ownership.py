@@ -16,7 +16,9 @@ same (tp, pp) coordinates in every other replica can stand in for them; with
 the distributed optimizer (``zero`` 1, dp > 1) each DP rank keeps the AdamW
 state of its own rows, so every rank owns a part and none can stand in for
 another (a lost rank's state comes from a snapshot or a checkpoint). Experts
-replicated over expert-DP only narrow the holders the same way.
+on a mesh of their own (ep > 1, or etp 1 at tp > 1) are held by their expert-DP
+group only: they narrow the holders to the ranks holding the same dense bytes
+and the same experts, and every first of those owns a part.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from raytp.parallel.layout import Layout
-from raytp.parallel.placements import TensorPlacement, dense_state_placements, dense_weight_placements
+from raytp.parallel.placements import (TensorPlacement, dense_state_placements, dense_weight_placements,
+                                      expert_placement)
 
 
 @dataclass(frozen=True)
@@ -105,10 +108,22 @@ def _same(layout: Layout, table: tuple[TensorPlacement, ...]) -> tuple[tuple[int
     return tuple(tuple(by_key[keys[r]]) for r in range(layout.world_size))
 
 
+def expert_placement_of(layout: Layout) -> TensorPlacement:
+    """Where a routed expert's tensors live on `layout` (split over ETP, or whole, on each EP rank)."""
+    return expert_placement(0 if layout.expert_tp > 1 else None)
+
+
+def _experts(layout: Layout) -> tuple[TensorPlacement, ...]:
+    """A model's expert placement where its layout gives experts a mesh of their own (their AdamW state is
+    placed as the weights: experts are not sharded over expert-DP by the optimizer)."""
+    return (expert_placement_of(layout),) if layout.experts_split else ()
+
+
 @lru_cache(maxsize=64)
 def _rule(layout: Layout, weights, state) -> _Rule:
-    weights = weights if weights is not None else dense_weight_placements()
-    table = tuple(dict.fromkeys(weights + (state if state is not None else dense_state_placements(layout))))
+    weights = weights if weights is not None else dense_weight_placements() + _experts(layout)
+    state = state if state is not None else dense_state_placements(layout) + _experts(layout)
+    table = tuple(dict.fromkeys(weights + state))
     holders = _same(layout, table)
     owners = tuple(r for r in range(layout.world_size) if holders[r][0] == r)
     return _Rule(table, holders, _same(layout, weights), owners, {r: i for i, r in enumerate(owners)})

@@ -67,12 +67,13 @@ def estimate(cfg) -> WorkerMemory:
 
 
 @functools.lru_cache(maxsize=8)
-def _local_sizes(model_cfg, tp: int) -> dict[str, int]:
+def _local_sizes(model_cfg, tp: int, ep: int = 1, etp: int | None = None) -> dict[str, int]:
     """Elements of each parameter's TP shard (global names; a block's summed under ``h.3``/``layers.3``),
-    of the whole model built on the meta device."""
+    of the whole model built on the meta device; a routed expert's counted as its 1/ep share (whole per rank
+    at etp 1)."""
     import torch
 
-    from raytp.models.registry import build_model, sharding_of
+    from raytp.models.registry import build_model, is_expert_weight, sharding_of
     from raytp.parallel.sharding import local_shape
     with torch.device("meta"):
         model = build_model(model_cfg)
@@ -81,6 +82,10 @@ def _local_sizes(model_cfg, tp: int) -> dict[str, int]:
     for n, p in model.named_parameters():
         head, _, rest = n.partition(".")
         key = f"{head}.{rest.partition('.')[0]}" if head == blocks else n  # a block's parameters as one
+        if is_expert_weight(n):
+            share = math.prod(local_shape(sharding_of(n, model_cfg), tuple(p.shape), tp if etp in (None, tp) else 1))
+            out[key] = out.get(key, 0) + share / ep
+            continue
         out[key] = out.get(key, 0) + math.prod(local_shape(sharding_of(n, model_cfg), tuple(p.shape), tp))
     return out
 
@@ -107,7 +112,7 @@ def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
     tp = par.tp
     stage = stage_of(model_cfg, par.pp, pp_rank, par.pp_virtual, par.pp_layers)
     parts = model_class(model_cfg).stage_parts()
-    local = sum(n for name, n in _local_sizes(model_cfg, tp).items() if holds(parts, stage, name))
+    local = int(sum(n for name, n in _local_sizes(model_cfg, tp, par.ep, par.etp).items() if holds(parts, stage, name)))
     s, b, h, a = m.block_size, cfg.micro_batch, m.n_embd, m.n_head
     layers = len(stage.layers) if stage else m.n_layer
     in_flight = min(par.pp - pp_rank, cfg.local_batch_size // cfg.micro_batch) if stage else 1

@@ -79,6 +79,8 @@ def parallelize(moe: MoE, prefix: str, group, sequence_parallel: bool, sliced, p
         for leaf in LEAVES:
             weight = sliced(f"{prefix}.{name}.{leaf}.weight", getattr(expert, leaf).weight, whole)
             setattr(expert, leaf, ShardedLinear(weight))
+            if whole:  # files and states read it whole though TP splits its kind (raytp.files.checkpoint)
+                getattr(expert, leaf).weight.whole_on_rank = True
 
 
 def tag(moe: MoE) -> None:

@@ -249,8 +249,10 @@ class WorkerGroup:
         return ray.get([w.evaluate.remote(step) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)[0]
 
     def logits(self, idx):
-        """Full-vocabulary logits of a batch from replica 0."""
-        got = ray.get([w.logits.remote(idx) for w in self.owner_workers()], timeout=self.cfg.runtime.step_timeout_s)
+        """Full-vocabulary logits of a batch from replica 0 (every rank computes them where experts have a mesh
+        of their own: a forward exchanges tokens with the ranks holding the experts)."""
+        workers = self.workers if self.layout.experts_split else self.owner_workers()
+        got = ray.get([w.logits.remote(idx) for w in workers], timeout=self.cfg.runtime.step_timeout_s)
         return next(g for g in got if g is not None)  # the last stage's (every stage's at pp == 1)
 
     # -- health ----------------------------------------------------------------------------------

@@ -63,8 +63,9 @@ class StateCalls:
         where = [lay.coords(own.owner(t)) for t in range(len(parts))]
         return self.fetch([write_part_task.remote(url, directory, c.tp, ref, lay.tp, model_args(cfg),
                                                   c.pp if lay.pp > 1 else None, lay.pp,
-                                                  c.dp if lay.sharded_optimizer else 0, lay.dp, lay.sharded_optimizer)
-                           for c, ref in zip(where, parts)])
+                                                  c.dp if lay.sharded_optimizer else 0, lay.dp, lay.sharded_optimizer,
+                                                  (lay, own.owner(t)) if lay.experts_split else None)
+                           for t, (c, ref) in enumerate(zip(where, parts))])
 
     def copy_shards(self, donors: Mapping[int, int], step: int, weights_only: bool = False) -> int:
         """Ranks take their shards from donors holding the same ones ({rank: donor rank}; `weights_only`:

@@ -341,7 +341,11 @@ class Driver:
     def resize(self, *, tp: int | None = None, dp: int | None = None, pp: int | None = None) -> Outcome:
         """Move to the layout with these degrees now: request, wait for the new ranks, switch (tests,
         benchmarks)."""
-        outcome = self.request_resize(self.layout.changed(tp=tp, dp=dp, pp=pp))
+        try:
+            target = self.layout.changed(tp=tp, dp=dp, pp=pp)
+        except ValueError as e:  # degrees no layout has: refused, as a control request's are
+            return Outcome.refused(str(e))
+        outcome = self.request_resize(target)
         while outcome is None and self.elastic.awaiting is not None:  # no room yet: wait for it here
             time.sleep(0.2)
             outcome = self.advance_resize()

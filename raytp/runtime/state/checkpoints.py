@@ -23,6 +23,7 @@ import ray
 from raytp.config.adapters import model_args
 from raytp.files import checkpoint
 from raytp.files.state_sources import CheckpointSource
+from raytp.files import checkpoint_experts
 from raytp.files.storage import Storage, StorageError, check_writable, probe_name
 
 
@@ -153,7 +154,7 @@ class Checkpoints:
 
 
 def write_part(url: str, directory: str, tp_rank: int, packed, tp: int, model_cfg, stage: int | None = None,
-               pp: int = 1, dp_rank: int = 0, dp: int = 1, sharded: bool = False) -> dict:
+               pp: int = 1, dp_rank: int = 0, dp: int = 1, sharded: bool = False, experts=None) -> dict:
     """TP rank `tp_rank`'s file (of pipeline stage `stage` of `pp`; of DP rank `dp_rank` of `dp` when the
     optimizer is `sharded` over DP, whose other ranks write their AdamW rows only) of a checkpoint from its
     packed snapshot (run as a task: write_part_task); `model_cfg`: the model's ModelArgs."""
@@ -164,6 +165,12 @@ def write_part(url: str, directory: str, tp_rank: int, packed, tp: int, model_cf
     copy = copied_name(model_class(model_cfg).stage_parts(), here)
     state = unpack_state(packed)
     tensors = checkpoint.without_copies(checkpoint.state_tensors(state, model_cfg), copy)
+    if experts is not None:  # (layout, rank) of a part whose experts have a mesh of their own
+        lay, rank = experts
+        tensors, whole, table = checkpoint_experts.share(tensors, lay, rank, model_cfg.vocab_size, stage)
+        out = checkpoint.write_shard(Storage(url), directory, tensors, tp_rank, tp=tp, stage=stage,
+                                     dp_rank=lay.coords(rank).dp, whole=whole)
+        return {**out, "table": table}
     if dp_rank:
         tensors = {k: v for k, v in tensors.items() if not k.startswith("model/")}
     out = checkpoint.write_shard(Storage(url), directory, tensors, tp_rank, tp=tp, stage=stage, dp_rank=dp_rank)

@@ -22,7 +22,8 @@ from raytp.files.storage import Storage
 
 class BackgroundSave:
     def __init__(self, storage: Storage, directory: str, tensors: dict, tp_rank: int, device: torch.device,
-                 staged: bool = False, then=None, tp: int = 1, stage: int | None = None, dp_rank: int = 0):
+                 staged: bool = False, then=None, tp: int = 1, stage: int | None = None, dp_rank: int = 0,
+                 whole: frozenset = frozenset()):
         """`staged`: the tensors are a copy (a snapshot's buffer), not the live ones: nothing waits for
         them. `then()`: called once the file is written (or failed)."""
         self.copied = threading.Event()  # every byte handed to the file: the tensors may change again
@@ -44,7 +45,7 @@ class BackgroundSave:
         def write() -> None:
             try:
                 self.result = checkpoint.write_shard(storage, directory, tensors, tp_rank, to_host, self.copied.set,
-                                                     tp=tp, stage=stage, dp_rank=dp_rank)
+                                                     tp=tp, stage=stage, dp_rank=dp_rank, whole=whole)
             except BaseException as e:  # noqa: BLE001 - reported to the driver by wait()
                 self.error = f"{storage.url}/{directory}: rank's file not written ({type(e).__name__}: {e})"
             finally:

@@ -18,12 +18,14 @@ import torch
 
 from raytp.config.adapters import model_args, hyper
 from raytp.parallel.ownership import Ownership
+from raytp.models.moe.plan import ExpertPlace
+from raytp.models.registry import is_expert_weight
 from raytp.models.shard import build_empty_shard, build_shard
 from raytp.models.stage import copied_name
 from raytp.runtime.worker import transfer
 from raytp.runtime.worker.background_save import BackgroundSave
 from raytp.runtime.worker.transfer import PiecesSource
-from raytp.files import checkpoint
+from raytp.files import checkpoint, checkpoint_experts
 from raytp.train.shard_state import load_shard_state, shard_state, unpack_state
 from raytp.files.state_sources import StateSource
 from raytp.train.step import make_optimizer
@@ -43,16 +45,18 @@ class HeldShard:
         reshapes). `modes`: attributes the job sets on the model (activation checkpointing, the document
         mask)."""
         args, sp = model_args(cfg), cfg.parallel.sequence_parallel
+        experts = ExpertPlace.of(groups)  # where its experts are (all of them without an expert mesh)
         if source is None:
-            model = build_shard(args, cfg.train.seed, groups.tp, sp, device, stage)
+            model = build_shard(args, cfg.train.seed, groups.tp, sp, device, stage, experts)
         else:
-            model = build_empty_shard(args, groups.tp, sp, device, stage)
+            model = build_empty_shard(args, groups.tp, sp, device, stage, experts)
         for k, v in modes.items():
             setattr(model, k, v)
         knobs = hyper(cfg)
         optimizer = make_optimizer(model, knobs, groups.layout.dp, groups.dp_rank, groups.layout.zero,
                                    overlap=cfg.parallel.overlap_grad_reduce,
-                                   overlap_gather=cfg.parallel.overlap_param_gather)
+                                   overlap_gather=cfg.parallel.overlap_param_gather,
+                                   apart=is_expert_weight if groups.layout.experts_split else None)
         if source is not None:
             source = StateSource(source) if isinstance(source, dict) else source
             # A kept process copies its own slices locally where the bundles leave them out (a TP resize: None)
@@ -132,13 +136,18 @@ class HeldShard:
                                                                          model_args(cfg)), copy)
             if not weights:
                 tensors = {k: v for k, v in tensors.items() if not k.startswith("model/")}
-            self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, torch.device("cpu"),
-                                         staged=True, then=lambda: snap_bufs.release(buf), **kw)
+            where = {"device": torch.device("cpu"), "staged": True, "then": lambda: snap_bufs.release(buf)}
         else:
             tensors = checkpoint.named_tensors(self.model, self.optimizer, weights=weights)
-            self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, self.device, **kw)
-        if g.tp_rank != 0 or not weights:
-            return None
+            where = {"device": self.device}
+        table = None
+        if g.layout.experts_split:  # dense tensors by replica 0, each expert by its expert-DP group's first
+            tensors, kw["whole"], table = checkpoint_experts.share(tensors, g.layout, g.rank, cfg.model.vocab_size,
+                                                                   stage)
+            kw["dp_rank"] = g.dp_rank
+        self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, **where, **kw)
+        if g.layout.experts_split or g.tp_rank != 0 or not weights:
+            return table
         if not g.layout.sharded_optimizer:
             return checkpoint.tensor_table(tensors, g.layout.tp, cfg.model.vocab_size, stage)
         table = checkpoint.tensor_table({k: v for k, v in tensors.items() if k.startswith("model/")}, g.layout.tp,

@@ -1,0 +1,43 @@
+"""Which tensors a rank writes into a checkpoint when a model's experts have a mesh of their own (expert
+parallelism, or whole experts on each TP rank), and their entries in the manifest's table.
+
+Dense tensors are written as always, by replica 0 (raytp.files.checkpoint). A routed expert's tensors (its
+weights and AdamW state, under its global name) are written once, by the first rank of the expert-DP group
+holding them (raytp.parallel.placements.expert_placement), into that rank's own file
+(``shard_file(tp, stage, dp)``): every TP rank of that group its slice where experts are split over TP
+(``etp == tp``; the group's TP rank 0 reports the table entries), or the whole expert where each rank holds
+them whole (``etp == 1``; the entry says ``tp: 1`` and the file's ``tp_file``). Every expert entry names the
+file's DP rank (``dp``). Any layout reads them back by name (raytp.files.checkpoint.Checkpoint.read).
+"""
+from __future__ import annotations
+
+from raytp.files.checkpoint import tensor_table
+from raytp.models.registry import is_expert_weight
+from raytp.parallel.layout import Layout
+from raytp.parallel.ownership import expert_placement_of
+
+
+def is_expert_key(key: str) -> bool:
+    """Whether a checkpoint key (``model/<name>``, ``optim/<name>/<state>``) is a routed expert's."""
+    return is_expert_weight(key.split("/")[1])
+
+
+def share(tensors: dict, layout: Layout, rank: int, vocab_size: int, stage: int | None
+          ) -> tuple[dict, frozenset, dict | None]:
+    """(the tensors `rank` writes, the keys it writes whatever its TP rank (whole experts), its table entries:
+    None when it reports none) of a rank's `tensors` (keys as raytp.files.checkpoint.named_tensors')."""
+    c = layout.coords(rank)
+    dense = {k: v for k, v in tensors.items() if not is_expert_key(k)} if c.dp == 0 else {}
+    experts = {}
+    if expert_placement_of(layout).writes(layout, rank):
+        experts = {k: v for k, v in tensors.items() if is_expert_key(k)}
+    table = tensor_table(dense, layout.tp, vocab_size, stage) if dense and c.tp == 0 else None
+    whole = layout.expert_tp == 1
+    if experts and (whole or c.tp == 0):
+        entries = tensor_table(experts, 1 if whole else layout.tp, vocab_size, stage)
+        for e in entries.values():
+            e["dp"] = c.dp
+            if whole:
+                e.update(tp=1, tp_file=c.tp)
+        table = {**(table or {}), **entries}
+    return {**dense, **experts}, frozenset(experts) if whole else frozenset(), table

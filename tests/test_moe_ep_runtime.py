@@ -1,0 +1,100 @@
+"""Expert parallelism through the runtime (an MoE Llama, 4 experts, top 2): at TP=1 x DP=2 x EP=2 each
+worker holds two experts; a SIGKILLed worker (whose experts no other rank holds) is restored from its
+snapshot with nothing lost, bit for bit; each expert is written to the checkpoint once, by the rank
+holding it, and read back at any layout: a run at TP=2 x DP=2 x EP=2 with whole experts per TP rank (etp 1)
+resumes from it and goes on as the unbroken run did, and its own checkpoint resumes on one device; a live
+resize of an expert-parallel job is refused and the job goes on."""
+import io
+import json
+import signal
+
+import numpy as np
+import pytest
+
+from helpers import FIXED, assert_bitwise_equal, events, final_state, job, losses, run, signal_rank
+from raytp.files import checkpoint
+from raytp.runtime.driver.driver import Driver
+from raytp.runtime.origin import from_checkpoint
+
+MOE = {"arch": "llama", "n_head": 4, "n_kv_head": 2, "intermediate_size": 96,
+       "moe": {"n_experts": 4, "top_k": 2, "moe_ffn": 32, "aux_coeff": 0.01}}
+STEPS = 8
+
+
+def ep_job(tp, dp, ep, etp=None):
+    cfg = job(tp, dp, steps=STEPS, checkpoint={"every": 4, "keep": 2}, recovery={"snapshot_every": 1},
+              step_timeout_s=30.0, model=MOE)
+    import dataclasses
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep, etp=etp))
+
+
+@pytest.fixture(scope="module")
+def reference(ray_local, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ep-ref")
+    run(ep_job(1, 2, 2), run_dir, "epref")
+    return run_dir
+
+
+def resumed(cfg, location, run_dir, name):
+    d = Driver(cfg, run_dir, name, out=io.StringIO(), init_state=from_checkpoint(str(location), cfg))
+    try:
+        d.start()
+        d.train_loop()
+    finally:
+        d.release()
+        d.log.close()
+
+
+@pytest.mark.slow
+def test_each_expert_is_written_once_by_the_rank_holding_it(reference):
+    m = json.loads((reference / "checkpoints" / checkpoint.step_dir(STEPS) / "manifest.json").read_text())
+    for j, dp in ((0, 0), (1, 0), (2, 1), (3, 1)):  # experts 0-1 on DP rank 0, 2-3 on DP rank 1
+        entry = m["tensors"][f"model/layers.1.mlp.experts.{j}.up_proj.weight"]
+        assert entry["dp"] == dp and entry["shape"] == [32, 64]
+    assert sorted(m["files"]) == ["tp000-dp001.safetensors", "tp000.safetensors"]
+
+
+@pytest.mark.slow
+def test_sigkill_of_an_expert_rank_is_restored_from_its_snapshot_bit_for_bit(reference, tmp_path):
+    run(ep_job(1, 2, 2), tmp_path / "run", "epkill", faults=[(3, signal_rank(1, signal.SIGKILL))])
+    assert_bitwise_equal(final_state(tmp_path / "run", STEPS), final_state(reference, STEPS))
+    (fail,), (rec,) = events(tmp_path / "run", "failure"), events(tmp_path / "run", "recovered")
+    assert fail["rank"] == 1 and rec["source"] == "snapshot"
+    assert losses(tmp_path / "run") == losses(reference)
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_expert_layouts_and_one_device(reference, tmp_path):
+    """EP=2 over DP -> TP=2 x DP=2 x EP=2 with whole experts (each on one TP rank) -> one device."""
+    import dataclasses
+    theirs = np.array(losses(reference))
+    etp1 = ep_job(2, 2, 2, etp=1)
+    etp1 = dataclasses.replace(etp1, checkpoint=dataclasses.replace(etp1.checkpoint, every=2))
+    resumed(etp1, reference / "checkpoints" / checkpoint.step_dir(4), tmp_path / "etp1", "epetp1")
+    ours = np.array(losses(tmp_path / "etp1"))
+    assert len(ours) == STEPS - 4 and (np.abs(ours - theirs[4:]) / theirs[4:]).max() < 1e-4
+    m = json.loads((tmp_path / "etp1" / "checkpoints" / checkpoint.step_dir(STEPS) / "manifest.json").read_text())
+    assert m["tensors"]["model/layers.0.mlp.experts.3.gate_proj.weight"]["tp_file"] == 1  # TP rank 1 holds 2-3
+    resumed(ep_job(1, 1, 1), tmp_path / "etp1" / "checkpoints" / checkpoint.step_dir(6), tmp_path / "one", "epone")
+    one = np.array(losses(tmp_path / "one"))
+    assert len(one) == STEPS - 6 and (np.abs(one - theirs[6:]) / theirs[6:]).max() < 1e-4
+
+
+@pytest.mark.slow
+def test_a_live_resize_of_an_expert_parallel_job_is_refused_and_it_goes_on(reference, tmp_path):
+    d = Driver(ep_job(1, 2, 2), tmp_path / "run", "epresize", out=io.StringIO())
+    try:
+        d.start()
+        d.train_loop(until=2)
+        before = d.logits(FIXED)
+        outcome = d.resize(tp=2)
+        assert not outcome.ok and "experts have a mesh of their own" in outcome.error
+        outcome = d.resize(dp=1)  # EP=2 no longer fits in one rank
+        assert not outcome.ok and "must divide dp x tp" in outcome.error
+        assert float((d.logits(FIXED) - before).abs().max()) == 0.0
+        assert len(before) == len(FIXED)
+        d.train_loop()
+    finally:
+        d.release()
+        d.log.close()
+    assert losses(tmp_path / "run") == losses(reference)
