@@ -38,5 +38,6 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "zero": lazy("bench.zero:run"),
     "overlap": lazy("bench.overlap:run"),
     "prepare": lazy("bench.prepare:run"),
+    "moe": lazy("bench.moe:run"),
     "data_time": lazy("bench.data_time:run"),
 }

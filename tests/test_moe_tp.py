@@ -169,3 +169,19 @@ def test_expert_figures_count_the_global_batch_at_any_layout():
             assert got["experts"][layer]["min"] == figures["min"] and got["experts"][layer]["max"] == figures["max"]
             for k in ("imbalance", "balance_loss", "z_loss"):
                 assert abs(got["experts"][layer][k] - figures[k]) < 1e-5, (layer, k)
+
+
+def test_the_router_chooses_in_float32_under_bf16_autocast():
+    """Under bf16 autocast a linear layer computes in bf16 whatever its inputs' dtype; the router must not (a
+    bf16 router flips near ties: 61% of the output's scale apart from torchtitan's at bench/moe's size)."""
+    from raytp.models.moe.layer import MoE
+    torch.manual_seed(0)
+    layer = MoE(64, MoeArgs(n_experts=8, top_k=2, moe_ffn=32)).train()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(4, 256, 64)
+    layer(x)
+    fp32 = layer.stats.take(8)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x)
+    assert torch.equal(layer.stats.take(8)[0], fp32)

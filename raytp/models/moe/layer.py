@@ -74,7 +74,8 @@ class MoE(nn.Module):
         x = self.tp_in(x)  # (B, T, C): the whole sequence, also under sequence parallelism
         B, T, C = x.shape
         flat = x.reshape(B * T, C)
-        logits = F.linear(flat.float(), self.gate.weight.float())  # (N, E), float32
+        with torch.autocast(flat.device.type, enabled=False):  # float32 under bf16 autocast too
+            logits = F.linear(flat.float(), self.gate.weight.float())  # (N, E)
         weights, experts, scores = route(logits, self.args)
         out = self._routed(flat, weights, experts)  # (N, C): partial over TP, or this TP rank's rows only
         if self.shared_expert is not None:
