@@ -140,6 +140,9 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
     (("parallel.tp", *_MODEL),
      lambda v: v["parallel.tp"] in _tp_degrees(v),
      _tp_message),
+    (("model.head_dim", "model.qk_norm", "model.arch"),
+     lambda v: (v["model.head_dim"] is None and not v["model.qk_norm"]) or v["model.arch"] == "llama",
+     lambda v: f"head_dim and qk_norm are the Llama family's; set model.arch: llama (got {v['model.arch']!r})"),
     (("model.moe", "model.arch"),
      lambda v: v["model.moe"] is None or v["model.arch"] == "llama",
      lambda v: f"expert layers are the Llama family's; set model.arch: llama (got {v['model.arch']!r})"),
@@ -215,7 +218,8 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
 # (raytp.runtime.origin checks the job again once it has it), so the job's defaults refuse nothing.
 FROM_MODEL = frozenset({"model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "model.vocab_size",
                         "model.arch", "model.n_kv_head", "model.intermediate_size", "model.rope_theta",
-                        "model.tie_embeddings", "model.norm_eps", "model.rope_scaling", "model.moe"})
+                        "model.tie_embeddings", "model.norm_eps", "model.rope_scaling", "model.moe",
+                        "model.head_dim", "model.qk_norm"})
 
 
 def check(cfg: JobConfig, where, bad: set[str], shape_known: bool = True) -> list[str]:

@@ -38,7 +38,7 @@ class ModelConfig:
     vocab_size: int = _f(256, "vocabulary size (padded for TP elsewhere)", POSITIVE)
     dropout: float = _f(0.0, "dropout probability (gpt2 only)", UNIT)
     init_from: Optional[str] = _f(
-        None, "a Hugging Face GPT-2 or Llama (or Mistral, Mixtral) directory (config.json and safetensors, one file or sharded with "
+        None, "a Hugging Face GPT-2 or Llama (or Mistral, Mixtral, Qwen3, Qwen3-MoE) directory (config.json and safetensors, one file or sharded with "
               "an index) to start from; its config sets the shape keys (a Llama keeps the job's block_size, up "
               "to its max_position_embeddings)")
     arch: str = _f("gpt2", "architecture: " + " or ".join(a.summary for a in ARCHES.values()), tuple(ARCHES))
@@ -53,6 +53,9 @@ class ModelConfig:
     tie_embeddings: bool = _f(False, "llama: the output head shares the token embedding's weight "
                                      "(gpt2 always ties)")
     norm_eps: float = _f(1e-5, "llama: RMSNorm epsilon", POSITIVE)
+    head_dim: Optional[int] = _f(None, "llama: width of each attention head (Qwen3's differs from "
+                                       "n_embd / n_head); null = n_embd / n_head", POSITIVE)
+    qk_norm: bool = _f(False, "llama: an RMSNorm over each query and key head before the rotation (Qwen3)")
     moe: Optional[MoeArgs] = _f(
         None, "llama: Mixture-of-Experts layers, {n_experts, top_k, moe_ffn (an expert's SwiGLU width), "
               "moe_every: 1, first_dense: 0 (the first layers kept dense), score: softmax (Mixtral, Qwen) or "

@@ -101,6 +101,8 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_scaling: RopeScaling | None = None  # None: unscaled rotary embedding
     moe: MoeArgs | None = None               # None: every MLP dense (raytp.models.moe.args)
+    attn_head_dim: int | None = None         # None: n_embd / n_head (Qwen3's head_dim may differ)
+    qk_norm: bool = False                    # an RMSNorm over each query and key head (Qwen3)
 
     def __post_init__(self):
         if self.rope_scaling is not None:  # read back from a manifest's or model file's dict
@@ -114,7 +116,7 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.attn_head_dim or self.n_embd // self.n_head
 
     @property
     def kv_heads(self) -> int:

@@ -32,8 +32,8 @@ def matmul_params(cfg: ModelArgs) -> int:
     active ones)."""
     d, layers = cfg.n_embd, cfg.n_layer
     if cfg.arch == "llama":
-        kv = cfg.kv_heads * cfg.head_dim
-        per_layer = [d * d + 2 * d * kv + d * d + 3 * d * cfg.mlp_width] * layers
+        kv, q = cfg.kv_heads * cfg.head_dim, cfg.n_head * cfg.head_dim
+        per_layer = [d * q + 2 * d * kv + q * d + 3 * d * cfg.mlp_width] * layers
         m = cfg.moe
         if m is not None:  # an expert layer: the router, and the k experts and shared ones a token goes through
             active = d * m.n_experts + 3 * d * (m.top_k * m.moe_ffn + m.shared_width) + (d if m.shared_gate else 0)
@@ -46,7 +46,8 @@ def matmul_params(cfg: ModelArgs) -> int:
 def flops_per_token(cfg: ModelArgs, seq_len: int | None = None) -> float:
     """Training FLOPs (forward and backward) per token at context `seq_len` (the model's block size)."""
     t = cfg.block_size if seq_len is None else seq_len
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * t
+    width = cfg.n_head * cfg.head_dim if cfg.arch == "llama" else cfg.n_embd  # attention's q.k and a.v width
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layer * width * t
 
 
 def peak_tflops(device_name: str | None, override: float | None = None) -> float | None:

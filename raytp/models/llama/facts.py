@@ -11,10 +11,11 @@ JOB_RULES = (
     (("model.dropout",),
      lambda v: v["model.dropout"] == 0,
      lambda v: f"{v['model.dropout']}, but the llama architecture has no dropout; set it to 0"),
-    (("model.n_head", "model.n_embd"),
-     lambda v: (v["model.n_embd"] // v["model.n_head"]) % 2 == 0,
-     lambda v: f"{v['model.n_head']} heads make a head width of {v['model.n_embd'] // v['model.n_head']}; "
-               "rotary position embedding needs an even head width (model.n_embd / model.n_head)"),
+    (("model.n_head", "model.n_embd", "model.head_dim"),
+     lambda v: (v["model.head_dim"] or v["model.n_embd"] // v["model.n_head"]) % 2 == 0,
+     lambda v: f"{v['model.n_head']} heads make a head width of "
+               f"{v['model.head_dim'] or v['model.n_embd'] // v['model.n_head']}; rotary position embedding needs "
+               "an even head width (model.head_dim, else model.n_embd / model.n_head)"),
 )
 
 FACTS = ArchFacts(

@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 
 from raytp.models.args import ModelArgs, RopeScaling
-from raytp.models.llama import mixtral
+from raytp.models.llama import mixtral, qwen3
 
-# Mistral is a Llama with (optionally) sliding-window attention; Mixtral a Mistral of expert layers (mixtral.py)
-MODEL_TYPES = ("llama", "mistral", mixtral.MODEL_TYPE)
+# Mistral is a Llama with (optionally) sliding-window attention; Mixtral a Mistral of expert layers (mixtral.py);
+# Qwen3 a Llama with per-head q/k norms and its own head width, Qwen3-MoE with expert layers (qwen3.py)
+MODEL_TYPES = ("llama", "mistral", mixtral.MODEL_TYPE, *qwen3.MODEL_TYPES)
 
 
 def hf_config(cfg: ModelArgs) -> dict:
@@ -33,6 +34,8 @@ def hf_config(cfg: ModelArgs) -> dict:
         "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": 0.02,
         "torch_dtype": "float32",
     }
+    if cfg.qk_norm:
+        return qwen3.hf_config(llama, cfg)
     return llama if cfg.moe is None else mixtral.hf_config(llama, cfg)
 
 
@@ -54,8 +57,8 @@ def rope_scaling_of(d: dict) -> RopeScaling | None:
 
 
 def config_from_hf(d: dict, where: str = "config.json") -> ModelArgs:
-    """The shape of a LlamaForCausalLM (or Mistral, or Mixtral) config.json; what raytp's Llama cannot be is refused,
-    every such key named at once."""
+    """The shape of a LlamaForCausalLM (or Mistral, Mixtral, Qwen3, Qwen3-MoE) config.json; what raytp's Llama
+    cannot be is refused, every such key named at once."""
     problems = []
     if d.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {d['hidden_act']!r}; raytp's Llama uses silu (SwiGLU)")
@@ -69,11 +72,14 @@ def config_from_hf(d: dict, where: str = "config.json") -> ModelArgs:
         problems.append(str(e))
     theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 10000.0
     heads, width = d["num_attention_heads"], d["hidden_size"]
-    if d.get("head_dim") not in (None, width // heads):
+    extra = qwen3.fields_from_hf(d, problems) if d.get("model_type") in qwen3.MODEL_TYPES else {}
+    if d.get("head_dim") not in (None, width // heads) and not extra:
         problems.append(f"head_dim={d['head_dim']} differs from hidden_size/num_attention_heads={width // heads}")
     window = d.get("sliding_window")
-    moe = mixtral.moe_from_hf(d, problems) if d.get("model_type") == mixtral.MODEL_TYPE else None
-    if d.get("model_type") in ("mistral", mixtral.MODEL_TYPE) and window is not None and window < d.get("max_position_embeddings", 0):
+    if d.get("model_type") == mixtral.MODEL_TYPE:
+        extra["moe"] = mixtral.moe_from_hf(d, problems)
+    windowed = d.get("model_type") in ("mistral", mixtral.MODEL_TYPE)
+    if windowed and window is not None and window < d.get("max_position_embeddings", 0):
         problems.append(f"sliding_window={window} attention; raytp attends over the whole context")
     if problems:
         raise ValueError(f"{where}: " + "; ".join(problems))
@@ -81,12 +87,12 @@ def config_from_hf(d: dict, where: str = "config.json") -> ModelArgs:
                      n_kv_head=d.get("num_key_value_heads") or heads, intermediate_size=d["intermediate_size"],
                      block_size=d["max_position_embeddings"], vocab_size=d["vocab_size"],
                      rope_theta=float(theta), norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                     tie_embeddings=bool(d.get("tie_word_embeddings", False)), rope_scaling=scaling, moe=moe)
+                     tie_embeddings=bool(d.get("tie_word_embeddings", False)), rope_scaling=scaling, **extra)
 
 
 def to_hf(name: str, cfg: ModelArgs | None = None) -> tuple[str, bool]:
     """The directory's name of raytp weight `name`; never transposed (both are nn.Linear)."""
-    theirs = mixtral.to_hf(name) if cfg is not None and cfg.moe is not None else None
+    theirs = mixtral.to_hf(name) if cfg is not None and cfg.moe is not None and not cfg.qk_norm else None
     if theirs is not None:
         return theirs, False
     return (name if name.startswith("lm_head.") else f"model.{name}"), False
@@ -97,7 +103,7 @@ def from_hf(hf_name: str, cfg: ModelArgs) -> str | None:
     rotary frequency buffers older transformers saved)."""
     if hf_name.endswith("rotary_emb.inv_freq") or (cfg.tied and hf_name == "lm_head.weight"):
         return None
-    ours = mixtral.from_hf(hf_name) if cfg.moe is not None else None
+    ours = mixtral.from_hf(hf_name) if cfg.moe is not None and not cfg.qk_norm else None
     return ours or hf_name.removeprefix("model.")
 
 

@@ -84,13 +84,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
+        if cfg.qk_norm:  # Qwen3: an RMSNorm over each head of q and of k, before the rotation
+            self.q_norm, self.k_norm = RMSNorm(hd, cfg.norm_eps), RMSNorm(hd, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         x = self.tp_in(x)  # (B, T, C), the full sequence even under sequence parallelism
         B, T, _ = x.shape
-        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, heads, T, hd); local heads
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd); local heads
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         group = q.shape[1] // k.shape[1]  # query heads per KV head
         if group > 1:
@@ -158,7 +162,7 @@ class Llama(CausalLM):
     def init_rule(name: str, cfg: ModelArgs) -> InitRule:
         """N(0, 0.02) for embeddings and projections (transformers' initializer_range), scaled by
         1/sqrt(2 n_layer) for the two that write into the residual stream; RMSNorms at 1."""
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight"):  # the blocks' and q/k heads' RMSNorms
             return InitRule("ones")
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             return InitRule("normal", 0.02 / math.sqrt(2 * cfg.n_layer))

@@ -70,11 +70,14 @@ def swap_parallel(model, group, sequence_parallel: bool, sliced, rank: int, tp: 
 
 def tag(model, group, sequence_parallel: bool, rank: int, tp: int) -> None:
     """Mark the parameters whose gradients the step must sum over TP ranks (once every one is made):
-    shared KV-head copies, an MoE layer's router, and, under SP, the RMSNorm weights."""
+    shared KV-head copies, an MoE layer's router, Qwen3's q/k head norms, and, under SP, the RMSNorm weights."""
     kv = Sharding(dim=0, heads=model.cfg.kv_heads)
     for block in model.layers.values():
         if isinstance(block.mlp, MoE):
             moe_plan.tag(block.mlp)
+        if hasattr(block.self_attn, "q_norm"):  # each rank normalises its own heads: partial gradients
+            block.self_attn.q_norm.weight.partial_over_tp = True
+            block.self_attn.k_norm.weight.partial_over_tp = True
         if kv.holders(tp) > 1:
             for proj in (block.self_attn.k_proj, block.self_attn.v_proj):
                 proj.weight.shared_head = (rank // kv.holders(tp), kv.heads, kv.holders(tp))
