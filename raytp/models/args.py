@@ -101,7 +101,7 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_scaling: RopeScaling | None = None  # None: unscaled rotary embedding
     moe: MoeArgs | None = None               # None: every MLP dense (raytp.models.moe.args)
-    attn_head_dim: int | None = None         # None: n_embd / n_head (Qwen3's head_dim may differ)
+    head_dim: int | None = None              # None: n_embd / n_head (Qwen3's may differ): see head_width
     qk_norm: bool = False                    # an RMSNorm over each query and key head (Qwen3)
 
     def __post_init__(self):
@@ -115,8 +115,9 @@ class ModelArgs:
         return fixed[key] if key in fixed else getattr(self, key)
 
     @property
-    def head_dim(self) -> int:
-        return self.attn_head_dim or self.n_embd // self.n_head
+    def head_width(self) -> int:
+        """The width of each attention head: head_dim, else n_embd / n_head."""
+        return self.head_dim or self.n_embd // self.n_head
 
     @property
     def kv_heads(self) -> int:

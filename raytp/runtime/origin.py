@@ -62,7 +62,7 @@ def starting_state(cfg: config_mod.JobConfig, resume: str | None, run_dir: Path,
             block_size=block, vocab_size=shape.vocab_size, arch=shape.arch, n_kv_head=shape.n_kv_head,
             intermediate_size=shape.intermediate_size, rope_theta=shape.rope_theta,
             tie_embeddings=shape.tie_embeddings, norm_eps=shape.norm_eps, rope_scaling=shape.rope_scaling,
-            moe=_experts(cfg.model.moe, shape.moe, cfg.model.init_from), head_dim=shape.attn_head_dim,
+            moe=_experts(cfg.model.moe, shape.moe, cfg.model.init_from), head_dim=shape.head_dim,
             qk_norm=shape.qk_norm))
         config_mod.validate(cfg, f"{cfg.model.init_from}/config.json")
         say(f"starting from the {spec.title} in {cfg.model.init_from} ({shape.n_layer} layers x {shape.n_embd} wide, "

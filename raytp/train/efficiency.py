@@ -32,7 +32,7 @@ def matmul_params(cfg: ModelArgs) -> int:
     active ones)."""
     d, layers = cfg.n_embd, cfg.n_layer
     if cfg.arch == "llama":
-        kv, q = cfg.kv_heads * cfg.head_dim, cfg.n_head * cfg.head_dim
+        kv, q = cfg.kv_heads * cfg.head_width, cfg.n_head * cfg.head_width
         per_layer = [d * q + 2 * d * kv + q * d + 3 * d * cfg.mlp_width] * layers
         m = cfg.moe
         if m is not None:  # an expert layer: the router, and the k experts and shared ones a token goes through
@@ -46,7 +46,7 @@ def matmul_params(cfg: ModelArgs) -> int:
 def flops_per_token(cfg: ModelArgs, seq_len: int | None = None) -> float:
     """Training FLOPs (forward and backward) per token at context `seq_len` (the model's block size)."""
     t = cfg.block_size if seq_len is None else seq_len
-    width = cfg.n_head * cfg.head_dim if cfg.arch == "llama" else cfg.n_embd  # attention's q.k and a.v width
+    width = cfg.n_head * cfg.head_width if cfg.arch == "llama" else cfg.n_embd  # attention's q.k and a.v width
     return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layer * width * t
 
 

@@ -75,7 +75,7 @@ class CausalSelfAttention(nn.Module):
     keyed_dropout = True  # its attention-probability dropout is keyed per global head
     def __init__(self, cfg: ModelArgs, layer: int):
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim = cfg.head_width
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v stacked
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.p = cfg.dropout

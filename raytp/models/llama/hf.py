@@ -26,7 +26,7 @@ def hf_config(cfg: ModelArgs) -> dict:
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_width,
         "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_width,
         "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
         "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta},

@@ -78,7 +78,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class Attention(nn.Module):
     def __init__(self, cfg: ModelArgs):
         super().__init__()
-        hd = self.head_dim = cfg.head_dim
+        hd = self.head_dim = cfg.head_width
         self.tp_in = nn.Identity()
         self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=False)
         self.k_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=False)
@@ -173,7 +173,7 @@ class Llama(CausalLM):
         """idx (B, T) token ids -> logits (B, T, V), or the mean loss when targets are given (`hidden`,
         `layers`: a pipeline stage's, see raytp.models.gpt2.model.GPT.forward)."""
         T = self.check_length(idx)
-        cos, sin = rotary(T, self.cfg.head_dim, self.cfg.rope_theta, idx.device, self.cfg.rope_scaling)
+        cos, sin = rotary(T, self.cfg.head_width, self.cfg.rope_theta, idx.device, self.cfg.rope_scaling)
         x = self.embed_tokens(idx) if hidden is None else hidden  # (B, T, C); (B, T/tp, C) under SP
         mask = self.document_mask(idx)
         for block in self.blocks(layers):

@@ -17,7 +17,7 @@ def fields_from_hf(d: dict, problems: list[str]) -> dict:
     """ModelArgs fields a Qwen3 config.json sets beyond a Llama's; what raytp cannot be joins `problems`."""
     if d.get("use_sliding_window"):
         problems.append("use_sliding_window is true; raytp attends over the whole context")
-    out = {"qk_norm": True, "attn_head_dim": d.get("head_dim")}
+    out = {"qk_norm": True, "head_dim": d.get("head_dim")}
     n_experts = d.get("num_experts") or d.get("num_local_experts")  # transformers 5 writes the second
     if d.get("model_type") != "qwen3_moe" or not n_experts:
         return out
@@ -46,7 +46,7 @@ def hf_config(llama: dict, cfg: ModelArgs) -> dict:
     """A Llama's config.json made a Qwen3's (or, with expert layers, a Qwen3-MoE's); ValueError when it
     cannot be one."""
     out = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp")}
-    out.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": cfg.head_dim,
+    out.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": cfg.head_width,
                 "attention_bias": False, "use_sliding_window": False, "sliding_window": None})
     if cfg.moe is None:
         return out
