@@ -279,3 +279,14 @@ def write_prepared(root, seed, lo, hi, shards=2, docs=80, eod=255, sha="test"):
                     tuple(listed), ("test",))
     (root / mf.NAME).write_text(m.to_json())
     return str(root)
+
+
+def gpu_nodes(cluster, n):
+    """Exactly `n` GPU nodes (2 CPUs, 2 GPUs) alive, whatever the tests before removed or added: idle
+    ones removed or new ones added. Returns them."""
+    nodes = list(cluster.worker_nodes)
+    for node in nodes[n:]:
+        cluster.remove_node(node)
+    nodes = nodes[:n] + [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(n - len(nodes))]
+    cluster.wait_for_nodes(timeout=NEVER_S)
+    return nodes

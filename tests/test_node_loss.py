@@ -6,8 +6,8 @@ import json
 import pytest
 import ray
 from faulty import HOLD_S, WaitsForRoom, WaitsForSnapshotCopy
-from helpers import (NEVER_S, assert_bitwise_equal, events, final_state, gpu_cluster, job, ray_actors,
-                     recovery_job, run, steps_logged, wait_for)
+from helpers import (NEVER_S, assert_bitwise_equal, events, final_state, gpu_cluster, gpu_nodes, job,
+                     ray_actors, recovery_job, run, steps_logged, wait_for)
 from raytp.runtime.driver.control_actor import find_control
 
 pytestmark = pytest.mark.slow  # a simulated cluster of up to 4 nodes, and two jobs per test
@@ -20,17 +20,6 @@ def cluster(no_shared_ray):
     # Ray keeps objects under 100 KB, all of this test model's snapshots, in the owner's own memory).
     with gpu_cluster(0, {"max_direct_call_object_size": 1024}) as (c, _):
         yield c
-
-
-def gpu_nodes(cluster, n):
-    """Exactly `n` GPU nodes (2 CPUs, 2 GPUs) alive, whatever the tests before removed or added: idle
-    ones removed or new ones added. Returns them."""
-    nodes = list(cluster.worker_nodes)
-    for node in nodes[n:]:
-        cluster.remove_node(node)
-    nodes = nodes[:n] + [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(n - len(nodes))]
-    cluster.wait_for_nodes(timeout=NEVER_S)
-    return nodes
 
 
 def test_removed_node_is_replaced_from_the_dp_replica(cluster, recovery_reference, tmp_path):
@@ -201,46 +190,6 @@ def test_removed_node_under_zero1_restores_from_the_snapshot_copy(cluster, zero_
     assert [f["rank"] for f in events(run_dir, "failure")] == [1]
     (rec,) = events(run_dir, "recovered")
     assert rec["source"] == "snapshot copy" and rec["lost_steps"] <= 3, rec
-
-
-@pytest.fixture(scope="module")
-def pp2_dp2_reference(cluster, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("ppnref") / "run"
-    gpu_nodes(cluster, 3)
-    run(pp_job(), run_dir, "ppnref")
-    return final_state(run_dir)
-
-
-def pp_job():
-    cfg = recovery_job(1, 2, gpus_per_worker=1.0)
-    return cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=1, pp=2, dp=2)})
-
-
-@pytest.mark.parametrize("which", [0, 1, 2])
-def test_each_node_of_a_pipeline_job_whose_loss_the_start_line_says_it_survives_loses_nothing(
-        cluster, pp2_dp2_reference, which, tmp_path):
-    """PP=2 x DP=2 (one placement group per stage and replica) on three GPU nodes: placed by rule so that
-    no node holds both copies of a stage, which the start line and the `survival` event say; each node in
-    turn (the `which`-th the event names) is removed, and its ranks come back on the capacity left,
-    restored bit for bit from the other copies."""
-    by_id = {n.node_id: n for n in gpu_nodes(cluster, 3)}
-    run_dir = tmp_path / "run"
-
-    def remove_a_node(run_name):
-        (ev,) = events(run_dir, "survival")
-        assert len(ev["nodes"]) == 3 and all(ev["nodes"].values()), ev  # survives any one node's loss
-        node_id = list(ev["nodes"])[which]
-        cluster.remove_node(by_id[node_id])
-        remove_a_node.node_id = node_id
-
-    run(pp_job(), run_dir, f"ppnloss{which}", faults=[(6, remove_a_node)])
-    assert "node loss: survives the loss of any 1 node without a checkpoint" in (
-        tmp_path / f"ppnloss{which}.out").read_text()
-    assert_bitwise_equal(final_state(run_dir), pp2_dp2_reference)
-    fails = events(run_dir, "failure")
-    assert fails and {f["node"] for f in fails} == {remove_a_node.node_id}
-    (rec,) = events(run_dir, "recovered")
-    assert rec["lost_steps"] == 0 and rec["source"] == "replica", rec
 
 
 def test_elastic_shrink_under_zero1_recuts_the_lost_rows_from_the_snapshot(cluster, zero_reference, tmp_path):

@@ -1,0 +1,57 @@
+"""Losing a whole node of a simulated cluster (fake GPUs, CPU compute): a pipeline job placed so that no node
+holds both copies of a stage survives the loss of any one node (test_node_loss.py has the other node losses;
+the two files run beside each other)."""
+
+import pytest
+from helpers import assert_bitwise_equal, events, final_state, gpu_cluster, gpu_nodes, recovery_job, run
+
+pytestmark = pytest.mark.slow  # a simulated cluster of three nodes, and four jobs
+
+
+@pytest.fixture(scope="module")
+def cluster(no_shared_ray):
+    """A head without GPUs, shared by the module; each test sets its GPU nodes with `gpu_nodes`."""
+    with gpu_cluster(0, {"max_direct_call_object_size": 1024}) as (c, _):
+        yield c
+
+
+@pytest.fixture(scope="module")
+def pp2_dp2_reference(cluster, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ppnref") / "run"
+    gpu_nodes(cluster, 3)
+    run(pp_job(), run_dir, "ppnref")
+    return final_state(run_dir)
+
+
+def pp_job():
+    cfg = recovery_job(1, 2, gpus_per_worker=1.0)
+    return cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=1, pp=2, dp=2)})
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_each_node_of_a_pipeline_job_whose_loss_the_start_line_says_it_survives_loses_nothing(
+        cluster, pp2_dp2_reference, which, tmp_path):
+    """PP=2 x DP=2 (one placement group per stage and replica) on three GPU nodes: placed by rule so that
+    no node holds both copies of a stage, which the start line and the `survival` event say; each node in
+    turn (the `which`-th the event names) is removed, and its ranks come back on the capacity left,
+    restored bit for bit from the other copies."""
+    by_id = {n.node_id: n for n in gpu_nodes(cluster, 3)}
+    run_dir = tmp_path / "run"
+
+    def remove_a_node(run_name):
+        (ev,) = events(run_dir, "survival")
+        assert len(ev["nodes"]) == 3 and all(ev["nodes"].values()), ev  # survives any one node's loss
+        node_id = list(ev["nodes"])[which]
+        cluster.remove_node(by_id[node_id])
+        remove_a_node.node_id = node_id
+
+    run(pp_job(), run_dir, f"ppnloss{which}", faults=[(6, remove_a_node)])
+    assert "node loss: survives the loss of any 1 node without a checkpoint" in (
+        tmp_path / f"ppnloss{which}.out").read_text()
+    assert_bitwise_equal(final_state(run_dir), pp2_dp2_reference)
+    fails = events(run_dir, "failure")
+    assert fails and {f["node"] for f in fails} == {remove_a_node.node_id}
+    (rec,) = events(run_dir, "recovered")
+    assert rec["lost_steps"] == 0 and rec["source"] == "replica", rec
+
+
