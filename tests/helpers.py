@@ -290,3 +290,14 @@ def gpu_nodes(cluster, n):
     nodes = nodes[:n] + [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(n - len(nodes))]
     cluster.wait_for_nodes(timeout=NEVER_S)
     return nodes
+
+
+def resume_run(cfg, location, run_dir, name):
+    """Train job `cfg` to its end from the checkpoint at `location` (any layout's), in this process."""
+    from raytp.runtime.origin import from_checkpoint
+    d = Driver(cfg, run_dir, name, out=open(os.devnull, "w"), init_state=from_checkpoint(str(location), cfg))
+    try:
+        d.start()
+        d.train_loop()
+    finally:
+        close(d)

@@ -7,20 +7,13 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from raytp.models.registry import build_model
-from raytp.parallel import comm
-from raytp.models.registry import full_size_of, sharding_of
-from raytp.parallel.sharding import unshard_tensors
-from raytp.parallel.spawn import run_ranks
+from hf_compare import V, assert_equal_within, batch, ours_at_tp, theirs
 from raytp.files import hf
-from raytp.train.step import _sum_over_tp
-from helpers import hf_shard_at_tp
+from raytp.models.registry import build_model
+from raytp.parallel.spawn import run_ranks
 
 transformers = pytest.importorskip("transformers")
-V, T = 256, 16
 
 
 @pytest.fixture(scope="module")
@@ -39,45 +32,11 @@ def llama_dir(tmp_path_factory):
     return d, model
 
 
-def batch():
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, V, (2, T), generator=g), torch.randint(0, V, (2, T), generator=g)
-
-
-def theirs(model):
-    x, y = batch()
-    model.zero_grad()
-    logits = model(x).logits
-    F.cross_entropy(logits.reshape(-1, V), y.reshape(-1)).backward()
-    return logits.detach(), {n.removeprefix("model."): p.grad.clone() for n, p in model.named_parameters()}
-
-
-def ours_at_tp(rank, world, init, model_dir):
-    model, groups = hf_shard_at_tp(rank, world, init, model_dir)
-    cfg = model.cfg
-    x, y = batch()
-    logits = comm.gather_last(model(x), groups.tp)[..., :V].detach()
-    model(x, y).backward()
-    _sum_over_tp([(p, p.grad) for p in model.parameters() if p.grad is not None], groups.tp)  # as the step does:
-    # shared KV heads' copies summed
-    grads = {}
-    for name, p in model.named_parameters():
-        parts = [torch.empty_like(p.grad) for _ in range(world)]
-        dist.all_gather(parts, p.grad.contiguous(), group=groups.tp)
-        grads[name] = unshard_tensors(parts, sharding_of(name, cfg), full_size_of(name, cfg))
-    return logits, grads
-
-
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_sharded_load_gives_transformers_logits_and_gradients(llama_dir, tp):
     d, model = llama_dir
     assert (d / "model.safetensors.index.json").exists(), "the test model should be saved sharded"
-    want_logits, want_grads = theirs(model)
-    logits, grads = run_ranks(tp, ours_at_tp, d)[0]
-    assert float((logits - want_logits).abs().max()) < 1e-4
-    assert grads.keys() == want_grads.keys()
-    for k, g in want_grads.items():
-        assert float((grads[k] - g).abs().max()) < 1e-4, k
+    assert_equal_within(run_ranks(tp, ours_at_tp, d)[0], theirs(model))
 
 
 def test_greedy_generation_is_identical(llama_dir):

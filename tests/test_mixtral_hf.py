@@ -9,19 +9,14 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from helpers import hf_shard_at_tp
+from hf_compare import V, assert_equal_within, batch, ours_at_tp, theirs
 from raytp.files import hf
-from raytp.models.registry import build_model, full_size_of, sharding_of
-from raytp.parallel import comm
-from raytp.parallel.sharding import unshard_tensors
+from raytp.models.registry import build_model
 from raytp.parallel.spawn import run_ranks
-from raytp.train.step import _sum_over_tp
 
 transformers = pytest.importorskip("transformers")
-V, T, E, FFN = 256, 16, 4, 32
+E, FFN = 4, 32
 
 
 @pytest.fixture(scope="module")
@@ -43,58 +38,12 @@ def mixtral_dir(tmp_path_factory):
     return d, model
 
 
-def batch():
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, V, (2, T), generator=g), torch.randint(0, V, (2, T), generator=g)
-
-
-def theirs(model):
-    """transformers' logits and gradients under raytp's names (its fused experts split per expert)."""
-    x, y = batch()
-    model.zero_grad()
-    logits = model(x).logits
-    F.cross_entropy(logits.reshape(-1, V), y.reshape(-1)).backward()
-    grads = {}
-    for n, p in model.named_parameters():
-        n = n.removeprefix("model.")
-        if n.endswith("experts.gate_up_proj"):
-            for j in range(E):
-                grads[n.replace("gate_up_proj", f"{j}.gate_proj.weight")] = p.grad[j, :FFN].clone()
-                grads[n.replace("gate_up_proj", f"{j}.up_proj.weight")] = p.grad[j, FFN:].clone()
-        elif n.endswith("experts.down_proj"):
-            for j in range(E):
-                grads[n.replace("down_proj", f"{j}.down_proj.weight")] = p.grad[j].clone()
-        else:
-            grads[n] = p.grad.clone()
-    return logits.detach(), grads
-
-
-def ours_at_tp(rank, world, init, model_dir):
-    model, groups = hf_shard_at_tp(rank, world, init, model_dir)
-    cfg = model.cfg
-    x, y = batch()
-    logits = comm.gather_last(model(x), groups.tp)[..., :V].detach()
-    model(x, y).backward()
-    _sum_over_tp([(p, p.grad) for p in model.parameters()], groups.tp)  # as the step does: the router's
-    grads = {}
-    for name, p in model.named_parameters():
-        parts = [torch.empty_like(p.grad) for _ in range(world)]
-        dist.all_gather(parts, p.grad.contiguous(), group=groups.tp)
-        grads[name] = unshard_tensors(parts, sharding_of(name, cfg), full_size_of(name, cfg))
-    return logits, grads
-
-
 def test_sharded_load_gives_transformers_logits_and_gradients(mixtral_dir):
     d, model = mixtral_dir
     assert (d / "model.safetensors.index.json").exists(), "the test model should be saved sharded"
     cfg = hf.inspect(d)
     assert (cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.moe_ffn) == (E, 2, FFN)
-    want_logits, want_grads = theirs(model)
-    logits, grads = run_ranks(2, ours_at_tp, d)[0]
-    assert float((logits - want_logits).abs().max()) < 1e-4
-    assert grads.keys() == want_grads.keys()
-    for k, g in want_grads.items():
-        assert float((grads[k] - g).abs().max()) < 1e-4, k
+    assert_equal_within(run_ranks(2, ours_at_tp, d)[0], theirs(model, E, FFN))
 
 
 def test_greedy_generation_is_identical(mixtral_dir):

@@ -11,10 +11,9 @@ import signal
 import numpy as np
 import pytest
 
-from helpers import FIXED, assert_bitwise_equal, events, final_state, job, losses, run, signal_rank
+from helpers import FIXED, assert_bitwise_equal, events, final_state, job, losses, resume_run, run, signal_rank
 from raytp.files import checkpoint
 from raytp.runtime.driver.driver import Driver
-from raytp.runtime.origin import from_checkpoint
 
 MOE = {"arch": "llama", "n_head": 4, "n_kv_head": 2, "intermediate_size": 96,
        "moe": {"n_experts": 4, "top_k": 2, "moe_ffn": 32, "aux_coeff": 0.01}}
@@ -33,16 +32,6 @@ def reference(ray_local, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ep-ref")
     run(ep_job(1, 2, 2), run_dir, "epref")
     return run_dir
-
-
-def resumed(cfg, location, run_dir, name):
-    d = Driver(cfg, run_dir, name, out=io.StringIO(), init_state=from_checkpoint(str(location), cfg))
-    try:
-        d.start()
-        d.train_loop()
-    finally:
-        d.release()
-        d.log.close()
 
 
 @pytest.mark.slow
@@ -70,12 +59,12 @@ def test_checkpoints_move_between_expert_layouts_and_one_device(reference, tmp_p
     theirs = np.array(losses(reference))
     etp1 = ep_job(2, 2, 2, etp=1)
     etp1 = dataclasses.replace(etp1, checkpoint=dataclasses.replace(etp1.checkpoint, every=2))
-    resumed(etp1, reference / "checkpoints" / checkpoint.step_dir(4), tmp_path / "etp1", "epetp1")
+    resume_run(etp1, reference / "checkpoints" / checkpoint.step_dir(4), tmp_path / "etp1", "epetp1")
     ours = np.array(losses(tmp_path / "etp1"))
     assert len(ours) == STEPS - 4 and (np.abs(ours - theirs[4:]) / theirs[4:]).max() < 1e-4
     m = json.loads((tmp_path / "etp1" / "checkpoints" / checkpoint.step_dir(STEPS) / "manifest.json").read_text())
     assert m["tensors"]["model/layers.0.mlp.experts.3.gate_proj.weight"]["tp_file"] == 1  # TP rank 1 holds 2-3
-    resumed(ep_job(1, 1, 1), tmp_path / "etp1" / "checkpoints" / checkpoint.step_dir(6), tmp_path / "one", "epone")
+    resume_run(ep_job(1, 1, 1), tmp_path / "etp1" / "checkpoints" / checkpoint.step_dir(6), tmp_path / "one", "epone")
     one = np.array(losses(tmp_path / "one"))
     assert len(one) == STEPS - 6 and (np.abs(one - theirs[6:]) / theirs[6:]).max() < 1e-4
 

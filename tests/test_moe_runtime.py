@@ -11,10 +11,9 @@ import signal
 import numpy as np
 import pytest
 
-from helpers import FIXED, assert_bitwise_equal, events, final_state, job, losses, run, signal_rank
+from helpers import FIXED, assert_bitwise_equal, events, final_state, job, losses, resume_run, run, signal_rank
 from raytp.files import checkpoint
 from raytp.runtime.driver.driver import Driver
-from raytp.runtime.origin import from_checkpoint
 
 MOE = {"arch": "llama", "n_head": 4, "n_kv_head": 2, "intermediate_size": 96,
        "moe": {"n_experts": 4, "top_k": 2, "moe_ffn": 32, "aux_coeff": 0.01}}
@@ -34,8 +33,8 @@ def reference(ray_local, tmp_path_factory):
     return run_dir
 
 
-def drive(cfg, run_dir, name, init_state=None):
-    return Driver(cfg, run_dir, name, out=io.StringIO(), init_state=init_state)
+def drive(cfg, run_dir, name):
+    return Driver(cfg, run_dir, name, out=io.StringIO())
 
 
 @pytest.mark.slow
@@ -68,15 +67,7 @@ def test_live_tp_change_keeps_the_experts_and_tracks_the_unresized_run(reference
 
 @pytest.mark.slow
 def test_checkpoint_at_tp2_dp2_resumes_on_one_device(reference, tmp_path):
-    cfg = moe_job(1, 1)
-    init_state = from_checkpoint(str(reference / "checkpoints" / checkpoint.step_dir(4)), cfg)
-    d = drive(cfg, tmp_path / "run", "moeresume", init_state=init_state)
-    try:
-        d.start()
-        d.train_loop()
-    finally:
-        d.release()
-        d.log.close()
+    resume_run(moe_job(1, 1), reference / "checkpoints" / checkpoint.step_dir(4), tmp_path / "run", "moeresume")
     ours, theirs = np.array(losses(tmp_path / "run")), np.array(losses(reference))[4:]
     assert len(ours) == STEPS - 4 and (np.abs(ours - theirs) / theirs).max() < 1e-4
 

@@ -7,19 +7,14 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from helpers import hf_shard_at_tp
+from hf_compare import V, assert_equal_within, batch, ours_at_tp, theirs
 from raytp.files import hf
-from raytp.models.registry import build_model, full_size_of, sharding_of
-from raytp.parallel import comm
-from raytp.parallel.sharding import unshard_tensors
+from raytp.models.registry import build_model
 from raytp.parallel.spawn import run_ranks
-from raytp.train.step import _sum_over_tp
 
 transformers = pytest.importorskip("transformers")
-V, T, E, FFN = 256, 16, 4, 16
+E, FFN = 4, 16
 
 
 def _save(model, d):
@@ -54,46 +49,6 @@ def qwen3_dir(tmp_path_factory):
     return _save(transformers.Qwen3ForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen3"))
 
 
-def batch():
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, V, (2, T), generator=g), torch.randint(0, V, (2, T), generator=g)
-
-
-def theirs(model):
-    """transformers' logits and gradients under raytp's names (fused experts split per expert)."""
-    x, y = batch()
-    model.zero_grad()
-    logits = model(x).logits
-    F.cross_entropy(logits.reshape(-1, V), y.reshape(-1)).backward()
-    grads = {}
-    for n, p in model.named_parameters():
-        n = n.removeprefix("model.")
-        if n.endswith("experts.gate_up_proj"):
-            for j in range(E):
-                grads[n.replace("gate_up_proj", f"{j}.gate_proj.weight")] = p.grad[j, :FFN].clone()
-                grads[n.replace("gate_up_proj", f"{j}.up_proj.weight")] = p.grad[j, FFN:].clone()
-        elif n.endswith("experts.down_proj"):
-            for j in range(E):
-                grads[n.replace("down_proj", f"{j}.down_proj.weight")] = p.grad[j].clone()
-        else:
-            grads[n] = p.grad.clone()
-    return logits.detach(), grads
-
-
-def ours_at_tp(rank, world, init, model_dir):
-    model, groups = hf_shard_at_tp(rank, world, init, model_dir)
-    x, y = batch()
-    logits = comm.gather_last(model(x), groups.tp)[..., :V].detach()
-    model(x, y).backward()
-    _sum_over_tp([(p, p.grad) for p in model.parameters()], groups.tp)  # as the step does
-    grads = {}
-    for name, p in model.named_parameters():
-        parts = [torch.empty_like(p.grad) for _ in range(world)]
-        dist.all_gather(parts, p.grad.contiguous(), group=groups.tp)
-        grads[name] = unshard_tensors(parts, sharding_of(name, model.cfg), full_size_of(name, model.cfg))
-    return logits, grads
-
-
 @pytest.mark.parametrize("which, tp", [("moe", 2), ("dense", 2), pytest.param("dense", 4, marks=pytest.mark.slow)])
 def test_sharded_load_gives_transformers_logits_and_gradients(qwen3_moe_dir, qwen3_dir, which, tp):
     d, model = qwen3_moe_dir if which == "moe" else qwen3_dir
@@ -101,12 +56,7 @@ def test_sharded_load_gives_transformers_logits_and_gradients(qwen3_moe_dir, qwe
     assert cfg.qk_norm and cfg.head_dim == 16 and cfg.n_embd // cfg.n_head == 8
     if which == "moe":
         assert (cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.moe_ffn, cfg.moe.first_dense) == (E, 2, FFN, 1)
-    want_logits, want_grads = theirs(model)
-    logits, grads = run_ranks(tp, ours_at_tp, d)[0]
-    assert float((logits - want_logits).abs().max()) < 1e-4
-    assert grads.keys() == want_grads.keys()
-    for k, g in want_grads.items():
-        assert float((grads[k] - g).abs().max()) < 1e-4, k
+    assert_equal_within(run_ranks(tp, ours_at_tp, d)[0], theirs(model, E, FFN))
 
 
 def test_greedy_generation_is_identical_and_the_config_round_trips(qwen3_moe_dir, tmp_path):

@@ -1,0 +1,66 @@
+"""Comparing raytp's shards with transformers' models, for the Hugging Face tests (Llama, Mixtral, Qwen3):
+a fixed batch, transformers' logits and gradients under raytp's parameter names, and raytp's at a TP degree
+(each rank loading its slices of the saved directory)."""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from helpers import hf_shard_at_tp
+from raytp.models.registry import full_size_of, sharding_of
+from raytp.parallel import comm
+from raytp.parallel.sharding import unshard_tensors
+from raytp.train.step import _sum_over_tp
+
+V, T = 256, 16
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, V, (2, T), generator=g), torch.randint(0, V, (2, T), generator=g)
+
+
+def theirs(model, experts: int = 0, ffn: int = 0):
+    """transformers' logits and one step's gradients, under raytp's names: transformers 5 holds an MoE
+    layer's `experts` fused in memory (gate_up_proj [E, 2 * ffn, C], down_proj [E, C, ffn]), split here per
+    expert."""
+    x, y = batch()
+    model.zero_grad()
+    logits = model(x).logits
+    F.cross_entropy(logits.reshape(-1, V), y.reshape(-1)).backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        n = n.removeprefix("model.")
+        if n.endswith("experts.gate_up_proj"):
+            for j in range(experts):
+                grads[n.replace("gate_up_proj", f"{j}.gate_proj.weight")] = p.grad[j, :ffn].clone()
+                grads[n.replace("gate_up_proj", f"{j}.up_proj.weight")] = p.grad[j, ffn:].clone()
+        elif n.endswith("experts.down_proj"):
+            for j in range(experts):
+                grads[n.replace("down_proj", f"{j}.down_proj.weight")] = p.grad[j].clone()
+        else:
+            grads[n] = p.grad.clone()
+    return logits.detach(), grads
+
+
+def ours_at_tp(rank, world, init, model_dir):
+    """In a spawned rank: raytp's logits and gradients of the same batch at TP=world, gathered whole (the
+    gradients the step sums over TP summed: shared KV heads, routers, q/k norms)."""
+    model, groups = hf_shard_at_tp(rank, world, init, model_dir)
+    x, y = batch()
+    logits = comm.gather_last(model(x), groups.tp)[..., :V].detach()
+    model(x, y).backward()
+    _sum_over_tp([(p, p.grad) for p in model.parameters() if p.grad is not None], groups.tp)
+    grads = {}
+    for name, p in model.named_parameters():
+        parts = [torch.empty_like(p.grad) for _ in range(world)]
+        dist.all_gather(parts, p.grad.contiguous(), group=groups.tp)
+        grads[name] = unshard_tensors(parts, sharding_of(name, model.cfg), full_size_of(name, model.cfg))
+    return logits, grads
+
+
+def assert_equal_within(got, want, tol: float = 1e-4) -> None:
+    """(logits, gradients) against (logits, gradients), every tensor within `tol`."""
+    assert float((got[0] - want[0]).abs().max()) < tol
+    assert got[1].keys() == want[1].keys()
+    for k, g in want[1].items():
+        assert float((got[1][k] - g).abs().max()) < tol, k
