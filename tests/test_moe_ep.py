@@ -3,7 +3,7 @@ experts spread over ranks, tokens sent to them by all-to-all, at EP=2 (over DP),
 with etp 1 (EP over the TP ranks, each holding whole experts and routing its share of the tokens; with and
 without SP) and etp 2 (EP over the replicas, each expert split over TP), and PP=2 x DP=2 x EP=2: 20 AdamW steps,
 losses within 1e-5 relative and final weights (every expert gathered from where it lives) within the bound
-of test_moe_tp. Each rank holds only its experts; expert gradients are summed over expert-DP, not DP.
+of test_moe_tp; with a capacity factor, what each expert drops is the same at EP=2. Each rank holds only its experts; expert gradients are summed over expert-DP, not DP.
 Without Ray: one process per rank, gloo."""
 import numpy as np
 import pytest
@@ -78,14 +78,15 @@ def one_device_runs(rank, world, init, names):
 
 
 # (router, tp, pp, dp, ep, etp, sequence parallel), by world size: one spawn each
-RUNS = {2: [("mixtral", 1, 1, 2, 2, None, False), ("deepseek", 1, 1, 2, 2, None, False)],
+RUNS = {2: [("mixtral", 1, 1, 2, 2, None, False), ("deepseek", 1, 1, 2, 2, None, False),
+            ("dropping", 1, 1, 2, 2, None, False)],
         4: [("mixtral", 1, 1, 4, 4, None, False), ("mixtral", 2, 1, 2, 2, 1, False), ("deepseek", 2, 1, 2, 2, 1, True),
             ("mixtral", 2, 1, 2, 2, 2, True), ("deepseek", 2, 1, 2, 2, 2, False), ("mixtral", 1, 2, 2, 2, None, False)]}
 
 
 @pytest.fixture(scope="module")
 def references():
-    return run_ranks(1, one_device_runs, ["mixtral", "deepseek"])[0]
+    return run_ranks(1, one_device_runs, ["mixtral", "deepseek", "dropping"])[0]
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])

@@ -31,7 +31,8 @@ WEIGHTS_TOL = 3e-5
 MIXTRAL = MoeArgs(n_experts=4, top_k=2, moe_ffn=16, aux_coeff=0.05, z_coeff=0.01)
 DEEPSEEK = MoeArgs(n_experts=4, top_k=2, moe_ffn=16, score="sigmoid", routed_scale=2.5, first_dense=1,
                    n_shared=1, shared_ffn=16, shared_gate=True, aux_coeff=0.05)
-CONFIGS = {"mixtral": MIXTRAL, "deepseek": DEEPSEEK}
+DROPPING = MoeArgs(n_experts=4, top_k=2, moe_ffn=16, capacity_factor=1.0, aux_coeff=0.05)  # 8 choices/expert/sequence
+CONFIGS = {"mixtral": MIXTRAL, "deepseek": DEEPSEEK, "dropping": DROPPING}
 
 
 def moe_config(which: str) -> ModelArgs:
@@ -53,7 +54,7 @@ def one_device_runs(rank, world, init, names):
             for w in names}
 
 
-RUNS = {2: [("mixtral", 2, 1, False), ("mixtral", 2, 1, True), ("deepseek", 2, 1, True)],
+RUNS = {2: [("mixtral", 2, 1, False), ("mixtral", 2, 1, True), ("deepseek", 2, 1, True), ("dropping", 2, 1, True)],
         4: [("mixtral", 2, 2, False), ("deepseek", 2, 2, False)]}
 
 
@@ -169,6 +170,23 @@ def test_expert_figures_count_the_global_batch_at_any_layout():
             assert got["experts"][layer]["min"] == figures["min"] and got["experts"][layer]["max"] == figures["max"]
             for k in ("imbalance", "balance_loss", "z_loss"):
                 assert abs(got["experts"][layer][k] - figures[k]) < 1e-5, (layer, k)
+
+
+def test_capacity_keeps_each_experts_first_choices_of_each_sequence():
+    from raytp.models.moe.routing import within_capacity
+    experts = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0],    # sequence 0: expert 0 chosen 4 times
+                            [1, 0], [1, 0], [2, 3], [1, 2]])   # sequence 1: expert 1 three times
+    m = MoeArgs(n_experts=4, top_k=2, moe_ffn=8, capacity_factor=1.0)  # ceil(4 * 2 / 4 * 1.0) = 2 each
+    kept = within_capacity(experts, 2, m)
+    assert kept.tolist() == [[True, True], [True, True], [False, True], [True, False],
+                             [True, True], [True, True], [True, True], [False, True]]
+    assert within_capacity(experts, 2, MoeArgs(n_experts=4, top_k=2, moe_ffn=8)) is None  # dropless
+    from raytp.models.moe.layer import moe_layers  # the dropping model of the layout tests does drop
+    model = build_model(moe_config("dropping"), SEED).train()
+    x, y = batch(corpus(256), "train", SEED, 0, 0, 1, BATCH, 16)
+    model(x, y)
+    dropped = [layer.stats.take(4)[4] for layer in moe_layers(model)]
+    assert all(0 < d < BATCH * 16 * 2 for d in dropped), dropped
 
 
 def test_the_router_chooses_in_float32_under_bf16_autocast():

@@ -61,7 +61,8 @@ class ModelConfig:
               "moe_every: 1, first_dense: 0 (the first layers kept dense), score: softmax (Mixtral, Qwen) or "
               "sigmoid (DeepSeek), norm_topk: true, routed_scale: 1.0, n_shared: 0, shared_ffn: 0, "
               "shared_gate: false, aux_coeff: 0.0 (per-sequence load-balancing loss), z_coeff: 0.0 (router "
-              "z-loss)}; null = every layer dense")
+              "z-loss), capacity_factor: null (dropless; else each expert takes its first ceil(T k / E x cf) "
+              "choices of each sequence)}; null = every layer dense")
 
 
 @dataclass(frozen=True)

@@ -74,14 +74,14 @@ class ExpertDispatch(nn.Module):
         self.first = ep_rank * self.local  # the global index of this rank's first expert
         self.sent_rows = 0  # rows sent to other ranks in the last forward (for the all-to-all bytes)
 
-    def forward(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+    def forward(self, flat: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 modules: nn.ModuleDict) -> torch.Tensor:
-        """flat (n, C) tokens, weights and experts (n, k) of their choices -> (n, C): each token's weighted
-        sum of its experts' outputs. `modules`: this rank's experts, by global index."""
-        k = experts.shape[1]
-        order = experts.reshape(-1).argsort(stable=True)  # the choices grouped by expert, tokens in order
-        tokens, w = order // k, weights.reshape(-1)[order]
-        per_expert = torch.bincount(experts.reshape(-1), minlength=self.n_experts).cpu()
+        """flat (n, C) tokens; the choices as three (m,) lists in token order: which token, which expert,
+        its weight -> (n, C): each token's weighted sum of its experts' outputs (zero for a token with no
+        choice here). `modules`: this rank's experts, by global index."""
+        order = experts.argsort(stable=True)  # the choices grouped by expert, tokens in order
+        tokens, w = tokens[order], weights[order]
+        per_expert = torch.bincount(experts, minlength=self.n_experts).cpu()
         send_table = per_expert.view(self.ep, self.local)
         recv_table = exchange_counts(send_table.to(flat.device), self.group).cpu()
         send, recv = send_table.sum(1).tolist(), recv_table.sum(1).tolist()

@@ -1,6 +1,7 @@
 """What the expert layers did in a step, for its record: per MoE layer, the tokens each expert got over the
 whole global batch (min, max, and max/mean: 1.0 is a perfect balance, E / k is every token on the same k
-experts), and the balance and z losses (means over the step's forwards and DP replicas).
+experts), the balance and z losses (means over the step's forwards and DP replicas), and the choices dropped
+past the experts' capacity (0 when dropless).
 
 Gathered onto the first stage in two small all-reduces, over DP (replicas route different tokens) and over
 the pipeline's stages (each holds some of the layers); TP ranks route the same tokens and are not summed.
@@ -16,7 +17,7 @@ from raytp.parallel.groups import ProcessGroups
 
 
 def expert_figures(model: torch.nn.Module, groups: ProcessGroups) -> dict:
-    """{"experts": {layer: {"min", "max", "imbalance", "balance_loss", "z_loss"}}, "expert_imbalance": the
+    """{"experts": {layer: {"min", "max", "imbalance", "balance_loss", "z_loss", "dropped"}}, "expert_imbalance": the
     worst layer's, "balance_loss" and "z_loss": summed over the layers}, complete on the first stage ({} for a
     model without expert layers)."""
     cfg = model.cfg
@@ -24,12 +25,12 @@ def expert_figures(model: torch.nn.Module, groups: ProcessGroups) -> dict:
         return {}
     ids = [i for i in range(cfg.n_layer) if cfg.moe.is_moe(i)]
     E = cfg.moe.n_experts
-    buf = torch.zeros(len(ids), E + 3, dtype=torch.float64)  # tokens per expert, balance sum, z sum, forwards
+    buf = torch.zeros(len(ids), E + 4, dtype=torch.float64)  # per expert, balance sum, z sum, forwards, dropped
     for key, block in model.block_dict().items():
         if isinstance(block.mlp, MoE):
-            load, balance, z, forwards = block.mlp.stats.take(E)
-            buf[ids.index(int(key))] = torch.cat([load.double().cpu(), torch.tensor([balance, z, forwards],
-                                                                                    dtype=torch.float64)])
+            load, balance, z, forwards, dropped = block.mlp.stats.take(E)
+            buf[ids.index(int(key))] = torch.cat([load.double().cpu(),
+                                                  torch.tensor([balance, z, forwards, dropped], dtype=torch.float64)])
     device = next(model.parameters()).device
     buf = buf.to(device)
     for axis in ("dp", "pp"):
@@ -42,7 +43,8 @@ def expert_figures(model: torch.nn.Module, groups: ProcessGroups) -> dict:
         mean = float(load.mean())
         layers[str(i)] = {"min": int(load.min()), "max": int(load.max()),
                           "imbalance": float(load.max()) / mean if mean else 0.0,
-                          "balance_loss": float(row[E]) / forwards, "z_loss": float(row[E + 1]) / forwards}
+                          "balance_loss": float(row[E]) / forwards, "z_loss": float(row[E + 1]) / forwards,
+                          "dropped": int(row[E + 3])}
     return {"experts": layers, "expert_imbalance": max(v["imbalance"] for v in layers.values()),
             "balance_loss": sum(v["balance_loss"] for v in layers.values()),
             "z_loss": sum(v["z_loss"] for v in layers.values())}

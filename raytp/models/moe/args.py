@@ -5,7 +5,10 @@ first_k_dense_replace) and (i + 1) is a multiple of ``moe_every`` (Qwen-MoE's de
 the others keep the dense SwiGLU MLP of ``model.intermediate_size``. Every MoE layer has ``n_experts``
 SwiGLU experts of width ``moe_ffn``, each token sent to ``top_k`` of them by a router, and, with
 ``n_shared`` > 0, a shared SwiGLU of width n_shared * shared_ffn that every token goes through (scaled
-by a sigmoid gate per token when ``shared_gate``, as Qwen2-MoE's).
+by a sigmoid gate per token when ``shared_gate``, as Qwen2-MoE's). Dropless unless ``capacity_factor``:
+then each expert takes at most ceil(T * top_k / n_experts * capacity_factor) of a sequence's choices, the
+first in the sequence (GShard's and Switch's position order, per sequence so that what is dropped does not
+depend on how the batch is split), and the dropped choices add nothing.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ class MoeArgs:
     shared_gate: bool = False
     aux_coeff: float = 0.0        # load-balancing loss, per sequence (see raytp.models.moe.routing)
     z_coeff: float = 0.0          # router z-loss
+    capacity_factor: float | None = None  # None: dropless; else each expert takes ceil(T k / E * cf) per sequence
 
     def __post_init__(self):
         problems = []
@@ -46,6 +50,11 @@ class MoeArgs:
                 problems.append(f"{name}: expected a number, got {v!r}")
             else:
                 object.__setattr__(self, name, float(v))
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
+            problems.append(f"capacity_factor: {cf!r} must be a number > 0, or null (dropless)")
+        elif cf is not None:
+            object.__setattr__(self, "capacity_factor", float(cf))
         for name in ("norm_topk", "shared_gate"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}: expected true or false, got {getattr(self, name)!r}")

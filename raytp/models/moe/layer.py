@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from raytp.models.moe.args import MoeArgs
-from raytp.models.moe.routing import balance_loss, counts, route, z_loss
+from raytp.models.moe.routing import balance_loss, counts, route, within_capacity, z_loss
 from raytp.parallel import comm
 from raytp.parallel.expert_dispatch import ExpertDispatch
 
@@ -77,7 +77,8 @@ class MoE(nn.Module):
         with torch.autocast(flat.device.type, enabled=False):  # float32 under bf16 autocast too
             logits = F.linear(flat.float(), self.gate.weight.float())  # (N, E)
         weights, experts, scores = route(logits, self.args)
-        out = self._routed(flat, weights, experts)  # (N, C): partial over TP, or this TP rank's rows only
+        kept = within_capacity(experts, B, self.args)  # None: dropless
+        out = self._routed(flat, weights, experts, kept)  # (N, C): partial over TP, or this TP rank's rows only
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:
@@ -89,25 +90,29 @@ class MoE(nn.Module):
         m = self.args
         balance, z = balance_loss(scores, experts, B, m), z_loss(logits)
         if torch._C._current_graph_task_id() == -1:  # not a recomputation in backward (activation checkpointing)
-            self.stats.add(counts(experts, m.n_experts), balance, z)
+            self.stats.add(counts(experts, m.n_experts), balance, z, 0 if kept is None else int((~kept).sum()))
         if (m.aux_coeff or m.z_coeff) and torch.is_grad_enabled():
             aux = m.aux_coeff * balance + m.z_coeff * z
             y = AuxLoss.apply(y, aux, self.aux_scale / comm.group_size(getattr(self.tp_out, "group", None)))
         return y
 
-    def _routed(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """sum over each token's k experts of weight * expert(token): every token's, or, when the TP ranks
-        hold whole experts (``token_share``), this TP rank's share of the tokens, the other rows zero (the
-        exit collective's sum over TP puts the shares together)."""
-        if not self.token_share:
-            return self.dispatch(flat, weights, experts, self.experts)
-        group = self.tp_out.group
-        n, tp, r = flat.shape[0], comm.group_size(group), comm.group_rank(group)
-        lo, hi = n * r // tp, n * (r + 1) // tp
-        out = torch.zeros_like(flat)
-        out[lo:hi] = self.dispatch(flat[lo:hi], weights[lo:hi], experts[lo:hi], self.experts)
-        return out
-
+    def _routed(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                kept: torch.Tensor | None) -> torch.Tensor:
+        """sum over each token's experts (those `kept` within capacity) of weight * expert(token): every token's,
+        or, when the TP ranks hold whole experts (``token_share``), this TP rank's share of the tokens, the
+        other rows zero (the exit collective's sum over TP puts the shares together)."""
+        n, k = experts.shape
+        tokens = torch.arange(n, device=flat.device).repeat_interleave(k)
+        experts, weights = experts.reshape(-1), weights.reshape(-1)
+        mine = None if kept is None else kept.reshape(-1)
+        if self.token_share:
+            group = self.tp_out.group
+            tp, r = comm.group_size(group), comm.group_rank(group)
+            share = (tokens >= n * r // tp) & (tokens < n * (r + 1) // tp)
+            mine = share if mine is None else mine & share
+        if mine is not None:
+            tokens, experts, weights = tokens[mine], experts[mine], weights[mine]
+        return self.dispatch(flat, tokens, experts, weights, self.experts)
 
 
 class RoutingStats:
@@ -115,17 +120,18 @@ class RoutingStats:
     of the balance and z losses with the number of forwards they came from (detached)."""
 
     def __init__(self):
-        self.load, self.balance, self.z, self.forwards = None, 0.0, 0.0, 0
+        self.load, self.balance, self.z, self.forwards, self.dropped = None, 0.0, 0.0, 0, 0
 
-    def add(self, load: torch.Tensor, balance: torch.Tensor, z: torch.Tensor) -> None:
+    def add(self, load: torch.Tensor, balance: torch.Tensor, z: torch.Tensor, dropped: int = 0) -> None:
         self.load = load if self.load is None else self.load + load
         self.balance, self.z = self.balance + balance.detach(), self.z + z.detach()
         self.forwards += 1
+        self.dropped += dropped
 
-    def take(self, n_experts: int) -> tuple[torch.Tensor, float, float, int]:
-        """(tokens per expert, balance loss sum, z loss sum, forwards), and start again."""
+    def take(self, n_experts: int) -> tuple[torch.Tensor, float, float, int, int]:
+        """(choices per expert, balance loss sum, z loss sum, forwards, choices dropped), and start again."""
         load = self.load if self.load is not None else torch.zeros(n_experts, dtype=torch.long)
-        out = (load, float(self.balance), float(self.z), self.forwards)
+        out = (load, float(self.balance), float(self.z), self.forwards, self.dropped)
         self.__init__()
         return out
 

@@ -14,6 +14,8 @@ logits, the same on every rank that computes them.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from raytp.models.moe.args import MoeArgs
@@ -60,3 +62,16 @@ def balance_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, m: Moe
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of logsumexp(logits)^2."""
     return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def within_capacity(experts: torch.Tensor, batch: int, m: MoeArgs) -> torch.Tensor | None:
+    """Which of the choices (B*T, k) each expert takes under ``capacity_factor`` (None: all, dropless): per
+    sequence, each expert's first ceil(T k / E * cf) choices in token order, (B*T, k) bool."""
+    if m.capacity_factor is None:
+        return None
+    N, k = experts.shape
+    T = N // batch
+    capacity = math.ceil(T * k / m.n_experts * m.capacity_factor)
+    hit = torch.nn.functional.one_hot(experts.reshape(batch, T * k), m.n_experts)  # (B, T k, E)
+    place = (torch.cumsum(hit, dim=1) * hit).sum(-1)  # each choice's place among its expert's, from 1
+    return (place <= capacity).reshape(N, k)
