@@ -62,7 +62,8 @@ class ModelConfig:
               "sigmoid (DeepSeek), norm_topk: true, routed_scale: 1.0, n_shared: 0, shared_ffn: 0, "
               "shared_gate: false, aux_coeff: 0.0 (per-sequence load-balancing loss), z_coeff: 0.0 (router "
               "z-loss), capacity_factor: null (dropless; else each expert takes its first ceil(T k / E x cf) "
-              "choices of each sequence)}; null = every layer dense")
+              "choices of each sequence), bias_rate: 0.0 (sigmoid routers: DeepSeek-V3's loss-free balancing "
+              "bias, moved by this much each step)}; null = every layer dense")
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,8 @@ def apply_tp(model: CausalLM, group, sequence_parallel: bool = False, source=Non
             for leaf, p in list(mod.named_parameters(recurse=False)):
                 if p.is_meta:
                     if id(p) not in made:
-                        made[id(p)] = nn.Parameter(sliced(f"{mod_name}.{leaf}" if mod_name else leaf, p))
+                        made[id(p)] = nn.Parameter(sliced(f"{mod_name}.{leaf}" if mod_name else leaf, p),
+                                                   requires_grad=p.requires_grad)
                     setattr(mod, leaf, made[id(p)])
     if tp > 1:  # once every parameter is made: what the step must sum over TP, and SP's slices
         plan.tag(model, group, sequence_parallel, rank, tp)

@@ -5,13 +5,15 @@ past the experts' capacity (0 when dropless).
 
 Gathered onto the first stage in two small all-reduces, over DP (replicas route different tokens) and over
 the pipeline's stages (each holds some of the layers); TP ranks route the same tokens and are not summed.
-Every rank of a model with expert layers calls it once per step.
+Every rank of a model with expert layers calls it once per step. ``balance_biases`` is what a sigmoid
+router's loss-free balancing does with the same counts, inside the step.
 """
 from __future__ import annotations
 
 import torch
 
 from raytp.models.moe.layer import MoE
+from raytp.models.moe.routing import balance_bias
 from raytp.parallel import comm
 from raytp.parallel.groups import ProcessGroups
 
@@ -48,3 +50,22 @@ def expert_figures(model: torch.nn.Module, groups: ProcessGroups) -> dict:
     return {"experts": layers, "expert_imbalance": max(v["imbalance"] for v in layers.values()),
             "balance_loss": sum(v["balance_loss"] for v in layers.values()),
             "z_loss": sum(v["z_loss"] for v in layers.values())}
+
+
+def balance_biases(model: torch.nn.Module, groups: ProcessGroups) -> None:
+    """Move each expert layer's selection bias toward balance by the step's choices per expert over every DP
+    replica (raytp.models.moe.routing.balance_bias), in one all-reduce for all its layers. Every rank of the
+    stage calls it once per step, with the same result (TP ranks route the same tokens)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.args.bias_rate]
+    if not layers:
+        return
+    E = layers[0].args.n_experts
+    loads = torch.stack([m.step_load if m.step_load is not None else torch.zeros(E, dtype=torch.long,
+                                                                                device=m.expert_bias.device)
+                         for m in layers]).to(torch.float64)
+    if groups.dp is not None:
+        comm.all_reduce(loads, groups.dp)
+    with torch.no_grad():
+        for m, load in zip(layers, loads):
+            balance_bias(m.expert_bias.data, load, m.args.bias_rate)
+            m.step_load = None

@@ -43,7 +43,7 @@ class DistributedAdamW:
                  apart=None):
         # `apart(name)`: the parameters reduced over another group than DP (experts over expert-DP, with expert
         # parallelism): after the others, outside the DP buckets (``reduce_apart``); zero 1 does not shard them.
-        named = list(model.named_parameters())
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # a router's bias is not trained
         if apart is not None:
             named = [(n, p) for n, p in named if not apart(n)] + [(n, p) for n, p in named if apart(n)]
             if zero:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from raytp.models.moe.layer import set_aux_scale
+from raytp.train.expert_load import balance_biases
 from raytp.models.registry import placement_of
 from raytp.models.stage import replicated_copy
 from raytp.parallel import comm
@@ -162,6 +163,7 @@ def finish_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups
     if groups.tp is not None:  # after the DP sum (Megatron's order), so DP buckets need not wait for it
         _sum_over_tp(list(optimizer.update_grads()), groups.tp)
 
+    balance_biases(model, groups)  # sigmoid routers' selection biases, by the step's loads (raytp.models.moe)
     norm = global_grad_norm(model, groups, optimizer)
     if h.grad_clip > 0:
         optimizer.scale_gradients(torch.clamp(h.grad_clip / (norm + 1e-6), max=1.0))

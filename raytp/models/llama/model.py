@@ -164,6 +164,8 @@ class Llama(CausalLM):
         1/sqrt(2 n_layer) for the two that write into the residual stream; RMSNorms at 1."""
         if name.endswith("norm.weight"):  # the blocks' and q/k heads' RMSNorms
             return InitRule("ones")
+        if name.endswith("expert_bias"):  # a sigmoid router's selection bias (raytp.models.moe)
+            return InitRule("zeros")
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             return InitRule("normal", 0.02 / math.sqrt(2 * cfg.n_layer))
         return InitRule("normal", 0.02)

@@ -8,7 +8,10 @@ SwiGLU experts of width ``moe_ffn``, each token sent to ``top_k`` of them by a r
 by a sigmoid gate per token when ``shared_gate``, as Qwen2-MoE's). Dropless unless ``capacity_factor``:
 then each expert takes at most ceil(T * top_k / n_experts * capacity_factor) of a sequence's choices, the
 first in the sequence (GShard's and Switch's position order, per sequence so that what is dropped does not
-depend on how the batch is split), and the dropped choices add nothing.
+depend on how the batch is split), and the dropped choices add nothing. With ``bias_rate`` (sigmoid routers,
+DeepSeek-V3's auxiliary-loss-free balancing) a per-expert bias is added to the scores to choose the experts,
+not to weigh them, and after every step moves by bias_rate toward balance: + where an expert got fewer
+choices than the mean over the whole step, - where more.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ class MoeArgs:
     aux_coeff: float = 0.0        # load-balancing loss, per sequence (see raytp.models.moe.routing)
     z_coeff: float = 0.0          # router z-loss
     capacity_factor: float | None = None  # None: dropless; else each expert takes ceil(T k / E * cf) per sequence
+    bias_rate: float = 0.0        # DeepSeek-V3's loss-free balancing: a per-expert bias for the choice only
 
     def __post_init__(self):
         problems = []
@@ -44,7 +48,7 @@ class MoeArgs:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 problems.append(f"{name}: expected an integer, got {v!r}")
-        for name in ("routed_scale", "aux_coeff", "z_coeff"):
+        for name in ("routed_scale", "aux_coeff", "z_coeff", "bias_rate"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 problems.append(f"{name}: expected a number, got {v!r}")
@@ -63,7 +67,7 @@ class MoeArgs:
         for name in ("n_experts", "moe_ffn", "moe_every"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}: {getattr(self, name)} must be >= 1")
-        for name in ("first_dense", "n_shared", "shared_ffn", "aux_coeff", "z_coeff"):
+        for name in ("first_dense", "n_shared", "shared_ffn", "aux_coeff", "z_coeff", "bias_rate"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}: {getattr(self, name)} must be >= 0")
         if not 1 <= self.top_k <= max(self.n_experts, 1):
@@ -74,6 +78,9 @@ class MoeArgs:
             problems.append(f"routed_scale: {self.routed_scale:g} must be > 0")
         if self.n_shared and not self.shared_ffn:
             problems.append(f"shared_ffn: 0 with n_shared={self.n_shared}; give the shared experts' width")
+        if self.bias_rate and self.score != "sigmoid":
+            problems.append(f"bias_rate: {self.bias_rate:g} with score {self.score!r}; the selection bias is the "
+                            "sigmoid router's (DeepSeek-V3)")
         if self.shared_gate and not self.n_shared:
             problems.append("shared_gate: true without shared experts (n_shared: 0)")
         if problems:

@@ -69,6 +69,9 @@ class MoE(nn.Module):
         self.shared_expert_gate = nn.Linear(n_embd, 1, bias=False) if m.shared_gate else None
         self.aux_scale = 1.0  # this micro-batch's weight in the step's loss (set_aux_scale)
         self.stats = RoutingStats()
+        if m.bias_rate:  # a state of the model, not trained by gradients: checkpointed as a weight
+            self.expert_bias = nn.Parameter(torch.zeros(m.n_experts), requires_grad=False)
+            self.step_load: torch.Tensor | None = None  # choices per expert in this step (balance_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.tp_in(x)  # (B, T, C): the whole sequence, also under sequence parallelism
@@ -76,7 +79,7 @@ class MoE(nn.Module):
         flat = x.reshape(B * T, C)
         with torch.autocast(flat.device.type, enabled=False):  # float32 under bf16 autocast too
             logits = F.linear(flat.float(), self.gate.weight.float())  # (N, E)
-        weights, experts, scores = route(logits, self.args)
+        weights, experts, scores = route(logits, self.args, getattr(self, "expert_bias", None))
         kept = within_capacity(experts, B, self.args)  # None: dropless
         out = self._routed(flat, weights, experts, kept)  # (N, C): partial over TP, or this TP rank's rows only
         if self.shared_expert is not None:
@@ -90,7 +93,10 @@ class MoE(nn.Module):
         m = self.args
         balance, z = balance_loss(scores, experts, B, m), z_loss(logits)
         if torch._C._current_graph_task_id() == -1:  # not a recomputation in backward (activation checkpointing)
-            self.stats.add(counts(experts, m.n_experts), balance, z, 0 if kept is None else int((~kept).sum()))
+            load = counts(experts, m.n_experts)
+            self.stats.add(load, balance, z, 0 if kept is None else int((~kept).sum()))
+            if m.bias_rate:
+                self.step_load = load if self.step_load is None else self.step_load + load
         if (m.aux_coeff or m.z_coeff) and torch.is_grad_enabled():
             aux = m.aux_coeff * balance + m.z_coeff * z
             y = AuxLoss.apply(y, aux, self.aux_scale / comm.group_size(getattr(self.tp_out, "group", None)))

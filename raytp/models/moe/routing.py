@@ -2,7 +2,7 @@
 logits, the same on every rank that computes them.
 
 - ``route``: softmax over the experts then the top k (Mixtral, Qwen-MoE), or a sigmoid per expert then
-  the top k (DeepSeek-V3), the k weights renormalised to sum to 1 when ``norm_topk`` (Mixtral always),
+  the top k of the scores plus a selection bias (DeepSeek-V3; ``balance_bias``), the k weights renormalised to sum to 1 when ``norm_topk`` (Mixtral always),
   then times ``routed_scale``.
 - ``balance_loss``: the load-balancing loss per sequence, E / (k T) * sum_i count_i * mean_t p_i (Switch's
   E * sum f_i P_i with f_i the share of the sequence's k T choices that went to expert i; DeepSeek-V3's
@@ -21,9 +21,10 @@ import torch
 from raytp.models.moe.args import MoeArgs
 
 
-def route(logits: torch.Tensor, m: MoeArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, m: MoeArgs, bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits (N, E) float32 -> (weights (N, k) float32, experts (N, k) int64, scores (N, E): the
-    probabilities the balance loss reads)."""
+    probabilities the balance loss reads). `bias` (E,): added to a sigmoid router's scores to choose only."""
     if m.score == "softmax":
         scores = logits.softmax(dim=-1)
         weights, experts = scores.topk(m.top_k, dim=-1)
@@ -31,7 +32,7 @@ def route(logits: torch.Tensor, m: MoeArgs) -> tuple[torch.Tensor, torch.Tensor,
             weights = weights / weights.sum(dim=-1, keepdim=True)
     else:
         scores = logits.sigmoid()
-        experts = scores.topk(m.top_k, dim=-1).indices
+        experts = (scores if bias is None else scores.detach() + bias).topk(m.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if m.norm_topk:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -75,3 +76,9 @@ def within_capacity(experts: torch.Tensor, batch: int, m: MoeArgs) -> torch.Tens
     hit = torch.nn.functional.one_hot(experts.reshape(batch, T * k), m.n_experts)  # (B, T k, E)
     place = (torch.cumsum(hit, dim=1) * hit).sum(-1)  # each choice's place among its expert's, from 1
     return (place <= capacity).reshape(N, k)
+
+
+def balance_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's update, in place: bias += rate * sign(mean load - load) (`load`: the step's choices per
+    expert over every rank)."""
+    bias += rate * torch.sign(load.float().mean() - load.float())
