@@ -3,7 +3,8 @@ worker holds two experts; a SIGKILLed worker (whose experts no other rank holds)
 snapshot with nothing lost, bit for bit; each expert is written to the checkpoint once, by the rank
 holding it, and read back at any layout: a run at TP=2 x DP=2 x EP=2 with whole experts per TP rank (etp 1)
 resumes from it and goes on as the unbroken run did, and its own checkpoint resumes on one device; a live
-resize of an expert-parallel job is refused and the job goes on."""
+resize of an expert-parallel job is refused and the job goes on; at DP=4 x EP=2 a killed rank is healed from
+the rank holding the same experts (its expert-DP twin), bit for bit."""
 import io
 import json
 import signal
@@ -87,3 +88,16 @@ def test_a_live_resize_of_an_expert_parallel_job_is_refused_and_it_goes_on(refer
         d.release()
         d.log.close()
     assert losses(tmp_path / "run") == losses(reference)
+
+
+@pytest.mark.slow
+def test_a_killed_expert_rank_with_an_expert_dp_twin_is_healed_from_it_bit_for_bit(ray_local, tmp_path):
+    """TP=1 x DP=4 x EP=2: ranks 0 and 2 hold experts 0-1, ranks 1 and 3 experts 2-3 (expert-DP 2). Rank 3 is
+    killed: rank 1 holds its dense weights and its experts, and gives them, with nothing lost."""
+    ref, run_dir = tmp_path / "ref", tmp_path / "run"
+    run(ep_job(1, 4, 2), ref, "ep4ref")
+    run(ep_job(1, 4, 2), run_dir, "ep4kill", faults=[(3, signal_rank(3, signal.SIGKILL))])
+    assert_bitwise_equal(final_state(run_dir, STEPS), final_state(ref, STEPS))
+    (fail,), (rec,) = events(run_dir, "failure"), events(run_dir, "recovered")
+    assert fail["rank"] == 3 and rec["source"] == "replica" and rec["lost_steps"] == 0, rec
+    assert losses(run_dir) == losses(ref)
