@@ -40,8 +40,10 @@ def test_each_node_of_a_pipeline_job_whose_loss_the_start_line_says_it_survives_
 
     def remove_a_node(run_name):
         (ev,) = events(run_dir, "survival")
-        assert len(ev["nodes"]) == 3 and all(ev["nodes"].values()), ev  # survives any one node's loss
-        node_id = list(ev["nodes"])[which]
+        # Survives any one node's loss: on three nodes, or on two where each holds one copy of each stage
+        # (both placements happen, by the order the groups land in).
+        assert len(ev["nodes"]) >= 2 and all(ev["nodes"].values()), ev
+        node_id = list(ev["nodes"])[which % len(ev["nodes"])]
         cluster.remove_node(by_id[node_id])
         remove_a_node.node_id = node_id
 
