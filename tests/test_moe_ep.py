@@ -3,7 +3,10 @@ experts spread over ranks, tokens sent to them by all-to-all, at EP=2 (over DP),
 with etp 1 (EP over the TP ranks, each holding whole experts and routing its share of the tokens; with and
 without SP) and etp 2 (EP over the replicas, each expert split over TP), and PP=2 x DP=2 x EP=2: 20 AdamW steps,
 losses within 1e-5 relative and final weights (every expert gathered from where it lives) within the bound
-of test_moe_tp; with a capacity factor, what each expert drops is the same at EP=2. Each rank holds only its experts; expert gradients are summed over expert-DP, not DP.
+of test_moe_tp; with a capacity factor, what each expert drops is the same at EP=2. Each rank holds only its
+experts; expert gradients are summed over expert-DP, not DP. Under the distributed optimizer (zero 1: EP=2,
+with the DeepSeek-style selection bias, and TP=2 x DP=2 x EP=2 with etp 1) each rank keeps the AdamW state of
+its rows of the dense weights and of its experts whole, and trains the same.
 Without Ray: one process per rank, gloo."""
 import numpy as np
 import pytest
@@ -14,7 +17,7 @@ from tp_training import BATCH, HYPER, SEED, STEPS, corpus, train
 
 from raytp.data.corpus import batch
 from raytp.models.moe.plan import ExpertPlace
-from raytp.models.registry import full_size_of, is_expert_weight, sharding_of
+from raytp.models.registry import bucketed, full_size_of, is_expert_weight, sharding_of
 from raytp.models.shard import build_shard
 from raytp.models.stage import replicated_copy, stage_of
 from raytp.parallel.groups import ProcessGroups, build_groups
@@ -53,14 +56,17 @@ def gathered(model, groups, lay: Layout) -> dict:
 def train_runs(rank, world, init, runs):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     out = []
-    for which, tp, pp, dp, ep, etp, sp in runs:
+    for which, tp, pp, dp, ep, etp, sp, zero in runs:
         cfg = moe_config(which)
         lay = Layout(tp, pp=pp, dp=dp, ep=ep, etp=etp)
         groups = build_groups(lay, rank)
         stage = stage_of(cfg, pp, groups.pp_rank) if pp > 1 else None
         model = build_shard(cfg, SEED, groups.tp, sp, stage=stage, experts=ExpertPlace.of(groups))
         held = sorted({n.split(".")[4] for n in dict(model.named_parameters()) if is_expert_weight(n)}, key=int)
-        opt = make_optimizer(model, HYPER, dp, groups.dp_rank, apart=is_expert_weight if lay.experts_split else None)
+        opt = make_optimizer(model, HYPER, dp, groups.dp_rank, zero=zero,
+                             apart=is_expert_weight if lay.experts_split else None)
+        names = [n for n, _ in model.named_parameters()]
+        assert opt.names[:opt.n_bucketed] == bucketed(names, lay)  # what checkpoints' zero tables are cut over
         pipe = PipelineSchedule("1f1b", stage, sp) if stage else None
         data = corpus(cfg.vocab_size)
         losses = []
@@ -68,7 +74,9 @@ def train_runs(rank, world, init, runs):
             x, y = batch(data, "train", SEED, step, groups.dp_rank, dp, BATCH, cfg.block_size)
             mbs = list(zip(x.chunk(2), y.chunk(2))) if pipe else [(x, y)]
             losses.append(train_step(model, opt, mbs, groups, step, HYPER, schedule=pipe).loss)
-        out.append((losses, gathered(model, groups, lay), held))
+        kept = ({n: p.shape[0] for n, p in model.named_parameters()},  # rows held, rows of AdamW state kept
+                {n: st["exp_avg"].shape[0] for n, st in opt.named_state().items()})
+        out.append((losses, gathered(model, groups, lay), held, kept))
     return out
 
 
@@ -77,11 +85,13 @@ def one_device_runs(rank, world, init, names):
             for w in names}
 
 
-# (router, tp, pp, dp, ep, etp, sequence parallel), by world size: one spawn each
-RUNS = {2: [("mixtral", 1, 1, 2, 2, None, False), ("deepseek", 1, 1, 2, 2, None, False),
-            ("dropping", 1, 1, 2, 2, None, False)],
-        4: [("mixtral", 1, 1, 4, 4, None, False), ("mixtral", 2, 1, 2, 2, 1, False), ("deepseek", 2, 1, 2, 2, 1, True),
-            ("mixtral", 2, 1, 2, 2, 2, True), ("deepseek", 2, 1, 2, 2, 2, False), ("mixtral", 1, 2, 2, 2, None, False)]}
+# (router, tp, pp, dp, ep, etp, sequence parallel, zero), by world size: one spawn each
+RUNS = {2: [("mixtral", 1, 1, 2, 2, None, False, 0), ("deepseek", 1, 1, 2, 2, None, False, 0),
+            ("dropping", 1, 1, 2, 2, None, False, 0), ("deepseek", 1, 1, 2, 2, None, False, 1)],
+        4: [("mixtral", 1, 1, 4, 4, None, False, 0), ("mixtral", 2, 1, 2, 2, 1, False, 0),
+            ("deepseek", 2, 1, 2, 2, 1, True, 0), ("mixtral", 2, 1, 2, 2, 2, True, 0),
+            ("deepseek", 2, 1, 2, 2, None, False, 0),  # etp unset: tp ("mixtral", 1, 2, 2, 2, None, False, 0),
+            ("mixtral", 2, 1, 2, 2, 1, False, 1)]}
 
 
 @pytest.fixture(scope="module")
@@ -92,14 +102,19 @@ def references():
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_experts_over_ranks_train_like_one_device(world, references):
     per_rank = run_ranks(world, train_runs, RUNS[world], timeout_s=600)
-    for i, (which, tp, pp, dp, ep, etp, sp) in enumerate(RUNS[world]):
-        name = f"{which} {Layout(tp, pp=pp, dp=dp, ep=ep, etp=etp)} sp={sp}"
+    for i, (which, tp, pp, dp, ep, etp, sp, zero) in enumerate(RUNS[world]):
+        name = f"{which} {Layout(tp, pp=pp, dp=dp, ep=ep, etp=etp, zero=zero)} sp={sp}"
         ref_losses, ref_state = references[which]
         per_layer = moe_config(which).moe.n_experts // ep
         state = {}
         for rank in range(world):
-            losses, part, held = per_rank[rank][i]
+            losses, part, held, kept = per_rank[rank][i]
             assert len(held) == per_layer, f"{name}: rank {rank} holds experts {held}"
+            if zero:  # its rows of the dense weights' AdamW state, and its experts' whole
+                local, kept = kept
+                assert all(kept.get(n) == r for n, r in local.items() if is_expert_weight(n)), name
+                dense = [n for n in local if not is_expert_weight(n) and not n.endswith("expert_bias")]
+                assert sum(kept.get(n, 0) for n in dense) < sum(local[n] for n in dense), name
             rel = np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses)
             assert rel.max() < 1e-5, f"{name}: rank {rank}'s loss differs from one device by {rel.max():.2e}"
             state.update(part)
@@ -109,7 +124,4 @@ def test_experts_over_ranks_train_like_one_device(world, references):
             assert diff < WEIGHTS_TOL, f"{name}: final {k} differs by {diff:.2e}"
 
 
-def test_zero1_with_experts_over_ranks_is_refused_by_name():
-    model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="parallel.zero 1 with experts over their own mesh"):
-        make_optimizer(model, HYPER, 2, 0, zero=1, apart=lambda n: False)
+

@@ -4,7 +4,10 @@ snapshot with nothing lost, bit for bit; each expert is written to the checkpoin
 holding it, and read back at any layout: a run at TP=2 x DP=2 x EP=2 with whole experts per TP rank (etp 1)
 resumes from it and goes on as the unbroken run did, and its own checkpoint resumes on one device; a live
 resize of an expert-parallel job is refused and the job goes on; at DP=4 x EP=2 a killed rank is healed from
-the rank holding the same experts (its expert-DP twin), bit for bit."""
+the rank holding the same experts (its expert-DP twin), bit for bit. Under the distributed optimizer at
+TP=2 x DP=2 x EP=2 (zero 1: each rank its rows of the dense AdamW state, its experts' whole) a SIGKILLed and
+then a SIGSTOPped rank are restored from their snapshots bit for bit, and the run's checkpoint resumes at
+EP=4 and on one device."""
 import io
 import json
 import signal
@@ -21,11 +24,11 @@ MOE = {"arch": "llama", "n_head": 4, "n_kv_head": 2, "intermediate_size": 96,
 STEPS = 8
 
 
-def ep_job(tp, dp, ep, etp=None):
-    cfg = job(tp, dp, steps=STEPS, checkpoint={"every": 4, "keep": 2}, recovery={"snapshot_every": 1},
-              step_timeout_s=30.0, model=MOE)
+def ep_job(tp, dp, ep, etp=None, zero=0, step_timeout_s=30.0, **recovery):
+    cfg = job(tp, dp, steps=STEPS, checkpoint={"every": 4, "keep": 2}, recovery={"snapshot_every": 1, **recovery},
+              model=MOE, step_timeout_s=step_timeout_s)
     import dataclasses
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep, etp=etp))
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep, etp=etp, zero=zero))
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +104,28 @@ def test_a_killed_expert_rank_with_an_expert_dp_twin_is_healed_from_it_bit_for_b
     (fail,), (rec,) = events(run_dir, "failure"), events(run_dir, "recovered")
     assert fail["rank"] == 3 and rec["source"] == "replica" and rec["lost_steps"] == 0, rec
     assert losses(run_dir) == losses(ref)
+
+
+@pytest.mark.slow
+def test_zero1_at_ep2_heals_kills_and_hangs_bit_for_bit_and_its_checkpoint_moves(ray_local, tmp_path):
+    """TP=2 x DP=2 x EP=2 (experts split over TP, one per EP rank's pair), zero 1: no rank holds another's
+    AdamW rows, so rank 1 (SIGKILLed after step 2) and rank 2 (SIGSTOPped after step 5) come back from their
+    snapshots; the unbroken run's step-4 checkpoint (dense AdamW rows in blocks over DP, experts whole)
+    resumes at TP=1 x DP=4 x EP=4 and on one device."""
+    ref, run_dir = tmp_path / "ref", tmp_path / "run"
+    run(ep_job(2, 2, 2, zero=1), ref, "ep2z1ref")
+    run(ep_job(2, 2, 2, zero=1, step_timeout_s=4.0, ping_timeout_s=2.0), run_dir, "ep2z1faults",
+        faults=[(2, signal_rank(1, signal.SIGKILL)), (5, signal_rank(2, signal.SIGSTOP))])
+    fails, recs = events(run_dir, "failure"), events(run_dir, "recovered")
+    assert [(f["rank"], f["cause"]) for f in fails] == [(1, "died"), (2, "hung")], fails
+    assert [r["source"] for r in recs] == ["snapshot"] * 2, recs
+    assert_bitwise_equal(final_state(run_dir, STEPS), final_state(ref, STEPS))
+    assert losses(run_dir) == losses(ref)
+    m = json.loads((ref / "checkpoints" / checkpoint.step_dir(4) / "manifest.json").read_text())
+    blocks = {k: e["blocks"] for k, e in m["tensors"].items() if "blocks" in e}  # dense AdamW rows over DP
+    assert {d for b in blocks.values() for d, _, _ in b} == {0, 1} and not any(".experts." in k for k in blocks)
+    theirs = np.array(losses(ref))
+    for name, (tp, dp, ep) in {"ep4": (1, 4, 4), "one": (1, 1, 1)}.items():
+        resume_run(ep_job(tp, dp, ep), ref / "checkpoints" / checkpoint.step_dir(4), tmp_path / name, name)
+        ours = np.array(losses(tmp_path / name))
+        assert len(ours) == STEPS - 4 and (np.abs(ours - theirs[4:]) / theirs[4:]).max() < 1e-4, name

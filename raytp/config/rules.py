@@ -70,8 +70,6 @@ def _experts_problem(v) -> str | None:
     if (dp * tp) % (ep * etp_):
         return (f"ep={ep} x etp={etp_} must divide parallel.dp x parallel.tp = {dp * tp} (experts are folded over "
                 "the ranks of each stage)")
-    if v["parallel.zero"]:
-        return "ep or etp 1 with parallel.zero: 1 is not built yet; use parallel.zero: 0"
     if v["parallel.min_dp"] is not None:
         return "ep or etp 1 with parallel.min_dp (an elastic shrink) is not built yet"
     return None
@@ -150,14 +148,10 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
      lambda v: v["model.moe"] is None or any(v["model.moe"].is_moe(i) for i in range(v["model.n_layer"])),
      lambda v: f"first_dense={v['model.moe'].first_dense} and moe_every={v['model.moe'].moe_every} leave none "
                f"of the model.n_layer={v['model.n_layer']} layers an expert layer"),
-    (("model.moe", "parallel.zero"),
-     lambda v: v["model.moe"] is None or not v["model.moe"].bias_rate or not v["parallel.zero"],
-     lambda v: "bias_rate with parallel.zero: 1 is not built yet (the selection bias is a weight the optimizer "
-               "does not train); use parallel.zero: 0"),
     (("parallel.tp", "model.moe"),
      lambda v: v["model.moe"] is None or _moe_tp_problem(v) is None,
      lambda v: _moe_tp_problem(v)),
-    (("parallel.ep", "parallel.etp", "parallel.tp", "parallel.dp", "model.moe", "parallel.zero", "parallel.min_dp"),
+    (("parallel.ep", "parallel.etp", "parallel.tp", "parallel.dp", "model.moe", "parallel.min_dp"),
      lambda v: _experts_problem(v) is None,
      lambda v: _experts_problem(v)),
     # Sequence parallelism splits each sequence into tp equal pieces.

@@ -8,11 +8,16 @@ holding them (raytp.parallel.placements.expert_placement), into that rank's own 
 (``etp == tp``; the group's TP rank 0 reports the table entries), or the whole expert where each rank holds
 them whole (``etp == 1``; the entry says ``tp: 1`` and the file's ``tp_file``). Every expert entry names the
 file's DP rank (``dp``). Any layout reads them back by name (raytp.files.checkpoint.Checkpoint.read).
+
+Under the distributed optimizer (``zero`` 1) every DP rank also writes the dense AdamW rows it keeps, as a
+dense model's ranks do (raytp.files.checkpoint_blocks); their entries are the zero table the caller adds
+(``zero_entries``). An expert's AdamW state is whole on each of its holders (the optimizer does not cut it over
+expert-DP) and is written with its weights.
 """
 from __future__ import annotations
 
-from raytp.files.checkpoint import tensor_table
-from raytp.models.registry import is_expert_weight
+from raytp.files.checkpoint import tensor_table, zero_table
+from raytp.models.registry import bucketed, is_expert_weight
 from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import expert_placement_of
 
@@ -27,11 +32,13 @@ def share(tensors: dict, layout: Layout, rank: int, vocab_size: int, stage: int 
     """(the tensors `rank` writes, the keys it writes whatever its TP rank (whole experts), its table entries:
     None when it reports none) of a rank's `tensors` (keys as raytp.files.checkpoint.named_tensors')."""
     c = layout.coords(rank)
-    dense = {k: v for k, v in tensors.items() if not is_expert_key(k)} if c.dp == 0 else {}
+    dense = {k: v for k, v in tensors.items() if not is_expert_key(k)
+             and (c.dp == 0 or (layout.sharded_optimizer and k.startswith("optim/")))}
     experts = {}
     if expert_placement_of(layout).writes(layout, rank):
         experts = {k: v for k, v in tensors.items() if is_expert_key(k)}
-    table = tensor_table(dense, layout.tp, vocab_size, stage) if dense and c.tp == 0 else None
+    listed = {k: v for k, v in dense.items() if k.startswith("model/") or not layout.sharded_optimizer}
+    table = tensor_table(listed, layout.tp, vocab_size, stage) if listed and c.tp == 0 else None
     whole = layout.expert_tp == 1
     if experts and (whole or c.tp == 0):
         entries = tensor_table(experts, 1 if whole else layout.tp, vocab_size, stage)
@@ -41,3 +48,14 @@ def share(tensors: dict, layout: Layout, rank: int, vocab_size: int, stage: int 
                 e.update(tp=1, tp_file=c.tp)
         table = {**(table or {}), **entries}
     return {**dense, **experts}, frozenset(experts) if whole else frozenset(), table
+
+
+def zero_entries(params: dict, cfg, layout: Layout, rank: int, stage: int | None, copy: str | None) -> dict:
+    """The table entries of the dense AdamW rows under the distributed optimizer (raytp.files.checkpoint
+    zero_table), reported by DP rank 0's TP rank 0 of each stage; `params`: the shard's parameters by name (the
+    optimizer's buckets are cut over the dense trained ones, raytp.models.registry.bucketed); none elsewhere."""
+    c = layout.coords(rank)
+    if not layout.sharded_optimizer or c.dp or c.tp:
+        return {}
+    dense = {n: params[n] for n in bucketed(list(params), layout)}
+    return zero_table(dense, cfg, layout.tp, layout.dp, stage, copy)

@@ -72,6 +72,18 @@ def is_expert_weight(name: str) -> bool:
     return EXPERT_WEIGHT.match(name) is not None
 
 
+UNTRAINED = re.compile(r".*\.expert_bias$")  # a sigmoid router's selection bias: moved by loads, not by AdamW
+
+
+def bucketed(names, layout=None) -> list[str]:
+    """Of parameter `names` (in the model's order), those the optimizer buckets over DP, in order: the trained
+    ones, less the routed experts where `layout` gives them a mesh of their own (reduced apart, over expert-DP).
+    The distributed optimizer cuts its rows over exactly these (raytp.train.optimizer, raytp.parallel.zero_plan);
+    so do checkpoints' tables of its blocks."""
+    split = layout is not None and layout.experts_split
+    return [n for n in names if not UNTRAINED.match(n) and not (split and is_expert_weight(n))]
+
+
 def placement_of(name: str, cfg: ModelArgs | None = None, layout=None) -> TensorPlacement:
     """Where parameter `name` lives on the mesh (raytp.parallel.placements): split along TP as its sharding
     row says (or replicated there), replicated over DP; a routed expert's, on a `layout` whose experts have a

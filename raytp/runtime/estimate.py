@@ -67,10 +67,11 @@ def estimate(cfg) -> WorkerMemory:
 
 
 @functools.lru_cache(maxsize=8)
-def _local_sizes(model_cfg, tp: int, ep: int = 1, etp: int | None = None) -> dict[str, int]:
+def _local_sizes(model_cfg, tp: int, ep: int = 1, etp: int | None = None, experts: bool | None = None
+                 ) -> dict[str, int]:
     """Elements of each parameter's TP shard (global names; a block's summed under ``h.3``/``layers.3``),
     of the whole model built on the meta device; a routed expert's counted as its 1/ep share (whole per rank
-    at etp 1)."""
+    at etp 1). `experts`: True, the routed experts' only; False, all but theirs; None, all."""
     import torch
 
     from raytp.models.registry import build_model, is_expert_weight, sharding_of
@@ -82,6 +83,8 @@ def _local_sizes(model_cfg, tp: int, ep: int = 1, etp: int | None = None) -> dic
     for n, p in model.named_parameters():
         head, _, rest = n.partition(".")
         key = f"{head}.{rest.partition('.')[0]}" if head == blocks else n  # a block's parameters as one
+        if experts is not None and experts != is_expert_weight(n):
+            continue
         if is_expert_weight(n):
             share = math.prod(local_shape(sharding_of(n, model_cfg), tuple(p.shape), tp if etp in (None, tp) else 1))
             out[key] = out.get(key, 0) + share / ep
@@ -112,7 +115,12 @@ def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
     tp = par.tp
     stage = stage_of(model_cfg, par.pp, pp_rank, par.pp_virtual, par.pp_layers)
     parts = model_class(model_cfg).stage_parts()
-    local = int(sum(n for name, n in _local_sizes(model_cfg, tp, par.ep, par.etp).items() if holds(parts, stage, name)))
+    def held(experts):
+        sizes = _local_sizes(model_cfg, tp, par.ep, par.etp, experts)
+        return int(sum(n for name, n in sizes.items() if holds(parts, stage, name)))
+    split = par.ep > 1 or par.etp not in (None, tp)  # experts on a mesh of their own: outside the DP rows
+    routed = held(True) if split else 0
+    local = held(None)
     s, b, h, a = m.block_size, cfg.micro_batch, m.n_embd, m.n_head
     layers = len(stage.layers) if stage else m.n_layer
     in_flight = min(par.pp - pp_rank, cfg.local_batch_size // cfg.micro_batch) if stage else 1
@@ -132,7 +140,8 @@ def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
         kept += in_flight * (1 if cfg.train.activation_checkpointing else layers) * b * s * s * (
             4 if cfg.train.precision == "fp32" else 2)
     activations = int(kept + logits + 2 * s * b * h * 4)
-    adam = 8 * local if par.zero == 0 or par.dp == 1 else math.ceil(8 * local / par.dp)  # zero 1: its rows
+    # zero 1: its rows of the dense state; the experts' state whole where they are on their own mesh
+    adam = 8 * local if par.zero == 0 or par.dp == 1 else math.ceil(8 * (local - routed) / par.dp) + 8 * routed
     snapshots = 2 * (4 * local + adam) if cfg.recovery.snapshot_every != 0 else 0  # null: on, at some interval
     # The gradients, and with DP replicas their flat bucket buffers (raytp.train.grad_buckets): all alive at
     # once when they are reduced during the backward pass, or kept to the weight gather under zero 1.

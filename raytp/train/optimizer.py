@@ -42,13 +42,11 @@ class DistributedAdamW:
                  bucket_numel: int = BUCKET_NUMEL, overlap: bool = False, overlap_gather: bool = False,
                  apart=None):
         # `apart(name)`: the parameters reduced over another group than DP (experts over expert-DP, with expert
-        # parallelism): after the others, outside the DP buckets (``reduce_apart``); zero 1 does not shard them.
+        # parallelism): after the others, outside the DP buckets (``reduce_apart``); zero 1 does not shard them
+        # (each rank keeps the whole AdamW state of the experts it holds: they are already split over EP).
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # a router's bias is not trained
         if apart is not None:
             named = [(n, p) for n, p in named if not apart(n)] + [(n, p) for n, p in named if apart(n)]
-            if zero:
-                raise ValueError("parallel.zero 1 with experts over their own mesh (ep > 1, or etp 1 at tp > 1) is "
-                                 "not built yet; use parallel.zero 0")
         self.n_bucketed = len(named) if apart is None else sum(1 for n, _ in named if not apart(n))
         self.model, self.overlap_gather = model, overlap_gather
         self.names = [n for n, _ in named]
@@ -72,6 +70,7 @@ class DistributedAdamW:
                 leaf = torch.nn.Parameter(torch.empty(0, dtype=self.params[i].dtype, device=self.params[i].device))
                 leaf.data = self.params[i].data[a:b]
                 self.targets[i] = leaf
+            self.targets.update((i, self.params[i]) for i in range(self.n_bucketed, len(self.params)))
         else:
             self.targets = dict(enumerate(self.params))
         h = self.h
@@ -226,9 +225,10 @@ class DistributedAdamW:
     def rows(self, name: str) -> tuple[int, int] | None:
         """The rows of parameter `name` whose AdamW state this rank keeps: None for all of them (zero 0),
         else (first, end) (zero 1; end == first when it keeps none)."""
-        if not self.sharded:
+        i = self._index[name]
+        if not self.sharded or i >= self.n_bucketed:  # or a parameter apart: whole
             return None
-        return self.owned.get(self._index[name], (0, 0))
+        return self.owned.get(i, (0, 0))
 
     def named_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """{parameter name: {"step", "exp_avg", "exp_avg_sq"}} of the state this rank keeps (live tensors)."""
@@ -246,7 +246,7 @@ class DistributedAdamW:
         if i not in self.targets:
             return
         t = self.targets[i]
-        a, b = self.owned[i] if (whole and self.sharded) else (0, None)
+        a, b = self.owned[i] if (whole and self.sharded and i < self.n_bucketed) else (0, None)
         out = {}
         for k, v in state.items():
             if k == "step" or v.dim() == 0:
@@ -298,7 +298,7 @@ class DistributedAdamW:
         target = self.targets[self._index[name]]
         if key not in state:
             state[key] = torch.zeros_like(target.data)
-        lo = self.owned[self._index[name]][0]
+        lo = self.owned.get(self._index[name], (0, 0))[0]
         state[key][start - lo:start - lo + t.shape[0]].copy_(t)
 
     def clear_state(self) -> None:

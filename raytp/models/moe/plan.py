@@ -52,7 +52,7 @@ class ExpertPlace:
         lay = groups.layout
         if not lay.experts_split:
             return cls()
-        return cls(groups.group("ep"), lay.ep, lay.coord(groups.rank, "ep"), lay.etp == lay.tp)
+        return cls(groups.group("ep"), lay.ep, lay.coord(groups.rank, "ep"), lay.expert_tp == lay.tp)
 
     def holds(self, expert: int, n_experts: int) -> bool:
         per = n_experts // self.ep

@@ -24,6 +24,7 @@ from raytp.config.adapters import model_args
 from raytp.files import checkpoint
 from raytp.files.state_sources import CheckpointSource
 from raytp.files import checkpoint_experts
+from raytp.models.registry import bucketed
 from raytp.files.storage import Storage, StorageError, check_writable, probe_name
 
 
@@ -168,6 +169,8 @@ def write_part(url: str, directory: str, tp_rank: int, packed, tp: int, model_cf
     if experts is not None:  # (layout, rank) of a part whose experts have a mesh of their own
         lay, rank = experts
         tensors, whole, table = checkpoint_experts.share(tensors, lay, rank, model_cfg.vocab_size, stage)
+        zero = checkpoint_experts.zero_entries(state["model"], model_cfg, lay, rank, stage, copy)
+        table = {**(table or {}), **zero} if zero else table
         out = checkpoint.write_shard(Storage(url), directory, tensors, tp_rank, tp=tp, stage=stage,
                                      dp_rank=lay.coords(rank).dp, whole=whole)
         return {**out, "table": table}
@@ -179,7 +182,8 @@ def write_part(url: str, directory: str, tp_rank: int, packed, tp: int, model_cf
         weights = {k: v for k, v in tensors.items() if k.startswith("model/")} if sharded else tensors
         out["table"] = checkpoint.tensor_table(weights, tp, model_cfg.vocab_size, stage)
         if sharded:
-            out["table"].update(checkpoint.zero_table(state["model"], model_cfg, tp, dp, stage, copy))
+            params = {n: state["model"][n] for n in bucketed(list(state["model"]))}  # the optimizer's rows
+            out["table"].update(checkpoint.zero_table(params, model_cfg, tp, dp, stage, copy))
     return out
 
 

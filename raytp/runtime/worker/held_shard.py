@@ -19,7 +19,7 @@ import torch
 from raytp.config.adapters import model_args, hyper
 from raytp.parallel.ownership import Ownership
 from raytp.models.moe.plan import ExpertPlace
-from raytp.models.registry import is_expert_weight
+from raytp.models.registry import bucketed, is_expert_weight
 from raytp.models.shard import build_empty_shard, build_shard
 from raytp.models.stage import copied_name
 from raytp.runtime.worker import transfer
@@ -144,6 +144,9 @@ class HeldShard:
         if g.layout.experts_split:  # dense tensors by replica 0, each expert by its expert-DP group's first
             tensors, kw["whole"], table = checkpoint_experts.share(tensors, g.layout, g.rank, cfg.model.vocab_size,
                                                                    stage)
+            params = {n: p.detach() for n, p in self.model.named_parameters()}
+            zero = checkpoint_experts.zero_entries(params, model_args(cfg), g.layout, g.rank, stage, copy)
+            table = {**(table or {}), **zero} if zero else table
             kw["dp_rank"] = g.dp_rank
         self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, **where, **kw)
         if g.layout.experts_split or g.tp_rank != 0 or not weights:
@@ -153,6 +156,7 @@ class HeldShard:
         table = checkpoint.tensor_table({k: v for k, v in tensors.items() if k.startswith("model/")}, g.layout.tp,
                                         cfg.model.vocab_size, stage)
         params = {n: p.detach() for n, p in self.model.named_parameters()}
+        params = {n: params[n] for n in bucketed(list(params))}  # the optimizer's rows: trained weights only
         table.update(checkpoint.zero_table(params, model_args(cfg), g.layout.tp, g.layout.dp, stage, copy))
         return table
 
