@@ -3,7 +3,7 @@ worker holds two experts; a SIGKILLed worker (whose experts no other rank holds)
 snapshot with nothing lost, bit for bit; each expert is written to the checkpoint once, by the rank
 holding it, and read back at any layout: a run at TP=2 x DP=2 x EP=2 with whole experts per TP rank (etp 1)
 resumes from it and goes on as the unbroken run did, and its own checkpoint resumes on one device; a live
-resize of an expert-parallel job is refused and the job goes on; at DP=4 x EP=2 a killed rank is healed from
+EP change both ways tracks the unresized run (other live resizes of an EP job are refused, and it goes on); at DP=4 x EP=2 a killed rank is healed from
 the rank holding the same experts (its expert-DP twin), bit for bit. Under the distributed optimizer at
 TP=2 x DP=2 x EP=2 (zero 1: each rank its rows of the dense AdamW state, its experts' whole) a SIGKILLed and
 then a SIGSTOPped rank are restored from their snapshots bit for bit, and the run's checkpoint resumes at
@@ -74,29 +74,40 @@ def test_checkpoints_move_between_expert_layouts_and_one_device(reference, tmp_p
 
 
 @pytest.mark.slow
-def test_a_live_resize_of_an_expert_parallel_job_is_refused_and_it_goes_on(reference, tmp_path):
+def test_a_live_ep_change_both_ways_tracks_the_unresized_run(reference, tmp_path):
+    """TP=1 x DP=2: EP 2 -> 1 after step 2 (each rank gains the two experts it lacked, from the other) and
+    1 -> 2 after step 5 (each keeps its own two); other degrees of an EP job are refused and it goes on."""
     d = Driver(ep_job(1, 2, 2), tmp_path / "run", "epresize", out=io.StringIO())
     try:
         d.start()
         d.train_loop(until=2)
         before = d.logits(FIXED)
         outcome = d.resize(tp=2)
-        assert not outcome.ok and "experts have a mesh of their own" in outcome.error
-        outcome = d.resize(dp=1)  # EP=2 no longer fits in one rank
+        assert not outcome.ok and "may change the EP degree only" in outcome.error
+        outcome = d.resize(ep=4)  # four experts' EP needs dp x tp >= 4
         assert not outcome.ok and "must divide dp x tp" in outcome.error
         assert float((d.logits(FIXED) - before).abs().max()) == 0.0
-        assert len(before) == len(FIXED)
+        outcome = d.resize(ep=1)
+        assert outcome.ok and outcome.bytes > 0 and d.layout.ep == 1, outcome
+        assert float((d.logits(FIXED) - before).abs().max()) == 0.0  # the same model, all of it on each rank
+        d.train_loop(until=5)
+        outcome = d.resize(ep=2)
+        assert outcome.ok and outcome.bytes == 0 and d.layout.ep == 2, outcome
         d.train_loop()
     finally:
         d.release()
         d.log.close()
-    assert losses(tmp_path / "run") == losses(reference)
+    resized = events(tmp_path / "run", "resized")
+    assert [(e["old"].get("ep", 1), e["new"].get("ep", 1)) for e in resized] == [(2, 1), (1, 2)], resized
+    ours, theirs = np.array(losses(tmp_path / "run")), np.array(losses(reference))
+    assert len(ours) == STEPS and np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-4
 
 
 @pytest.mark.slow
 def test_a_killed_expert_rank_with_an_expert_dp_twin_is_healed_from_it_bit_for_bit(ray_local, tmp_path):
     """TP=1 x DP=4 x EP=2: ranks 0 and 2 hold experts 0-1, ranks 1 and 3 experts 2-3 (expert-DP 2). Rank 3 is
-    killed: rank 1 holds its dense weights and its experts, and gives them, with nothing lost."""
+    killed: rank 1 holds its dense weights and its experts, and gives them, with nothing lost. Under zero 1 a
+    live EP change 2 -> 4 -> 2 tracks the same run."""
     ref, run_dir = tmp_path / "ref", tmp_path / "run"
     run(ep_job(1, 4, 2), ref, "ep4ref")
     run(ep_job(1, 4, 2), run_dir, "ep4kill", faults=[(3, signal_rank(3, signal.SIGKILL))])
@@ -104,6 +115,21 @@ def test_a_killed_expert_rank_with_an_expert_dp_twin_is_healed_from_it_bit_for_b
     (fail,), (rec,) = events(run_dir, "failure"), events(run_dir, "recovered")
     assert fail["rank"] == 3 and rec["source"] == "replica" and rec["lost_steps"] == 0, rec
     assert losses(run_dir) == losses(ref)
+    # The same job under zero 1, EP 2 -> 4 -> 2 live (each rank's dense AdamW rows stay; experts move with
+    # theirs): it tracks the unresized run.
+    d = Driver(ep_job(1, 4, 2, zero=1), tmp_path / "z1", "ep4z1", out=io.StringIO())
+    try:
+        d.start()
+        for until, ep in ((2, 4), (5, 2)):
+            d.train_loop(until=until)
+            outcome = d.resize(ep=ep)
+            assert outcome.ok and d.layout.ep == ep, outcome
+        d.train_loop()
+    finally:
+        d.release()
+        d.log.close()
+    ours, theirs = np.array(losses(tmp_path / "z1")), np.array(losses(ref))
+    assert len(ours) == STEPS and np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-4
 
 
 @pytest.mark.slow

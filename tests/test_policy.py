@@ -5,7 +5,7 @@ from helpers import job
 from raytp.config import ConfigError
 from raytp.parallel.layout import Layout
 from raytp.runtime import policy
-from raytp.runtime.elastic import rank_plans
+from raytp.runtime.elastic import changes, rank_plans
 
 TP2_DP2 = Layout(2, dp=2)
 
@@ -166,3 +166,35 @@ def test_fits_now_packs_groups_whole_on_nodes_with_room():
     assert policy.fits_now([], [])
     # largest first: {1} then {2} on the fullest node that holds it would strand the 2
     assert policy.fits_now([{"CPU": 1.0}, {"CPU": 2.0}], [{"CPU": 1.0}, {"CPU": 2.0}])
+
+
+def test_an_ep_change_moves_each_gained_expert_from_one_holder_of_the_same_slice():
+    # TP=1 x DP=2, 4 experts: EP 2 -> 1, each rank gains the other's two; 1 -> 2 moves nothing
+    one, two = Layout(1, dp=2, ep=1), Layout(1, dp=2, ep=2)
+    assert rank_plans.expert_sources(two, one, 4) == {0: {2: 1, 3: 1}, 1: {0: 0, 1: 0}}
+    assert rank_plans.expert_sources(one, two, 4) == {0: {}, 1: {}}
+    # TP=2 x DP=2, experts split over TP (etp 2): a slice comes from the old holder at the same TP rank
+    split2, split1 = Layout(2, dp=2, ep=2), Layout(2, dp=2, ep=1)
+    assert rank_plans.expert_sources(split2, split1, 4) == {0: {2: 2, 3: 2}, 1: {2: 3, 3: 3}, 2: {0: 0, 1: 0},
+                                                            3: {0: 1, 1: 1}}
+    # DP=4 (EP=2: ranks 0, 2 hold experts 0-1, ranks 1, 3 experts 2-3; EP=4: rank r expert r)
+    assert rank_plans.expert_sources(Layout(1, dp=4, ep=2), Layout(1, dp=4, ep=4), 4) == {
+        0: {}, 1: {1: 0}, 2: {2: 1}, 3: {}}
+    assert rank_plans.expert_sources(Layout(1, dp=4, ep=4), Layout(1, dp=4, ep=2), 4) == {
+        0: {1: 1}, 1: {2: 2, 3: 3}, 2: {0: 0, 1: 1}, 3: {2: 2}}
+    assert isinstance(changes_of(two, one), changes.EpChange) and rank_plans.ep_resize_ranks(two).kept == (0, 1)
+
+
+def test_a_live_resize_of_an_ep_job_may_change_the_ep_degree_only():
+    two = Layout(1, dp=4, ep=2)
+    assert policy.expert_resize_problem(two, two.changed(ep=4)) is None
+    assert policy.expert_resize_problem(Layout(1, dp=4), two) is None
+    assert "EP degree only" in policy.expert_resize_problem(two, two.changed(dp=2))
+    assert policy.expert_resize_problem(Layout(1, dp=4), Layout(1, dp=2)) is None  # a dense mesh: any
+    z = Layout(1, dp=4, ep=2, zero=1)
+    assert policy.expert_resize_problem(z, z.changed(ep=4)) is None  # the dense rows are cut alike
+    assert "zero: 1" in policy.expert_resize_problem(z, z.changed(ep=1))
+
+
+def changes_of(old, new):
+    return changes.plan_change(old, new)

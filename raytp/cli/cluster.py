@@ -212,17 +212,18 @@ def stop(run, address, timeout):
 @click.option("--tp", type=int, default=None, help="New tensor-parallel degree.")
 @click.option("--pp", type=int, default=None, help="New number of pipeline stages.")
 @click.option("--dp", type=int, default=None, help="New data-parallel degree.")
+@click.option("--ep", type=int, default=None, help="New expert-parallel degree (an MoE job; TP, PP and DP stay).")
 @click.option("--address", default=None, help=ADDRESS_HELP)
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the resize.")
 @_cluster_errors
-def scale(run, workers, tp, pp, dp, address, timeout):
-    """Change RUN's layout while it trains: --workers N, or any of --tp, --pp, --dp."""
+def scale(run, workers, tp, pp, dp, ep, address, timeout):
+    """Change RUN's layout while it trains: --workers N, or any of --tp, --pp, --dp; --ep alone."""
     import ray
     from raytp.runtime.driver.control_actor import find_control
-    if workers is None and tp is None and pp is None and dp is None:
-        fail("give --workers N, or any of --tp N, --pp N, --dp N")
-    if workers is not None and (tp is not None or pp is not None or dp is not None):
-        fail("--workers keeps TP and PP and sets DP; give either it or --tp/--pp/--dp")
+    if workers is None and tp is None and pp is None and dp is None and ep is None:
+        fail("give --workers N, or any of --tp N, --pp N, --dp N, or --ep N")
+    if workers is not None and (tp is not None or pp is not None or dp is not None or ep is not None):
+        fail("--workers keeps TP and PP and sets DP; give either it or --tp/--pp/--dp/--ep")
     _head(address).connect()
     ctl = find_control(run)
     if ctl is None:
@@ -235,7 +236,7 @@ def scale(run, workers, tp, pp, dp, address, timeout):
                   f"valid: {', '.join(str(replica * k) for k in range(1, 5))}, ...")
         tp, dp = st["tp"], workers // replica
     tp, pp, dp = tp or st["tp"], pp or st.get("pp", 1), dp or st["dp"]
-    rid = ray.get(ctl.request.remote("scale", tp=tp, pp=pp, dp=dp), timeout=30)
+    rid = ray.get(ctl.request.remote("scale", tp=tp, pp=pp, dp=dp, ep=ep), timeout=30)
     outcome = await_outcome(ctl, rid, timeout, "scale")
     if not outcome.get("ok"):
         fail(f"scale refused; the run goes on unchanged: {outcome.get('error')}", 1)

@@ -125,6 +125,23 @@ def choose_spares(layout: Layout, lost: Sequence[int], nodes: Sequence[str | Non
 
 # -- resizing (which ranks a layout change keeps and starts: raytp.runtime.elastic.rank_plans) ---
 
+def expert_resize_problem(old: Layout, new: Layout) -> str | None:
+    """Why a running job cannot move from `old` to `new` live where experts are involved (None if it can):
+    where either gives experts a mesh of their own only the EP degree may change (``raytp scale --ep``), the
+    rest at once by a checkpoint; under zero 1 only between layouts that both have one (the optimizer's
+    dense rows are then cut alike)."""
+    if not (old.experts_split or new.experts_split):
+        return None
+    if (new.tp, new.pp, new.dp, new.expert_tp) != (old.tp, old.pp, old.dp, old.expert_tp):
+        return ("a live resize of a job whose experts have a mesh of their own (parallel.ep > 1, or etp 1) may "
+                "change the EP degree only (raytp scale --ep N); for other degrees stop the run and resume it "
+                "at the new layout from its checkpoint (any layout reads it)")
+    if old.sharded_optimizer and not (old.experts_split and new.experts_split):
+        return ("under parallel.zero: 1 a live EP change to or from ep 1 (experts then in the optimizer's DP "
+                "rows) is not built; change between EP degrees above 1, or resume from the checkpoint")
+    return None
+
+
 def resized_config(cfg: config_mod.JobConfig, target: Layout) -> config_mod.JobConfig:
     """The job at layout `target` (a new pp splits the layers by cost): the same global batch, the same
     micro-batch where it divides the new per-replica share (so the micro-batches, hence the numbers, stay
@@ -134,7 +151,8 @@ def resized_config(cfg: config_mod.JobConfig, target: Layout) -> config_mod.JobC
     micro = math.gcd(cfg.micro_batch, local)
     stages = {} if target.pp == cfg.parallel.pp else {"pp": target.pp, "pp_layers": None}
     new = dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, tp=target.tp, dp=dp, zero=target.zero, **stages),
+        cfg, parallel=dataclasses.replace(cfg.parallel, tp=target.tp, dp=dp, zero=target.zero, ep=target.ep,
+                                          etp=target.etp, **stages),
         train=dataclasses.replace(cfg.train, micro_batch_size=micro))
     config_mod.validate(new, "scale request")
     return new

@@ -77,6 +77,16 @@ class StateCalls:
             return sum(ray.get([ws[d].weights_nbytes.remote() for d in donors.values()]))
         return sum(ray.get([ws[d].state_nbytes.remote() for d in donors.values()]))
 
+    def export_experts(self, n_experts: int) -> tuple[list, list]:
+        """Every rank cuts one bundle per global expert of what it holds of it (raytp.runtime.worker.expert_moves),
+        kept in the object store, owned here and never fetched: (refs[rank][expert], bytes[rank][expert])."""
+        refs, sizes = [], []
+        for w in self.workers:
+            out = w.export_experts.options(num_returns=n_experts + 1).remote(n_experts)
+            refs.append(list(out[:n_experts]))
+            sizes.append(out[n_experts])
+        return refs, self.fetch(sizes)
+
     def export_rows(self, new_dp: int) -> tuple[list, list]:
         """A DP resize under zero 1: every rank cuts the AdamW rows it keeps into one bundle per DP rank of
         `new_dp` (raytp.runtime.worker.worker_state export_rows), kept in the object store, owned here and

@@ -338,11 +338,12 @@ class Driver:
     def pending_resize(self):
         return self.elastic.pending
 
-    def resize(self, *, tp: int | None = None, dp: int | None = None, pp: int | None = None) -> Outcome:
+    def resize(self, *, tp: int | None = None, dp: int | None = None, pp: int | None = None,
+               ep: int | None = None) -> Outcome:
         """Move to the layout with these degrees now: request, wait for the new ranks, switch (tests,
         benchmarks)."""
         try:
-            target = self.layout.changed(tp=tp, dp=dp, pp=pp)
+            target = self.layout.changed(tp=tp, dp=dp, pp=pp, ep=ep)
         except ValueError as e:  # degrees no layout has: refused, as a control request's are
             return Outcome.refused(str(e))
         outcome = self.request_resize(target)

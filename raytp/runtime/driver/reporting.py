@@ -15,7 +15,8 @@ from raytp.runtime.records import Healing, Moving, Resizing
 
 
 def layout_dict(lay: Layout) -> dict:
-    return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp}
+    """A layout in events: its degrees (ep only where experts are spread)."""
+    return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, **({"ep": lay.ep} if lay.ep > 1 else {})}
 
 
 def step_record(rec: dict, all_ranks: list[dict], cfg, layout: Layout) -> dict:

@@ -36,10 +36,11 @@ class ScaleAsked:
     tp: int | None
     dp: int | None
     pp: int | None = None
+    ep: int | None = None
 
     def target(self, layout: Layout) -> Layout:
         """The layout asked for, from `layout` (ValueError for degrees no layout has)."""
-        return layout.changed(tp=self.tp, dp=self.dp, pp=self.pp)
+        return layout.changed(tp=self.tp, dp=self.dp, pp=self.pp, ep=self.ep)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def parse(req: dict) -> Request:
     if kind == "stop":
         return StopAsked(rid)
     if kind == "scale":
-        return ScaleAsked(rid, req.get("tp"), req.get("dp"), req.get("pp"))
+        return ScaleAsked(rid, req.get("tp"), req.get("dp"), req.get("pp"), req.get("ep"))
     if kind == "profile":
         ranks = req.get("ranks")
         return ProfileAsked(rid, req["steps"], None if ranks is None else tuple(ranks), req.get("memory", False))

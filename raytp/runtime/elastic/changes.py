@@ -9,6 +9,7 @@ a step boundary (raytp.runtime.elastic.reshard moves the state worker to worker)
 - ``TpChange``: TP at pp == 1; replica 0's first TP ranks keep theirs (placement grows replicas in place).
 - ``StageChange``: the pipeline degree at the same TP; stages present at both layouts keep theirs.
 - ``Restage``: TP at pp > 1 (or to or from it): every worker starts anew, ahead.
+- ``EpChange``: the expert-parallel degree alone; every worker keeps its process, the experts move.
 """
 from __future__ import annotations
 
@@ -110,8 +111,22 @@ class Restage(Change):
         return reshard.restart_tp(group, pending.new_cfg, pending.reserved, pending.early)
 
 
+@dataclass(frozen=True)
+class EpChange(Change):
+    def bundles(self, old: Layout, new: Layout, held) -> list[int]:
+        return []  # every worker stays where it is
+
+    def reserve(self, group, new_cfg) -> Reservation:
+        return Reservation(dict(group.pgs), None, [])
+
+    def switch(self, group, pending, step: int):
+        return reshard.switch_ep(group, pending.new_cfg)
+
+
 def plan_change(old: Layout, new: Layout) -> Change:
     """The plan that takes a running job from `old` to `new` (which differ)."""
+    if new.ep != old.ep and (new.tp, new.pp, new.dp, new.expert_tp) == (old.tp, old.pp, old.dp, old.expert_tp):
+        return EpChange(rank_plans.ep_resize_ranks(old))
     if new.tp != old.tp and (new.pp > 1 or old.pp > 1):
         return Restage(rank_plans.restage_ranks(old, new))
     if new.pp != old.pp:

@@ -107,10 +107,9 @@ class Elastic:
             return Outcome.refused("a live TP or stage resize under parallel.zero: 1 is not supported yet (DP "
                                    "resizes are): stop the run and resume it at the new layout from its "
                                    "checkpoint (any layout, zero 0 or 1, reads it)")
-        if old.experts_split or target.experts_split:
-            return Outcome.refused("a live resize of a job whose experts have a mesh of their own (parallel.ep > 1, "
-                                   "or etp 1) is not built yet: stop the run and resume it at the new layout from "
-                                   "its checkpoint (any layout reads it)")
+        why = policy.expert_resize_problem(old, target)
+        if why is not None:
+            return Outcome.refused(why)
         try:
             new_cfg = policy.resized_config(group.cfg, target)
         except config_mod.ConfigError as e:

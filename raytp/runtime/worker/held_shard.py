@@ -22,7 +22,7 @@ from raytp.models.moe.plan import ExpertPlace
 from raytp.models.registry import bucketed, is_expert_weight
 from raytp.models.shard import build_empty_shard, build_shard
 from raytp.models.stage import copied_name
-from raytp.runtime.worker import transfer
+from raytp.runtime.worker import expert_moves, transfer
 from raytp.runtime.worker.background_save import BackgroundSave
 from raytp.runtime.worker.transfer import PiecesSource
 from raytp.files import checkpoint, checkpoint_experts
@@ -60,7 +60,8 @@ class HeldShard:
         if source is not None:
             source = StateSource(source) if isinstance(source, dict) else source
             # A kept process copies its own slices locally where the bundles leave them out (a TP resize: None)
-            keep_own = own is not None and isinstance(source, PiecesSource) and None in source.refs
+            keep_own = own is not None and (getattr(source, "keeps_own", False)  # an EP change: all but experts
+                                            or isinstance(source, PiecesSource) and None in source.refs)
             source.fill(model, optimizer, groups.tp_rank, groups.layout.tp, **({"own": own} if keep_own else {}))
         return cls(model, optimizer, knobs, device)
 
@@ -71,6 +72,12 @@ class HeldShard:
         bundles = transfer.export_pieces(self.model, self.optimizer, groups.tp_rank, groups.layout.tp, new_tp,
                                          vocab_size, set(skip), stages=stages)
         return (*bundles, transfer.replicated(self.model, self.optimizer), [transfer.bundle_bytes(b) for b in bundles])
+
+    def export_experts(self, n_experts: int):
+        """For a live EP change: one bundle per global expert of what this shard holds of it, then their sizes
+        (raytp.runtime.worker.expert_moves)."""
+        self.settle()
+        return expert_moves.export_experts(self.model, self.optimizer, n_experts)
 
     def export_rows(self, new_dp: int):
         """A DP resize under zero 1: one bundle per DP rank of `new_dp` of the AdamW rows this rank keeps that

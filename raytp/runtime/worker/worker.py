@@ -242,6 +242,10 @@ class Worker:
         """HeldShard.export_pieces; call with num_returns=new_tp * len(stages or [None]) + 2."""
         return self.shard.export_pieces(self.groups, self.cfg.model.vocab_size, new_tp, skip, stages)
 
+    def export_experts(self, n_experts: int):
+        """HeldShard.export_experts; call with num_returns=n_experts + 1."""
+        return self.shard.export_experts(n_experts)
+
     def export_rows(self, new_dp: int):
         """HeldShard.export_rows; call with num_returns=new_dp + 1."""
         return self.shard.export_rows(new_dp)
