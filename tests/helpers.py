@@ -247,17 +247,19 @@ def small_state(tp):
 
 
 
-def hf_shard_at_tp(rank, world, init, model_dir):
+def hf_shard_at_tp(rank, world, init, model_dir, ep=1, etp=None):
     """In a spawned rank (raytp.parallel.spawn.run_ranks): join gloo, and load a Hugging Face directory as TP
-    rank `rank` of `world`, each rank reading its own slices: (model shard, its ProcessGroups)."""
+    rank `rank` of `world` (its experts spread over `ep` ranks, `etp` 1: whole on each TP rank), each rank
+    reading its own slices: (model shard, its ProcessGroups)."""
     import torch.distributed as dist
     from raytp.files import hf
+    from raytp.models.moe.plan import ExpertPlace
     from raytp.models.shard import build_empty_shard
     from raytp.parallel.groups import build_groups
     from raytp.parallel.layout import Layout
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    groups = build_groups(Layout(world, dp=1), rank)
-    model = build_empty_shard(hf.inspect(model_dir), groups.tp)
+    groups = build_groups(Layout(world, dp=1, ep=ep, etp=etp), rank)
+    model = build_empty_shard(hf.inspect(model_dir), groups.tp, experts=ExpertPlace.of(groups))
     hf.load_into(model_dir, model, groups.tp_rank, world)
     return model, groups
 

@@ -42,16 +42,24 @@ def theirs(model, experts: int = 0, ffn: int = 0):
     return logits.detach(), grads
 
 
-def ours_at_tp(rank, world, init, model_dir):
-    """In a spawned rank: raytp's logits and gradients of the same batch at TP=world, gathered whole (the
-    gradients the step sums over TP summed: shared KV heads, routers, q/k norms)."""
-    model, groups = hf_shard_at_tp(rank, world, init, model_dir)
+def ours_at_tp(rank, world, init, model_dir, ep=1, etp=None):
+    """In a spawned rank: raytp's logits and gradients of the same batch at TP=world (experts over `ep` ranks
+    of it, whole on each with `etp` 1), gathered whole (the gradients the step sums over TP summed: shared KV
+    heads, routers, q/k norms; each whole expert's from the rank holding it)."""
+    model, groups = hf_shard_at_tp(rank, world, init, model_dir, ep, etp)
     x, y = batch()
     logits = comm.gather_last(model(x), groups.tp)[..., :V].detach()
     model(x, y).backward()
     _sum_over_tp([(p, p.grad) for p in model.parameters() if p.grad is not None], groups.tp)
     grads = {}
+    whole = [None] * world
+    dist.all_gather_object(whole, {n: p.grad for n, p in model.named_parameters()
+                                   if getattr(p, "whole_on_rank", False)}, group=groups.tp)
+    for part in whole:
+        grads.update(part)
     for name, p in model.named_parameters():
+        if getattr(p, "whole_on_rank", False):
+            continue
         parts = [torch.empty_like(p.grad) for _ in range(world)]
         dist.all_gather(parts, p.grad.contiguous(), group=groups.tp)
         grads[name] = unshard_tensors(parts, sharding_of(name, model.cfg), full_size_of(name, model.cfg))

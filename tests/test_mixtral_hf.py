@@ -1,6 +1,7 @@
 """raytp's MoE Llama against transformers' MixtralForCausalLM: a tiny random Mixtral (4 experts, top 2;
 8 query heads, 2 KV heads) built by transformers here and saved as sharded safetensors (per-expert names,
-as transformers writes them), loaded slice by slice at TP=2: logits and one step's gradients (router and
+as transformers writes them), loaded slice by slice at TP=2, and at TP=2 x EP=2 (each TP rank two
+whole experts): logits and one step's gradients (router and
 every expert) equal transformers' within 1e-4; greedy generation is identical; through the runtime, a run
 from the directory trains at TP=2 x DP=2 with SP and its export loads back into transformers with the run's
 logits. A job whose model.moe disagrees with the directory is refused by key."""
@@ -43,7 +44,9 @@ def test_sharded_load_gives_transformers_logits_and_gradients(mixtral_dir):
     assert (d / "model.safetensors.index.json").exists(), "the test model should be saved sharded"
     cfg = hf.inspect(d)
     assert (cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.moe_ffn) == (E, 2, FFN)
-    assert_equal_within(run_ranks(2, ours_at_tp, d)[0], theirs(model, E, FFN))
+    want = theirs(model, E, FFN)
+    assert_equal_within(run_ranks(2, ours_at_tp, d)[0], want)
+    assert_equal_within(run_ranks(2, ours_at_tp, d, 2, 1)[0], want)  # TP=2 x EP=2: two whole experts per rank
 
 
 def test_greedy_generation_is_identical(mixtral_dir):

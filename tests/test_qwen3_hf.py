@@ -1,6 +1,6 @@
 """raytp's Llama with per-head q/k norms and its own head width against transformers' Qwen3-MoE and Qwen3: tiny
 random models built by transformers here (head_dim 16 where hidden_size / heads is 8; Qwen3-MoE with its
-first layer dense), saved, loaded slice by slice at TP=2 (and TP=4 past the 2 KV heads, each KV head's k
+first layer dense), saved, loaded slice by slice at TP=2 (Qwen3-MoE also at TP=2 x EP=2, whole experts per TP rank; and TP=4 past the 2 KV heads, each KV head's k
 norm then on two ranks): logits and one step's gradients (q/k norms, router, experts) equal transformers'
 within 1e-4; greedy generation is identical; config.json read back from raytp's own writing is the model's."""
 import json
@@ -56,7 +56,10 @@ def test_sharded_load_gives_transformers_logits_and_gradients(qwen3_moe_dir, qwe
     assert cfg.qk_norm and cfg.head_dim == 16 and cfg.n_embd // cfg.n_head == 8
     if which == "moe":
         assert (cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.moe_ffn, cfg.moe.first_dense) == (E, 2, FFN, 1)
-    assert_equal_within(run_ranks(tp, ours_at_tp, d)[0], theirs(model, E, FFN))
+    want = theirs(model, E, FFN)
+    assert_equal_within(run_ranks(tp, ours_at_tp, d)[0], want)
+    if which == "moe":  # TP=2 x EP=2: each TP rank two whole experts
+        assert_equal_within(run_ranks(tp, ours_at_tp, d, 2, 1)[0], want)
 
 
 def test_greedy_generation_is_identical_and_the_config_round_trips(qwen3_moe_dir, tmp_path):
