@@ -6,27 +6,43 @@ from raytp.runtime.spread import Move
 GPU2 = {"GPU": 2.0, "CPU": 2.0}
 
 
+def keys(layout):
+    return [spread.copy_key(layout, d, s) for d in range(layout.dp) for s in range(layout.pp)]
+
+
 def test_placement_aims_keep_a_stages_replicas_on_different_nodes():
     # Enough nodes: one (replica, stage) group per node, in order.
-    assert spread.spread_targets(4, 2, 2) == [0, 1, 2, 3]
+    assert spread.spread_targets(4, keys(Layout(1, pp=2, dp=2))) == [0, 1, 2, 3]
     # 3 nodes for 2 replicas x 2 stages: the fourth group shares a node, but not with the other replica's
     # copy of its stage, so losing any one node leaves every stage a replica.
-    aims = spread.spread_targets(3, 2, 2)
+    aims = spread.spread_targets(3, keys(Layout(1, pp=2, dp=2)))
     assert aims[:3] == [0, 1, 2] and aims[3] != aims[1]
     for node in range(3):
         lost = {k % 2 for k, n in enumerate(aims) if n == node}  # stages on that node
         assert all(any(aims[r * 2 + s] != node for r in range(2)) for s in lost)
     # Fewer nodes than replicas of a stage: the least loaded.
-    assert spread.spread_targets(2, 3, 1) == [0, 1, 0]
-    assert spread.spread_targets(0, 2, 1) == [None, None]
+    assert spread.spread_targets(2, keys(Layout(1, dp=3))) == [0, 1, 0]
+    assert spread.spread_targets(0, keys(Layout(1, dp=2))) == [None, None]
+
+
+def test_replicas_holding_the_same_experts_aim_at_different_nodes():
+    """DP=4 x EP=2 on two nodes: replicas 0 and 2 hold experts 0-1, 1 and 3 experts 2-3; stage-only aims would
+    put 0 and 2 together (a node whose loss takes experts 0-1 with it). By copy: each node one of each."""
+    ep = Layout(1, dp=4, ep=2)
+    assert keys(ep) == [(0, (0,)), (0, (1,)), (0, (0,)), (0, (1,))]
+    aims = spread.spread_targets(2, keys(ep))
+    assert aims == [0, 1, 1, 0]
+    assert spread.node_losses(ep, ["a" if n == 0 else "b" for n in aims]) == {"a": True, "b": True}
+    assert spread.node_losses(ep, ["a", "b", "a", "b"]) == {"a": False, "b": False}  # the stage-only aims
+    assert spread.copy_key(Layout(2, dp=2, ep=2, etp=1), 0, 0) == (0, (0, 1))  # EP over a replica's TP ranks
 
 
 def test_only_a_group_off_its_target_beside_a_copy_of_its_stage_is_asked_for_again():
-    """(stage, landed on, aimed at) per group: two copies of stage 1 on node a, one of them aimed at c."""
-    landed = [(0, "a", "a"), (1, "a", "b"), (0, "b", "b"), (1, "a", "a"), (1, "c", "c")]
+    """(copy key, landed on, aimed at) per group: two copies of stage 1 on node a, one of them aimed at c."""
+    landed = [((0,), "a", "a"), ((1,), "a", "b"), ((0,), "b", "b"), ((1,), "a", "a"), ((1,), "c", "c")]
     assert spread.off_their_twins(landed) == [1]
-    assert spread.off_their_twins([(0, "a", "a"), (1, "a", "b")]) == []  # two stages may share a node
-    assert spread.off_their_twins([(0, "a", None), (0, "a", None)]) == []  # aimed nowhere: one node only
+    assert spread.off_their_twins([((0,), "a", "a"), ((1,), "a", "b")]) == []  # two stages may share a node
+    assert spread.off_their_twins([((0,), "a", None), ((0,), "a", None)]) == []  # aimed nowhere: one node only
 
 
 def test_node_losses_says_which_nodes_a_layout_survives():

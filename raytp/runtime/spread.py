@@ -16,26 +16,35 @@ from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import Ownership
 
 
-def spread_targets(nodes: int, replicas: int, pp: int) -> list[int | None]:
-    """Which of `nodes` candidate nodes (indices) each (replica, stage) placement group aims at, replica by
-    replica, stage by stage: the least loaded node that holds no other replica's copy of the same stage,
-    if any (so one node's loss leaves every stage a replica), else the least loaded; None without nodes."""
-    load, stages, out = [0] * nodes, [set() for _ in range(nodes)], []
-    for _ in range(replicas):
-        for s in range(pp):
-            if not nodes:
-                out.append(None)
-                continue
-            n = min(range(nodes), key=lambda i: (s in stages[i], load[i], i))
-            load[n] += 1
-            stages[n].add(s)
-            out.append(n)
+def copy_key(layout: Layout, dp: int, stage: int) -> tuple:
+    """What the (replica `dp`, stage `stage`) TP group holds, as far as copies go: its stage; with experts on a
+    mesh of their own also the EP places of its ranks (replicas holding other experts are no copies of it:
+    at DP=4 x EP=2 replicas 0 and 2 hold experts 0-1, 1 and 3 experts 2-3)."""
+    if not layout.experts_split or dp >= layout.dp:  # (a replica past the layout: a grow-back's, dense only)
+        return (stage,)
+    return (stage, tuple(sorted({layout.coord(r, "ep") for r in layout.tp_group(dp, stage)})))
+
+
+def spread_targets(nodes: int, keys: Sequence[tuple]) -> list[int | None]:
+    """Which of `nodes` candidate nodes (indices) each placement group aims at (`keys`: each group's
+    copy_key, replica by replica, stage by stage): the least loaded node that holds no other group of the same
+    key, if any (so one node's loss leaves every stage, and every expert, a copy), else the least loaded;
+    None without nodes."""
+    load, held, out = [0] * nodes, [set() for _ in range(nodes)], []
+    for key in keys:
+        if not nodes:
+            out.append(None)
+            continue
+        n = min(range(nodes), key=lambda i: (key in held[i], load[i], i))
+        load[n] += 1
+        held[n].add(key)
+        out.append(n)
     return out
 
 
-def off_their_twins(landed: Sequence[tuple[int, str | None, str | None]]) -> list[int]:
-    """Which placement groups to ask for again, from (stage, node it landed on, node it was aimed at) of each
-    group: those that landed off their target on a node that holds another copy of the same stage (that
+def off_their_twins(landed: Sequence[tuple[tuple, str | None, str | None]]) -> list[int]:
+    """Which placement groups to ask for again, from (copy_key, node it landed on, node it was aimed at) of
+    each group: those that landed off their target on a node that holds another copy of the same (that
     node's loss would take both; Ray's target is soft, and a node still releasing a run's groups is passed
     over). Indices into `landed`."""
     count: dict = {}

@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raytp import names
 from raytp.config import JobConfig
 from raytp.runtime.errors import PlacementError
-from raytp.runtime.spread import off_their_twins, spread_targets
+from raytp.runtime.spread import copy_key, off_their_twins, spread_targets
 from raytp.runtime.cluster.resources import (candidate_nodes, check_room, explain_shortfall, free_by_node,  # noqa: F401
                                             replica_need, worker_resources)
 from raytp.runtime.cluster.slots import (Slots, bundle_of, carve, extended, groups_of, replaced, size_of,  # noqa: F401
@@ -54,7 +54,7 @@ def _request(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int], avoid_nodes
     need = replica_need(cfg, tp)
     targets = candidate_nodes(need, set(avoid_nodes))
     pp = cfg.parallel.pp
-    aims = spread_targets(len(targets), len(dp_ranks), pp)
+    aims = spread_targets(len(targets), [copy_key(cfg.layout, d, s) for d in dp_ranks for s in range(pp)])
     pgs, aimed = {}, {}
     for i, d in enumerate(dp_ranks):
         stages = []
@@ -104,7 +104,8 @@ def respread(cfg: JobConfig, run: str, tp: int, pgs: dict, aimed: dict) -> dict:
     for attempt in range(RESPREAD_TRIES):
         table = ray.util.placement_group_table()
         where = [(d, s, g) for d in sorted(pgs) for s, g in enumerate(groups_of(pgs[d]))]
-        landed = [(s, next(iter(table.get(g.id.hex(), {}).get("bundles_to_node_id", {}).values()), None),
+        landed = [(copy_key(cfg.layout, d, s),
+                   next(iter(table.get(g.id.hex(), {}).get("bundles_to_node_id", {}).values()), None),
                    aimed.get(g.id.hex())) for d, s, g in where]
         off = off_their_twins(landed)
         if not off:

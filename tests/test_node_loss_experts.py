@@ -1,0 +1,58 @@
+"""Losing a whole node of a simulated cluster (fake GPUs, CPU compute) under expert parallelism: at TP=1 x
+DP=4 x EP=2 replicas 0 and 2 hold experts 0-1, replicas 1 and 3 experts 2-3; placement aims the replicas
+holding the same experts at different nodes (raytp.runtime.spread.copy_key): on two nodes of two GPUs, each
+holds one copy of each expert (aimed by stage alone, one node would hold replicas 0 and 2, and its loss would
+take experts 0-1 with it). The start line says the job survives any one node's loss; each node is lost in
+turn (a fresh node joins for its ranks) and the job heals from the expert-DP twins, bit for bit, with nothing
+lost."""
+
+import pytest
+from helpers import assert_bitwise_equal, events, final_state, gpu_cluster, gpu_nodes, recovery_job, run
+
+pytestmark = pytest.mark.slow  # a simulated cluster of two nodes (and one joining), and three jobs
+
+MOE = {"arch": "llama", "n_head": 4, "n_kv_head": 2, "intermediate_size": 96,
+       "moe": {"n_experts": 4, "top_k": 2, "moe_ffn": 32, "aux_coeff": 0.01}}
+
+
+@pytest.fixture(scope="module")
+def cluster(no_shared_ray):
+    """A head without GPUs, shared by the module; each test sets its GPU nodes with `gpu_nodes`."""
+    with gpu_cluster(0, {"max_direct_call_object_size": 1024}) as (c, _):
+        yield c
+
+
+def ep_job():
+    cfg = recovery_job(1, 4, gpus_per_worker=1.0, model=MOE)
+    return cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=1, dp=4, ep=2)})
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("epnref") / "run"
+    gpu_nodes(cluster, 2)
+    run(ep_job(), run_dir, "epnref")
+    return final_state(run_dir)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_each_node_of_an_expert_parallel_job_is_lost_without_losing_anything(cluster, reference, which, tmp_path):
+    by_id = {n.node_id: n for n in gpu_nodes(cluster, 2)}
+    run_dir = tmp_path / "run"
+
+    def remove_a_node(run_name):
+        (ev,) = events(run_dir, "survival")
+        assert all(ev["nodes"].values()), ev
+        node_id = list(ev["nodes"])[which % len(ev["nodes"])]
+        cluster.remove_node(by_id[node_id])
+        remove_a_node.node_id = node_id
+        cluster.add_node(num_cpus=2, num_gpus=2)  # room for its two ranks
+
+    run(ep_job(), run_dir, f"epnloss{which}", faults=[(6, remove_a_node)])
+    assert "node loss: survives the loss of any 1 node without a checkpoint" in (
+        tmp_path / f"epnloss{which}.out").read_text()
+    assert_bitwise_equal(final_state(run_dir), reference)
+    fails = events(run_dir, "failure")
+    assert fails and {f["node"] for f in fails} == {remove_a_node.node_id}
+    (rec,) = events(run_dir, "recovered")
+    assert rec["lost_steps"] == 0 and rec["source"] == "replica", rec
