@@ -181,6 +181,9 @@ class FakeGroup(WorkerGroup):
         for w in self.workers:
             w.ended_at = None
 
+    def first_where(self):
+        return {"rank": 0, "device_bytes": None}  # fake GPUs: no memory to compare
+
     # -- training
     def run_steps(self, start, count, snapshot_every):
         return FakeStream(self, start, count, snapshot_every)

@@ -107,3 +107,29 @@ def test_mixtral_8x7b_fits_80_gb_gpus_on_two_stages_not_one():
     both = sum(_stage_memory(cfg, s).weights for s in range(2))  # fp32 masters: 4 bytes a parameter, 1/8 each
     replicated = 65 * 4096 + 32 * 8 * 4096  # RMSNorm weights and routers: whole on every rank
     assert both == 4 * ((46_702_792_704 - replicated) // 8 + replicated)
+
+
+def test_a_share_no_gpu_holds_is_refused_naming_the_fewest_gpus_that_fit():
+    """Mixtral-8x7B at TP=8 on one stage needs ~89 GiB a GPU: refused on 80 GB GPUs, naming 16 GPUs (experts
+    spread over 2 replicas); TP=2 x DP=8 x EP=8 (16 GPUs) fits as it is; without a real GPU nothing is read."""
+    import pytest
+
+    from raytp.runtime.errors import DoesNotFit
+    from raytp.runtime.estimate import fewest_fitting, fits_device
+    cfg = load(Path(__file__).resolve().parent.parent / "jobs" / "mixtral-8x7b-tp8-pp2.yaml")
+    one = at_pp(cfg, 1)
+    with pytest.raises(DoesNotFit, match=r"its GPU has 80.0 GiB; the fewest GPUs that fit: 16 at TP=8 x"):
+        fits_device(one, {"device_bytes": 80 * GiB})
+    fits_device(one, {"device_bytes": None})  # fake GPUs (a simulated cluster): nothing to compare
+    fits_device(cfg, {"device_bytes": 80 * GiB})  # two stages fit
+    ep8 = dataclasses.replace(one, parallel=dataclasses.replace(one.parallel, tp=2, dp=8, ep=8))
+    assert 60 * GiB < estimate(ep8).on_device < 80 * GiB
+    fits_device(ep8, {"device_bytes": 80 * GiB})
+    assert fewest_fitting(ep8, 80 * GiB) == ep8.layout
+    small = fewest_fitting(ep8, 40 * GiB)  # half the memory: more GPUs, each holding less
+    assert small.world_size > 16 and estimate(at_layout(ep8, small)).on_device <= 40 * GiB
+
+
+def at_layout(cfg, lay):
+    from raytp.runtime.policy import resized_config
+    return resized_config(cfg, lay)

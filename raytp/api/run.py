@@ -60,13 +60,14 @@ def train(job: job_mod.JobSpec, overrides: job_mod.Overrides = None, address: st
             _check_cluster_memory(cfg, plan.memory)
         from raytp.files.storage import StorageError
         from raytp.runtime.driver.driver import Driver
+        from raytp.runtime.errors import DoesNotFit
         try:
             driver = Driver(cfg, path, plan.run, out=out, init_state=plan.init_state)
             with _stop_on_sigterm(driver):
                 summary = driver.run_to_end(t_start=t0)
         except KeyboardInterrupt:
             raise Interrupted(path) from None
-        except StorageError as e:  # the location is not one every worker reaches: a bad job
+        except (StorageError, DoesNotFit) as e:  # a location not every worker reaches, a share no GPU holds
             raise BadJob(message_of(e)) from e
         except Exception as e:  # noqa: BLE001 - the run dir's events.jsonl says more
             raise RunFailed(message_of(e), path) from e

@@ -30,4 +30,8 @@ class PlacementError(RuntimeError):
     """The cluster cannot host the layout within the timeout."""
 
 
+class DoesNotFit(RuntimeError):
+    """A worker's share of the job does not fit its GPU's memory (found before any shard is built)."""
+
+
 FAILURES = (RayActorError, RayTaskError, GetTimeoutError, StepDeadline, ObjectLostError, OwnerDiedError)

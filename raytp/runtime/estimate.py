@@ -190,3 +190,44 @@ def refusal(est: WorkerMemory, workers_per_node: int, node_bytes: int, where: st
         return None
     return (f"memory: {workers_per_node} worker(s) on {where} need {need / GiB:,.1f} GiB "
             f"({est.line()}), {where} has {node_bytes / GiB:,.1f} GiB; {est.what_to_change()}")
+
+
+def fits_device(cfg, where: dict) -> None:
+    """Raise DoesNotFit where the largest stage's worker needs more than its GPU has (`where`: a worker's
+    identity.where, whose ``device_bytes`` is None without a real GPU), naming the fewest GPUs that fit."""
+    from raytp.runtime.errors import DoesNotFit
+    have = where.get("device_bytes")
+    if cfg.runtime.device != "cuda" or not have:
+        return
+    need = estimate(cfg)
+    if need.on_device <= have:
+        return
+    layout = fewest_fitting(cfg, have)
+    fix = (f"the fewest GPUs that fit: {layout.world_size} at {layout} (parallel.pp, parallel.dp, parallel.ep, "
+           "parallel.zero)" if layout is not None else need.what_to_change())
+    raise DoesNotFit(f"memory: a worker needs {need.line()}, its GPU has {have / GiB:,.1f} GiB; {fix}")
+
+
+def fewest_fitting(cfg, device_bytes: int):
+    """The layout with the fewest GPUs, at the job's TP degree, whose largest worker fits `device_bytes`:
+    more stages (pp), more replicas to shard the AdamW state over (dp with zero 1) and, for an MoE job, the
+    experts spread further (ep, at the job's etp); None if none up to one layer a stage does."""
+    from raytp.config.values import ConfigError
+    from raytp.runtime.policy import resized_config
+    par, moe = cfg.parallel, cfg.model.moe
+    etp = par.etp if par.etp is not None else par.tp
+    eps = [e for e in range(1, moe.n_experts + 1) if moe.n_experts % e == 0] if moe is not None else [1]
+    tried = set()
+    for pp in range(1, cfg.model.n_layer + 1):
+        for ep in eps:
+            for dp in {par.dp, max(par.dp, ep * etp // par.tp)}:
+                for zero in {par.zero, 1 if dp > 1 and par.min_dp is None else par.zero}:
+                    tried.add((pp * par.tp * dp, pp, dp, ep, zero))
+    for _, pp, dp, ep, zero in sorted(tried):
+        try:
+            new = resized_config(cfg, cfg.layout.changed(pp=pp, dp=dp, ep=ep, zero=zero))
+        except (ConfigError, ValueError):
+            continue
+        if estimate(new).on_device <= device_bytes:
+            return new.layout
+    return None

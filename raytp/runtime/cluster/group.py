@@ -35,6 +35,7 @@ from raytp.runtime.cluster import health, placement as placements, relay
 from raytp.runtime.cluster.streaming import StepStream, direct_ranks
 from raytp.runtime.cluster.group_state import StateCalls
 from raytp.runtime.cluster.launch import Launcher, actor_id
+from raytp.runtime.estimate import fits_device
 
 
 @dataclass(frozen=True)
@@ -70,12 +71,17 @@ class WorkerGroup:
         group = None
         try:
             group = cls.create(launcher, cfg, pgs)
+            fits_device(cfg, group.first_where())  # its GPU holds its share, before any shard is built
             return group.join(setup=range(cfg.world_size), state=state)
         except BaseException:
             if group is not None:
                 group.kill(range(cfg.world_size))
             cls.placer.release(pgs.values())
             raise
+
+    def first_where(self) -> dict:
+        """Rank 0's identity.where (its node, its GPU's memory), once its process is up."""
+        return ray.get(self.workers[0].where.remote(), timeout=self.cfg.runtime.placement_timeout_s)
 
     @classmethod
     def reserve(cls, cfg, run: str, dp_ranks: list[int], avoid_nodes=frozenset()) -> dict:

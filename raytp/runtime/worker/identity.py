@@ -23,8 +23,17 @@ def where(rank: int, up: float) -> dict:
     (wall clock): for the driver's records."""
     import ray
     ctx = ray.get_runtime_context()
+    gpus = ctx.get_accelerator_ids().get("GPU", [])
     return {"rank": rank, "actor": ctx.get_actor_name(), "node_id": ctx.get_node_id(), "pid": os.getpid(),
-            "ip": node_ip(), "gpu_ids": ctx.get_accelerator_ids().get("GPU", []), "up": up}
+            "ip": node_ip(), "gpu_ids": gpus, "up": up, "device_bytes": device_bytes() if gpus else None}
+
+
+def device_bytes() -> int | None:
+    """The memory of this process's GPU (None without a CUDA device: fake GPUs of a simulated cluster)."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
 def role(rank: int, groups) -> str:
