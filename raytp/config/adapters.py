@@ -12,7 +12,8 @@ def model_args(cfg: JobConfig) -> ModelArgs:
                      vocab_size=m.vocab_size, dropout=m.dropout, arch=m.arch, n_kv_head=m.n_kv_head,
                      intermediate_size=m.intermediate_size, rope_theta=m.rope_theta,
                      tie_embeddings=m.tie_embeddings, norm_eps=m.norm_eps, rope_scaling=m.rope_scaling,
-                     moe=m.moe, head_dim=m.head_dim, qk_norm=m.qk_norm)
+                     moe=m.moe, head_dim=m.head_dim, qk_norm=m.qk_norm,
+                     qkv_bias=m.qkv_bias)
 
 
 def hyper(cfg: JobConfig) -> Hyper:

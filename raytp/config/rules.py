@@ -138,9 +138,11 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
     (("parallel.tp", *_MODEL),
      lambda v: v["parallel.tp"] in _tp_degrees(v),
      _tp_message),
-    (("model.head_dim", "model.qk_norm", "model.arch"),
-     lambda v: (v["model.head_dim"] is None and not v["model.qk_norm"]) or v["model.arch"] == "llama",
-     lambda v: f"head_dim and qk_norm are the Llama family's; set model.arch: llama (got {v['model.arch']!r})"),
+    (("model.head_dim", "model.qk_norm", "model.qkv_bias", "model.arch"),
+     lambda v: (v["model.head_dim"] is None and not v["model.qk_norm"] and not v["model.qkv_bias"])
+     or v["model.arch"] == "llama",
+     lambda v: f"head_dim, qk_norm and qkv_bias are the Llama family's; set model.arch: llama "
+               f"(got {v['model.arch']!r})"),
     (("model.moe", "model.arch"),
      lambda v: v["model.moe"] is None or v["model.arch"] == "llama",
      lambda v: f"expert layers are the Llama family's; set model.arch: llama (got {v['model.arch']!r})"),
@@ -217,7 +219,7 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
 FROM_MODEL = frozenset({"model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "model.vocab_size",
                         "model.arch", "model.n_kv_head", "model.intermediate_size", "model.rope_theta",
                         "model.tie_embeddings", "model.norm_eps", "model.rope_scaling", "model.moe",
-                        "model.head_dim", "model.qk_norm"})
+                        "model.head_dim", "model.qk_norm", "model.qkv_bias"})
 
 
 def check(cfg: JobConfig, where, bad: set[str], shape_known: bool = True) -> list[str]:

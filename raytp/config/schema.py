@@ -56,6 +56,7 @@ class ModelConfig:
     head_dim: Optional[int] = _f(None, "llama: width of each attention head (Qwen3's differs from "
                                        "n_embd / n_head); null = n_embd / n_head", POSITIVE)
     qk_norm: bool = _f(False, "llama: an RMSNorm over each query and key head before the rotation (Qwen3)")
+    qkv_bias: bool = _f(False, "llama: biases on the query, key and value projections (Qwen2, Qwen2-MoE)")
     moe: Optional[MoeArgs] = _f(
         None, "llama: Mixture-of-Experts layers, {n_experts, top_k, moe_ffn (an expert's SwiGLU width), "
               "moe_every: 1, first_dense: 0 (the first layers kept dense), score: softmax (Mixtral, Qwen) or "

@@ -103,6 +103,7 @@ class ModelArgs:
     moe: MoeArgs | None = None               # None: every MLP dense (raytp.models.moe.args)
     head_dim: int | None = None              # None: n_embd / n_head (Qwen3's may differ): see head_width
     qk_norm: bool = False                    # an RMSNorm over each query and key head (Qwen3)
+    qkv_bias: bool = False                   # biases on the query, key and value projections (Qwen2)
 
     def __post_init__(self):
         if self.rope_scaling is not None:  # read back from a manifest's or model file's dict

@@ -94,12 +94,13 @@ class ShardedLinear(nn.Module):
     """Y_i = X A_i: a column-parallel projection whose input a ParallelInput already made whole."""
     group_axis = "tp"  # the mesh axis of its group (raytp.models.shard.rebind_groups)
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)  # its slice, split as the weight's rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1]}, out_local={self.weight.shape[0]}"

@@ -63,7 +63,7 @@ def starting_state(cfg: config_mod.JobConfig, resume: str | None, run_dir: Path,
             intermediate_size=shape.intermediate_size, rope_theta=shape.rope_theta,
             tie_embeddings=shape.tie_embeddings, norm_eps=shape.norm_eps, rope_scaling=shape.rope_scaling,
             moe=_experts(cfg.model.moe, shape.moe, cfg.model.init_from), head_dim=shape.head_dim,
-            qk_norm=shape.qk_norm))
+            qk_norm=shape.qk_norm, qkv_bias=shape.qkv_bias))
         config_mod.validate(cfg, f"{cfg.model.init_from}/config.json")
         say(f"starting from the {spec.title} in {cfg.model.init_from} ({shape.n_layer} layers x {shape.n_embd} wide, "
             f"{shape.n_head} heads, {shape.kv_heads} KV heads, vocabulary {shape.vocab_size})")

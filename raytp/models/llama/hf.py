@@ -11,11 +11,17 @@ from __future__ import annotations
 import dataclasses
 
 from raytp.models.args import ModelArgs, RopeScaling
-from raytp.models.llama import mixtral, qwen3
+from raytp.models.llama import mixtral, qwen2, qwen3
 
 # Mistral is a Llama with (optionally) sliding-window attention; Mixtral a Mistral of expert layers (mixtral.py);
-# Qwen3 a Llama with per-head q/k norms and its own head width, Qwen3-MoE with expert layers (qwen3.py)
-MODEL_TYPES = ("llama", "mistral", mixtral.MODEL_TYPE, *qwen3.MODEL_TYPES)
+# Qwen3 a Llama with per-head q/k norms and its own head width, Qwen3-MoE with expert layers (qwen3.py); Qwen2
+# one with q/k/v biases, Qwen2-MoE with expert layers and a gated shared expert each (qwen2.py)
+MODEL_TYPES = ("llama", "mistral", mixtral.MODEL_TYPE, *qwen3.MODEL_TYPES, *qwen2.MODEL_TYPES)
+
+
+def spelled_as_llama_names(cfg: ModelArgs | None) -> bool:
+    """Whether the directory names its weights as raytp does (all but Mixtral's expert layers)."""
+    return cfg is None or cfg.moe is None or cfg.qk_norm or cfg.qkv_bias
 
 
 def hf_config(cfg: ModelArgs) -> dict:
@@ -34,6 +40,8 @@ def hf_config(cfg: ModelArgs) -> dict:
         "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": 0.02,
         "torch_dtype": "float32",
     }
+    if cfg.qkv_bias:
+        return qwen2.hf_config(llama, cfg)
     if cfg.qk_norm:
         return qwen3.hf_config(llama, cfg)
     return llama if cfg.moe is None else mixtral.hf_config(llama, cfg)
@@ -72,8 +80,9 @@ def config_from_hf(d: dict, where: str = "config.json") -> ModelArgs:
         problems.append(str(e))
     theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 10000.0
     heads, width = d["num_attention_heads"], d["hidden_size"]
-    extra = qwen3.fields_from_hf(d, problems) if d.get("model_type") in qwen3.MODEL_TYPES else {}
-    if d.get("head_dim") not in (None, width // heads) and not extra:
+    extra = qwen3.fields_from_hf(d, problems) if d.get("model_type") in qwen3.MODEL_TYPES else \
+        qwen2.fields_from_hf(d, problems) if d.get("model_type") in qwen2.MODEL_TYPES else {}
+    if d.get("head_dim") not in (None, width // heads) and not extra.get("qk_norm"):
         problems.append(f"head_dim={d['head_dim']} differs from hidden_size/num_attention_heads={width // heads}")
     window = d.get("sliding_window")
     if d.get("model_type") == mixtral.MODEL_TYPE:
@@ -92,7 +101,7 @@ def config_from_hf(d: dict, where: str = "config.json") -> ModelArgs:
 
 def to_hf(name: str, cfg: ModelArgs | None = None) -> tuple[str, bool]:
     """The directory's name of raytp weight `name`; never transposed (both are nn.Linear)."""
-    theirs = mixtral.to_hf(name) if cfg is not None and cfg.moe is not None and not cfg.qk_norm else None
+    theirs = None if spelled_as_llama_names(cfg) else mixtral.to_hf(name)
     if theirs is not None:
         return theirs, False
     return (name if name.startswith("lm_head.") else f"model.{name}"), False
@@ -103,7 +112,7 @@ def from_hf(hf_name: str, cfg: ModelArgs) -> str | None:
     rotary frequency buffers older transformers saved)."""
     if hf_name.endswith("rotary_emb.inv_freq") or (cfg.tied and hf_name == "lm_head.weight"):
         return None
-    ours = mixtral.from_hf(hf_name) if cfg.moe is not None and not cfg.qk_norm else None
+    ours = None if spelled_as_llama_names(cfg) else mixtral.from_hf(hf_name)
     return ours or hf_name.removeprefix("model.")
 
 

@@ -80,9 +80,9 @@ class Attention(nn.Module):
         super().__init__()
         hd = self.head_dim = cfg.head_width
         self.tp_in = nn.Identity()
-        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=False)
-        self.k_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=False)
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
         if cfg.qk_norm:  # Qwen3: an RMSNorm over each head of q and of k, before the rotation
             self.q_norm, self.k_norm = RMSNorm(hd, cfg.norm_eps), RMSNorm(hd, cfg.norm_eps)
@@ -164,7 +164,7 @@ class Llama(CausalLM):
         1/sqrt(2 n_layer) for the two that write into the residual stream; RMSNorms at 1."""
         if name.endswith("norm.weight"):  # the blocks' and q/k heads' RMSNorms
             return InitRule("ones")
-        if name.endswith("expert_bias"):  # a sigmoid router's selection bias (raytp.models.moe)
+        if name.endswith(("expert_bias", "_proj.bias")):  # a router's selection bias; Qwen2's q/k/v biases
             return InitRule("zeros")
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             return InitRule("normal", 0.02 / math.sqrt(2 * cfg.n_layer))

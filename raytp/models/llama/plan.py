@@ -25,8 +25,8 @@ from raytp.parallel.sharding import KV_HEADS, Sharding
 
 SHARDING: tuple[tuple[str, Sharding], ...] = (  # (regex over parameter names, sharding); others replicated
     (r"(embed_tokens|lm_head)\.weight", Sharding(dim=0, pad=True)),
-    (r"layers\.\d+\.self_attn\.q_proj\.weight", Sharding(dim=0)),
-    (r"layers\.\d+\.self_attn\.[kv]_proj\.weight", KV_HEADS),
+    (r"layers\.\d+\.self_attn\.q_proj\.(weight|bias)", Sharding(dim=0)),
+    (r"layers\.\d+\.self_attn\.[kv]_proj\.(weight|bias)", KV_HEADS),
     (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight", Sharding(dim=0)),
     (r"layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight", Sharding(dim=1)),
     *moe_plan.SHARDING,
@@ -63,7 +63,9 @@ def swap_parallel(model, group, sequence_parallel: bool, sliced, rank: int, tp: 
                 continue
             mod.tp_in = ParallelInput(group, sequence_parallel)
             for leaf in columns:
-                setattr(mod, leaf, ShardedLinear(sliced(f"{prefix}.{leaf}.weight", getattr(mod, leaf).weight)))
+                bias = getattr(mod, leaf).bias  # Qwen2's q/k/v biases, split as their rows
+                setattr(mod, leaf, ShardedLinear(sliced(f"{prefix}.{leaf}.weight", getattr(mod, leaf).weight),
+                                                 None if bias is None else sliced(f"{prefix}.{leaf}.bias", bias)))
             setattr(mod, row, RowParallelLinear(sliced(f"{prefix}.{row}.weight", getattr(mod, row).weight), None,
                                                 group, sequence_parallel))
 
@@ -80,7 +82,9 @@ def tag(model, group, sequence_parallel: bool, rank: int, tp: int) -> None:
             block.self_attn.k_norm.weight.partial_over_tp = True
         if kv.holders(tp) > 1:
             for proj in (block.self_attn.k_proj, block.self_attn.v_proj):
-                proj.weight.shared_head = (rank // kv.holders(tp), kv.heads, kv.holders(tp))
+                for p in (proj.weight, proj.bias):
+                    if p is not None:
+                        p.shared_head = (rank // kv.holders(tp), kv.heads, kv.holders(tp))
         if sequence_parallel:
             for norm in (block.input_layernorm, block.post_attention_layernorm):
                 norm.weight.sequence_parallel = True
