@@ -2,7 +2,7 @@
 healed from its DP replica with nothing lost, bit for bit; a live TP change (2 -> 1 -> 2, with DP 2) keeps
 the model and tracks the unresized run; a checkpoint written at TP=2 x DP=2 resumes on one device and goes
 on as the unbroken run did; every step's record has each expert layer's load and losses, and the
-progress line the worst layer's imbalance."""
+progress line the worst layer's imbalance; the start names the experts' kernel."""
 import io
 import json
 import re
@@ -85,3 +85,4 @@ def test_every_step_records_its_expert_load_and_the_progress_line_shows_it(refer
         assert r["balance_loss"] == pytest.approx(sum(f["balance_loss"] for f in layers.values()))
     out = (reference.parent / "moeref.out").read_text()
     assert re.search(r"experts \d+\.\d\dx", out), out[-500:]
+    assert "experts: grouped GEMM (torch._grouped_mm) on rank 0's device" in out  # the CPU's float32 takes it

@@ -221,3 +221,31 @@ def test_the_router_chooses_in_float32_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         layer(x)
     assert torch.equal(layer.stats.take(8)[0], fp32)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_grouped_experts_equal_the_loop_bit_for_bit_on_cpu(bf16, monkeypatch):
+    """torch._grouped_mm over a rank's experts (raytp.models.moe.grouped), one expert choosing no row: the
+    layer's output and every gradient equal those of the experts run one at a time, in float32 and under
+    bf16 autocast."""
+    from raytp.models.moe import grouped
+    from raytp.models.moe.layer import MoE
+    assert grouped.grouped_works("cpu", torch.bfloat16 if bf16 else torch.float32)
+    m = MoE(32, MoeArgs(n_experts=4, top_k=1, moe_ffn=16))
+    with torch.no_grad():
+        m.gate.weight.zero_()
+        m.gate.weight[:3] = torch.randn(3, 32)  # expert 3 scores lowest: chosen by no token, most likely
+    x = torch.randn(2, 24, 32)
+
+    def run():
+        m.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            y = m(x)
+        y.float().pow(2).sum().backward()
+        return y.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    y1, g1 = run()
+    monkeypatch.setattr(grouped, "grouped_works", lambda *a: False)
+    y2, g2 = run()
+    assert torch.equal(y1, y2) and g1.keys() == g2.keys()
+    assert all(torch.equal(g1[k], g2[k]) for k in g1)

@@ -75,10 +75,11 @@ class ExpertDispatch(nn.Module):
         self.sent_rows = 0  # rows sent to other ranks in the last forward (for the all-to-all bytes)
 
     def forward(self, flat: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                modules: nn.ModuleDict) -> torch.Tensor:
+                compute) -> torch.Tensor:
         """flat (n, C) tokens; the choices as three (m,) lists in token order: which token, which expert,
         its weight -> (n, C): each token's weighted sum of its experts' outputs (zero for a token with no
-        choice here). `modules`: this rank's experts, by global index."""
+        choice here). `compute(rows, sizes)`: this rank's experts, in order, on their rows (sizes[j] for local
+        expert j; raytp.models.moe.grouped)."""
         order = experts.argsort(stable=True)  # the choices grouped by expert, tokens in order
         tokens, w = tokens[order], weights[order]
         per_expert = torch.bincount(experts, minlength=self.n_experts).cpu()
@@ -91,12 +92,8 @@ class ExpertDispatch(nn.Module):
         by_expert = [torch.arange(int(starts[s, j]), int(starts[s, j] + recv_table[s, j]))
                      for j in range(self.local) for s in range(self.ep)]
         perm = torch.cat(by_expert).to(flat.device) if by_expert else torch.zeros(0, dtype=torch.long)
-        grouped = rows[perm]
-        outs, at = [], 0
-        for j, n in enumerate(recv_table.sum(0).tolist()):
-            outs.append(modules[str(self.first + j)](grouped[at:at + n]))
-            at += n
-        back = all_to_all(_unpermute(torch.cat(outs), perm), recv, send, self.group)
+        done = compute(rows[perm], recv_table.sum(0).tolist())
+        back = all_to_all(_unpermute(done, perm), recv, send, self.group)
         self.sent_rows = sum(send) - send[comm.group_rank(self.group)]
         out = torch.zeros_like(flat)
         out.index_add_(0, tokens, (back * w[:, None]).to(out.dtype))

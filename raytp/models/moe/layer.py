@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from raytp.models.moe.args import MoeArgs
 from raytp.models.moe.routing import balance_loss, counts, route, within_capacity, z_loss
 from raytp.parallel import comm
+from raytp.models.moe.grouped import run_experts
 from raytp.parallel.expert_dispatch import ExpertDispatch
 
 
@@ -118,7 +119,8 @@ class MoE(nn.Module):
             mine = share if mine is None else mine & share
         if mine is not None:
             tokens, experts, weights = tokens[mine], experts[mine], weights[mine]
-        return self.dispatch(flat, tokens, experts, weights, self.experts)
+        local = [self.experts[str(self.dispatch.first + j)] for j in range(self.dispatch.local)]
+        return self.dispatch(flat, tokens, experts, weights, lambda rows, sizes: run_experts(rows, sizes, local))
 
 
 class RoutingStats:

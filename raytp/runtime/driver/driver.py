@@ -150,6 +150,8 @@ class Driver:
                                                   say=self._say)
         # With a state to start from, every worker builds its shard from its slices of it: no seeded init.
         self.adopt(self.group_cls.launch(launcher, cfg, self.init_state[1] if self.init_state else None))
+        if cfg.model.moe is not None and self.group.placement and "experts" in self.group.placement[0]:
+            self._say(f"experts: {self.group.placement[0]['experts']} on rank 0's device")
         self.checkpoints.check_reached(self.group)
         if self.cadence.every:
             self.copy.update(self.group, self.snapshots, self.step)  # its keeper starts while the first step runs

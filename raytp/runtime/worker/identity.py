@@ -51,3 +51,14 @@ def announce(role_text: str) -> None:
     line = f":actor_name:{role_text}"  # ray_constants.LOG_PREFIX_ACTOR_NAME
     print(line, flush=True)
     print(line, file=sys.stderr, flush=True)
+
+
+def kernels(cfg, device) -> dict:
+    """The kernels this process's job runs that depend on its device: an MoE job's experts
+    (raytp.models.moe.grouped), as the start line names them."""
+    if cfg.model.moe is None:
+        return {}
+    from raytp.models.moe.grouped import expert_kernel
+    import torch
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    return {"experts": expert_kernel(torch.device(device).type, dtype)}

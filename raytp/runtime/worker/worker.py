@@ -323,7 +323,7 @@ class Worker:
         self.profiler.add(plan)
 
     def where(self) -> dict:
-        return identity.where(self.rank, self.up)
+        return {**identity.where(self.rank, self.up), **identity.kernels(self.cfg, self.device)}
 
     def __repr__(self) -> str:
         return identity.role(self.rank, self.groups)
