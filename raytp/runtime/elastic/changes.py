@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytp.parallel.layout import Layout
-from raytp.runtime.elastic import rank_plans, reshard
+from raytp.runtime.elastic import expert_switch, rank_plans, reshard
 from raytp.runtime.elastic.rank_plans import RankPlan
 
 
@@ -120,7 +120,7 @@ class EpChange(Change):
         return Reservation(dict(group.pgs), None, [])
 
     def switch(self, group, pending, step: int):
-        return reshard.switch_ep(group, pending.new_cfg)
+        return expert_switch.switch_ep(group, pending.new_cfg)
 
 
 def plan_change(old: Layout, new: Layout) -> Change:

@@ -25,8 +25,8 @@ new one with every rank holding its shard, and the bytes that moved; or raises
   every old owner cuts one bundle per new TP rank and stage, holding only
   that stage's layers, so each byte moves once (a tied embedding's second
   copy twice).
-- Change of the expert-parallel degree (``switch_ep``): every worker keeps its process, dense slices and
-  their AdamW state; each expert a rank gains comes from one old holder.
+
+A change of the expert-parallel degree alone is raytp.runtime.elastic.expert_switch.
 """
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ from raytp.runtime.elastic import rank_plans
 from raytp.runtime.errors import FAILURES
 from raytp.runtime.cluster.launch import actor_id, bundle_key
 from raytp.runtime.cluster.slots import bundle_of, unused_groups
-from raytp.runtime.worker.expert_moves import ExpertsSource
 from raytp.runtime.worker.transfer import PiecesSource, RebuildSource
 
 
@@ -84,7 +83,7 @@ def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: di
     except FAILURES as e:
         group.kill_actors(a for a, _ in early.values())
         group.placer.release(reserved.values())
-        raise SwitchFailed(_rejoined(group, rows), e) from e
+        raise SwitchFailed(rejoined(group, rows), e) from e
     group.kill(plan.removed)
     group.placer.release(unused_groups([group.pgs[q] for q in range(new_dp, old_dp)], nxt.pgs.values()))
     return nxt, moved
@@ -265,37 +264,6 @@ def switch_stages(group, new_cfg, reserved: tuple, early: dict, plan):
     return nxt, sum(sizes[i][slot(r)] for r in range(new.world_size) for i in range(owners))
 
 
-def switch_ep(group, new_cfg):
-    """`group` at another expert-parallel degree (the same TP, PP and DP): every worker keeps its process and
-    placement, leaves its groups, joins the new layout's and rebuilds its shard from its old one and the
-    experts it gains, each from one old holder (raytp.runtime.worker.expert_moves): (new group, bytes moved).
-    A failure after the export rolls back: the workers take back their old shards and rejoin."""
-    old, new = group.layout, new_cfg.layout
-    sources = rank_plans.expert_sources(old, new, new_cfg.model.moe.n_experts)
-    try:
-        refs, sizes = group.state_calls().export_experts(new_cfg.model.moe.n_experts)
-    except FAILURES as e:
-        raise SwitchFailed(group, e) from e
-    everyone = range(new.world_size)
-    try:
-        nxt = group.successor(new_cfg, group.pgs, list(group.workers))
-        states = {r: ExpertsSource(tuple(refs[o][j] for j, o in sorted(sources[r].items()))) for r in everyone}
-        nxt = nxt.join(reshape=everyone, states=states)
-        nxt.commit_reshape(everyone)
-    except FAILURES as e:
-        raise SwitchFailed(_reverted(group), e) from e
-    return nxt, sum(sizes[o][j] for need in sources.values() for j, o in need.items())
-
-
-def _reverted(group):
-    """The old layout again after a failed EP switch: every worker takes back its old shard and rejoins."""
-    try:
-        group.revert(range(group.layout.world_size))
-    except FAILURES:
-        return group  # the next step fails and recovers
-    return _rejoined(group)
-
-
 def new_stages(cfg) -> list:
     """The Stage of each pipeline stage of `cfg`'s layout ([None] at pp == 1: the whole model)."""
     p = cfg.parallel
@@ -333,7 +301,7 @@ def _restarted_from(group, refs, replicated):
         return fresh
 
 
-def _rejoined(group, rows=None):
+def rejoined(group, rows=None):
     """The old layout's workers, wired again (the shards they hold are untouched; under zero 1 each takes
     back its AdamW rows from the bundles it cut, `rows`: Group.export_rows')."""
     try:
