@@ -1,19 +1,20 @@
-"""moe: an MoE layer's forward and backward, raytp's against torchtitan's (the same weights), and raytp's
-expert parallelism's all-to-all.
+"""moe: an MoE layer's forward and backward, raytp's against torchtitan's (the same weights), at EP=1 and EP=2.
 
-- EP=1, one process: raytp's MoE layer (raytp.models.moe.layer: float32 router, experts one after another,
-  in fp32 and under bf16 autocast) against torchtitan 0.3.0's ``MoE`` (softmax router with route_norm,
-  ``GroupedExperts`` in bf16 through ``torch._grouped_mm``, its local token dispatcher), given the same
-  router and expert weights. They take turns; medians of forward + backward of ``(y * g).sum()``, their
-  ratio, and how far the outputs are apart (bf16 rounding: both compute the experts in bf16).
-- EP=2, two gloo ranks: raytp's layer with its experts split over the two (each rank its own tokens); step
-  time against EP=1's on the same tokens, and the rows its all-to-all moves each way per forward against the
-  formula (tokens x k rows of n_embd each way: dispatch and combine), of which those that cross ranks.
+- EP=1, one process: raytp's MoE layer (raytp.models.moe.layer: float32 router, its experts grouped through
+  ``torch._grouped_mm``, raytp.models.moe.grouped; in fp32 and under bf16 autocast) against torchtitan
+  0.3.0's ``MoE`` (softmax router with route_norm, ``GroupedExperts`` in bf16 through ``torch._grouped_mm``,
+  its local token dispatcher), given the same router and expert weights. They take turns; medians of
+  forward + backward of ``(y * g).sum()``, their ratio, and how far the outputs are apart.
+- EP=2, two gloo ranks: raytp's layer with its experts split over the two (each rank its own tokens) against
+  torchtitan's with its ``AllToAllTokenDispatcher`` wired to a CPU DeviceMesh of the two ranks (plain
+  functional collectives) and each rank's half of the same experts; step times (the slower rank's), the
+  outputs apart, raytp against EP=1 on the same tokens, and the rows its all-to-all moves each way per
+  forward against the formula (tokens x k rows of n_embd each way: dispatch and combine), of which those
+  that cross ranks.
 
 torchtitan is imported from the ``torchtitan`` package when installed (``pip install --no-deps
 torchtitan==0.3.0 spmd_types==0.2.3 einops tyro docstring_parser triton``: its other requirements are its
-trainer's); without it the EP=1 peer is reported missing and raytp's figures stand alone. Its EP needs its
-DeviceMesh wiring and is not compared.
+trainer's); without it the peer is reported missing and raytp's figures stand alone.
 """
 from __future__ import annotations
 
@@ -43,21 +44,29 @@ def _ours(s: dict, seed: int = 0) -> MoE:
     return m.train()
 
 
-def _theirs(ours: MoE, s: dict):
-    """torchtitan's MoE with `ours`'s weights (None where torchtitan is not installed)."""
+def _theirs(ours: MoE, s: dict, ep_mesh=None, first: int = 0, local: int | None = None):
+    """torchtitan's MoE with `ours`'s weights (None where torchtitan is not installed); with `ep_mesh` (a
+    DeviceMesh of the EP ranks) its all-to-all dispatcher and this rank's `local` experts from `first`."""
     try:
+        from torchtitan.distributed import utils as tt_dist
         from torchtitan.models.common import moe as tt
         from torchtitan.models.common.linear import Linear
-        from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+        from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
     except ImportError:
         return None
     E, D, F = s["E"], s["D"], s["F"]
+    local = E if local is None else local
+    dispatcher = (AllToAllTokenDispatcher if ep_mesh is not None else LocalTokenDispatcher).Config(
+        num_experts=E, top_k=s["K"])
     m = tt.MoE.Config(num_experts=E, load_balance_coeff=None, routed_experts=tt.RoutedExperts.Config(
-        inner_experts=tt.GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E),
-        token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=s["K"])),
+        inner_experts=tt.GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=local),
+        token_dispatcher=dispatcher),
         router=tt.TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=D, out_features=E),
                                                top_k=s["K"], score_func="softmax", route_norm=True)).build()
-    experts = [ours.experts[str(j)] for j in range(E)]
+    if ep_mesh is not None:  # plain functional collectives over the mesh (not its spmd_types typing)
+        tt_dist._spmd_backend = "dtensor"
+        m.routed_experts.token_dispatcher.wire_meshes(ep_mesh=ep_mesh)
+    experts = [ours.experts[str(j)] for j in range(first, first + local)]
     with torch.no_grad():
         m.router.gate.weight.copy_(ours.gate.weight)
         inner = m.routed_experts.inner_experts
@@ -111,15 +120,36 @@ def _ep_rank(rank: int, world: int, init: str, s: dict) -> dict:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     groups = build_groups(Layout(1, dp=world, ep=world), rank)
     layer = _ours(s)  # every rank the same weights; the plan keeps this rank's experts
+    local = s["E"] // world
+    theirs, theirs_error = None, "not installed"
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        theirs = _theirs(layer, s, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)), rank * local, local)
+    except (ImportError, RuntimeError) as e:
+        theirs_error = f"{type(e).__name__}: {e}"
     parallelize(layer, "mlp", None, False, None, ExpertPlace.of(groups))
     gen = torch.Generator().manual_seed(1 + rank)  # each rank its own tokens
     x = torch.randn(1, s["tokens"] // world, s["D"], generator=gen)
     g = torch.randn(1, s["tokens"] // world, s["D"], generator=gen)
-    for _ in range(s["warmup"]):
-        _step(layer, x, g)
-    times = [timed(lambda: _step(layer, x, g))[0] for _ in range(s["timed"])]
-    sent = layer.dispatch.sent_rows
-    return {"ms": 1e3 * statistics.median(times), "crossing_rows": sent}
+    impls = {"raytp": lambda: _step(layer, x, g), "raytp_bf16": lambda: _step(layer, x, g, bf16=True)}
+    if theirs is not None:
+        impls["torchtitan"] = lambda: _step(theirs, x, g)
+    out = {name: fn() for name, fn in impls.items()}
+    for _ in range(s["warmup"] - 1):
+        for fn in impls.values():
+            fn()
+    times = {name: [] for name in impls}
+    for i in range(s["timed"]):  # the same order on both ranks (they meet in the all-to-alls)
+        for name in (list(impls) if i % 2 == 0 else list(reversed(impls))):
+            times[name].append(timed(impls[name])[0])
+    fig = {f"{name}_ms": 1e3 * statistics.median(t) for name, t in times.items()}
+    fig["crossing_rows"] = layer.dispatch.sent_rows
+    if theirs is not None:
+        scale = float(out["raytp"].abs().max())
+        fig["out_diff_bf16_vs_torchtitan"] = float((out["raytp_bf16"] - out["torchtitan"]).abs().max()) / scale
+    else:
+        fig["torchtitan"] = theirs_error
+    return fig
 
 
 def run(quick: bool = False) -> dict:
@@ -127,7 +157,13 @@ def run(quick: bool = False) -> dict:
     fig = {"peer": PEER, "size": {k: v for k, v in s.items() if k not in ("warmup", "timed")}, "ep1": _ep1(s)}
     ranks = spawn(2, _ep_rank, s)
     rows = s["tokens"] * s["K"]  # every choice is one row each way, wherever its expert is
-    fig["ep2"] = {"ms": max(r["ms"] for r in ranks), "vs_ep1": max(r["ms"] for r in ranks) / fig["ep1"]["raytp_ms"],
+    slowest = {k: max(r[k] for r in ranks) for k in ranks[0] if k.endswith("_ms")}
+    fig["ep2"] = {**slowest, "vs_ep1": slowest["raytp_ms"] / fig["ep1"]["raytp_ms"],
                   "rows_each_way": rows, "bytes_each_way_fp32": rows * s["D"] * 4,
                   "crossing_rows": sum(r["crossing_rows"] for r in ranks)}
+    if "torchtitan_ms" in slowest:
+        fig["ep2"]["bf16_vs_torchtitan"] = slowest["raytp_bf16_ms"] / slowest["torchtitan_ms"]
+        fig["ep2"]["out_diff_bf16_vs_torchtitan"] = max(r["out_diff_bf16_vs_torchtitan"] for r in ranks)
+    else:
+        fig["ep2"]["torchtitan"] = ranks[0].get("torchtitan")
     return fig

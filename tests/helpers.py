@@ -303,3 +303,30 @@ def resume_run(cfg, location, run_dir, name):
         d.train_loop()
     finally:
         close(d)
+
+
+def lose_a_named_node(cluster, nodes, cfg, run_dir, name, which, reference, joins: bool = False):
+    """Run job `cfg` in `run_dir` on GPU `nodes` of a simulated `cluster` and, after step 6, remove the
+    `which`-th node its `survival` event names (every one of which it survives; with `joins`, a fresh 2-GPU
+    node joins for its ranks): the start line said so, the state ends bit for bit as `reference`'s (a
+    final_state), and the lost ranks came back from their replicas with no step lost."""
+    by_id = {n.node_id: n for n in nodes}
+    removed = []
+
+    def remove(run_name):
+        (ev,) = events(run_dir, "survival")
+        assert len(ev["nodes"]) >= 2 and all(ev["nodes"].values()), ev
+        node_id = list(ev["nodes"])[which % len(ev["nodes"])]
+        cluster.remove_node(by_id[node_id])
+        removed.append(node_id)
+        if joins:
+            cluster.add_node(num_cpus=2, num_gpus=2)
+
+    run(cfg, run_dir, name, faults=[(6, remove)])
+    assert "node loss: survives the loss of any 1 node without a checkpoint" in (
+        run_dir.parent / f"{name}.out").read_text()
+    assert_bitwise_equal(final_state(run_dir), reference)
+    fails = events(run_dir, "failure")
+    assert fails and {f["node"] for f in fails} == set(removed)
+    (rec,) = events(run_dir, "recovered")
+    assert rec["lost_steps"] == 0 and rec["source"] == "replica", rec

@@ -72,3 +72,33 @@ def assert_equal_within(got, want, tol: float = 1e-4) -> None:
     assert got[1].keys() == want[1].keys()
     for k, g in want[1].items():
         assert float((got[1][k] - g).abs().max()) < tol, k
+
+
+def perturbed_and_saved(model, d, seed: int = 3):
+    """Norms away from 1, q/k/v biases away from 0 and routers with preferences (so all are tested), then
+    `model` saved into `d`: (d, model)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("_proj.bias"):
+                p.add_(0.2 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(20)
+    model.save_pretrained(d)
+    return d, model
+
+
+def assert_same_greedy_generation(d, model):
+    """raytp's model loaded from directory `d` on one device generates what transformers' `model` does (12
+    greedy tokens after a 6-token prompt); returns raytp's config of `d`."""
+    from raytp.files import hf
+    from raytp.models.registry import build_model
+    cfg = hf.inspect(d)
+    ours = build_model(cfg, seed=0).eval()
+    hf.load_into(d, ours, 0, 1)
+    prompt = batch()[0][:1, :6]
+    want = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, 12, temperature=0.0), want)
+    return cfg

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from hf_compare import V, assert_equal_within, batch, ours_at_tp, theirs
+from hf_compare import V, assert_equal_within, assert_same_greedy_generation, ours_at_tp, theirs
 from raytp.files import hf
 from raytp.models.registry import build_model
 from raytp.parallel.spawn import run_ranks
@@ -41,12 +41,7 @@ def test_sharded_load_gives_transformers_logits_and_gradients(llama_dir, tp):
 
 def test_greedy_generation_is_identical(llama_dir):
     d, model = llama_dir
-    cfg = hf.inspect(d)
-    ours = build_model(cfg, seed=0).eval()
-    hf.load_into(d, ours, 0, 1)
-    prompt = batch()[0][:1, :6]
-    want = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert torch.equal(ours.generate(prompt, 12, temperature=0.0), want)
+    assert_same_greedy_generation(d, model)
 
 
 def test_unsupported_llama_configs_are_refused_by_name(tmp_path):

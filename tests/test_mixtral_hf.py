@@ -11,9 +11,8 @@ import json
 import pytest
 import torch
 
-from hf_compare import V, assert_equal_within, batch, ours_at_tp, theirs
+from hf_compare import V, assert_equal_within, assert_same_greedy_generation, ours_at_tp, theirs
 from raytp.files import hf
-from raytp.models.registry import build_model
 from raytp.parallel.spawn import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -51,11 +50,7 @@ def test_sharded_load_gives_transformers_logits_and_gradients(mixtral_dir):
 
 def test_greedy_generation_is_identical(mixtral_dir):
     d, model = mixtral_dir
-    ours = build_model(hf.inspect(d), seed=0).eval()
-    hf.load_into(d, ours, 0, 1)
-    prompt = batch()[0][:1, :6]
-    want = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert torch.equal(ours.generate(prompt, 12, temperature=0.0), want)
+    assert_same_greedy_generation(d, model)
 
 
 def test_router_noise_and_a_job_disagreeing_with_the_directory_are_refused_by_key(mixtral_dir, tmp_path):

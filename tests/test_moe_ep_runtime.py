@@ -1,11 +1,10 @@
 """Expert parallelism through the runtime (an MoE Llama, 4 experts, top 2): at TP=1 x DP=2 x EP=2 each
-worker holds two experts; a SIGKILLed worker (whose experts no other rank holds) is restored from its
-snapshot with nothing lost, bit for bit; each expert is written to the checkpoint once, by the rank
+worker holds two experts; each expert is written to the checkpoint once, by the rank
 holding it, and read back at any layout: a run at TP=2 x DP=2 x EP=2 with whole experts per TP rank (etp 1)
 resumes from it and goes on as the unbroken run did, and its own checkpoint resumes on one device; a live
 EP change both ways tracks the unresized run (other live resizes of an EP job are refused, and it goes on); at DP=4 x EP=2 a killed rank is healed from
 the rank holding the same experts (its expert-DP twin), bit for bit. Under the distributed optimizer at
-TP=2 x DP=2 x EP=2 (zero 1: each rank its rows of the dense AdamW state, its experts' whole) a SIGKILLed and
+TP=1 x DP=2 x EP=2 (zero 1: each rank its rows of the dense AdamW state, its experts' whole) a SIGKILLed and
 then a SIGSTOPped rank are restored from their snapshots bit for bit, and the run's checkpoint resumes at
 EP=4 and on one device."""
 import io
@@ -45,15 +44,6 @@ def test_each_expert_is_written_once_by_the_rank_holding_it(reference):
         entry = m["tensors"][f"model/layers.1.mlp.experts.{j}.up_proj.weight"]
         assert entry["dp"] == dp and entry["shape"] == [32, 64]
     assert sorted(m["files"]) == ["tp000-dp001.safetensors", "tp000.safetensors"]
-
-
-@pytest.mark.slow
-def test_sigkill_of_an_expert_rank_is_restored_from_its_snapshot_bit_for_bit(reference, tmp_path):
-    run(ep_job(1, 2, 2), tmp_path / "run", "epkill", faults=[(3, signal_rank(1, signal.SIGKILL))])
-    assert_bitwise_equal(final_state(tmp_path / "run", STEPS), final_state(reference, STEPS))
-    (fail,), (rec,) = events(tmp_path / "run", "failure"), events(tmp_path / "run", "recovered")
-    assert fail["rank"] == 1 and rec["source"] == "snapshot"
-    assert losses(tmp_path / "run") == losses(reference)
 
 
 @pytest.mark.slow
@@ -133,25 +123,27 @@ def test_a_killed_expert_rank_with_an_expert_dp_twin_is_healed_from_it_bit_for_b
 
 
 @pytest.mark.slow
-def test_zero1_at_ep2_heals_kills_and_hangs_bit_for_bit_and_its_checkpoint_moves(ray_local, tmp_path):
-    """TP=2 x DP=2 x EP=2 (experts split over TP, one per EP rank's pair), zero 1: no rank holds another's
-    AdamW rows, so rank 1 (SIGKILLed after step 2) and rank 2 (SIGSTOPped after step 5) come back from their
-    snapshots; the unbroken run's step-4 checkpoint (dense AdamW rows in blocks over DP, experts whole)
-    resumes at TP=1 x DP=4 x EP=4 and on one device."""
-    ref, run_dir = tmp_path / "ref", tmp_path / "run"
-    run(ep_job(2, 2, 2, zero=1), ref, "ep2z1ref")
-    run(ep_job(2, 2, 2, zero=1, step_timeout_s=4.0, ping_timeout_s=2.0), run_dir, "ep2z1faults",
-        faults=[(2, signal_rank(1, signal.SIGKILL)), (5, signal_rank(2, signal.SIGSTOP))])
+def test_zero1_at_ep2_heals_kills_and_hangs_bit_for_bit_and_its_checkpoint_moves(reference, tmp_path):
+    """TP=1 x DP=2 x EP=2 under zero 1: no rank holds another's AdamW rows or experts, so rank 1 (SIGKILLed
+    after step 2) and rank 0 (SIGSTOPped after step 5) come back from their snapshots, and the run ends as the
+    zero-0 run does, bit for bit (the distributed optimizer's sums are the replicated one's on gloo). Its
+    step-4 checkpoint (dense AdamW rows in blocks over DP, experts whole) resumes at TP=1 x DP=4 x EP=4 and on
+    one device, tracking it."""
+    run_dir = tmp_path / "run"
+    run(ep_job(1, 2, 2, zero=1, step_timeout_s=4.0, ping_timeout_s=2.0), run_dir, "ep2z1faults",
+        faults=[(2, signal_rank(1, signal.SIGKILL)), (5, signal_rank(0, signal.SIGSTOP))])
     fails, recs = events(run_dir, "failure"), events(run_dir, "recovered")
-    assert [(f["rank"], f["cause"]) for f in fails] == [(1, "died"), (2, "hung")], fails
+    assert [(f["rank"], f["cause"]) for f in fails] == [(1, "died"), (0, "hung")], fails
     assert [r["source"] for r in recs] == ["snapshot"] * 2, recs
-    assert_bitwise_equal(final_state(run_dir, STEPS), final_state(ref, STEPS))
-    assert losses(run_dir) == losses(ref)
-    m = json.loads((ref / "checkpoints" / checkpoint.step_dir(4) / "manifest.json").read_text())
+    assert_bitwise_equal(final_state(run_dir, STEPS), final_state(reference, STEPS))
+    assert losses(run_dir) == losses(reference)
+    m = json.loads((run_dir / "checkpoints" / checkpoint.step_dir(4) / "manifest.json").read_text())
     blocks = {k: e["blocks"] for k, e in m["tensors"].items() if "blocks" in e}  # dense AdamW rows over DP
     assert {d for b in blocks.values() for d, _, _ in b} == {0, 1} and not any(".experts." in k for k in blocks)
-    theirs = np.array(losses(ref))
+    theirs = np.array(losses(reference))
     for name, (tp, dp, ep) in {"ep4": (1, 4, 4), "one": (1, 1, 1)}.items():
-        resume_run(ep_job(tp, dp, ep), ref / "checkpoints" / checkpoint.step_dir(4), tmp_path / name, name)
+        resume_run(ep_job(tp, dp, ep), run_dir / "checkpoints" / checkpoint.step_dir(4), tmp_path / name, name)
         ours = np.array(losses(tmp_path / name))
         assert len(ours) == STEPS - 4 and (np.abs(ours - theirs[4:]) / theirs[4:]).max() < 1e-4, name
+
+

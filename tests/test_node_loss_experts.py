@@ -7,7 +7,7 @@ turn (a fresh node joins for its ranks) and the job heals from the expert-DP twi
 lost."""
 
 import pytest
-from helpers import assert_bitwise_equal, events, final_state, gpu_cluster, gpu_nodes, recovery_job, run
+from helpers import final_state, gpu_cluster, gpu_nodes, lose_a_named_node, recovery_job, run
 
 pytestmark = pytest.mark.slow  # a simulated cluster of two nodes (and one joining), and three jobs
 
@@ -37,22 +37,5 @@ def reference(cluster, tmp_path_factory):
 
 @pytest.mark.parametrize("which", [0, 1])
 def test_each_node_of_an_expert_parallel_job_is_lost_without_losing_anything(cluster, reference, which, tmp_path):
-    by_id = {n.node_id: n for n in gpu_nodes(cluster, 2)}
-    run_dir = tmp_path / "run"
-
-    def remove_a_node(run_name):
-        (ev,) = events(run_dir, "survival")
-        assert all(ev["nodes"].values()), ev
-        node_id = list(ev["nodes"])[which % len(ev["nodes"])]
-        cluster.remove_node(by_id[node_id])
-        remove_a_node.node_id = node_id
-        cluster.add_node(num_cpus=2, num_gpus=2)  # room for its two ranks
-
-    run(ep_job(), run_dir, f"epnloss{which}", faults=[(6, remove_a_node)])
-    assert "node loss: survives the loss of any 1 node without a checkpoint" in (
-        tmp_path / f"epnloss{which}.out").read_text()
-    assert_bitwise_equal(final_state(run_dir), reference)
-    fails = events(run_dir, "failure")
-    assert fails and {f["node"] for f in fails} == {remove_a_node.node_id}
-    (rec,) = events(run_dir, "recovered")
-    assert rec["lost_steps"] == 0 and rec["source"] == "replica", rec
+    lose_a_named_node(cluster, gpu_nodes(cluster, 2), ep_job(), tmp_path / "run", f"epnloss{which}", which,
+                      reference, joins=True)

@@ -3,7 +3,7 @@ holds both copies of a stage survives the loss of any one node (test_node_loss.p
 the two files run beside each other)."""
 
 import pytest
-from helpers import assert_bitwise_equal, events, final_state, gpu_cluster, gpu_nodes, recovery_job, run
+from helpers import final_state, gpu_cluster, gpu_nodes, lose_a_named_node, recovery_job, run
 
 pytestmark = pytest.mark.slow  # a simulated cluster of three nodes, and four jobs
 
@@ -35,25 +35,9 @@ def test_each_node_of_a_pipeline_job_whose_loss_the_start_line_says_it_survives_
     no node holds both copies of a stage, which the start line and the `survival` event say; each node in
     turn (the `which`-th the event names) is removed, and its ranks come back on the capacity left,
     restored bit for bit from the other copies."""
-    by_id = {n.node_id: n for n in gpu_nodes(cluster, 3)}
-    run_dir = tmp_path / "run"
-
-    def remove_a_node(run_name):
-        (ev,) = events(run_dir, "survival")
-        # Survives any one node's loss: on three nodes, or on two where each holds one copy of each stage
-        # (both placements happen, by the order the groups land in).
-        assert len(ev["nodes"]) >= 2 and all(ev["nodes"].values()), ev
-        node_id = list(ev["nodes"])[which % len(ev["nodes"])]
-        cluster.remove_node(by_id[node_id])
-        remove_a_node.node_id = node_id
-
-    run(pp_job(), run_dir, f"ppnloss{which}", faults=[(6, remove_a_node)])
-    assert "node loss: survives the loss of any 1 node without a checkpoint" in (
-        tmp_path / f"ppnloss{which}.out").read_text()
-    assert_bitwise_equal(final_state(run_dir), pp2_dp2_reference)
-    fails = events(run_dir, "failure")
-    assert fails and {f["node"] for f in fails} == {remove_a_node.node_id}
-    (rec,) = events(run_dir, "recovered")
-    assert rec["lost_steps"] == 0 and rec["source"] == "replica", rec
+    # Survives any one node's loss: on three nodes, or on two where each holds one copy of each stage (both
+    # placements happen, by the order the groups land in).
+    lose_a_named_node(cluster, gpu_nodes(cluster, 3), pp_job(), tmp_path / "run", f"ppnloss{which}", which,
+                      pp2_dp2_reference)
 
 

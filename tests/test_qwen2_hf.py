@@ -9,27 +9,13 @@ import json
 import pytest
 import torch
 
-from hf_compare import V, assert_equal_within, batch, ours_at_tp, theirs
+from hf_compare import (V, assert_equal_within, assert_same_greedy_generation, ours_at_tp,
+                        perturbed_and_saved, theirs)
 from raytp.files import hf
-from raytp.models.registry import build_model
 from raytp.parallel.spawn import run_ranks
 
 transformers = pytest.importorskip("transformers")
 E, FFN = 4, 16
-
-
-def _save(model, d):
-    torch.manual_seed(3)
-    with torch.no_grad():  # norms away from 1, biases away from 0 and a router with preferences
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-            if name.endswith("_proj.bias"):
-                p.add_(0.2 * torch.randn_like(p))
-            if name.endswith("mlp.gate.weight"):
-                p.mul_(20)
-    model.save_pretrained(d)
-    return d, model
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +26,7 @@ def qwen2_moe_dir(tmp_path_factory):
                                       norm_topk_prob=False, mlp_only_layers=[0], max_position_embeddings=64,
                                       rope_theta=500.0, tie_word_embeddings=False)
     torch.manual_seed(9)
-    return _save(transformers.Qwen2MoeForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen2moe"))
+    return perturbed_and_saved(transformers.Qwen2MoeForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen2moe"))
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +35,7 @@ def qwen2_dir(tmp_path_factory):
                                    num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
                                    rope_theta=500.0, tie_word_embeddings=False)
     torch.manual_seed(9)
-    return _save(transformers.Qwen2ForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen2"))
+    return perturbed_and_saved(transformers.Qwen2ForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen2"))
 
 
 @pytest.mark.parametrize("which, tp", [("moe", 2), ("dense", 2), pytest.param("dense", 4, marks=pytest.mark.slow)])
@@ -70,12 +56,7 @@ def test_sharded_load_gives_transformers_logits_and_gradients(qwen2_moe_dir, qwe
 
 def test_greedy_generation_is_identical_and_the_config_round_trips(qwen2_moe_dir):
     d, model = qwen2_moe_dir
-    cfg = hf.inspect(d)
-    ours = build_model(cfg, seed=0).eval()
-    hf.load_into(d, ours, 0, 1)
-    prompt = batch()[0][:1, :6]
-    want = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert torch.equal(ours.generate(prompt, 12, temperature=0.0), want)
+    cfg = assert_same_greedy_generation(d, model)
     written = hf.config_json(cfg, torch.float32, {})
     assert written["model_type"] == "qwen2_moe" and written["mlp_only_layers"] == [0] and written["qkv_bias"]
     assert hf.config_of(json.loads(json.dumps(written))) == cfg

@@ -8,25 +8,13 @@ import json
 import pytest
 import torch
 
-from hf_compare import V, assert_equal_within, batch, ours_at_tp, theirs
+from hf_compare import (V, assert_equal_within, assert_same_greedy_generation, ours_at_tp,
+                        perturbed_and_saved, theirs)
 from raytp.files import hf
-from raytp.models.registry import build_model
 from raytp.parallel.spawn import run_ranks
 
 transformers = pytest.importorskip("transformers")
 E, FFN = 4, 16
-
-
-def _save(model, d):
-    torch.manual_seed(3)
-    with torch.no_grad():  # norms away from 1 and a router with preferences, so all are tested
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-            if name.endswith("mlp.gate.weight"):
-                p.mul_(20)
-    model.save_pretrained(d)
-    return d, model
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +25,7 @@ def qwen3_moe_dir(tmp_path_factory):
                                       norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=64,
                                       rope_theta=500.0, tie_word_embeddings=False)
     torch.manual_seed(9)
-    return _save(transformers.Qwen3MoeForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen3moe"))
+    return perturbed_and_saved(transformers.Qwen3MoeForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen3moe"))
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +34,7 @@ def qwen3_dir(tmp_path_factory):
                                    num_key_value_heads=2, head_dim=16, intermediate_size=48,
                                    max_position_embeddings=64, rope_theta=500.0, tie_word_embeddings=False)
     torch.manual_seed(9)
-    return _save(transformers.Qwen3ForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen3"))
+    return perturbed_and_saved(transformers.Qwen3ForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.mark.parametrize("which, tp", [("moe", 2), ("dense", 2), pytest.param("dense", 4, marks=pytest.mark.slow)])
@@ -64,12 +52,7 @@ def test_sharded_load_gives_transformers_logits_and_gradients(qwen3_moe_dir, qwe
 
 def test_greedy_generation_is_identical_and_the_config_round_trips(qwen3_moe_dir, tmp_path):
     d, model = qwen3_moe_dir
-    cfg = hf.inspect(d)
-    ours = build_model(cfg, seed=0).eval()
-    hf.load_into(d, ours, 0, 1)
-    prompt = batch()[0][:1, :6]
-    want = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert torch.equal(ours.generate(prompt, 12, temperature=0.0), want)
+    cfg = assert_same_greedy_generation(d, model)
     written = hf.config_json(cfg, torch.float32, {})
     assert written["model_type"] == "qwen3_moe" and written["mlp_only_layers"] == [0]
     assert hf.config_of(json.loads(json.dumps(written))) == cfg

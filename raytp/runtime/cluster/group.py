@@ -80,8 +80,10 @@ class WorkerGroup:
             raise
 
     def first_where(self) -> dict:
-        """Rank 0's identity.where (its node, its GPU's memory), once its process is up."""
-        return ray.get(self.workers[0].where.remote(), timeout=self.cfg.runtime.placement_timeout_s)
+        """Rank 0's identity.where (its node, its GPU's memory), once its process is up (as long as a join
+        would wait for it)."""
+        rt = self.cfg.runtime
+        return ray.get(self.workers[0].where.remote(), timeout=rt.placement_timeout_s + rt.collective_timeout_s)
 
     @classmethod
     def reserve(cls, cfg, run: str, dp_ranks: list[int], avoid_nodes=frozenset()) -> dict:
