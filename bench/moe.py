@@ -1,7 +1,7 @@
 """moe: an MoE layer's forward and backward, raytp's against torchtitan's (the same weights), at EP=1 and EP=2.
 
-- EP=1, one process: raytp's MoE layer (raytp.models.moe.layer: float32 router, its experts grouped through
-  ``torch._grouped_mm``, raytp.models.moe.grouped; in fp32 and under bf16 autocast) against torchtitan
+- EP=1, one process: raytp's MoE layer (raytp.models.moe.layer: float32 router, its experts one at a time on
+  CPU, raytp.models.moe.grouped; in fp32 and under bf16 autocast) against torchtitan
   0.3.0's ``MoE`` (softmax router with route_norm, ``GroupedExperts`` in bf16 through ``torch._grouped_mm``,
   its local token dispatcher), given the same router and expert weights. They take turns; medians of
   forward + backward of ``(y * g).sum()``, their ratio, and how far the outputs are apart.
