@@ -61,6 +61,7 @@ def hf_cfg(path):
     return config_from_hf(json.loads((path / "config.json").read_text()))
 
 
+@pytest.mark.slow  # over 10 s: the full suite's, not the quick tier's
 def test_gpt2_directory_imported_at_tp2_gives_transformers_logits(ray_local, tmp_path):
     hf_config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=32, vocab_size=256,
                                         bos_token_id=255, eos_token_id=255,

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parents[1] / "raytp"
 
 # Who may import whom: a module of a layer imports raytp modules of its own layer or of those listed.
@@ -94,6 +96,7 @@ def test_each_layer_imports_only_those_below_it():
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow  # over 10 s: the full suite's, not the quick tier's
 def test_every_module_imports_on_its_own():
     script = (
         "import importlib, sys\n"

@@ -87,6 +87,7 @@ def test_a_foreign_or_different_output_directory_is_refused():
 
 
 # -- prepared over Ray -----------------------------------------------------------------------------------
+@pytest.mark.slow  # over 10 s: the full suite's, not the quick tier's
 def test_prepared_shards_read_back_as_each_documents_ids_then_eod(ray_local, corpus, tmp_path):
     data, docs, tok_file, tok = corpus
     sources = [str(data / "a.jsonl"), str(data / "b.jsonl.gz"), str(data / "c.parquet")]

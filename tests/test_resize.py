@@ -37,6 +37,7 @@ def test_invalid_requests_are_refused_and_the_job_is_untouched(ray_local, tmp_pa
         d.log.close()
 
 
+@pytest.mark.slow  # over 10 s: the full suite's, not the quick tier's
 def test_a_tp_resize_that_fails_midway_rolls_back(ray_local, tmp_path):
     """A rank the resize started dies in its setup: the job goes back to TP=2 with the same model."""
     DiesInResizeSetup.marker = str(tmp_path / "died-once")

@@ -35,6 +35,7 @@ def big_objects(obj, found, seen=None):
     return found
 
 
+@pytest.mark.slow  # over 10 s: the full suite's, not the quick tier's
 def test_tp_2_4_1_moves_state_worker_to_worker_and_the_driver_never_fetches_a_shard(ray_local, tmp_path, monkeypatch):
     d = Driver(job(2, 1, steps=12), tmp_path / "run", "p2p", out=io.StringIO())
     try:

@@ -28,6 +28,7 @@ def test_a_rank_is_named_once_after_staying_slowest_and_again_only_after_a_chang
     assert all(t.observe(step, slow2) is None for step in range(STEPS - 1)) and t.observe(9, slow2)["rank"] == 2
 
 
+@pytest.mark.slow  # over 10 s: the full suite's, not the quick tier's
 def test_a_worker_slowed_on_purpose_is_named_the_straggler(ray_local, tmp_path):
     run_dir = tmp_path / "run"
     run(job(1, 2, steps=STEPS + 3), run_dir, "slow", worker_cls=SlowData)

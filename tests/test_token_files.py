@@ -54,6 +54,7 @@ def test_a_uint32_bin_with_data_dtype_and_a_mismatched_index_refused(tmp_path):
         load_corpus(str(tmp_path / "odd.bin"), 0.1, dtype="uint32")
 
 
+@pytest.mark.slow  # over 10 s: the full suite's, not the quick tier's
 def test_a_megatron_dataset_past_uint16_trains_and_a_smaller_vocabulary_is_refused(ray_local, tmp_path):
     write_indexed(tmp_path / "corpus", documents(n=200, seed=3), np.int32)
     cfg = job(1, 1, steps=3, model={"vocab_size": VOCAB})
