@@ -133,3 +133,9 @@ def test_submit_resume_is_passed_to_train_on_the_cluster(tmp_path):
     assert latest.entrypoint.endswith("--run-dir /shared/runs/a --resume")
     p = raytp("submit", "--help")
     assert "--resume" in p.stdout
+
+
+def test_scale_without_degrees_names_each_one_and_starts_nothing():
+    p = raytp("scale", "somerun")
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.strip() == "error: give --workers N, or any of --tp N, --pp N, --dp N, or --ep N", p.stderr

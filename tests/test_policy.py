@@ -196,5 +196,17 @@ def test_a_live_resize_of_an_ep_job_may_change_the_ep_degree_only():
     assert "zero: 1" in policy.expert_resize_problem(z, z.changed(ep=1))
 
 
+def test_a_scale_request_is_typed_and_names_its_target_layout():
+    """What `raytp scale` files with the control actor (raytp.runtime.driver.run_status.parse): the degrees
+    it names change, the others stay; --ep alone moves an MoE job's experts."""
+    from raytp.runtime.driver import run_status
+    ep2 = Layout(1, dp=4, ep=2)
+    asked = run_status.parse({"kind": "scale", "id": 7, "ep": 4})
+    assert isinstance(asked, run_status.ScaleAsked) and asked.id == 7
+    assert asked.target(ep2) == Layout(1, dp=4, ep=4)
+    assert run_status.parse({"kind": "scale", "id": 8, "dp": 2, "tp": None}).target(ep2) == Layout(1, dp=2, ep=2)
+    with pytest.raises(ValueError):  # no layout has it: refused by the driver, by name
+        run_status.parse({"kind": "scale", "id": 9, "ep": 3}).target(ep2)
+
 def changes_of(old, new):
     return changes.plan_change(old, new)
