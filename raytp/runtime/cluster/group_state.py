@@ -80,22 +80,22 @@ class StateCalls:
     def export_experts(self, n_experts: int) -> tuple[list, list]:
         """Every rank cuts one bundle per global expert of what it holds of it (raytp.runtime.worker.expert_moves),
         kept in the object store, owned here and never fetched: (refs[rank][expert], bytes[rank][expert])."""
-        refs, sizes = [], []
-        for w in self.workers:
-            out = w.export_experts.options(num_returns=n_experts + 1).remote(n_experts)
-            refs.append(list(out[:n_experts]))
-            sizes.append(out[n_experts])
-        return refs, self.fetch(sizes)
+        return self._bundles("export_experts", n_experts)
 
     def export_rows(self, new_dp: int) -> tuple[list, list]:
         """A DP resize under zero 1: every rank cuts the AdamW rows it keeps into one bundle per DP rank of
         `new_dp` (raytp.runtime.worker.worker_state export_rows), kept in the object store, owned here and
         never fetched: (refs[rank][new DP rank], bytes[rank][new DP rank])."""
+        return self._bundles("export_rows", new_dp)
+
+    def _bundles(self, method: str, n: int) -> tuple[list, list]:
+        """Every worker's `method`(n), called with n + 1 return objects (n bundles, then their sizes): the
+        bundles' refs, kept in the object store and never fetched, and their sizes, fetched."""
         refs, sizes = [], []
         for w in self.workers:
-            out = w.export_rows.options(num_returns=new_dp + 1).remote(new_dp)
-            refs.append(list(out[:new_dp]))
-            sizes.append(out[new_dp])
+            out = getattr(w, method).options(num_returns=n + 1).remote(n)
+            refs.append(list(out[:n]))
+            sizes.append(out[n])
         return refs, self.fetch(sizes)
 
     def recut_parts(self, refs: Mapping[int, list], old_dp: int, step: int) -> None:

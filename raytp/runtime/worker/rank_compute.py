@@ -20,7 +20,7 @@ from raytp.train.efficiency import peak_memory
 from raytp.train.expert_load import expert_figures
 from raytp.train.hyper import compute_precision
 from raytp.train.stage_runner import pipeline_forward
-from raytp.train.step import train_step
+from raytp.train.step import eval_loss, train_step
 
 
 def micro_batches(cfg, corpus, groups, device: torch.device, split: str, step: int) -> list:
@@ -74,3 +74,12 @@ def logits(model, idx: torch.Tensor, device: torch.device, groups, pipeline, hyp
     if local is None:
         return None
     return comm.gather_last(local, groups.tp)[..., :vocab_size].cpu()
+
+
+def validation_loss(cfg, shard, groups, pipeline, step: int, batches_of) -> float:
+    """The mean validation loss at `step` over cfg.train.eval_steps batches of this rank's (`batches_of(split,
+    step)`), averaged over DP."""
+    batches = []
+    for i in range(cfg.train.eval_steps):
+        batches += batches_of("val", step * cfg.train.eval_steps + i)
+    return eval_loss(shard.model, batches, groups, shard.hyper, pipeline)

@@ -13,10 +13,8 @@ it: Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, which is then cuda:0.
 from __future__ import annotations
 
 import gc
-import importlib
 import time
 
-import torch
 
 from raytp.config import from_dict
 from raytp.config.adapters import model_args
@@ -30,13 +28,11 @@ from raytp.runtime.worker.streamed_calls import StreamedCalls
 from raytp.runtime.errors import WorkerAborted
 from raytp.runtime.worker.held_shard import HeldShard
 from raytp.runtime.worker.profiling import ProfilePlan, StepProfiler
-from raytp.runtime.worker.process import tune_malloc
+from raytp.runtime.worker import process
 from raytp.files.storage import Storage, answer_probe
-from raytp.train.efficiency import peak_tflops
 from raytp.train.shard_state import live_state
 from raytp.data.corpus import document_eod, job_corpus, vocabulary_fits
 from raytp.train.stage_runner import PipelineSchedule
-from raytp.train.step import eval_loss
 
 
 KEPT_RECORDS = 256  # steps whose records a rank keeps, at least: two streamed calls' (the one read, the one behind)
@@ -44,15 +40,9 @@ KEPT_RECORDS = 256  # steps whose records a rank keeps, at least: two streamed c
 
 class Worker:
     def __init__(self, job: dict, rank: int):
-        tune_malloc()
         self.cfg = from_dict(job)
         self.rank = rank
-        threads = self.cfg.runtime.threads_per_worker
-        if threads:
-            torch.set_num_threads(threads)
-        self.device = torch.device("cuda", 0) if self.cfg.runtime.device == "cuda" else torch.device("cpu")
-        self.peak_tflops = peak_tflops(torch.cuda.get_device_name(0) if self.device.type == "cuda" else None,
-                                       self.cfg.runtime.peak_tflops)
+        self.device, self.peak_tflops = process.prepare(self.cfg)
         self.groups = None  # raytp.parallel.groups.ProcessGroups, once it joined
         self.shard: HeldShard | None = None  # its weights and AdamW state
         self.pipeline = None  # raytp.train.stage_runner.PipelineSchedule of this rank's stage, at pp > 1
@@ -61,9 +51,6 @@ class Worker:
         self.steps = StreamedCalls(self.device)  # its streamed calls: their order, the snapshot buffers
         self.profiler = StepProfiler()  # traces of the steps a ProfilePlan names
         self.previous = None  # (job, rank, shard, layout) a reshape replaced, until committed or reverted
-        # What building the first optimizer imports (~1 s), paid here: a spare, or a rank started ahead
-        # of a resize, has it behind it when it is needed.
-        importlib.import_module("torch._dynamo")
         self.corpus = job_corpus(self.cfg.data)
         self.document_eod = document_eod(self.cfg.data, self.corpus)
         vocabulary_fits(self.corpus, self.cfg.data, self.cfg.model.vocab_size)
@@ -303,12 +290,9 @@ class Worker:
 
     # -- besides training --------------------------------------------------------------------
     def evaluate(self, step: int) -> float:
-        cfg = self.cfg
-        batches = []
-        for i in range(cfg.train.eval_steps):
-            batches += self._micro_batches("val", step * cfg.train.eval_steps + i)
         try:
-            return eval_loss(self.shard.model, batches, self.groups, self.shard.hyper, self.pipeline)
+            return rank_compute.validation_loss(self.cfg, self.shard, self.groups, self.pipeline, step,
+                                                self._micro_batches)
         except Exception as e:  # noqa: BLE001 - as in run_steps: leave, so that peers get out too
             failure = f"rank {self.rank} left evaluation: {type(e).__name__}: {e}"
         self.leave_groups()
