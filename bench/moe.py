@@ -11,6 +11,7 @@
   outputs apart, raytp against EP=1 on the same tokens, and the rows its all-to-all moves each way per
   forward against the formula (tokens x k rows of n_embd each way: dispatch and combine), of which those
   that cross ranks.
+- memory: what an MoE Llama's rank holds, measured, against the job's memory estimate (bench.moe_memory).
 
 torchtitan is imported from the ``torchtitan`` package when installed (``pip install --no-deps
 torchtitan==0.3.0 spmd_types==0.2.3 einops tyro docstring_parser triton``: its other requirements are its
@@ -24,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from bench import moe_memory
 from bench.common import spawn, timed
 from raytp.models.moe.args import MoeArgs
 from raytp.models.moe.layer import MoE
@@ -166,4 +168,5 @@ def run(quick: bool = False) -> dict:
         fig["ep2"]["out_diff_bf16_vs_torchtitan"] = max(r["out_diff_bf16_vs_torchtitan"] for r in ranks)
     else:
         fig["ep2"]["torchtitan"] = ranks[0].get("torchtitan")
+    fig["memory"] = moe_memory.run(quick)
     return fig

@@ -82,7 +82,8 @@ def test_checkpoint_io_quick(tmp_path):
 def test_moe_quick_run_measures_both_layouts_and_the_rows_its_all_to_all_moves(tmp_path):
     """bench/moe at its tiny size: raytp's layer timed at EP=1 and EP=2 (fp32 and bf16); its all-to-all moves
     tokens x k rows each way, about half of them to the other rank (torchtitan compared where installed, at
-    both: outputs equal to bf16 rounding)."""
+    both: outputs equal to bf16 rounding). What its ranks hold (weights, gradients with their reductions'
+    buffers, AdamW) is the memory estimate's figure, within 10%, at each layout."""
     out = tmp_path / "results.json"
     proc = run_bench("moe", "--quick", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -96,3 +97,6 @@ def test_moe_quick_run_measures_both_layouts_and_the_rows_its_all_to_all_moves(t
         assert fig["ep2"]["out_diff_bf16_vs_torchtitan"] < 1e-3
     else:
         assert fig["ep2"]["torchtitan"] == "not installed"
+    memory = {k: v for k, v in fig["memory"].items() if isinstance(v, dict) and "state_over_estimate" in v}
+    assert len(memory) == 3 and fig["memory"]["within_goal"], fig["memory"]
+    assert all(0.9 <= v["state_over_estimate"] <= 1.1 and v["rss_growth_bytes"] > 0 for v in memory.values())

@@ -80,7 +80,9 @@ def with_parallel(cfg, **kw):
 def test_zero1_keeps_one_dp_share_of_the_adamw_state_and_a_refusal_says_when_it_fits():
     cfg = with_parallel(small(1), dp=4, min_dp=None)
     z0, z1 = estimate(cfg), estimate(with_parallel(cfg, zero=1))
-    assert (z1.weights, z1.grads) == (z0.weights, z0.grads)
+    # zero 0 holds each gradient and its bucket buffer while they are summed; zero 1 drops a gradient once it is
+    # in its buffer, which it keeps to the weight gather (bench/moe_memory measures both)
+    assert (z1.weights, z1.grads, z0.grads) == (z0.weights, z0.weights, 2 * z0.weights)
     assert abs(z1.optimizer - z0.optimizer / 4) <= 1  # 8 + 8/dp bytes a parameter instead of 16
     assert estimate(with_parallel(cfg, dp=1, zero=1)).optimizer == estimate(with_parallel(cfg, dp=1)).optimizer
     between = (z0.on_host + z1.on_host) // 2  # a node for one worker that only zero 1 fits

@@ -53,7 +53,7 @@ def gathered(model, groups, lay: Layout) -> dict:
     return out
 
 
-def train_runs(rank, world, init, runs):
+def train_runs(rank, world, init, runs, overlap=False):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     out = []
     for which, tp, pp, dp, ep, etp, sp, zero in runs:
@@ -63,7 +63,7 @@ def train_runs(rank, world, init, runs):
         stage = stage_of(cfg, pp, groups.pp_rank) if pp > 1 else None
         model = build_shard(cfg, SEED, groups.tp, sp, stage=stage, experts=ExpertPlace.of(groups))
         held = sorted({n.split(".")[4] for n in dict(model.named_parameters()) if is_expert_weight(n)}, key=int)
-        opt = make_optimizer(model, HYPER, dp, groups.dp_rank, zero=zero,
+        opt = make_optimizer(model, HYPER, dp, groups.dp_rank, zero=zero, overlap=overlap,
                              apart=is_expert_weight if lay.experts_split else None)
         names = [n for n, _ in model.named_parameters()]
         assert opt.names[:opt.n_bucketed] == bucketed(names, lay)  # what checkpoints' zero tables are cut over
@@ -76,7 +76,8 @@ def train_runs(rank, world, init, runs):
             losses.append(train_step(model, opt, mbs, groups, step, HYPER, schedule=pipe).loss)
         kept = ({n: p.shape[0] for n, p in model.named_parameters()},  # rows held, rows of AdamW state kept
                 {n: st["exp_avg"].shape[0] for n, st in opt.named_state().items()})
-        out.append((losses, gathered(model, groups, lay), held, kept))
+        early = opt.apart.early if opt.apart is not None else 0  # expert buckets launched from the backward
+        out.append((losses, gathered(model, groups, lay), held, kept if not overlap else (kept, early)))
     return out
 
 
@@ -125,3 +126,18 @@ def test_experts_over_ranks_train_like_one_device(world, references):
 
 
 
+
+
+def test_expert_gradients_reduced_during_the_backward_pass_take_the_same_steps():
+    """TP=2 with whole experts on each TP rank (etp 1: an expert-DP group of 2): with overlap each expert bucket
+    is reduced over expert-DP from the backward pass (GradBuckets armed on that group), bit for bit as without."""
+    run = [("mixtral", 2, 1, 1, 1, 1, False, 0)]
+    plain = run_ranks(2, train_runs, run)
+    overlapped = run_ranks(2, train_runs, run, True)
+    for rank in range(2):
+        losses, state, _, _ = plain[rank][0]
+        losses_o, state_o, _, (_, early) = overlapped[rank][0]
+        assert early > 0, f"rank {rank}: no expert bucket was reduced from the backward pass"
+        assert losses_o == losses, f"rank {rank}: overlap changed a step"
+        for k, t in state.items():
+            assert torch.equal(t, state_o[k]), f"rank {rank}: final {k} differs with overlap"

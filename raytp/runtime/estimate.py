@@ -9,7 +9,7 @@ Recomputation in Large Transformer Models", eq. 2 with tensor parallelism,
 doubled for float32: per layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in
 half precision, or s*b*h*(34/t + 5*a*s/(h*t)) with sequence parallelism; plus
 the vocabulary-parallel logits; the MLP's share scaled to the width a token
-goes through, k experts' in an expert layer), the host buffers of in-memory snapshots (two
+goes through; in an expert layer, what each of its k experts keeps of it), the host buffers of in-memory snapshots (two
 copies of the weights and AdamW state it keeps on each rank that owns a part), and a fixed
 allowance for the process (Python, torch, Ray). On cpu all of it is host
 memory; on cuda the snapshot buffers and the allowance are host memory and the
@@ -95,13 +95,16 @@ def _local_sizes(model_cfg, tp: int, ep: int = 1, etp: int | None = None, expert
 
 def _moe_mlp_ratio(model_cfg, layers) -> float:
     """The MLP activations of the stage's layers, on average, against the formula's 4h MLP (whose share is
-    16 s b h / t bytes a layer): an expert layer's token goes through k experts and the shared ones, each
-    keeping its SwiGLU's activations (the router's are (s b E) floats, left out)."""
+    16 s b h / t bytes a layer, 8h values a token). A token of an expert layer keeps, for each of its k
+    experts, its dispatched copy, the SwiGLU's four F-wide tensors, the expert's output and its weighted
+    output (3h + 4F values; measured per token in bench/moe_memory), and the shared experts' input and
+    SwiGLU (h + 4 widths); a dense layer its width's share (the router's (s b E) floats are left out)."""
     m, layers = model_cfg.moe, list(layers)
     if m is None or not layers:
         return 1.0
-    dense, routed = model_cfg.mlp_width, m.top_k * m.moe_ffn + m.shared_width
-    return sum((routed if m.is_moe(i) else dense) for i in layers) / (len(layers) * 4 * model_cfg.n_embd)
+    h, dense = model_cfg.n_embd, model_cfg.mlp_width
+    routed = (m.top_k * (3 * h + 4 * m.moe_ffn) + (h + 4 * m.shared_width if m.shared_width else 0)) / 2
+    return sum((routed if m.is_moe(i) else dense) for i in layers) / (len(layers) * 4 * h)
 
 
 def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
@@ -143,10 +146,15 @@ def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
     # zero 1: its rows of the dense state; the experts' state whole where they are on their own mesh
     adam = 8 * local if par.zero == 0 or par.dp == 1 else math.ceil(8 * (local - routed) / par.dp) + 8 * routed
     snapshots = 2 * (4 * local + adam) if cfg.recovery.snapshot_every != 0 else 0  # null: on, at some interval
-    # The gradients, and with DP replicas their flat bucket buffers (raytp.train.grad_buckets): all alive at
-    # once when they are reduced during the backward pass, or kept to the weight gather under zero 1.
-    buffers = 4 * local if par.dp > 1 and (par.zero or par.overlap_grad_reduce) else 0
-    return WorkerMemory(4 * local, 4 * local + buffers, adam, activations, snapshots, cfg.runtime.device)
+    # The gradients, and with replicas their flat bucket buffers (raytp.train.grad_buckets), all alive at once
+    # while they are summed: the dense ones' over DP (under zero 1 a gradient is dropped once in its buffer,
+    # kept to the weight gather), the experts' over expert-DP (whole; none where that group is one rank).
+    lay = cfg.layout
+    dense_buffers = 0 if par.dp == 1 or par.zero else 4 * (local - routed)
+    expert_dp = lay.degree("edp") if split else 1
+    expert_buffers = 4 * routed if expert_dp > 1 else 0
+    return WorkerMemory(4 * local, 4 * local + dense_buffers + expert_buffers, adam, activations, snapshots,
+                        cfg.runtime.device)
 
 
 def available_here() -> int:

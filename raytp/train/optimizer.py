@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import torch
 
-from raytp.parallel import comm
 from raytp.train.grad_buckets import GradBuckets
 from raytp.train.weight_gather import WeightGather
 from raytp.parallel.zero_plan import BUCKET_NUMEL, Bucket, handover, owned_rows, plan
@@ -42,8 +41,9 @@ class DistributedAdamW:
                  bucket_numel: int = BUCKET_NUMEL, overlap: bool = False, overlap_gather: bool = False,
                  apart=None):
         # `apart(name)`: the parameters reduced over another group than DP (experts over expert-DP, with expert
-        # parallelism): after the others, outside the DP buckets (``reduce_apart``); zero 1 does not shard them
-        # (each rank keeps the whole AdamW state of the experts it holds: they are already split over EP).
+        # parallelism): in buckets of their own, whole (``reduce_apart``; overlapped with the backward pass as the
+        # DP buckets are, ``arm``); zero 1 does not shard them (each rank keeps the whole AdamW state of the
+        # experts it holds: they are already split over EP).
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # a router's bias is not trained
         if apart is not None:
             named = [(n, p) for n, p in named if not apart(n)] + [(n, p) for n, p in named if apart(n)]
@@ -55,6 +55,9 @@ class DistributedAdamW:
         self.h, self.zero, self.bucket_numel, self.overlap = h, zero, bucket_numel, overlap
         self.dp = self.dp_rank = self.grads = self.gather = None
         self._flats: list[torch.Tensor] = []  # zero 1: each bucket's buffer, from the reduce to the gather
+        apart_params = self.params[self.n_bucketed:]
+        self.apart = GradBuckets(apart_params, plan([tuple(p.shape) for p in apart_params], 1, bucket_numel),
+                                 scatter=False) if apart_params else None
         self.recut(dp, dp_rank)
 
     def recut(self, dp: int, dp_rank: int) -> None:
@@ -116,12 +119,16 @@ class DistributedAdamW:
                     p.grad.zero_()
 
     # -- the step -------------------------------------------------------------------------------
-    def arm(self, group, backwards: int, hold=()) -> None:
+    def arm(self, group, backwards: int, hold=(), apart_group=None) -> None:
         """Overlap this step's DP reduction with its backward pass (raytp.train.grad_buckets): each bucket is
         reduced over `group` once its parameters have accumulated `backwards` gradients; buckets holding a
-        parameter in `hold` wait for ``reduce_gradients``."""
+        parameter in `hold` wait for ``reduce_gradients``. The parameters apart likewise over `apart_group`
+        (when there is one: the experts' over expert-DP)."""
         held = {id(p) for p in hold}
-        self.grads.arm(group, backwards, frozenset(i for i, p in enumerate(self.params) if id(p) in held))
+        if group is not None:
+            self.grads.arm(group, backwards, frozenset(i for i, p in enumerate(self.params) if id(p) in held))
+        if apart_group is not None and self.apart is not None:
+            self.apart.arm(apart_group, backwards)
 
     def reduce_gradients(self, group, scale: float) -> None:
         """Sum the gradients over the DP `group` (then * scale): every rank's whole gradients (zero 0), or
@@ -148,16 +155,21 @@ class DistributedAdamW:
                         g[pc.start:pc.stop].copy_(flat[b.span(d, pc)].view_as(g[pc.start:pc.stop]))
 
     def reduce_apart(self, group, scale: float) -> None:
-        """Sum the gradients of the parameters apart over `group` (then * scale), in one flat all-reduce."""
-        grads = [p.grad for p in self.params[self.n_bucketed:] if p.grad is not None]
-        if not grads:
+        """Sum the gradients of the parameters apart over `group` (then * scale): in their buckets (those the
+        backward pass did not launch now), or, with no group, only scaled."""
+        if self.apart is None:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if group is not None:
-            comm.all_reduce(flat, group)
-        flat *= scale
-        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(chunk.view_as(g))
+        if group is None:
+            for p in self.apart.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            return
+        for b, flat in zip(self.apart.buckets, self.apart.finish(group)):
+            flat *= scale
+            for pc in b.ranges[0]:
+                g = self.apart.params[pc.index].grad
+                if g is not None:
+                    g[pc.start:pc.stop].copy_(flat[b.span(0, pc)].view_as(g[pc.start:pc.stop]))
 
     def apart_grads(self):
         """(name, parameter, gradient) of the parameters apart (whole on every rank that holds them)."""
@@ -210,8 +222,9 @@ class DistributedAdamW:
         object kept would keep its group's sockets open). The weights of an abandoned gather are not whole:
         the state is restored from a replica, a snapshot or a checkpoint after such a failure anyway."""
         self._flats = []
-        if self.grads is not None:
-            self.grads.abandon()
+        for buckets in (self.grads, self.apart):
+            if buckets is not None:
+                buckets.abandon()
         if self.gather is not None:
             self.gather.abandon()
 

@@ -136,9 +136,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     set_aux_scale(model, 1.0 / len(micro_batches))  # MoE auxiliary losses weigh as each micro-batch's loss
     optimizer.zero_grad(set_to_none=False)  # the same buffers every step: no allocator churn
     optimizer.follow(groups.layout.dp, groups.dp_rank)
-    if groups.dp is not None and getattr(optimizer, "overlap", False):  # a tied copy's bucket waits (its sum)
+    edp = groups.group("edp") if groups.layout.experts_split else None  # experts' gradients: over expert-DP
+    if (groups.dp is not None or edp is not None) and getattr(optimizer, "overlap", False):
         tied = [model.input_embedding().weight] if groups.emb is not None and model.cfg.tied else []
-        optimizer.arm(groups.dp, len(micro_batches), hold=tied)
+        optimizer.arm(groups.dp, len(micro_batches), hold=tied, apart_group=edp)  # a tied copy waits (its sum)
     local_loss = (schedule or accumulate)(model, micro_batches, groups, step, h)
     return finish_step(model, optimizer, groups, step, h, local_loss, before_update)
 
