@@ -18,7 +18,6 @@ state within 10% of the estimate.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch

@@ -17,6 +17,8 @@ A third model takes turns with them to show what dominates: raytp's step with
 every torch.distributed collective turned into a no-op (``raytp_compute_only``):
 its compute alone, the floor that neither implementation can go below; the
 rest of raytp's time is its collectives (and the waits on the slower rank).
+A fourth, ``raytp_no_overlap``, is raytp with ``parallel.tp_overlap`` off (each
+TP entry's backward collective after the weight gradients, not behind them).
 """
 from __future__ import annotations
 
@@ -30,12 +32,15 @@ import torch.distributed as dist
 from bench.common import (HYPER, SEED, DistApiCounter, NoCollectives, batches, build_dtensor_gpt,
                           collective_counter, corpus, dtensor_step, size, spawn, timed)
 from raytp.parallel.groups import build_groups
+from raytp.parallel.layers import set_tp_overlap
 from raytp.parallel.layout import Layout
 from raytp.models.shard import build_shard
 from raytp.train.step import make_optimizer, train_step
 
 IMPLS = ("raytp", "dtensor")  # trained side by side; their losses are compared
 FLOOR = "raytp_compute_only"    # raytp with collectives as no-ops: timing only
+SYNC = "raytp_no_overlap"       # raytp with parallel.tp_overlap off: the entries' collectives not hidden
+TIMED = IMPLS + (FLOOR, SYNC)
 PEER = "torch.distributed.tensor.parallel (DTensor, parallelize_module + loss_parallel), same GPT, gloo, 1 thread/rank"
 
 
@@ -52,7 +57,12 @@ def _rank(rank: int, world: int, init: str, quick: bool) -> dict:
     dt_opt = make_optimizer(dt_model, HYPER)
     floor_model = build_shard(s.cfg, SEED, groups.tp)
     floor_opt = make_optimizer(floor_model, HYPER)
-    next_step = {"raytp": 0, "dtensor": 0, FLOOR: 0}
+    sync_model = build_shard(s.cfg, SEED, groups.tp)
+    sync_opt = make_optimizer(sync_model, HYPER)
+    set_tp_overlap(raytp_model, True)
+    set_tp_overlap(sync_model, False)
+    set_tp_overlap(floor_model, False)  # its collectives return nothing to wait on
+    next_step = {impl: 0 for impl in TIMED}
 
     def step(impl: str) -> float:
         i = next_step[impl]
@@ -63,11 +73,13 @@ def _rank(rank: int, world: int, init: str, quick: bool) -> dict:
         if impl == FLOOR:
             with NoCollectives():
                 return train_step(floor_model, floor_opt, [(x, y)], groups, i, HYPER).loss
+        if impl == SYNC:
+            return train_step(sync_model, sync_opt, [(x, y)], groups, i, HYPER).loss
         return dtensor_step(dt_model, dt_opt, x, y, i, HYPER)
 
     out = {impl: {"losses": [], "times": [], "counts": {}, "bytes": {}, "dist_api_calls": {}}
-           for impl in IMPLS + (FLOOR,)}
-    for impl in IMPLS + (FLOOR,):  # warm-up: untimed; raytp's and DTensor's losses are compared
+           for impl in TIMED}
+    for impl in TIMED:  # warm-up: untimed; raytp's and DTensor's losses are compared
         for _ in range(s.warmup):
             out[impl]["losses"].append(step(impl))
     for impl in IMPLS:  # one counted step each (also untimed: the counters cost time)
@@ -75,7 +87,7 @@ def _rank(rank: int, world: int, init: str, quick: bool) -> dict:
             out[impl]["losses"].append(step(impl))
         out[impl]["counts"], out[impl]["bytes"] = dict(ops.counts), dict(ops.bytes)
         out[impl]["dist_api_calls"] = dict(api.counts)
-    orders = list(itertools.permutations(IMPLS + (FLOOR,)))  # each in each position equally often
+    orders = list(itertools.permutations(TIMED))  # each in each position equally often
     for i in range(s.timed):
         for impl in orders[i % len(orders)]:
             seconds, loss = timed(lambda: step(impl))
@@ -88,8 +100,8 @@ def measure(tp: int, quick: bool) -> dict:
     ranks = spawn(tp, _rank, quick)
     fig: dict = {}
     per_step = {impl: [max(step_times) for step_times in zip(*(r[impl]["times"] for r in ranks))]
-                for impl in IMPLS + (FLOOR,)}
-    for impl in IMPLS + (FLOOR,):
+                for impl in TIMED}
+    for impl in TIMED:
         fig[f"{impl}_median_step_s"] = round(statistics.median(per_step[impl]), 4)
         fig[f"{impl}_min_step_s"] = round(min(per_step[impl]), 4)
     fig["ratio_raytp_over_dtensor"] = round(fig["raytp_median_step_s"] / fig["dtensor_median_step_s"], 3)

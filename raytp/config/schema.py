@@ -88,6 +88,10 @@ class ParallelConfig:
     overlap_grad_reduce: bool = _f(
         True, "sum each gradient bucket over the DP replicas while the backward pass goes on (the same "
               "bits as after it: Megatron's overlap_grad_reduce)")
+    tp_overlap: bool = _f(
+        True, "in the backward pass, sum each TP entry's input gradient over TP (all-reduce, or reduce-scatter "
+              "under sequence parallelism) while the weight gradients behind it are computed (Megatron's "
+              "async gradient all-reduce; the same bits)")
     overlap_param_gather: bool = _f(
         False, "under zero: 1, gather the updated weights while the next forward pass goes on, each layer "
                "waiting only for its own (Megatron's overlap_param_gather; the same bits)")

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from raytp.parallel import comm
+from raytp.parallel import comm, overlap
 
 
 def compute_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -53,9 +53,12 @@ class ColumnParallelLinear(nn.Module):
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.overlap = True  # the backward's collective behind the weight-gradient GEMM (set_tp_overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = compute_dtype(x)
+        if self.overlap:
+            return overlap.column_parallel(x, self.weight, self.bias, self.group, self.sequence_parallel)
         x = comm.gather_seq(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
         return F.linear(x, self.weight, self.bias)  # (B, T, out/p)
 
@@ -71,9 +74,17 @@ class ParallelInput(nn.Module):
     def __init__(self, group, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.overlap = True  # (set_tp_overlap)
+        self.consumers: list[ShardedLinear] = []  # the projections reading its output, when they are all of them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = compute_dtype(x)
+        if self.overlap and self.consumers:  # their weight-gradient GEMMs run during its backward's collective
+            entry, params = overlap.Entry(), []
+            for c in self.consumers:
+                c.entry = (entry, len(params))
+                params += [c.weight] if c.bias is None else [c.weight, c.bias]
+            return overlap.shared_entry(x, self.group, self.sequence_parallel, entry, params)
         return comm.gather_seq(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
 
 
@@ -98,8 +109,12 @@ class ShardedLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)  # its slice, split as the weight's rows
+        self.entry = None  # (its ParallelInput's pass, its parameters' place there): set by that forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.entry is not None:
+            (entry, at), self.entry = self.entry, None
+            return overlap.deferred_linear(x, self.weight, self.bias, entry, at)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -125,6 +140,14 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_local={self.weight.shape[1]}, out={self.weight.shape[0]}, sp={self.sequence_parallel}"
+
+
+def set_tp_overlap(model: nn.Module, on: bool) -> None:
+    """Overlap each TP entry's backward collective with the weight-gradient GEMMs behind it
+    (raytp.parallel.overlap; ``parallel.tp_overlap``), or not."""
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, ParallelInput)):
+            m.overlap = on
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -66,6 +66,7 @@ def swap_parallel(model, group, sequence_parallel: bool, sliced, rank: int, tp: 
                 bias = getattr(mod, leaf).bias  # Qwen2's q/k/v biases, split as their rows
                 setattr(mod, leaf, ShardedLinear(sliced(f"{prefix}.{leaf}.weight", getattr(mod, leaf).weight),
                                                  None if bias is None else sliced(f"{prefix}.{leaf}.bias", bias)))
+            mod.tp_in.consumers = [getattr(mod, leaf) for leaf in columns]  # its only readers (model.py)
             setattr(mod, row, RowParallelLinear(sliced(f"{prefix}.{row}.weight", getattr(mod, row).weight), None,
                                                 group, sequence_parallel))
 

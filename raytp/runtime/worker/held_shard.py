@@ -28,6 +28,7 @@ from raytp.runtime.worker.transfer import PiecesSource
 from raytp.files import checkpoint, checkpoint_experts
 from raytp.train.shard_state import load_shard_state, shard_state, unpack_state
 from raytp.files.state_sources import StateSource
+from raytp.parallel.layers import set_tp_overlap
 from raytp.train.step import make_optimizer
 from raytp.files.storage import Storage
 
@@ -52,6 +53,7 @@ class HeldShard:
             model = build_empty_shard(args, groups.tp, sp, device, stage, experts)
         for k, v in modes.items():
             setattr(model, k, v)
+        set_tp_overlap(model, cfg.parallel.tp_overlap)
         knobs = hyper(cfg)
         optimizer = make_optimizer(model, knobs, groups.layout.dp, groups.dp_rank, groups.layout.zero,
                                    overlap=cfg.parallel.overlap_grad_reduce,

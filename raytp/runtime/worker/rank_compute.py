@@ -36,9 +36,10 @@ def micro_batches(cfg, corpus, groups, device: torch.device, split: str, step: i
 def train_record(cfg, corpus, shard, groups, pipeline, device: torch.device, step: int, before_update=None,
                  batches_of=None) -> dict:
     """Run optimizer step `step` on `shard` (raytp.runtime.worker.held_shard.HeldShard) in `groups`; its
-    record: loss, learning rate, gradient norm, times (whole, communication, data), every rank's compute
+    record: loss, learning rate, gradient norm, times (whole, communication exposed and hidden behind compute,
+    data), every rank's compute
     time, epochs read, peak memory, and what the expert layers did (raytp.train.expert_load). `batches_of(split, step)`: the micro-batches (default: micro_batches')."""
-    comm.STATS.take()
+    comm.STATS.take(), comm.STATS.take_hidden()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -52,7 +53,7 @@ def train_record(cfg, corpus, shard, groups, pipeline, device: torch.device, ste
     elapsed, comm_s = time.perf_counter() - t0, comm.STATS.take()[0]
     ranks = comm.all_gather_float(elapsed - comm_s, device)
     return {"step": step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "step_time_s": elapsed,
-            "comm_s": comm_s, "data_s": data_s, "rank_compute_s": ranks,
+            "comm_s": comm_s, "comm_hidden_s": comm.STATS.take_hidden(), "data_s": data_s, "rank_compute_s": ranks,
             "epoch": epochs_read(corpus, (step + 1) * cfg.train.batch_size, cfg.model.block_size),
             **peak_memory(device), **experts}
 
