@@ -12,7 +12,10 @@ thread per rank, world size = TP):
   cross entropy of its (gathered) logits against the same targets, backward,
   torch's clip_grad_norm_, AdamW with the same groups and knobs;
 - ``raytp_bf16``: raytp with train.precision bf16 (its step time and TP bytes
-  per step, reported beside fp32's).
+  per step, reported beside fp32's);
+- ``raytp_no_overlap``: raytp with ``parallel.tp_overlap`` off (each TP entry's
+  backward all-reduce after the weight gradients, not behind them); raytp's
+  exposed and hidden collective time per step with and without it.
 
 They take turns step by step, in orders cycling through every permutation,
 after untimed warm-up steps whose losses are compared (the two fp32 ones start
@@ -33,7 +36,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench.common import HYPER, collective_counter, spawn, timed
+from raytp.parallel import comm
 from raytp.parallel.groups import build_groups
+from raytp.parallel.layers import set_tp_overlap
 from raytp.parallel.layout import Layout
 from raytp.models.shard import build_empty_shard
 from raytp.files import hf
@@ -41,7 +46,7 @@ from raytp.data.corpus import batch
 from raytp.train.hyper import lr_at
 from raytp.train.step import make_optimizer, train_step
 
-IMPLS = ("raytp", "transformers", "raytp_bf16")
+IMPLS = ("raytp", "transformers", "raytp_bf16", "raytp_no_overlap")
 PEER = "transformers' tensor parallelism (LlamaForCausalLM.from_pretrained(tp_plan='auto'), DTensor), gloo, 1 thread/rank"
 FULL = {"layers": 4, "width": 256, "heads": 8, "kv": 2, "ffn": 688, "vocab": 2048, "T": 128, "batch": 8,
         "warmup": 3, "timed": 30, "tps": (2,)}
@@ -89,9 +94,10 @@ def _rank(rank: int, world: int, init: str, d: str, s: dict, data) -> dict:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     groups = build_groups(Layout(world, dp=1), rank)
     models, opts = {}, {}
-    for impl, h in (("raytp", HYPER), ("raytp_bf16", replace(HYPER, precision="bf16"))):
+    for impl, h in (("raytp", HYPER), ("raytp_bf16", replace(HYPER, precision="bf16")), ("raytp_no_overlap", HYPER)):
         m = build_empty_shard(hf.inspect(d), groups.tp)
         hf.load_into(d, m, rank, world)
+        set_tp_overlap(m, impl != "raytp_no_overlap")
         models[impl], opts[impl] = (m, h), make_optimizer(m, h)
     models["transformers"] = transformers.LlamaForCausalLM.from_pretrained(d, tp_plan="auto")
     opts["transformers"] = _hf_optimizer(models["transformers"])
@@ -106,7 +112,7 @@ def _rank(rank: int, world: int, init: str, d: str, s: dict, data) -> dict:
         m, h = models[impl]
         return train_step(m, opts[impl], [(x, y)], groups, i, h).loss
 
-    out = {impl: {"losses": [], "times": [], "counts": {}, "bytes": {}} for impl in IMPLS}
+    out = {impl: {"losses": [], "times": [], "counts": {}, "bytes": {}, "comm": []} for impl in IMPLS}
     for impl in IMPLS:
         for _ in range(s["warmup"]):
             out[impl]["losses"].append(step(impl))
@@ -116,9 +122,11 @@ def _rank(rank: int, world: int, init: str, d: str, s: dict, data) -> dict:
     orders = list(itertools.permutations(IMPLS))
     for i in range(s["timed"]):
         for impl in orders[i % len(orders)]:
+            comm.STATS.take(), comm.STATS.take_hidden()
             seconds, loss = timed(lambda: step(impl))
             out[impl]["times"].append(seconds)
             out[impl]["losses"].append(loss)
+            out[impl]["comm"].append((comm.STATS.take()[0], comm.STATS.take_hidden()))
     return out
 
 
@@ -129,6 +137,10 @@ def measure(tp: int, s: dict, d: str, data) -> dict:
     fig["ratio_raytp_over_transformers"] = round(fig["raytp_median_step_s"] / fig["transformers_median_step_s"], 3)
     fig["paired_ratio_median"] = round(statistics.median(
         a / b for a, b in zip(per_step["raytp"], per_step["transformers"])), 3)
+    for impl in ("raytp", "raytp_no_overlap"):  # rank 0's collective seconds a step: waited on, run behind compute
+        fig[f"{impl}_comm_exposed_s"] = round(statistics.median(c for c, _ in ranks[0][impl]["comm"]), 4)
+        fig[f"{impl}_comm_hidden_s"] = round(statistics.median(h for _, h in ranks[0][impl]["comm"]), 4)
+    fig["ratio_overlap_over_no_overlap"] = round(fig["raytp_median_step_s"] / fig["raytp_no_overlap_median_step_s"], 3)
     fig["ratio_bf16_over_fp32"] = round(fig["raytp_bf16_median_step_s"] / fig["raytp_median_step_s"], 3)
     n = s["warmup"] + 1
     a, b = ranks[0]["raytp"]["losses"][:n], ranks[0]["transformers"]["losses"][:n]

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from bench.common import (HYPER, SEED, DistApiCounter, NoCollectives, batches, build_dtensor_gpt,
                           collective_counter, corpus, dtensor_step, size, spawn, timed)
+from raytp.parallel import comm
 from raytp.parallel.groups import build_groups
 from raytp.parallel.layers import set_tp_overlap
 from raytp.parallel.layout import Layout
@@ -77,7 +78,7 @@ def _rank(rank: int, world: int, init: str, quick: bool) -> dict:
             return train_step(sync_model, sync_opt, [(x, y)], groups, i, HYPER).loss
         return dtensor_step(dt_model, dt_opt, x, y, i, HYPER)
 
-    out = {impl: {"losses": [], "times": [], "counts": {}, "bytes": {}, "dist_api_calls": {}}
+    out = {impl: {"losses": [], "times": [], "counts": {}, "bytes": {}, "dist_api_calls": {}, "comm": []}
            for impl in TIMED}
     for impl in TIMED:  # warm-up: untimed; raytp's and DTensor's losses are compared
         for _ in range(s.warmup):
@@ -90,9 +91,11 @@ def _rank(rank: int, world: int, init: str, quick: bool) -> dict:
     orders = list(itertools.permutations(TIMED))  # each in each position equally often
     for i in range(s.timed):
         for impl in orders[i % len(orders)]:
+            comm.STATS.take(), comm.STATS.take_hidden()
             seconds, loss = timed(lambda: step(impl))
             out[impl]["times"].append(seconds)
             out[impl]["losses"].append(loss)
+            out[impl]["comm"].append((comm.STATS.take()[0], comm.STATS.take_hidden()))
     return out
 
 
@@ -107,7 +110,12 @@ def measure(tp: int, quick: bool) -> dict:
     fig["ratio_raytp_over_dtensor"] = round(fig["raytp_median_step_s"] / fig["dtensor_median_step_s"], 3)
     fig["paired_ratio_median"] = round(statistics.median(
         a / b for a, b in zip(per_step["raytp"], per_step["dtensor"])), 3)
+    for impl in ("raytp", SYNC):  # rank 0's collective seconds a step: waited on, and run behind compute
+        fig[f"{impl}_comm_exposed_s"] = round(statistics.median(c for c, _ in ranks[0][impl]["comm"]), 4)
+        fig[f"{impl}_comm_hidden_s"] = round(statistics.median(h for _, h in ranks[0][impl]["comm"]), 4)
+    fig["ratio_overlap_over_no_overlap"] = round(fig["raytp_median_step_s"] / fig[f"{SYNC}_median_step_s"], 3)
     floor = fig[f"{FLOOR}_median_step_s"]
+    fig["raytp_over_floor"] = round(fig["raytp_median_step_s"] / floor, 3)
     fig["raytp_share_beyond_compute"] = round(1 - floor / fig["raytp_median_step_s"], 3)  # collectives + waits
     fig["dtensor_over_floor_s"] = round(fig["dtensor_median_step_s"] - floor, 4)
     fig["raytp_over_floor_s"] = round(fig["raytp_median_step_s"] - floor, 4)

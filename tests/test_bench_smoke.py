@@ -39,6 +39,9 @@ def test_quick_run_writes_figures_and_keeps_other_entries(tmp_path):
     counts = fig["collectives_per_step"]
     assert counts["raytp"].get("all_reduce", 0) > 0 and counts["dtensor"].get("all_reduce", 0) > 0
     assert counts["raytp"] == fig["dist_api_calls_per_step"]["raytp"]  # the two counters agree for raytp
+    # parallel.tp_overlap: raytp's entry collectives ran behind compute; with it off none did
+    assert fig["raytp_comm_hidden_s"] > 0 and fig["raytp_no_overlap_comm_hidden_s"] == 0
+    assert fig["raytp_no_overlap_median_step_s"] > 0 and fig["raytp_comm_exposed_s"] > 0
 
     mem = results["tp_memory"]
     assert mem["peer"]
