@@ -91,12 +91,17 @@ def test_zero1_keeps_one_dp_share_of_the_adamw_state_and_a_refusal_says_when_it_
 
 
 def test_a_document_mask_counts_its_bias_per_layer():
-    cfg = from_dict({"model": {"n_layer": 4, "block_size": 256}, "train": {"batch_size": 8}})
+    cfg = from_dict({"model": {"n_layer": 4, "block_size": 256}, "train": {"batch_size": 8},
+                     "runtime": {"device": "cuda"}})
     masked = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=True))
     extra = _stage_memory(masked, 0).activations - _stage_memory(cfg, 0).activations
     assert extra == 4 * 8 * 256 * 256 * 4  # layers x b x s x s x fp32
+    # on CPU no fused kernel takes the mask: the scores are kept too (5 a s bytes a token in half precision)
+    on_cpu = [dataclasses.replace(c, runtime=dataclasses.replace(c.runtime, device="cpu")) for c in (cfg, masked)]
+    scores = 4 * 8 * 256 * 5 * cfg.model.n_head * 256 * 2  # layers x tokens x 5 a s x fp32's 2
+    assert _stage_memory(on_cpu[1], 0).activations - _stage_memory(on_cpu[0], 0).activations == extra + scores
     ckpt = dataclasses.replace(masked, train=dataclasses.replace(masked.train, activation_checkpointing=True))
-    plain_ckpt = dataclasses.replace(cfg, train=ckpt.train)
+    plain_ckpt = dataclasses.replace(cfg, train=ckpt.train)  # (on cuda: the mask, no scores)
     assert _stage_memory(ckpt, 0).activations - _stage_memory(plain_ckpt, 0).activations == 8 * 256 * 256 * 4
 
 
@@ -135,3 +140,28 @@ def test_a_share_no_gpu_holds_is_refused_naming_the_fewest_gpus_that_fit():
 def at_layout(cfg, lay):
     from raytp.runtime.policy import resized_config
     return resized_config(cfg, lay)
+
+
+def test_fused_attention_keeps_no_scores_and_bf16_keeps_the_weights_copies():
+    """SDPA's fused kernels keep q, k, v and the output, not the (s x s) scores: a Llama layer's bytes a token
+    do not grow with the context; GPT-2's explicit attention (dropout in training) keeps its scores. Under bf16
+    the weights' bfloat16 copies are kept (2 bytes a parameter), one block's with activation checkpointing.
+    (The counts were held against an H200: bench/gpu_check, docs/findings.md.)"""
+    from raytp.config.adapters import model_args
+    from raytp.runtime import activation_bytes
+
+    def llama(s, **train):
+        return from_dict({"model": {"arch": "llama", "n_layer": 4, "n_embd": 256, "n_head": 8, "n_kv_head": 2,
+                                    "block_size": s}, "train": {"batch_size": 8, **train},
+                          "runtime": {"device": "cuda"}})
+    short, long = llama(512), llama(2048)
+    assert activation_bytes.llama_layer(short, model_args(short), 0, 1) == \
+        activation_bytes.llama_layer(long, model_args(long), 0, 1)
+    gpt = [from_dict({"model": {"block_size": s, "dropout": 0.1}}) for s in (512, 2048)]
+    assert activation_bytes.gpt2_layer(gpt[1], 1) - activation_bytes.gpt2_layer(gpt[0], 1) == \
+        5 * gpt[0].model.n_head * (2048 - 512) * 2  # the scores' 5 a s, in float32
+    tiny = [estimate(llama(16, micro_batch_size=1, precision=p)) for p in ("fp32", "bf16")]  # ~no activations
+    params = tiny[0].weights // 4
+    assert tiny[0].activations < params < 2 * params <= tiny[1].activations < 3 * params
+    ckpt = estimate(llama(16, micro_batch_size=1, precision="bf16", activation_checkpointing=True))
+    assert ckpt.activations < params  # one block's copies at a time

@@ -1,19 +1,13 @@
 """What one worker will need, estimated from the job before anything starts.
 
-Per rank: its slices of the weights, their gradients (and, with DP replicas,
-their flat bucket buffers), AdamW's two moments (4, 4 (+4) and 8 bytes a
-parameter in float32; the moments of 1/dp of them under
-``parallel.zero: 1``), the activations one micro-batch keeps
-for the backward pass (Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models", eq. 2 with tensor parallelism,
-doubled for float32: per layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in
-half precision, or s*b*h*(34/t + 5*a*s/(h*t)) with sequence parallelism; plus
-the vocabulary-parallel logits; the MLP's share scaled to the width a token
-goes through; in an expert layer, what each of its k experts keeps of it), the host buffers of in-memory snapshots (two
-copies of the weights and AdamW state it keeps on each rank that owns a part), and a fixed
-allowance for the process (Python, torch, Ray). On cpu all of it is host
-memory; on cuda the snapshot buffers and the allowance are host memory and the
-rest is the GPU's.
+Per rank: its slices of the weights, their gradients (and, with replicas, the flat buffers of their sums),
+AdamW's two moments (4, 4 (+4) and 8 bytes a parameter in float32; the moments of 1/dp of them under
+``parallel.zero: 1``), the activations the micro-batches in flight keep for the backward pass (each layer's
+bytes a token: raytp.runtime.activation_bytes; the vocabulary-parallel logits; under bf16 the weights'
+bfloat16 copies), the host buffers of in-memory snapshots (two copies of the weights and AdamW state it
+keeps on each rank that owns a part), and a fixed allowance for the process (Python, torch, Ray). On cpu
+all of it is host memory; on cuda the snapshot buffers and the allowance are host memory and the rest is
+the GPU's.
 """
 from __future__ import annotations
 
@@ -21,8 +15,15 @@ import functools
 import math
 from dataclasses import dataclass
 
+from raytp.runtime import activation_bytes
+
 GiB = 1 << 30
 PROCESS_BYTES = GiB // 2  # Python, torch, Ray: measured ~0.4 GiB per worker process on CPU
+# On a GPU, beyond what the tensors hold: the CUDA context and cuBLAS's workspaces, and the caching allocator's
+# reserve over its allocations (a 1.1B Llama and an 8-layer MoE on an H200 reserved 1.06x and 1.03x of this
+# estimate's tensors at their peak: bench/gpu_check).
+CUDA_CONTEXT_BYTES = GiB
+ALLOCATOR_SLACK = 0.05
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,17 @@ class WorkerMemory:
     device: str
 
     @property
-    def on_device(self) -> int:
+    def tensors(self) -> int:
         return self.weights + self.grads + self.optimizer + self.activations
+
+    @property
+    def overhead(self) -> int:
+        """On a GPU: the CUDA context and the allocator's slack (none counted on cpu: the process allowance)."""
+        return 0 if self.device == "cpu" else int(CUDA_CONTEXT_BYTES + ALLOCATOR_SLACK * self.tensors)
+
+    @property
+    def on_device(self) -> int:
+        return self.tensors + self.overhead
 
     @property
     def on_host(self) -> int:
@@ -45,7 +55,8 @@ class WorkerMemory:
 
     def parts(self) -> dict[str, int]:
         return {"weights": self.weights, "grads": self.grads, "AdamW": self.optimizer,
-                "activations": self.activations, "snapshot buffers": self.snapshots}
+                "activations": self.activations, "CUDA context and allocator": self.overhead,
+                "snapshot buffers": self.snapshots}
 
     def line(self) -> str:
         detail = ", ".join(f"{k} {v / GiB:,.2f}" for k, v in self.parts().items() if v)
@@ -93,20 +104,6 @@ def _local_sizes(model_cfg, tp: int, ep: int = 1, etp: int | None = None, expert
     return out
 
 
-def _moe_mlp_ratio(model_cfg, layers) -> float:
-    """The MLP activations of the stage's layers, on average, against the formula's 4h MLP (whose share is
-    16 s b h / t bytes a layer, 8h values a token). A token of an expert layer keeps, for each of its k
-    experts, its dispatched copy, the SwiGLU's four F-wide tensors, the expert's output and its weighted
-    output (3h + 4F values; measured per token in bench/moe_memory), and the shared experts' input and
-    SwiGLU (h + 4 widths); a dense layer its width's share (the router's (s b E) floats are left out)."""
-    m, layers = model_cfg.moe, list(layers)
-    if m is None or not layers:
-        return 1.0
-    h, dense = model_cfg.n_embd, model_cfg.mlp_width
-    routed = (m.top_k * (3 * h + 4 * m.moe_ffn) + (h + 4 * m.shared_width if m.shared_width else 0)) / 2
-    return sum((routed if m.is_moe(i) else dense) for i in layers) / (len(layers) * 4 * h)
-
-
 def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
     """The memory of a worker of stage `pp_rank`: its layers' state, and the activations of the micro-batches
     1F1B keeps in flight there (pp - pp_rank of them at most; all of its model at pp == 1)."""
@@ -124,15 +121,15 @@ def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
     split = par.ep > 1 or par.etp not in (None, tp)  # experts on a mesh of their own: outside the DP rows
     routed = held(True) if split else 0
     local = held(None)
-    s, b, h, a = m.block_size, cfg.micro_batch, m.n_embd, m.n_head
+    s, b, h = m.block_size, cfg.micro_batch, m.n_embd
     layers = len(stage.layers) if stage else m.n_layer
     in_flight = min(par.pp - pp_rank, cfg.local_batch_size // cfg.micro_batch) if stage else 1
-    if cfg.parallel.sequence_parallel:
-        per_layer = s * b * h * (34 / tp + 5 * a * s / (h * tp))
+    ids = list(stage.layers) if stage else list(range(m.n_layer))
+    if m.arch == "llama":  # a layer's bytes a token, on average over the stage's layers
+        per_token = sum(activation_bytes.llama_layer(cfg, model_cfg, i, tp) for i in ids) / max(len(ids), 1)
     else:
-        per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    per_layer += s * b * h * 16 / tp * (_moe_mlp_ratio(model_cfg, stage.layers if stage else range(m.n_layer)) - 1)
-    per_layer *= 2 if cfg.train.precision == "fp32" else 1  # the formula counts 2-byte activations
+        per_token = activation_bytes.gpt2_layer(cfg, tp)
+    per_layer = s * b * per_token
     last = stage is None or stage.last
     logits = s * b * padded_vocab(m.vocab_size, tp) / tp * 4 * 3 if last else 0  # logits, softmax, gradient
     if cfg.train.activation_checkpointing:  # kept: each block's fp32 input; one block's worth recomputed
@@ -142,7 +139,11 @@ def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
     if cfg.data.document_mask:  # attention with a (b, 1, s, s) mask: SDPA keeps it as a bias, per layer
         kept += in_flight * (1 if cfg.train.activation_checkpointing else layers) * b * s * s * (
             4 if cfg.train.precision == "fp32" else 2)
-    activations = int(kept + logits + 2 * s * b * h * 4)
+    # Under bf16 autocast each weight's bfloat16 copy is kept from its matmul to the backward pass (one block's
+    # at a time where blocks are recomputed).
+    casts = 0 if cfg.train.precision == "fp32" else 2 * local / (max(layers, 1) if cfg.train.activation_checkpointing
+                                                                 else 1)
+    activations = int(kept + logits + casts + 2 * s * b * h * 4)
     # zero 1: its rows of the dense state; the experts' state whole where they are on their own mesh
     adam = 8 * local if par.zero == 0 or par.dp == 1 else math.ceil(8 * (local - routed) / par.dp) + 8 * routed
     snapshots = 2 * (4 * local + adam) if cfg.recovery.snapshot_every != 0 else 0  # null: on, at some interval
