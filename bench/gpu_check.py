@@ -10,6 +10,9 @@ script itself). Each part is reported apart; one that fails reports its error an
 - ``moe``: an 8-layer MoE Llama of the same width (8 experts of width 5632, top 2, aux loss): the same
   figures with the experts grouped (``torch._grouped_mm``, raytp.models.moe.grouped), then looped, and the
   losses of the two paths' first steps.
+- ``moe_layer``: raytp's MoE layer against torchtitan 0.3.0's (bench.moe's pairing: the same weights; its
+  ``GroupedExperts``), D=2048, F=5632, 8 experts, top 2, 8192 tokens, forward and backward under bf16,
+  taking turns (torchtitan carried where the machine has no index: see bench/moe).
 - ``tp_overlap``: two gloo ranks on the one GPU (gloo on CUDA tensors; NCCL refuses two ranks on one device),
   a Llama at TP=2 in bf16: 3 steps with ``parallel.tp_overlap`` on and off, equal to the bit, and the time
   its entries' collectives ran behind compute.
@@ -120,6 +123,43 @@ def moe(device: torch.device, quick: bool) -> dict:
             "first_loss_diff": abs(grouped["first_losses"][0] - looped["first_losses"][0])}
 
 
+def moe_layer(device: torch.device, quick: bool) -> dict:
+    """raytp's MoE layer against torchtitan's (bench.moe: the same router and expert weights, torchtitan's
+    grouped experts), forward and backward under bf16 on this device, taking turns: medians and ratio."""
+    from bench.moe import QUICK as SMALL, _ours, _theirs
+    s = dict(SMALL) if quick else {"D": 2048, "F": 5632, "E": 8, "K": 2, "tokens": 8192}
+    ours = _ours(s)
+    theirs = _theirs(ours, s)
+    if theirs is None:
+        return {"torchtitan": "not installed"}
+    ours, theirs = ours.to(device), theirs.to(device)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, s["tokens"], s["D"], generator=gen).to(device)
+    g = torch.randn(1, s["tokens"], s["D"], generator=gen).to(device)
+
+    def step(layer) -> torch.Tensor:
+        xx = x.detach().requires_grad_()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            y = layer(xx)
+        (y.float() * g).sum().backward()
+        return y.detach().float()
+    outs = {name: step(m) for name, m in (("raytp", ours), ("torchtitan", theirs))}
+    times: dict = {"raytp": [], "torchtitan": []}
+    for i in range(4 if quick else 30):
+        for name, m in ((("raytp", ours), ("torchtitan", theirs)) if i % 2 == 0 else
+                        (("torchtitan", theirs), ("raytp", ours))):
+            _sync(device)
+            t0 = time.perf_counter()
+            step(m)
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    fig = {f"{k}_ms": round(1e3 * statistics.median(v[2:] or v), 3) for k, v in times.items()}
+    fig["raytp_over_torchtitan"] = round(fig["raytp_ms"] / fig["torchtitan_ms"], 3)
+    fig["out_diff"] = float((outs["raytp"] - outs["torchtitan"]).abs().max() / outs["raytp"].abs().max())
+    fig["size"] = s
+    return fig
+
+
 def _overlap_rank(rank: int, world: int, init: str, quick: bool) -> dict:
     import torch.distributed as dist
 
@@ -165,12 +205,12 @@ def tp_overlap(quick: bool) -> dict:
     return spawn(2, rank, quick)[0]
 
 
-def run(quick: bool = False, parts=("dense", "moe", "tp_overlap")) -> dict:
+def run(quick: bool = False, parts=("dense", "moe", "moe_layer", "tp_overlap")) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "quick": quick}
     for name, part in (("dense", lambda: dense(device, quick)), ("moe", lambda: moe(device, quick)),
-                       ("tp_overlap", lambda: tp_overlap(quick))):
+                       ("moe_layer", lambda: moe_layer(device, quick)), ("tp_overlap", lambda: tp_overlap(quick))):
         if name not in parts:
             continue
         t0 = time.perf_counter()
@@ -187,7 +227,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out")
-    ap.add_argument("--parts", default="dense,moe,tp_overlap", help="which parts, comma-separated")
+    ap.add_argument("--parts", default="dense,moe,moe_layer,tp_overlap", help="which parts, comma-separated")
     a = ap.parse_args()
     result = run(a.quick, tuple(a.parts.split(",")))
     if a.out:

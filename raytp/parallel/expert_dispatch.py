@@ -84,16 +84,20 @@ class ExpertDispatch(nn.Module):
         tokens, w = tokens[order], weights[order]
         per_expert = torch.bincount(experts, minlength=self.n_experts).cpu()
         send_table = per_expert.view(self.ep, self.local)
-        recv_table = exchange_counts(send_table.to(flat.device), self.group).cpu()
-        send, recv = send_table.sum(1).tolist(), recv_table.sum(1).tolist()
-        rows = all_to_all(flat[tokens], send, recv, self.group)  # by source rank, each by local expert
-        # Regroup by local expert: source s's rows for expert j start at starts[s, j].
-        starts = torch.cumsum(recv_table.reshape(-1), 0).view_as(recv_table) - recv_table
-        by_expert = [torch.arange(int(starts[s, j]), int(starts[s, j] + recv_table[s, j]))
-                     for j in range(self.local) for s in range(self.ep)]
-        perm = torch.cat(by_expert).to(flat.device) if by_expert else torch.zeros(0, dtype=torch.long)
-        done = compute(rows[perm], recv_table.sum(0).tolist())
-        back = all_to_all(_unpermute(done, perm), recv, send, self.group)
+        if self.ep == 1:  # one rank: its rows, grouped by expert, are what its experts run
+            back = compute(flat[tokens], send_table[0].tolist())
+            send = recv = [len(tokens)]
+        else:
+            recv_table = exchange_counts(send_table.to(flat.device), self.group).cpu()
+            send, recv = send_table.sum(1).tolist(), recv_table.sum(1).tolist()
+            rows = all_to_all(flat[tokens], send, recv, self.group)  # by source rank, each by local expert
+            # Regroup by local expert: source s's rows for expert j start at starts[s, j].
+            starts = torch.cumsum(recv_table.reshape(-1), 0).view_as(recv_table) - recv_table
+            by_expert = [torch.arange(int(starts[s, j]), int(starts[s, j] + recv_table[s, j]))
+                         for j in range(self.local) for s in range(self.ep)]
+            perm = torch.cat(by_expert).to(flat.device) if by_expert else torch.zeros(0, dtype=torch.long)
+            done = compute(rows[perm], recv_table.sum(0).tolist())
+            back = all_to_all(_unpermute(done, perm), recv, send, self.group)
         self.sent_rows = sum(send) - send[comm.group_rank(self.group)]
         out = torch.zeros_like(flat)
         out.index_add_(0, tokens, (back * w[:, None]).to(out.dtype))

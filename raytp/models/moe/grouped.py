@@ -70,8 +70,9 @@ def run_experts(rows: torch.Tensor, sizes: list[int], experts: list) -> torch.Te
         return torch.cat(outs) if outs else rows
     offs = torch.tensor(sizes, device=rows.device).cumsum(0).to(torch.int32)
 
-    def stacked(leaf: str) -> torch.Tensor:  # (E, in, out): each expert's weight, transposed as F.linear reads it
-        return torch.stack([getattr(e, leaf).weight for e in experts]).to(dtype).transpose(-2, -1)
+    def stacked(leaf: str) -> torch.Tensor:  # (E, in, out): each expert's weight, transposed as F.linear reads it;
+        # cast before stacking: the one copy stacked is in the compute dtype (half the bytes under bf16)
+        return torch.stack([getattr(e, leaf).weight.to(dtype) for e in experts]).transpose(-2, -1)
 
     with torch.autocast(rows.device.type, enabled=False):
         x = rows.to(dtype)
