@@ -125,14 +125,20 @@ def moe(device: torch.device, quick: bool) -> dict:
 
 def moe_layer(device: torch.device, quick: bool) -> dict:
     """raytp's MoE layer against torchtitan's (bench.moe: the same router and expert weights, torchtitan's
-    grouped experts), forward and backward under bf16 on this device, taking turns: medians and ratio."""
+    grouped experts), forward and backward under bf16 on this device, taking turns: medians and ratios; raytp
+    with its experts' weights stacked each forward, and packed back to back as a built shard holds them."""
+    import copy
+
     from bench.moe import QUICK as SMALL, _ours, _theirs
+    from raytp.models.moe.grouped import pack
     s = dict(SMALL) if quick else {"D": 2048, "F": 5632, "E": 8, "K": 2, "tokens": 8192}
     ours = _ours(s)
     theirs = _theirs(ours, s)
     if theirs is None:
         return {"torchtitan": "not installed"}
-    ours, theirs = ours.to(device), theirs.to(device)
+    packed = copy.deepcopy(ours).to(device)
+    pack(list(packed.experts.values()))
+    layers = {"raytp": ours.to(device), "raytp_packed": packed, "torchtitan": theirs.to(device)}
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, s["tokens"], s["D"], generator=gen).to(device)
     g = torch.randn(1, s["tokens"], s["D"], generator=gen).to(device)
@@ -143,19 +149,22 @@ def moe_layer(device: torch.device, quick: bool) -> dict:
             y = layer(xx)
         (y.float() * g).sum().backward()
         return y.detach().float()
-    outs = {name: step(m) for name, m in (("raytp", ours), ("torchtitan", theirs))}
-    times: dict = {"raytp": [], "torchtitan": []}
-    for i in range(4 if quick else 30):
-        for name, m in ((("raytp", ours), ("torchtitan", theirs)) if i % 2 == 0 else
-                        (("torchtitan", theirs), ("raytp", ours))):
+    outs = {name: step(m) for name, m in layers.items()}
+    times: dict = {name: [] for name in layers}
+    orders = [list(layers), list(reversed(list(layers)))]
+    for i in range(4 if quick else 40):
+        for name in orders[i % 2]:
             _sync(device)
             t0 = time.perf_counter()
-            step(m)
+            step(layers[name])
             _sync(device)
             times[name].append(time.perf_counter() - t0)
     fig = {f"{k}_ms": round(1e3 * statistics.median(v[2:] or v), 3) for k, v in times.items()}
     fig["raytp_over_torchtitan"] = round(fig["raytp_ms"] / fig["torchtitan_ms"], 3)
-    fig["out_diff"] = float((outs["raytp"] - outs["torchtitan"]).abs().max() / outs["raytp"].abs().max())
+    fig["packed_over_torchtitan"] = round(fig["raytp_packed_ms"] / fig["torchtitan_ms"], 3)
+    scale = outs["raytp"].abs().max()
+    fig["out_diff"] = float((outs["raytp"] - outs["torchtitan"]).abs().max() / scale)
+    fig["packed_out_diff"] = float((outs["raytp_packed"] - outs["raytp"]).abs().max() / scale)
     fig["size"] = s
     return fig
 

@@ -224,10 +224,12 @@ def test_the_router_chooses_in_float32_under_bf16_autocast():
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_grouped_experts_equal_the_loop_bit_for_bit_on_cpu(bf16, monkeypatch):
+@pytest.mark.parametrize("packed", [False, True])
+def test_grouped_experts_equal_the_loop_bit_for_bit_on_cpu(bf16, packed, monkeypatch):
     """torch._grouped_mm over a rank's experts (raytp.models.moe.grouped: an accelerator's path, chosen here on
     CPU), one expert choosing no row: the layer's output and every gradient equal those of the experts run one
-    at a time, in float32 and under bf16 autocast."""
+    at a time, in float32 and under bf16 autocast; with the experts' weights stacked per forward, or packed
+    back to back (as a built shard holds them: read in place, each expert's gradient its slot's)."""
     from raytp.models.moe import grouped
     from raytp.models.moe.layer import MoE
     assert grouped.grouped_works("cpu", torch.bfloat16 if bf16 else torch.float32)
@@ -236,6 +238,11 @@ def test_grouped_experts_equal_the_loop_bit_for_bit_on_cpu(bf16, monkeypatch):
         m.gate.weight.zero_()
         m.gate.weight[:3] = torch.randn(3, 32)  # expert 3 scores lowest: chosen by no token, most likely
     x = torch.randn(2, 24, 32)
+    if packed:
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+        grouped.pack(list(m.experts.values()))
+        assert grouped.back_to_back([e.gate_proj.weight for e in m.experts.values()])
+        assert all(torch.equal(p, before[n]) for n, p in m.named_parameters())
 
     def run():
         m.zero_grad()

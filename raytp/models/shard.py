@@ -16,6 +16,7 @@ import torch.nn as nn
 from raytp.initialization import values
 from raytp.models.args import ModelArgs
 from raytp.models.base import CausalLM
+from raytp.models.moe.grouped import pack
 from raytp.models.stage import Stage, keep_stage
 from raytp.models.registry import check_tp, full_size_of, model_class, sharding_of, spec
 from raytp.parallel import comm
@@ -103,7 +104,11 @@ def _shard_of_meta(cfg: ModelArgs, group, sequence_parallel: bool, source, stage
                    experts) -> CausalLM:
     with torch.device("meta"):
         model = keep_stage(model_class(cfg)(cfg), stage)  # shapes only: builds no tensor and runs no op
-    return apply_tp(model, group, sequence_parallel, source, experts)
+    model = apply_tp(model, group, sequence_parallel, source, experts)
+    for layer in model.modules():  # each expert layer's local experts' weights back to back (grouped GEMMs)
+        if hasattr(layer, "experts") and isinstance(layer.experts, torch.nn.ModuleDict):
+            pack(list(layer.experts.values()))
+    return model
 
 
 @torch.no_grad()

@@ -2,6 +2,10 @@
 (``torch._grouped_mm``: every expert's rows in one call, offsets between them) where the device and the
 compute dtype support it, else one expert after another.
 
+A shard's local experts keep each projection's weights back to back in one buffer (``pack``: each expert's
+parameter a view of its slot), so that the grouped GEMM reads them as one (E, out, in) tensor without stacking
+a copy every forward (``_Stacked``; where a resize or a load left them apart, they are stacked as before).
+
 The choice is made once per (device type, dtype) by a small probe against the loop (``grouped_works``) and
 named by ``expert_kernel``: grouped on an accelerator where the probe passes; on CPU the loop, which measured
 faster there (a whole layer, D=256, F=512, 8 experts, 4096 rows, float32: 87 ms looped, 93 ms grouped: the
@@ -15,9 +19,11 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 _MM = getattr(torch, "_grouped_mm", None)
+LEAVES = ("gate_proj", "up_proj", "down_proj")  # an expert's projections (raytp.models.moe.layer.Expert)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -70,11 +76,56 @@ def run_experts(rows: torch.Tensor, sizes: list[int], experts: list) -> torch.Te
         return torch.cat(outs) if outs else rows
     offs = torch.tensor(sizes, device=rows.device).cumsum(0).to(torch.int32)
 
-    def stacked(leaf: str) -> torch.Tensor:  # (E, in, out): each expert's weight, transposed as F.linear reads it;
+    def stacked(leaf: str) -> torch.Tensor:  # (E, in, out): each expert's weight, transposed as F.linear reads it
+        ws = [getattr(e, leaf).weight for e in experts]
+        if back_to_back(ws):  # packed: read in place, cast once
+            return _Stacked.apply(*ws).to(dtype).transpose(-2, -1)
         # cast before stacking: the one copy stacked is in the compute dtype (half the bytes under bf16)
-        return torch.stack([getattr(e, leaf).weight.to(dtype) for e in experts]).transpose(-2, -1)
+        return torch.stack([w.to(dtype) for w in ws]).transpose(-2, -1)
 
     with torch.autocast(rows.device.type, enabled=False):
         x = rows.to(dtype)
         h = F.silu(_MM(x, stacked("gate_proj"), offs=offs)) * _MM(x, stacked("up_proj"), offs=offs)
         return _MM(h, stacked("down_proj"), offs=offs)
+
+
+
+def pack(experts: list) -> None:
+    """Lay each projection's weights of `experts` (in order) back to back in one buffer, each expert's parameter
+    becoming a view of its slot with the same values and attributes."""
+    if len(experts) < 2:
+        return
+    for leaf in LEAVES:
+        ws = [getattr(e, leaf).weight for e in experts]
+        if len({(tuple(w.shape), w.dtype, w.device) for w in ws}) != 1 or back_to_back(ws):
+            continue
+        buf = torch.empty((len(ws),) + tuple(ws[0].shape), dtype=ws[0].dtype, device=ws[0].device)
+        for j, (e, w) in enumerate(zip(experts, ws)):
+            with torch.no_grad():
+                buf[j].copy_(w)
+            p = nn.Parameter(buf[j], requires_grad=w.requires_grad)
+            p.__dict__.update(w.__dict__)  # its tags (whole_on_rank, ...)
+            getattr(e, leaf).weight = p
+
+
+def back_to_back(ws: list[torch.Tensor]) -> bool:
+    """Whether tensors `ws` of one shape lie one after the other in one storage (``pack``'s layout)."""
+    w0, n = ws[0], ws[0].numel()
+    ptr = w0.untyped_storage().data_ptr()
+    return all(w.shape == w0.shape and w.is_contiguous() and w.untyped_storage().data_ptr() == ptr
+               and w.storage_offset() == w0.storage_offset() + j * n for j, w in enumerate(ws))
+
+
+class _Stacked(torch.autograd.Function):
+    """The (E, out, in) tensor over packed weights `ws` (their storage, no copy); its gradient goes back to each
+    weight as its slot of the stacked gradient."""
+
+    @staticmethod
+    def forward(ctx, *ws):
+        w0 = ws[0]
+        return w0.new_empty(0).set_(w0.untyped_storage(), w0.storage_offset(), (len(ws),) + tuple(w0.shape),
+                                    (w0.numel(),) + tuple(w0.stride()))
+
+    @staticmethod
+    def backward(ctx, g):
+        return tuple(g.unbind(0))

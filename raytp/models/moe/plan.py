@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from raytp.models.moe.grouped import LEAVES
 from raytp.models.moe.layer import MoE
 from raytp.parallel.expert_dispatch import ExpertDispatch
 from raytp.parallel.layers import ParallelInput, ParallelOutput, ShardedLinear
@@ -33,7 +34,6 @@ SHARDING: tuple[tuple[str, Sharding], ...] = (
     (r"layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.(gate|up)_proj\.weight", Sharding(dim=0)),
     (r"layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.down_proj\.weight", Sharding(dim=1)),
 )
-LEAVES = ("gate_proj", "up_proj", "down_proj")
 EXPERT_WEIGHT = re.compile(r"layers\.\d+\.mlp\.experts\.\d+\.")  # a routed expert's (not the shared ones')
 
 
