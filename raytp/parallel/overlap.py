@@ -30,6 +30,15 @@ def _cast(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
     return None if t is None else t.to(like.dtype)
 
 
+def _linear(ctx, x: torch.Tensor, weight, bias) -> torch.Tensor:
+    """x W^T + b in x's dtype (the compute dtype: autocast's cast done here, as autocast would), saving x and the
+    cast weight for the backward pass."""
+    w, b = _cast(weight, x), _cast(bias, x)
+    ctx.save_for_backward(x, w)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x, w, b)
+
+
 def _linear_grads(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple:
     """(the input's gradient, then a function of (the weight's gradient, the bias's)) of y = x W^T + b."""
     g2 = g.reshape(-1, g.shape[-1])
@@ -46,11 +55,8 @@ class _ColumnParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel):
         whole = comm.all_gather_seq(x, group) if sequence_parallel else x
-        w, b = _cast(weight, whole), _cast(bias, whole)
-        ctx.save_for_backward(whole, w)
         ctx.group, ctx.sp, ctx.dtypes = group, sequence_parallel, (weight.dtype, None if bias is None else bias.dtype)
-        with torch.autocast(whole.device.type, enabled=False):
-            return F.linear(whole, w, b)
+        return _linear(ctx, whole, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
@@ -105,11 +111,8 @@ class _Deferred(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, entry, at):
-        w, b = _cast(weight, x), _cast(bias, x)
-        ctx.save_for_backward(x, w)
         ctx.entry, ctx.at, ctx.has_bias = entry, at, bias is not None
-        with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x, w, b)
+        return _linear(ctx, x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
