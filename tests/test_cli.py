@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {"step", "loss", "lr", "tokens", "step_time_s", "tokens_per_s", "tp", "dp", "tflops", "mfu",
-            "peak_mem_bytes", "data_s"}
+            "peak_mem_bytes", "data_s", "comm_s", "comm_hidden_s"}
 
 
 def raytp(*args, timeout=300):
@@ -55,6 +55,7 @@ def test_default_job_trains_heals_a_killed_worker_and_writes_run_dir(tmp_path):
     assert kinds[0] == "started" and kinds[-1] == "finished" and all("time" in e for e in events)
     assert kinds.count("failure") >= 1 and kinds.count("recovered") == 1
     assert all(m["tflops"] > 0 and m["mfu"] is None and m["peak_mem_bytes"] > 2**20 for m in metrics)  # cpu
+    assert sum(m["comm_hidden_s"] for m in metrics) > 0  # TP=2: entry collectives behind the weight gradients
     (memory,) = [e for e in events if e["kind"] == "memory"]  # measured against the start line's estimate
     assert memory["where"] == "host" and 0.2 < memory["ratio"] < 5, memory
     assert (run_dir / "config.yaml").exists()

@@ -21,6 +21,7 @@ GAUGES = {
     "tokens_per_second": "tokens per second of the last step",
     "step_seconds": "wall time of the last optimizer step",
     "comm_seconds": "time inside collectives in the last step (rank 0)",
+    "comm_hidden_seconds": "time rank 0's TP entry collectives ran behind compute in the last step (tp_overlap)",
     "step": "last completed optimizer step",
     "world_size": "ranks in the current layout",
     "tflops": "model TFLOP/s per device of the last step",
@@ -126,7 +127,8 @@ class RunLog:
             self.ray.set_ranks("rank_compute_seconds", rank_compute_s)
         if self.ray:
             for key, gauge in (("loss", "loss"), ("tokens_per_s", "tokens_per_second"),
-                               ("step_time_s", "step_seconds"), ("comm_s", "comm_seconds"), ("step", "step"),
+                               ("step_time_s", "step_seconds"), ("comm_s", "comm_seconds"),
+                               ("comm_hidden_s", "comm_hidden_seconds"), ("step", "step"),
                                ("val_loss", "val_loss"), ("tflops", "tflops"),
                                ("mfu", "mfu"), ("peak_mem_bytes", "peak_memory_bytes"), ("data_s", "data_seconds"),
                                ("expert_imbalance", "expert_imbalance")):

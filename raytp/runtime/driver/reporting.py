@@ -31,6 +31,8 @@ def step_record(rec: dict, all_ranks: list[dict], cfg, layout: Layout) -> dict:
            "tokens": tokens_per_step * (rec["step"] + 1), "step_time_s": step_time,
            "tokens_per_s": tokens_per_step / step_time, "comm_s": rec["comm_s"],
            "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "time": time.time()}
+    if rec.get("comm_hidden_s") is not None:  # TP entries' collectives behind compute (parallel.tp_overlap)
+        out["comm_hidden_s"] = rec["comm_hidden_s"]
     out.update(efficiency.step_figures(model_args(cfg), out["tokens_per_s"], layout.world_size, rec.get("peak_tflops")))
     if rec.get("epoch") is not None:
         out["epoch"] = round(rec["epoch"], 6)  # epochs of the training data read (raytp.data.corpus.epochs_read)
