@@ -5,7 +5,6 @@ end-of-document id; a prepare killed mid-write leaves no dataset and a re-run co
 error naming the file (and line)."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -192,6 +191,25 @@ def test_the_end_of_document_token_is_found_or_asked_for(corpus, tmp_path):
 
 
 # -- killed mid-write ----------------------------------------------------------------------------------------
+def _kill_tree(proc) -> None:
+    """SIGKILL a process and every process under it, and wait until they are gone. Ray's workers are not in
+    the driver's process group, so a killpg alone leaves a task writing a shard into the re-run's directory."""
+    import psutil
+    root = psutil.Process(proc.pid)
+    gone: list = []
+    for _ in range(3):  # again: a raylet may have forked a worker between the listing and the kill
+        tree = [root, *root.children(recursive=True)]
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        gone += tree
+    proc.wait()
+    _, alive = psutil.wait_procs(gone, timeout=60)
+    assert not alive, alive
+
+
 @pytest.mark.slow  # a `raytp prepare` process starting its own Ray, killed, then a re-run
 def test_a_prepare_killed_mid_write_leaves_no_dataset_and_a_rerun_completes(ray_local, corpus, tmp_path):
     data, docs, tok_file, tok = corpus
@@ -211,9 +229,7 @@ def test_a_prepare_killed_mid_write_leaves_no_dataset_and_a_rerun_completes(ray_
             assert time.monotonic() < deadline, "no shard was being written"
             time.sleep(0.01)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver, its Ray and the tasks writing: as a machine dies
-        proc.wait()
-    time.sleep(0.5)
+        _kill_tree(proc)  # the driver, its Ray and the tasks writing: as a machine dies
     assert (out / outdir.MARKER).exists() and not (out / manifest_mod.NAME).exists()
     with pytest.raises(FileNotFoundError):
         outdir.existing(Storage(str(out)))
