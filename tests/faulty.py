@@ -167,3 +167,22 @@ class WaitsForRoom(Worker):
     def _replica1_groups(self) -> set:
         return {pid for pid, g in ray.util.placement_group_table().items()
                 if g.get("name", "").startswith(f"raytp.{type(self).run}.replica1.") and g.get("state") == "CREATED"}
+
+
+class WaitsForReplicas(Worker):
+    """Rank 0 holds step `at[q]` until a placement group of replica q of run `run` is placed (the growth to
+    parallel.max_dp asked for it when the job started; a node joining places it), so that the job grows at
+    the step boundary after it however loaded the machine is."""
+
+    run = ""
+    at: dict = {}
+
+    def _step(self, step, before_update=None):
+        cls = type(self)
+        for q, at in cls.at.items():
+            if self.rank == 0 and step == at:
+                hold_until(lambda q=q: any(g.get("name", "").startswith(f"raytp.{cls.run}.replica{q}.")
+                                           and g.get("state") == "CREATED"
+                                           for g in ray.util.placement_group_table().values()),
+                           f"no placement group of replica {q} was placed")
+        return super()._step(step, before_update)

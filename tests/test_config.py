@@ -105,7 +105,8 @@ def test_round_trip_through_dict_and_yaml():
     assert from_dict(yaml.safe_load(yaml.safe_dump(d))) == cfg
     assert d["parallel"] == {"tp": 2, "pp": 1, "dp": 2, "pp_schedule": "1f1b", "pp_virtual": 1, "pp_layers": None,
                              "sequence_parallel": False, "zero": 0, "overlap_grad_reduce": True,
-                             "tp_overlap": True, "overlap_param_gather": False, "ep": 1, "etp": None, "min_dp": None}
+                             "tp_overlap": True, "overlap_param_gather": False, "ep": 1, "etp": None, "min_dp": None,
+                             "max_dp": None}
     assert d["profile"] == {"steps": [3, 4], "ranks": [0, 3], "memory": False}
 
 
@@ -223,8 +224,14 @@ def test_choices(key, value, valid):
     ({"parallel": {"tp": 4, "sequence_parallel": True}, "model": {"block_size": 130}},
      "jobs/x.yaml: parallel.sequence_parallel: needs model.block_size=130"),
     ({"name": "a/b"}, "jobs/x.yaml: name: 'a/b' is not a valid run name"),
+    ({"parallel": {"dp": 2, "max_dp": 1}}, "jobs/x.yaml: parallel.max_dp: 1 is below parallel.dp=2"),
+    ({"train": {"batch_size": 16}, "parallel": {"dp": 2, "max_dp": 3}},
+     "jobs/x.yaml: parallel.max_dp: 3 does not divide train.batch_size=16"),
+    ({"model": {"arch": "llama", "n_kv_head": 2, "moe": {"n_experts": 4, "top_k": 2, "moe_ffn": 16}},
+      "parallel": {"ep": 2, "dp": 2, "max_dp": 4}, "train": {"batch_size": 8}},
+     "jobs/x.yaml: parallel.ep: ep or etp 1 with parallel.max_dp (a live DP growth) is not built yet"),
 ], ids=["tp-heads", "heads-embd", "min_lr", "dp-batch",
-        "micro-batch", "sequence-parallel", "name"])
+        "micro-batch", "sequence-parallel", "name", "max_dp-below", "max_dp-batch", "max_dp-experts"])
 def test_cross_field_rules(d, line):
     (got,) = problems_of(d)
     assert got.startswith(line)

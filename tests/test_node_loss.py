@@ -3,11 +3,13 @@
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import ray
-from faulty import HOLD_S, WaitsForRoom, WaitsForSnapshotCopy
-from helpers import (NEVER_S, assert_bitwise_equal, events, final_state, gpu_cluster, gpu_nodes, job,
+from faulty import HOLD_S, WaitsForReplicas, WaitsForRoom, WaitsForSnapshotCopy
+from helpers import (NEVER_S, assert_bitwise_equal, events, final_state, gpu_cluster, gpu_nodes, job, losses,
                      ray_actors, recovery_job, run, steps_logged, wait_for)
+from raytp.runtime.cluster import autoscaler
 from raytp.runtime.driver.control_actor import find_control
 
 pytestmark = pytest.mark.slow  # a simulated cluster of up to 4 nodes, and two jobs per test
@@ -123,6 +125,41 @@ def test_elastic_job_shrinks_without_capacity_and_grows_back(cluster, tmp_path):
     assert {m["dp"] for m in metrics} == {1, 2} and [m["dp"] for m in metrics[-after_grow:]] == [2] * after_grow
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 1.0
     assert sorted(ray_actors("raytp.elastic.rank")) == []  # released at the end
+
+
+def test_a_job_grows_into_nodes_as_they_join_up_to_max_dp(cluster, tmp_path):
+    """TP=2 at DP=1 with parallel.max_dp 3 on one 2-GPU node: it asks for two more replicas (pending placement
+    groups, and the autoscaler for the whole target) and trains on; a node joins -> DP 2, another -> DP 3,
+    live, nothing lost, the loss curve that of a run at DP 3 throughout."""
+    grow_job = job(2, 1, steps=16, gpus_per_worker=1.0)
+    grow_job = dataclasses.replace(grow_job, train=dataclasses.replace(grow_job.train, batch_size=6),
+                                   parallel=dataclasses.replace(grow_job.parallel, max_dp=3))
+    gpu_nodes(cluster, 3)
+    run(dataclasses.replace(grow_job, parallel=dataclasses.replace(grow_job.parallel, dp=3, max_dp=None)),
+        tmp_path / "ref", "fixed3")
+    gpu_nodes(cluster, 1)
+    asked = []
+
+    def add_a_node(run_name):
+        asked.append(autoscaler.standing())  # the request stands while the job waits for room
+        cluster.add_node(num_cpus=2, num_gpus=2)
+
+    WaitsForReplicas.run, WaitsForReplicas.at = "grow", {1: 3, 2: 8}
+    run_dir = tmp_path / "run"
+    run(grow_job, run_dir, "grow", faults=[(2, add_a_node), (6, add_a_node)], worker_cls=WaitsForReplicas)
+    resized = events(run_dir, "resized")
+    assert [(e["old"]["dp"], e["new"]["dp"]) for e in resized] == [(1, 2), (2, 3)], resized
+    assert {e["reason"] for e in resized} == {"capacity returned"} and not events(run_dir, "failure")
+    worker = {"CPU": 1.0, "GPU": 1.0}
+    assert asked[0] == [worker] * 6, asked  # the target layout: 3 replicas of 2 workers
+    assert autoscaler.standing() == []  # withdrawn once grown
+    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == list(range(16)) and [m["dp"] for m in metrics][-1] == 3
+    ours, theirs = np.array(losses(run_dir)), np.array(losses(tmp_path / "ref"))
+    assert (np.abs(ours - theirs) / theirs).max() < 1e-4, (ours, theirs)
+    assert sorted(ray_actors("raytp.grow.rank")) == [] and not [
+        g for g in ray.util.placement_group_table().values()
+        if g.get("name", "").startswith("raytp.grow.") and g.get("state") != "REMOVED"]
 
 
 # The job waits at step 4 for the copy (faulty.WaitsForSnapshotCopy); the node goes after step 6.

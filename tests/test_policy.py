@@ -93,11 +93,19 @@ def test_which_ranks_a_resize_keeps_and_starts():
     assert (dp.kept, dp.early, dp.removed) == ((0, 1), (), (2, 3))
 
 
-def test_grow_back_requests_at_once_waits_while_pending_and_grows_when_placed():
-    assert policy.grow_back(2, 2, False, False) is None
-    assert policy.grow_back(1, 2, False, False) == policy.GROW_REQUEST
-    assert policy.grow_back(1, 2, True, False) == policy.GROW_WAIT
-    assert policy.grow_back(1, 2, True, True) == policy.GROW_NOW
+def test_growth_requests_at_once_waits_while_none_is_placed_and_grows_as_far_as_the_placed_reach():
+    assert policy.grow(2, 2, False, 0, 8) is None
+    assert policy.grow(1, 2, False, 0, 8) == (policy.GROW_REQUEST, 2)
+    assert policy.grow(1, 2, True, 0, 8) == (policy.GROW_WAIT, 1)
+    assert policy.grow(1, 2, True, 1, 8) == (policy.GROW_NOW, 2)
+    # parallel.max_dp: a node at a time, each replica placed is used at once where the batch divides
+    assert policy.grow(1, 3, True, 1, 6) == (policy.GROW_NOW, 2)
+    assert policy.grow(2, 3, True, 1, 6) == (policy.GROW_NOW, 3)
+    assert policy.grow(1, 3, True, 2, 6) == (policy.GROW_NOW, 3)
+    # ... and where it does not, the next size that does waits for more
+    assert policy.grow(2, 4, True, 1, 8) == (policy.GROW_WAIT, 2)
+    assert policy.grow(2, 4, True, 2, 8) == (policy.GROW_NOW, 4)
+    assert policy.grow(1, 4, True, 2, 8) == (policy.GROW_NOW, 2)
 
 
 # -- the loop -----------------------------------------------------------------------------------

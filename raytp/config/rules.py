@@ -72,6 +72,8 @@ def _experts_problem(v) -> str | None:
                 "the ranks of each stage)")
     if v["parallel.min_dp"] is not None:
         return "ep or etp 1 with parallel.min_dp (an elastic shrink) is not built yet"
+    if v["parallel.max_dp"] not in (None, dp):
+        return "ep or etp 1 with parallel.max_dp (a live DP growth) is not built yet"
     return None
 
 
@@ -153,7 +155,7 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
     (("parallel.tp", "model.moe"),
      lambda v: v["model.moe"] is None or _moe_tp_problem(v) is None,
      lambda v: _moe_tp_problem(v)),
-    (("parallel.ep", "parallel.etp", "parallel.tp", "parallel.dp", "model.moe", "parallel.min_dp"),
+    (("parallel.ep", "parallel.etp", "parallel.tp", "parallel.dp", "model.moe", "parallel.min_dp", "parallel.max_dp"),
      lambda v: _experts_problem(v) is None,
      lambda v: _experts_problem(v)),
     # Sequence parallelism splits each sequence into tp equal pieces.
@@ -170,6 +172,13 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
     (("parallel.min_dp", "parallel.dp"),
      lambda v: v["parallel.min_dp"] is None or v["parallel.min_dp"] <= v["parallel.dp"],
      lambda v: f"{v['parallel.min_dp']} exceeds parallel.dp={v['parallel.dp']}; valid: 1 to {v['parallel.dp']}"),
+    (("parallel.max_dp", "parallel.dp"),
+     lambda v: v["parallel.max_dp"] is None or v["parallel.max_dp"] >= v["parallel.dp"],
+     lambda v: f"{v['parallel.max_dp']} is below parallel.dp={v['parallel.dp']}; valid: {v['parallel.dp']} or more"),
+    (("parallel.max_dp", "train.batch_size"),
+     lambda v: v["parallel.max_dp"] is None or v["train.batch_size"] % v["parallel.max_dp"] == 0,
+     lambda v: f"{v['parallel.max_dp']} does not divide train.batch_size={v['train.batch_size']} (the global "
+               f"batch is split over the replicas); valid: a divisor of it"),
     (("train.batch_size", "parallel.dp"),
      lambda v: v["train.batch_size"] % v["parallel.dp"] == 0,
      lambda v: f"{v['train.batch_size']} is not divisible by "

@@ -103,6 +103,9 @@ class ParallelConfig:
         None, "elastic floor: when lost workers cannot be replaced, shrink to as few as this many "
               "replicas instead of failing, and grow back to dp when capacity returns; null = never shrink",
         POSITIVE)
+    max_dp: Optional[int] = _f(
+        None, "elastic ceiling: grow DP live up to this many replicas as capacity joins the cluster (nodes added "
+              "or back), asking the autoscaler for it; null = dp (no growth beyond it)", POSITIVE)
 
 
 @dataclass(frozen=True)

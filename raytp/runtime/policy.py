@@ -142,6 +142,12 @@ def expert_resize_problem(old: Layout, new: Layout) -> str | None:
     return None
 
 
+def _ceiling(max_dp: int | None, dp: int) -> int | None:
+    """parallel.max_dp after a resize to `dp`: a request above it raises it (what the job grows to is then the
+    request's: raytp.runtime.elastic.resize.Elastic.target_dp)."""
+    return None if max_dp is None else max(max_dp, dp)
+
+
 def resized_config(cfg: config_mod.JobConfig, target: Layout) -> config_mod.JobConfig:
     """The job at layout `target` (a new pp splits the layers by cost): the same global batch, the same
     micro-batch where it divides the new per-replica share (so the micro-batches, hence the numbers, stay
@@ -152,14 +158,15 @@ def resized_config(cfg: config_mod.JobConfig, target: Layout) -> config_mod.JobC
     stages = {} if target.pp == cfg.parallel.pp else {"pp": target.pp, "pp_layers": None}
     new = dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, tp=target.tp, dp=dp, zero=target.zero, ep=target.ep,
-                                          etp=target.etp, **stages),
+                                          etp=target.etp, max_dp=_ceiling(cfg.parallel.max_dp, dp), **stages),
         train=dataclasses.replace(cfg.train, micro_batch_size=micro))
     config_mod.validate(new, "scale request")
     return new
 
 
 class GrowStep(Enum):
-    """After an elastic shrink, at a step boundary: ask for the missing replicas, wait for them, or grow."""
+    """An elastic job below its DP target, at a step boundary: ask for the missing replicas, wait for them, or
+    grow."""
     REQUEST = "request"
     WAIT = "wait"
     NOW = "grow"
@@ -168,14 +175,18 @@ class GrowStep(Enum):
 GROW_REQUEST, GROW_WAIT, GROW_NOW = GrowStep.REQUEST, GrowStep.WAIT, GrowStep.NOW
 
 
-def grow_back(dp: int, target_dp: int, requested: bool, placed: bool) -> GrowStep | None:
-    """After an elastic shrink: ask for the missing replicas' placement at once (the autoscaler sees
-    the demand), wait while it is pending, grow at the first step boundary once it is placed."""
+def grow(dp: int, target_dp: int, requested: bool, placed: int, batch_size: int) -> tuple[GrowStep, int] | None:
+    """An elastic job at `dp` below `target_dp` (its DP after a shrink, or ``parallel.max_dp``): ask at once for
+    the placement of every missing replica (the autoscaler sees the demand), wait while none is placed, and
+    grow at a step boundary to the largest DP that the replicas placed so far reach and that divides the
+    global batch. `placed`: how many of the requested replicas, in DP order from `dp`, are placed. (the step,
+    the DP to grow to); None at the target."""
     if dp >= target_dp:
         return None
     if not requested:
-        return GROW_REQUEST
-    return GROW_NOW if placed else GROW_WAIT
+        return GROW_REQUEST, target_dp
+    sizes = [k for k in range(min(dp + placed, target_dp), dp, -1) if batch_size % k == 0]
+    return (GROW_NOW, sizes[0]) if sizes else (GROW_WAIT, dp)
 
 
 # -- the training loop -------------------------------------------------------------------------

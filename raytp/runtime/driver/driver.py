@@ -83,7 +83,7 @@ class Driver:
         self.healing = None            # records.Healing, until the next completed step
         self.resizing = None           # records.Resizing, until the next completed step
         self.moving = None             # records.Moving, until the next completed step
-        self.elastic = Elastic(cfg.parallel.dp, self._say, self.log)
+        self.elastic = Elastic(cfg.parallel.max_dp or cfg.parallel.dp, self._say, self.log)
         self.t_start = time.perf_counter()
         self.calls = follow_on.Calls()  # the streamed call in flight and the one submitted behind it
         self.respread = Respread(run, self.log, self._say)  # copies moved off their twins' nodes

@@ -60,7 +60,8 @@ from raytp.parallel.layout import Layout
 from raytp.runtime import policy
 from raytp.runtime.driver.reporting import layout_dict
 from raytp.runtime.elastic import changes, reshard
-from raytp.runtime.cluster import slots
+from raytp.runtime.cluster import autoscaler, slots
+from raytp.runtime.cluster.resources import worker_resources
 from raytp.runtime.errors import FAILURES, PlacementError
 from raytp.runtime.records import AwaitingRoom, GrowBack, Outcome, PendingResize, Resizing
 
@@ -85,10 +86,11 @@ class Elastic:
     capacity asked back). Holds only these records; the group is the driver's, passed in each call."""
 
     def __init__(self, target_dp: int, say, log):
-        self.target_dp = target_dp  # an elastic job grows back to this after a shrink
+        self.target_dp = target_dp  # an elastic job grows to this (parallel.max_dp, or back after a shrink)
         self.say, self.log = say, log
         self.pending: PendingResize | None = None
         self.growing: GrowBack | None = None
+        self.asked = False  # the autoscaler was asked for the target's capacity (raytp.runtime.cluster.autoscaler)
         self.awaiting: AwaitingRoom | None = None  # a request waiting for room while the job trains on
         self.told: float | None = None  # the request (its t0) whose wait for room was said
         self.restages = 0  # resizes that started every worker ahead (their names: names.worker_ahead)
@@ -226,33 +228,61 @@ class Elastic:
         return None if p is None else (p.request_id, _drop(group, p, why))
 
     def grow(self, group, step: int):
-        """After an elastic shrink: placement groups for the missing replicas are requested at once and
-        left pending (the autoscaler sees the demand); at each step boundary, once they are all placed,
-        the job grows back to its DP degree. Never blocks training. A Switched once it grew; else None."""
+        """Below the DP target (after an elastic shrink, or up to ``parallel.max_dp``): placement groups for the
+        missing replicas are requested at once and left pending, and the autoscaler is asked for the target
+        layout (raytp.runtime.cluster.autoscaler); at each step boundary the job grows as far as the replicas
+        placed so far reach (policy.grow). Never blocks training. A Switched once it grew; else None."""
         lay = group.layout
-        placed = self.growing is not None and group.placer.placed(self.growing.pgs.values())
-        decision = policy.grow_back(lay.dp, self.target_dp, self.growing is not None, placed)
-        if decision is None or decision == policy.GROW_WAIT:
+        if self.growing is not None and min(self.growing.pgs) != lay.dp:  # the layout changed under the request
+            self._stop_growing(group)
+        placed = 0
+        if self.growing is not None:
+            while lay.dp + placed in self.growing.pgs and group.placer.placed([self.growing.pgs[lay.dp + placed]]):
+                placed += 1
+        decision = policy.grow(lay.dp, self.target_dp, self.growing is not None, placed, group.cfg.train.batch_size)
+        if decision is None:
+            self._stop_growing(group)
             return None
-        if decision == policy.GROW_REQUEST:
+        what, dp = decision
+        if what == policy.GROW_WAIT:
+            return None
+        if what == policy.GROW_REQUEST:
             self.growing = GrowBack(group.placer.request_replicas(
                 group.cfg, group.launcher.run, lay.tp, list(range(lay.dp, self.target_dp)),
                 avoid_nodes=group.placer.nodes_of(group.pgs)))
+            autoscaler.ask([worker_resources(group.cfg)] * (lay.replica_size * self.target_dp))
+            self.asked = True
+            self.say(f"DP={lay.dp} of {self.target_dp}: asked for {self.target_dp - lay.dp} more replica(s); "
+                     "training on meanwhile")
             return None
-        self.say(f"capacity is back: growing to TP={lay.tp} x DP={self.target_dp}")
-        new_cfg = policy.resized_config(group.cfg, lay.changed(dp=self.target_dp))
-        reserved, self.growing = self.growing.pgs, None
+        self.say(f"capacity is here: growing to TP={lay.tp} x DP={dp}")
+        new_cfg = policy.resized_config(group.cfg, lay.changed(dp=dp))
+        reserved = {q: self.growing.pgs[q] for q in range(lay.dp, dp)}
+        rest = {q: pg for q, pg in self.growing.pgs.items() if q >= dp}
         sw = carry_out(group, lambda: reshard.switch_dp(group, new_cfg, step, reserved=reserved),
                        time.perf_counter(), "capacity returned", step)
-        if not sw.outcome.ok:
-            self.say(f"growing back failed and was rolled back: {sw.outcome.error}")
+        if sw.outcome.ok:
+            self.growing = GrowBack(rest) if rest else None
+            if not rest:
+                self._stop_growing(group)
+        else:
+            self.say(f"growing failed and was rolled back: {sw.outcome.error}")
+            self.growing = None  # its groups went with the rollback; asked for again at the next boundary
+            group.placer.release(rest.values())
         return sw
 
-    def release(self, group) -> tuple[int | None, Outcome] | None:
-        """Drop what is in progress (the run ends): the pending request's answer, if any."""
+    def _stop_growing(self, group) -> None:
+        """Release the replicas asked for and not used, and withdraw the autoscaler request."""
         if self.growing is not None:
             group.placer.release(self.growing.pgs.values())
             self.growing = None
+        if self.asked:
+            autoscaler.withdraw()
+            self.asked = False
+
+    def release(self, group) -> tuple[int | None, Outcome] | None:
+        """Drop what is in progress (the run ends): the pending request's answer, if any."""
+        self._stop_growing(group)
         return self.cancel(group, "the run ended")
 
 
