@@ -56,6 +56,7 @@ class FakeCluster:
         self.during: dict[int, object] = {}   # step -> a function called while that step runs (a request filed)
         self.calls: list[tuple] = []          # (start, count, submitted behind another call) of each call run
         self.released = []
+        self.asked: list[list] = []  # what the autoscaler was asked for, in order ([]: withdrawn)
 
     # -- what tests do to it
     def kill_at(self, step: int, *ranks: int, slots: int = 0) -> None:
@@ -114,6 +115,12 @@ class FakeCluster:
     @staticmethod
     def size_of(pg) -> int:
         return pg.bundle_count
+
+    def ask_capacity(self, bundles) -> None:
+        self.asked.append(list(bundles))
+
+    def withdraw_capacity(self) -> None:
+        self.asked.append([])
 
     def placed(self, pgs) -> bool:
         for pg in pgs:

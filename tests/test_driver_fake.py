@@ -83,6 +83,7 @@ def test_no_capacity_shrinks_an_elastic_job_and_it_grows_back(tmp_path):
     (rec,) = events(tmp_path, "recovered")
     assert rec["source"] == "shrink to DP=1"
     assert metric_steps(tmp_path) == list(range(STEPS))
+    assert [len(a) for a in cluster.asked] == [4, 0]  # the autoscaler asked for TP=2 x DP=2, then not
 
 
 def test_no_capacity_and_not_elastic_fails_with_a_checkpoint_of_the_newest_snapshot(tmp_path):

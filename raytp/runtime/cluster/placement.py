@@ -32,6 +32,7 @@ from raytp import names
 from raytp.config import JobConfig
 from raytp.runtime.errors import PlacementError
 from raytp.runtime.spread import copy_key, off_their_twins, spread_targets
+from raytp.runtime.cluster.autoscaler import ask as ask_capacity, withdraw as withdraw_capacity  # noqa: F401
 from raytp.runtime.cluster.resources import (candidate_nodes, check_room, explain_shortfall, free_by_node,  # noqa: F401
                                             replica_need, worker_resources)
 from raytp.runtime.cluster.slots import (Slots, bundle_of, carve, extended, groups_of, replaced, size_of,  # noqa: F401
@@ -151,10 +152,11 @@ def alive_nodes() -> list[str]:
     return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
 
 
-def placed(pgs) -> bool:
-    """Whether every placement group in `pgs` is placed now (never waits)."""
-    refs = [pg.ready() for pg in pgs]
-    return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
+def placed(replicas) -> bool:
+    """Whether every placement group of `replicas` is placed now, as Ray's placement-group table says (never
+    waits: ``pg.ready()`` would first have to run a task in the new bundles, seconds on a node just joined)."""
+    table = ray.util.placement_group_table()
+    return all(table.get(pg.id.hex(), {}).get("state") == "CREATED" for r in replicas for pg in groups_of(r))
 
 
 def nodes_of(pgs: dict) -> set[str]:

@@ -60,7 +60,7 @@ from raytp.parallel.layout import Layout
 from raytp.runtime import policy
 from raytp.runtime.driver.reporting import layout_dict
 from raytp.runtime.elastic import changes, reshard
-from raytp.runtime.cluster import autoscaler, slots
+from raytp.runtime.cluster import slots
 from raytp.runtime.cluster.resources import worker_resources
 from raytp.runtime.errors import FAILURES, PlacementError
 from raytp.runtime.records import AwaitingRoom, GrowBack, Outcome, PendingResize, Resizing
@@ -250,12 +250,12 @@ class Elastic:
             self.growing = GrowBack(group.placer.request_replicas(
                 group.cfg, group.launcher.run, lay.tp, list(range(lay.dp, self.target_dp)),
                 avoid_nodes=group.placer.nodes_of(group.pgs)))
-            autoscaler.ask([worker_resources(group.cfg)] * (lay.replica_size * self.target_dp))
+            group.placer.ask_capacity([worker_resources(group.cfg)] * (lay.replica_size * self.target_dp))
             self.asked = True
             self.say(f"DP={lay.dp} of {self.target_dp}: asked for {self.target_dp - lay.dp} more replica(s); "
                      "training on meanwhile")
             return None
-        self.say(f"capacity is here: growing to TP={lay.tp} x DP={dp}")
+        self.say(f"room for {dp - lay.dp} more replica(s): growing to TP={lay.tp} x DP={dp}")
         new_cfg = policy.resized_config(group.cfg, lay.changed(dp=dp))
         reserved = {q: self.growing.pgs[q] for q in range(lay.dp, dp)}
         rest = {q: pg for q, pg in self.growing.pgs.items() if q >= dp}
@@ -277,7 +277,7 @@ class Elastic:
             group.placer.release(self.growing.pgs.values())
             self.growing = None
         if self.asked:
-            autoscaler.withdraw()
+            group.placer.withdraw_capacity()
             self.asked = False
 
     def release(self, group) -> tuple[int | None, Outcome] | None:
