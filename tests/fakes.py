@@ -116,6 +116,10 @@ class FakeCluster:
     def size_of(pg) -> int:
         return pg.bundle_count
 
+    @staticmethod
+    def draining() -> dict:
+        return {}  # Ray drains no node of a fake cluster
+
     def ask_capacity(self, bundles) -> None:
         self.asked.append(list(bundles))
 

@@ -186,3 +186,23 @@ class WaitsForReplicas(Worker):
                                            for g in ray.util.placement_group_table().values()),
                            f"no placement group of replica {q} was placed")
         return super()._step(step, before_update)
+
+
+class WaitsForMoved(Worker):
+    """Rank 0 takes 0.4 s for each step from `slow_from` (steps whose records reach the driver more than a
+    second apart: it reads Ray's draining nodes as records arrive, at most once a second) and holds step `at`
+    until the workers a move started ahead (``raytp.<run>.rank<R>.moved1`` for each of `ranks`) are up: the
+    move then happens at the boundary after that step, however loaded the machine."""
+
+    run = ""
+    ranks: tuple = ()
+    slow_from, at = 3, 8
+
+    def _step(self, step, before_update=None):
+        cls = type(self)
+        if self.rank == 0 and cls.slow_from <= step < cls.at:
+            time.sleep(0.4)
+        if self.rank == 0 and step == cls.at:
+            hold_until(lambda: len([a for r in cls.ranks for a in _answers(f"raytp.{cls.run}.rank{r}.moved1", "where")])
+                       == len(cls.ranks), "the moved workers did not start")
+        return super()._step(step, before_update)

@@ -89,3 +89,21 @@ def test_a_stage_moves_only_where_the_losses_needing_a_checkpoint_go_down():
     assert spread.could_move(pp2dp2, twins)
     assert not spread.could_move(pp2dp2, ["a", "b", "c", "d"])
     assert not spread.could_move(Layout(1, dp=2, zero=1), ["a", "a"])  # zero 1: no rank's bytes held twice
+
+
+def test_a_stage_on_a_drained_node_moves_to_a_node_with_room_away_from_its_twin():
+    tp2dp2 = Layout(2, dp=2)  # replica 0: ranks 0, 1 on a; replica 1: ranks 2, 3 on b
+    nodes = ["a", "a", "b", "b"]
+    free = {"a": {}, "b": {}, "c": GPU2, "d": GPU2}
+    assert spread.move_off_drained(tp2dp2, nodes, {"b"}, free, {"GPU": 2.0}) == Move(1, 0, "c", drain=True)
+    assert spread.move_off_drained(tp2dp2, nodes, set(), free, {"GPU": 2.0}) is None  # nothing drained
+    assert spread.move_off_drained(tp2dp2, nodes, {"e"}, free, {"GPU": 2.0}) is None  # not one of ours
+    assert spread.move_off_drained(tp2dp2, nodes, {"b"}, {"c": {"GPU": 1.0}}, {"GPU": 2.0}) is None  # no room
+    # never onto another drained node; beside its twin only when nothing else has room
+    assert spread.move_off_drained(tp2dp2, nodes, {"b", "c"}, free, {"GPU": 2.0}).node == "d"
+    assert spread.move_off_drained(tp2dp2, nodes, {"b"}, {"a": GPU2}, {"GPU": 2.0}) == Move(1, 0, "a", drain=True)
+    assert spread.move_off_drained(tp2dp2, nodes, {"b"}, {"a": GPU2, "d": GPU2}, {"GPU": 2.0}).node == "d"
+    # both replicas on the drained node: the first group first; a DP=1 job moves too (no twin needed)
+    assert spread.move_off_drained(tp2dp2, ["a"] * 4, {"a"}, free, {"GPU": 2.0}) == Move(0, 0, "c", drain=True)
+    assert spread.move_off_drained(Layout(2), ["a", "a"], {"a"}, free, {"GPU": 2.0}) == Move(0, 0, "c", drain=True)
+    assert spread.move_off_drained(tp2dp2, nodes[:3], {"b"}, free, {"GPU": 2.0}) is None  # not placed yet

@@ -51,13 +51,14 @@ class Resizing:
 
 @dataclass(frozen=True)
 class Moving:
-    """A DP replica's stage moved off the node of its twin (raytp.runtime.recovery.respread), until the first
-    completed step after it."""
+    """A DP replica's stage moved off the node of its twin, or off a node Ray is draining
+    (raytp.runtime.recovery.respread), until the first completed step after it."""
     t0: float                      # when training paused for it (perf_counter)
     ranks: tuple[int, ...]
     from_node: str | None
     to_node: str
     before: float | None = None    # wall time of the last step's record before it (metrics.jsonl's "time")
+    reason: str = "twin"           # "twin": off its DP twin's node; "drain": off a node Ray is draining
 
 
 @dataclass

@@ -10,7 +10,7 @@ node has room. Nothing here imports Ray (tests/test_spread.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import Ownership
@@ -88,6 +88,7 @@ class Move:
     dp: int
     stage: int
     node: str
+    drain: bool = False  # off a node Ray is draining: the group's own ranks hand their state over (any layout)
 
 
 def move_off_twin(layout: Layout, nodes: Sequence[str | None], free: Mapping[str, Mapping[str, float]],
@@ -118,6 +119,27 @@ def move_off_twin(layout: Layout, nodes: Sequence[str | None], free: Mapping[str
                 if after < bad and (best is None or after < best[0]):
                     best = (after, Move(d, s, node))
     return best[1] if best else None
+
+
+def move_off_drained(layout: Layout, nodes: Sequence[str | None], draining: Collection[str],
+                     free: Mapping[str, Mapping[str, float]], need: Mapping[str, float]) -> Move | None:
+    """The move of the first (replica, stage) TP group with a rank on a node being drained (`draining`) to a
+    node with room that is not drained: one holding no other copy of that stage if there is one (its loss
+    then still needs no checkpoint), the least loaded first; None when nothing is on a drained node or no
+    node has room. `nodes`, `free`, `need`: as move_off_twin's."""
+    if len(nodes) < layout.world_size or None in nodes:
+        return None
+    load = {n: sum(1 for m in nodes if m == n) for n in free}
+    fits = [n for n in free if n not in draining and all(free[n].get(k, 0.0) >= v for k, v in need.items())]
+    for d in range(layout.dp):
+        for s in range(layout.pp):
+            if not any(nodes[r] in draining for r in layout.tp_group(d, s)):
+                continue
+            twins = {nodes[r] for q in range(layout.dp) if q != d for r in layout.tp_group(q, s)}
+            if fits:
+                return Move(d, s, min(fits, key=lambda n: (n in twins, load[n], n)), drain=True)
+            return None
+    return None
 
 
 def could_move(layout: Layout, nodes: Sequence[str | None]) -> bool:

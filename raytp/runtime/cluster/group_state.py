@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import ray
+from ray.exceptions import GetTimeoutError
 
 from raytp.config.adapters import model_args
 from raytp.parallel.ownership import Ownership
@@ -76,6 +77,22 @@ class StateCalls:
         if weights_only:
             return sum(ray.get([ws[d].weights_nbytes.remote() for d in donors.values()]))
         return sum(ray.get([ws[d].state_nbytes.remote() for d in donors.values()]))
+
+    def states_of(self, ranks: Iterable[int]) -> dict:
+        """{rank: ref of its whole state}, put in the object store by each rank now and waited for (not fetched):
+        ranks that are about to stop (a stage leaving a drained node) hand their own state over with it."""
+        refs = {r: self.workers[r].get_state.remote() for r in ranks}
+        _, late = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.cfg.runtime.step_timeout_s,
+                           fetch_local=False)
+        if late:
+            raise GetTimeoutError(f"{len(late)} of ranks {sorted(refs)} did not hand over their state within "
+                                  f"runtime.step_timeout_s={self.cfg.runtime.step_timeout_s:g}")
+        return refs
+
+    def hand_over(self, refs: Mapping[int, object], step: int) -> None:
+        """Ranks take the states `refs` ({rank: ref}, ``states_of``) as theirs after `step` steps."""
+        ray.get([self.workers[r].set_shard.remote(ref, step) for r, ref in refs.items()],
+                timeout=self.cfg.runtime.step_timeout_s)
 
     def export_experts(self, n_experts: int) -> tuple[list, list]:
         """Every rank cuts one bundle per global expert of what it holds of it (raytp.runtime.worker.expert_moves),

@@ -33,6 +33,7 @@ from raytp.config import JobConfig
 from raytp.runtime.errors import PlacementError
 from raytp.runtime.spread import copy_key, off_their_twins, spread_targets
 from raytp.runtime.cluster.autoscaler import ask as ask_capacity, withdraw as withdraw_capacity  # noqa: F401
+from raytp.runtime.cluster.drains import draining  # noqa: F401
 from raytp.runtime.cluster.resources import (candidate_nodes, check_room, explain_shortfall, free_by_node,  # noqa: F401
                                             replica_need, worker_resources)
 from raytp.runtime.cluster.slots import (Slots, bundle_of, carve, extended, groups_of, replaced, size_of,  # noqa: F401

@@ -125,7 +125,7 @@ def resized(log, say, r: Resizing, step: int, rec: dict) -> None:
 def moved(log, say, m: Moving, step: int, rec: dict) -> None:
     """The first completed step after a stage moved off its twin's node: how long training paused."""
     paused = paused_for(m.before, m.t0, rec)
-    log.event("moved", ranks=list(m.ranks), from_node=m.from_node, to_node=m.to_node,
+    log.event("moved", ranks=list(m.ranks), from_node=m.from_node, to_node=m.to_node, reason=m.reason,
               seconds=time.perf_counter() - m.t0, stall_s=paused, lost_steps=0, step=step)
     say(f"moved ranks {list(m.ranks)} to node {m.to_node}: training paused {paused:.1f}s, 0 steps lost")
 

@@ -1,4 +1,5 @@
-"""Moving a copy off its twin's node once the cluster has room: a node loss made survivable after the fact.
+"""Moving a stage off its twin's node once the cluster has room (a node loss made survivable after the fact), or
+off a node Ray is draining.
 
 Placement aims the copies of each stage at nodes of their own (raytp.runtime.spread), but Ray's target
 is soft: on a full cluster a DP replica's stage lands beside its twin, and that node's loss then needs the
@@ -22,6 +23,13 @@ stage there, one move at a time:
    metrics.jsonl shows it, and a new ``survival`` event follows.
 
 A failure during the move is handed to the driver as any failed step is (a recovery heals it).
+
+Drains. A node that Ray is draining (``ray drain-node``, a spot preemption with a deadline, the autoscaler's
+scale-down: raytp.runtime.cluster.drains, read at most once a second as records arrive) is left the same way,
+ahead of any move off a twin: spread.move_off_drained picks the stage and a node with room, and at the
+boundary the stage's own ranks put their state in the object store before they stop, and the new ones take
+it (so a stage with no twin, or under zero 1, moves too). With no room the ranks stay; the node's loss is
+then healed as a failure.
 """
 from __future__ import annotations
 
@@ -35,6 +43,9 @@ from raytp.runtime import policy, spread
 from raytp.runtime.errors import FAILURES
 from raytp.runtime.records import Moving
 from raytp.runtime.cluster.slots import replaced, unused_groups
+
+
+DRAIN_READ_S = 1.0  # how often the draining nodes are read (a GCS call), at most
 
 
 @dataclass
@@ -66,6 +77,9 @@ class Respread:
         self._could = False
         self._tried: set[str] = set()     # nodes a group for a move did not land on (until the nodes change)
         self._nodes: frozenset = frozenset()
+        self.draining: dict[str, float] = {}  # node -> deadline (Unix s) of the nodes Ray is draining, as last read
+        self._drains_read = float("-inf")     # when (monotonic)
+        self._told: set[str] = set()          # drained nodes already announced
 
     def wants_boundary(self, group) -> bool:
         """Look for a move, or take the one under way a stage further (never waits: the driver calls this
@@ -101,6 +115,8 @@ class Respread:
 
     def _look(self, group) -> None:
         nodes = group.nodes()
+        if self._look_for_drains(group, nodes):
+            return
         if group.placement != self._seen:
             self._seen = group.placement
             self._could = bool(group.placement) and spread.could_move(group.layout, nodes)
@@ -119,6 +135,33 @@ class Respread:
             return
         pg = group.placer.request_stage(cfg, self.run, move.dp, move.stage, move.node)
         self.pending = _Pending(move, pg, pg.ready(), group.placement, time.perf_counter())
+
+    def _look_for_drains(self, group, nodes: list) -> bool:
+        """Read which nodes Ray is draining (at most every DRAIN_READ_S: a GCS call) and, where one holds ranks,
+        ask for a move of the first of its stages to a node with room, ahead of any other move. Whether a
+        drained node holds ranks."""
+        now = time.monotonic()
+        if now - self._drains_read >= DRAIN_READ_S:
+            self._drains_read, self.draining = now, group.placer.draining()
+        drained = [n for n in dict.fromkeys(nodes) if n in self.draining]
+        if not drained:
+            return False
+        for node in drained:
+            if node not in self._told:
+                self._told.add(node)
+                ranks = [r for r, n in enumerate(nodes) if n == node]
+                deadline = self.draining[node]
+                left = f"{deadline - time.time():.0f}s before its deadline" if deadline else "no deadline"
+                self.log.event("draining", node=node, ranks=ranks, deadline=deadline or None, reason="drain")
+                self.say(f"node {node} is being drained by Ray ({left}): moving ranks {ranks} off it")
+        cfg = group.cfg
+        free = {n: r for n, r in (group.placer.free_by_node() or {}).items() if n not in self._tried}
+        move = spread.move_off_drained(group.layout, nodes, set(self.draining), free,
+                                       group.placer.replica_need(cfg, cfg.parallel.tp))
+        if move is not None:
+            pg = group.placer.request_stage(cfg, self.run, move.dp, move.stage, move.node)
+            self.pending = _Pending(move, pg, pg.ready(), group.placement, time.perf_counter())
+        return True
 
     def _start_ahead(self, group, p: _Pending) -> None:
         lay = group.layout
@@ -143,26 +186,34 @@ class Respread:
     def _move(self, group, p: _Pending, step: int) -> Moved | None:
         lay, move = group.layout, p.move
         ranks = sorted(p.early)
-        plan = policy.restore_plan(lay, ranks, {r: step for r in range(lay.world_size) if r not in ranks}, [])[0]
-        if plan.source != "replica":  # could_move says a twin holds every byte; kept as the move's condition
-            self._drop(group, p)
-            return None
+        plan = None
+        if not move.drain:  # off a twin's node: the twins give the state (a drained stage hands over its own)
+            plan = policy.restore_plan(lay, ranks, {r: step for r in range(lay.world_size) if r not in ranks}, [])[0]
+            if plan.source != "replica":  # could_move says a twin holds every byte; kept as the move's condition
+                self._drop(group, p)
+                return None
         t0 = time.perf_counter()
         old = group.pgs[move.dp]
         new = replaced(old, move.stage * lay.tp, lay.tp, p.pg)
         from_node = group.nodes()[ranks[0]]
         self.say(f"moving ranks {ranks} (replica {move.dp}" + (f", stage {move.stage}" if lay.pp > 1 else "")
-                 + f") off node {from_node}, which holds their DP twins too, to node {move.node}")
+                 + f") off node {from_node}, "
+                 + ("which Ray is draining" if move.drain else "which holds their DP twins too")
+                 + f", to node {move.node}")
         try:
+            own = group.state_calls().states_of(ranks) if move.drain else None
             group.kill(ranks)
             group = group.placed_in({**group.pgs, move.dp: new}).with_workers(
                 {r: a for r, (a, _) in p.early.items()}, {r: b for r, (_, b) in p.early.items()})
             group = group.join(setup=ranks)
-            group.copy_shards(plan.donors, step)
+            if move.drain:
+                group.state_calls().hand_over(own, step)
+            else:
+                group.copy_shards(plan.donors, step)
         except FAILURES as e:
             return Moved(group, None, e)
         group.placer.release(unused_groups([old], [new]))
-        return Moved(group, Moving(t0, tuple(ranks), from_node, move.node))
+        return Moved(group, Moving(t0, tuple(ranks), from_node, move.node, reason="drain" if move.drain else "twin"))
 
     def release(self, group) -> None:
         """Give back what a move not carried out holds (the run ends)."""
