@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "ray_overhead": lazy("bench.ray_overhead:run"),
     "checkpoint_io": lazy("bench.checkpoint_io:run"),
     "recovery": lazy("bench.recovery:run"),
+    "drain": lazy("bench.drain:run"),
     "snapshots": lazy("bench.snapshots:run"),
     "resize": lazy("bench.resize:run"),
     "memory_scale": lazy("bench.memory_scale:run"),
