@@ -69,17 +69,21 @@ def once(cluster, p: dict, run_dir: Path, drain: bool) -> dict:
             _until(lambda: _events(run_dir, "moved") or time.time() > t0 + p["deadline_s"], "no move")
         else:
             cluster.remove_node(node)
-            _until(lambda: _events(run_dir, "recovered"), "no recovery")
-        n = _steps(run_dir)
-        _until(lambda: _steps(run_dir) >= n + p["after"], "no steps after")
-        d.request_stop(via="control")
+            _until(lambda: _events(run_dir, "recovered") or not t.is_alive(), "no recovery")
+        if t.is_alive():
+            n = _steps(run_dir)
+            _until(lambda: _steps(run_dir) >= n + p["after"], "no steps after")
+            d.request_stop(via="control")
         t.join(timeout=300)
     finally:
         if node is not None and node in cluster.worker_nodes:  # the autoscaler ends a drained node, at its deadline at the latest
             cluster.remove_node(node)
+    failures = _events(run_dir, "failure")
+    if not drain and errors != [None]:  # nothing held the lost state (no copy yet, no checkpoint): the run ended
+        return {"loss_to_step_s": None, "lost_steps": None, "source": f"failed: {errors[0]}"[:160],
+                "failures": len(failures)}
     if errors != [None]:
         raise RuntimeError(f"the job failed: {errors}")
-    failures = _events(run_dir, "failure")
     if drain:
         (seen,), moved = _events(run_dir, "draining"), _events(run_dir, "moved")
         if not moved:
@@ -132,7 +136,7 @@ def run(quick: bool = False) -> dict:
             "drain_lost_steps": [r["lost_steps"] for r in drains],
             "drain_failures": [r["failures"] for r in drains],
             "drain_before_deadline": all(r["before_deadline"] for r in drains),
-            "crash_to_step_s": med([r["loss_to_step_s"] for r in crashes]),
+            "crash_to_step_s": med([r["loss_to_step_s"] for r in crashes if r["loss_to_step_s"] is not None] or [0.0]),
             "crash_lost_steps": [r["lost_steps"] for r in crashes],
             "crash_source": sorted({r["source"] for r in crashes}),
             "goal": "ranks off a drained node before its deadline, no failure, 0 steps lost",
