@@ -82,6 +82,7 @@ def test_checkpoint_io_quick(tmp_path):
     assert ck["ratio_pause_to_dcp_save"] >= 0 and ck["raytp_load_checked"] is True
 
 
+@pytest.mark.slow  # a benchmark run: ~12 s
 def test_moe_quick_run_measures_both_layouts_and_the_rows_its_all_to_all_moves(tmp_path):
     """bench/moe at its tiny size: raytp's layer timed at EP=1 and EP=2 (fp32 and bf16); its all-to-all moves
     tokens x k rows each way, about half of them to the other rank (torchtitan compared where installed, at

@@ -243,6 +243,7 @@ def test_a_run_copies_its_dataset_at_a_url_to_its_nodes_before_workers_start(s3,
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if "urlbroken" in str(a)]
 
 
+@pytest.mark.slow  # Ray Data reading and writing through a local S3 server: ~17 s
 def test_a_corpus_in_s3_is_prepared_into_s3(s3, tmp_path):
     """raytp prepare reading its corpus from S3 and writing the dataset there (moto's server), as it does
     locally: the same shards, byte for byte."""

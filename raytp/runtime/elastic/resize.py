@@ -228,10 +228,9 @@ class Elastic:
         return None if p is None else (p.request_id, _drop(group, p, why))
 
     def grow(self, group, step: int):
-        """Below the DP target (after an elastic shrink, or up to ``parallel.max_dp``): placement groups for the
-        missing replicas are requested at once and left pending, and the autoscaler is asked for the target
-        layout (raytp.runtime.cluster.autoscaler); at each step boundary the job grows as far as the replicas
-        placed so far reach (policy.grow). Never blocks training. A Switched once it grew; else None."""
+        """Below the DP target (parallel.max_dp, or back after a shrink): the missing replicas' groups are asked
+        for at once, and the autoscaler for the target (cluster.autoscaler); at each step boundary the job grows
+        as far as the groups placed so far reach (policy.grow). Never blocks. A Switched once it grew; else None."""
         lay = group.layout
         if self.growing is not None and min(self.growing.pgs) != lay.dp:  # the layout changed under the request
             self._stop_growing(group)
@@ -271,8 +270,7 @@ class Elastic:
             group.placer.release(rest.values())
         return sw
 
-    def _stop_growing(self, group) -> None:
-        """Release the replicas asked for and not used, and withdraw the autoscaler request."""
+    def _stop_growing(self, group) -> None:  # the groups asked for and not used go; the autoscaler request too
         if self.growing is not None:
             group.placer.release(self.growing.pgs.values())
             self.growing = None
