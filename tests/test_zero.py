@@ -12,6 +12,7 @@ import torch.distributed as dist
 from tp_training import HYPER, SEED, STEPS, corpus, gpt_config, llama_config, without_key_bias
 
 from raytp.models.moe.args import MoeArgs
+from raytp.train import zero_handover
 from raytp.models.registry import build_model
 from raytp.models.shard import build_shard, gather_full_state
 from raytp.models.stage import replicated_copy, stage_of
@@ -190,7 +191,7 @@ def test_a_dp_resize_recuts_the_rows_and_every_rank_ends_with_its_rows_of_the_sa
     for opt in old:
         for n in names:
             opt.load_param_state(n, whole[n], whole=True)
-    given = [opt.rows_for(new_dp) for opt in old]
+    given = [zero_handover.rows_for(opt, new_dp) for opt in old]
     for d in range(new_dp):
         new = make_optimizer(model, HYPER, old_dp, 0, 1, bucket_numel=BUCKET)
         new.recut(new_dp, d)

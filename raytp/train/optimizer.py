@@ -30,7 +30,7 @@ import torch
 
 from raytp.train.grad_buckets import GradBuckets
 from raytp.train.weight_gather import WeightGather
-from raytp.parallel.zero_plan import BUCKET_NUMEL, Bucket, handover, owned_rows, plan
+from raytp.parallel.zero_plan import BUCKET_NUMEL, Bucket, owned_rows, plan
 from raytp.train.hyper import Hyper
 
 
@@ -277,33 +277,9 @@ class DistributedAdamW:
         of the whole parameter at zero 0, of its kept rows under zero 1."""
         return self.inner.state[self.targets[self._index[name]]]
 
-    def rows_for(self, dp: int) -> list[list[tuple[str, str, int, int, torch.Tensor]]]:
-        """A DP resize under zero 1: for each DP rank of degree `dp`, the AdamW state of the rows it will keep
-        that this rank keeps now, as [(name, key, first row, end row, tensor: those rows; "step": 0-d)]
-        (raytp.parallel.zero_plan.handover). Live views: copy them before the state changes."""
-        shapes = [tuple(p.shape) for p in self.params[:self.n_bucketed]]
-        out = []
-        for mine in handover(shapes, self.dp, self.dp_rank, dp, self.bucket_numel):
-            entries = []
-            for i, (a, b) in mine.items():
-                lo = self.owned[i][0]
-                for k, v in self.inner.state.get(self.targets[i], {}).items():
-                    entries.append((self.names[i], k, a, b, v if v.dim() == 0 else v[a - lo:b - lo]))
-            out.append(entries)
-        return out
-
-    def take_part(self, state: dict[str, dict[str, torch.Tensor]], old_dp: int, old_rank: int) -> None:
-        """Keep, of the AdamW state `state` that DP rank `old_rank` of `old_dp` kept under zero 1 ({name:
-        {key: its rows}}, e.g. its snapshot part), the rows this rank keeps now."""
-        shapes = [tuple(p.shape) for p in self.params[:self.n_bucketed]]
-        old = owned_rows(plan(shapes, old_dp, self.bucket_numel), old_rank)
-        for i, (a, b) in handover(shapes, old_dp, old_rank, self.dp, self.bucket_numel)[self.dp_rank].items():
-            for k, v in state.get(self.names[i], {}).items():
-                self.put_rows(self.names[i], k, a, v if v.dim() == 0 else v[a - old[i][0]:b - old[i][0]])
-
     def put_rows(self, name: str, key: str, start: int, t: torch.Tensor) -> None:
         """Set AdamW state `key` of parameter `name` at its rows start.. from `t` (a copy; "step" whole): rows this
-        rank keeps (what ``rows_for`` gave it)."""
+        rank keeps (what raytp.train.zero_handover.rows_for gave it)."""
         state = self.state_of(name)
         if t.dim() == 0:
             state[key] = t.clone()

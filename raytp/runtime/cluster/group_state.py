@@ -72,8 +72,7 @@ class StateCalls:
         """Ranks take their shards from donors holding the same ones ({rank: donor rank}; `weights_only`:
         their weights), worker to worker through the object store; returns the bytes moved."""
         ws = self.workers
-        ray.get([ws[r].set_shard.remote(ws[d].get_state.remote(weights_only), step, weights_only)
-                 for r, d in donors.items()], timeout=self.cfg.runtime.step_timeout_s)
+        self.hand_over({r: ws[d].get_state.remote(weights_only) for r, d in donors.items()}, step, weights_only)
         if weights_only:
             return sum(ray.get([ws[d].weights_nbytes.remote() for d in donors.values()]))
         return sum(ray.get([ws[d].state_nbytes.remote() for d in donors.values()]))
@@ -89,9 +88,10 @@ class StateCalls:
                                   f"runtime.step_timeout_s={self.cfg.runtime.step_timeout_s:g}")
         return refs
 
-    def hand_over(self, refs: Mapping[int, object], step: int) -> None:
-        """Ranks take the states `refs` ({rank: ref}, ``states_of``) as theirs after `step` steps."""
-        ray.get([self.workers[r].set_shard.remote(ref, step) for r, ref in refs.items()],
+    def hand_over(self, refs: Mapping[int, object], step: int, weights_only: bool = False) -> None:
+        """Ranks take the states `refs` ({rank: ref}: a donor's ``get_state``, or ``states_of``) as theirs after
+        `step` steps (`weights_only`: their weights)."""
+        ray.get([self.workers[r].set_shard.remote(ref, step, weights_only) for r, ref in refs.items()],
                 timeout=self.cfg.runtime.step_timeout_s)
 
     def export_experts(self, n_experts: int) -> tuple[list, list]:

@@ -260,10 +260,8 @@ class Elastic:
         rest = {q: pg for q, pg in self.growing.pgs.items() if q >= dp}
         sw = carry_out(group, lambda: reshard.switch_dp(group, new_cfg, step, reserved=reserved),
                        time.perf_counter(), "capacity returned", step)
-        if sw.outcome.ok:
+        if sw.outcome.ok:  # at the target the next boundary withdraws the autoscaler request (policy.grow: None)
             self.growing = GrowBack(rest) if rest else None
-            if not rest:
-                self._stop_growing(group)
         else:
             self.say(f"growing failed and was rolled back: {sw.outcome.error}")
             self.growing = None  # its groups went with the rollback; asked for again at the next boundary

@@ -29,6 +29,7 @@ from raytp.files import checkpoint, checkpoint_experts
 from raytp.train.shard_state import load_shard_state, shard_state, unpack_state
 from raytp.files.state_sources import StateSource
 from raytp.parallel.layers import set_tp_overlap
+from raytp.train import zero_handover
 from raytp.train.step import make_optimizer
 from raytp.files.storage import Storage
 
@@ -83,10 +84,10 @@ class HeldShard:
 
     def export_rows(self, new_dp: int):
         """A DP resize under zero 1: one bundle per DP rank of `new_dp` of the AdamW rows this rank keeps that
-        that rank will keep (raytp.train.optimizer rows_for), then the bundles' sizes."""
+        that rank will keep (raytp.train.zero_handover.rows_for), then the bundles' sizes."""
         self.settle()
         bundles = [transfer.pack([(f"optim/{n}/{k}", a, a, t) for n, k, a, _, t in rows])
-                   for rows in self.optimizer.rows_for(new_dp)]
+                   for rows in zero_handover.rows_for(self.optimizer, new_dp)]
         return (*bundles, [transfer.bundle_bytes(b) for b in bundles])
 
     def take_rows(self, groups, refs: list) -> None:
@@ -111,7 +112,7 @@ class HeldShard:
             part = unpack_state(ray.get(ref), views=True)
             if d == 0:  # every replica's weights are the same
                 load_shard_state(self.model, None, part)
-            self.optimizer.take_part(part["optim"], old_dp, d)
+            zero_handover.take_part(self.optimizer, part["optim"], old_dp, d)
 
     def get_state(self, weights_only: bool = False) -> dict:
         """The weights and AdamW state (CPU tensors), e.g. for a DP replica to copy; `weights_only`: without
