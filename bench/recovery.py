@@ -25,8 +25,11 @@ steps completed.
   line written by a process of the new worker group, and the steps redone.
   Also ``fit()`` -> first step, for comparison with raytp's start.
 
+- "client killed" (bench/client_killed): SIGKILL of `raytp train` of a run joined to this Ray; the longest
+  gap between steps after it against a normal step.
+
 An untimed TP=4 raytp job runs first (a fresh Ray's first actors start slowly);
-then per rep: raytp TP=2 x DP=2, raytp TP=4 x DP=1, Ray Train.
+then per rep: raytp TP=2 x DP=2, raytp TP=4 x DP=1, Ray Train, client killed.
 """
 from __future__ import annotations
 
@@ -38,13 +41,16 @@ import threading
 import time
 from pathlib import Path
 
+from bench.client_killed import client_killed_once, figures as client_figures
 from bench.snapshots import MODEL, driver, job, jsonl, med, ray_session, say, warm_up
 
 PEER = ("Ray Train 2.60 TorchTrainer (DDP, 4 CPU workers, same GPT and batches, checkpoint every step via "
         "ray.train.report, FailureConfig(max_failures=1), resume from get_checkpoint)")
 GOAL_RATIO, GOAL_S = 0.3, 3.5
-FULL = {"model": MODEL["FULL"], "batch_size": 8, "kill_step": 6, "after": 6, "reps": 2, "spare_steps": 150}
-QUICK = {"model": MODEL["QUICK"], "batch_size": 4, "kill_step": 3, "after": 3, "reps": 1, "spare_steps": 200}
+FULL = {"model": MODEL["FULL"], "batch_size": 8, "kill_step": 6, "after": 6, "reps": 2, "spare_steps": 150,
+        "client_after": 60}
+QUICK = {"model": MODEL["QUICK"], "batch_size": 4, "kill_step": 3, "after": 3, "reps": 1, "spare_steps": 200,
+         "client_after": 20}
 LAYOUTS = ((2, 2, 0), (4, 1, 0), (2, 2, 1))  # (tp, dp, warm spares)
 GOAL_SPARE_S = 2.0
 KILL_RANK = 1
@@ -200,8 +206,8 @@ def ray_train_once(p: dict, work: Path) -> dict:
 def run(quick: bool = False) -> dict:
     p = QUICK if quick else FULL
     res: dict[str, list[dict]] = {"raytp_" + _key(*c): [] for c in LAYOUTS}
-    res["ray_train"] = []
-    with ray_session(8), tempfile.TemporaryDirectory(prefix="raytp-bench-rec-") as tmp:
+    res["ray_train"], clients = [], []
+    with ray_session(8) as ray, tempfile.TemporaryDirectory(prefix="raytp-bench-rec-") as tmp:
         warm_up(p, 4, 1, Path(tmp) / f"recovery-warm-up-{os.getpid()}")
         for i in range(p["reps"]):
             for tp, dp, spares in LAYOUTS:
@@ -215,6 +221,10 @@ def run(quick: bool = False) -> dict:
             r = ray_train_once(p, work)
             res["ray_train"].append(r)
             say(f"recovery: Ray Train rep {i + 1}: {r['kill_to_step_s']:.2f}s")
+            c = client_killed_once(p, Path(tmp) / f"client-{os.getpid()}-{i}", ray.get_runtime_context().gcs_address)
+            clients.append(c)
+            say(f"recovery: client killed rep {i + 1}: longest gap {c['gap_after_kill_s']:.3f}s, "
+                f"{c['ratio']:.2f}x a normal step")
     m = p["model"]
     fig: dict = {"peer": PEER,
                  "model": f"GPT {m['n_layer']}L x {m['n_embd']} wide, {m['n_head']} heads, block {m['block_size']}, "
@@ -246,5 +256,6 @@ def run(quick: bool = False) -> dict:
     fig["raytp_first_step_s"] = med([r["first_step_s"] for v in res.values() for r in v if "first_step_s" in r])
     fig["goal"] = (f"raytp <= {GOAL_RATIO}x Ray Train and < {GOAL_S:g} s, < {GOAL_SPARE_S:g} s with a warm spare "
                    "(kill -> next completed step)")
-    fig["goal_met"] = met
+    fig["client_killed"] = client_figures(clients)
+    fig["goal_met"] = met and fig["client_killed"]["goal_met"]
     return fig

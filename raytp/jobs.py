@@ -48,7 +48,7 @@ def format_live(st: dict) -> str:
             + f"DP={st.get('dp', '?')} ({st.get('world_size', '?')} workers)  "
             f"loss {num('loss', '.4f')}  val {num('val_loss', '.4f')}  tok/s {num('tokens_per_s', ',.0f')}  "
             f"failures {st.get('failures', 0)}" + (f"  spares {st['spares']}" if st.get("spares") else "")
-            + f"  dir {st.get('run_dir', '-')}")
+            + f"  dir {st.get('run_dir', '-')}" + (f"\n  client: {st['client']}" if st.get("client") else ""))
 
 
 def progress_of(logs: str) -> tuple[tuple[int, int] | None, str | None]:

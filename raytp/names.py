@@ -45,6 +45,11 @@ def control(run: str) -> str:
     return f"{PREFIX}{run}.control"
 
 
+def coordinator(run: str) -> str:
+    """The detached actor that drives a run joined to a cluster (raytp.runtime.driver.coordinator)."""
+    return f"{PREFIX}{run}.coordinator"
+
+
 def run_of_control(name: str) -> str | None:
     """The run whose control actor is called `name`, or None."""
     if name.startswith(PREFIX) and name.endswith(".control"):

@@ -297,3 +297,86 @@ def test_unreachable_head_fails_fast():
     # A bad job is reported as such even when no head is there: it is checked first.
     p = raytp("submit", "jobs/default.yaml", "--address", f"http://127.0.0.1:{port}", "--set", "train.lr=abc")
     assert p.returncode == 2 and "train.lr" in p.stderr
+
+
+# -- a run that outlives its client (raytp.runtime.driver.coordinator) ----------------------------------
+OUTLIVES = [*SMALL, "--set", "parallel.dp=2", "--set", "train.steps_per_call=2"]
+
+
+def leftovers(head, run: str) -> list[str]:
+    """The run's actors alive and placement groups not removed."""
+    code = ("import json, ray; from ray.util import state\n"
+            f"ray.init(address={head.gcs!r}, logging_level='ERROR')\n"
+            f"pre = {'raytp.' + run + '.'!r}\n"
+            "print(json.dumps([a.name for a in state.list_actors(limit=10000) if a.name.startswith(pre) "
+            "and a.state != 'DEAD'] + [p.name for p in state.list_placement_groups(limit=10000) "
+            "if p.name.startswith(pre) and p.state != 'REMOVED']))")
+    p = subprocess.run([sys.executable, "-c", code], env=_env(RAY_AUTH_MODE="token"), capture_output=True,
+                       text=True, timeout=NEVER_S)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def client(head, run: str, run_dir, *sets):
+    """`raytp train` of a run joined to the head, as a process of its own."""
+    return subprocess.Popen([sys.executable, "-m", "raytp.cli", "train", "jobs/default.yaml", "--address", head.gcs,
+                             "--name", run, "--run-dir", str(run_dir), *OUTLIVES, *sets], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_a_run_outlives_its_killed_client_and_attach_follows_it_to_the_end(head, tmp_path):
+    from helpers import assert_bitwise_equal, events, final_state, steps_logged
+    steps = ["--set", "train.steps=100", "--set", "checkpoint.every=100"]
+    whole = raytp("train", "jobs/default.yaml", "--address", head.gcs, "--name", "whole", "--run-dir",
+                  str(tmp_path / "whole"), *OUTLIVES, *steps)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "[raytp] finished 100 steps" in whole.stderr
+
+    cut = client(head, "cut", tmp_path / "cut", *steps)
+    try:
+        wait_for("step 20 of the run", lambda: steps_logged(tmp_path / "cut") >= 20 or cut.poll() is not None,
+                 every=0.2)
+        assert cut.poll() is None, cut.stdout.read()[-3000:]
+    finally:
+        cut.kill()  # SIGKILL: the client is gone, as a closed laptop's
+        cut.wait()
+    at = steps_logged(tmp_path / "cut")
+    status = wait_for("the run to say it has no client", lambda: (s := raytp("status", "cut", "--address", head.gcs))
+                      and "client: none since" in s.stdout and s, every=0.5)
+    assert "cut: running" in status.stdout, status.stdout
+    assert steps_logged(tmp_path / "cut") > at  # it trained on without its client
+
+    again = raytp("train", "jobs/default.yaml", "--address", head.gcs, "--name", "cut", "--run-dir",
+                  str(tmp_path / "other"), *OUTLIVES)
+    assert again.returncode == 2 and "raytp attach cut" in again.stderr, again.stderr[-2000:]
+    assert not (tmp_path / "other").exists()  # refused before anything was written
+
+    attached = raytp("attach", "cut", "--address", head.gcs)
+    assert attached.returncode == 0, attached.stderr[-3000:]
+    assert "[raytp] attached to run cut at step" in attached.stderr
+    assert "[raytp] finished 100 steps" in attached.stderr
+    steps_seen = [json.loads(line)["step"] for line in open(tmp_path / "cut" / "metrics.jsonl")]
+    assert steps_seen == list(range(100))  # every step exactly once
+    assert events(tmp_path / "cut", "failure") == []
+    assert_bitwise_equal(final_state(tmp_path / "whole", 100), final_state(tmp_path / "cut", 100))
+    assert wait_for("the run's actors to go", lambda: leftovers(head, "cut") == [] or None)
+
+
+@pytest.mark.slow
+def test_a_run_nobody_follows_is_stopped_with_a_checkpoint_after_its_orphan_timeout(head, tmp_path):
+    from helpers import events, steps_logged
+    run_dir = tmp_path / "orphan"
+    p = client(head, "orphan", run_dir, "--set", "train.steps=100000", "--set", "checkpoint.every=0",
+               "--set", "runtime.orphan_timeout_s=2")
+    try:
+        wait_for("the run to train", lambda: steps_logged(run_dir) >= 2 or p.poll() is not None, every=0.2)
+        assert p.poll() is None, p.stdout.read()[-3000:]
+    finally:
+        p.kill()
+        p.wait()
+    stopped = wait_for("the orphaned run to stop", lambda: events(run_dir, "stopped"), every=0.5)
+    assert stopped[0]["via"] == "orphaned" and stopped[0]["checkpoint"], stopped
+    assert (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
+    assert "no client has followed the run for 2s" in (run_dir / "driver.log").read_text()
+    assert wait_for("the run's actors and placement groups to go", lambda: leftovers(head, "orphan") == [] or None)

@@ -42,7 +42,12 @@ class Interrupted(KeyboardInterrupt):
 def message_of(e: BaseException) -> str:
     """What an exception that ended a run says of itself: raytp's own errors whole (they name what is
     wrong and where), anyone else's as its type and first line."""
-    if type(e).__module__.startswith("raytp"):
-        return str(e).strip() or type(e).__name__
-    first = (str(e).strip().splitlines() or [""])[0]
-    return f"{type(e).__name__}: {first}"
+    return message_from(type(e).__module__, type(e).__name__, str(e))
+
+
+def message_from(module: str, name: str, text: str) -> str:
+    """message_of an exception of type `module.name` saying `text` (one raised in another process)."""
+    if module.startswith("raytp"):
+        return text.strip() or name
+    first = (text.strip().splitlines() or [""])[0]
+    return f"{name}: {first}"

@@ -113,6 +113,13 @@ def check_storage(cfg: JobConfig, run_dir: Path, run: str) -> None:
             raise BadJob(f"{key}: {e}") from None
 
 
+def check_fresh(path: Path, resume: str | None) -> None:
+    """The run directory holds no run, unless the run resumes its own (BadJob)."""
+    if (path / "metrics.jsonl").exists() and resume != "latest":
+        raise BadJob(f"run directory {path} already holds a run; pass --resume to continue it, "
+                     "or another --run-dir/--name")
+
+
 def plan(job: JobSpec, overrides: Overrides, run_dir, name: str | None, resume: str | None, embedded: bool,
          say: Callable[[str], None]) -> Plan:
     """Every check that needs no Ray, in the command line's order; `embedded`: every worker will run on
@@ -128,9 +135,6 @@ def plan(job: JobSpec, overrides: Overrides, run_dir, name: str | None, resume: 
     except ConfigError as e:
         raise BadJob("\n".join(e.problems)) from None
     say(f"[raytp] data: {check_data(cfg)}")  # against the model the job trains (model.init_from's shape)
-    if (path / "metrics.jsonl").exists() and resume != "latest":
-        raise BadJob(f"run directory {path} already holds a run; pass --resume to continue it, "
-                     "or another --run-dir/--name")
     from raytp.runtime import estimate
     memory = estimate.estimate(cfg)
     if embedded:

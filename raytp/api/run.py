@@ -46,14 +46,14 @@ def train(job: job_mod.JobSpec, overrides: job_mod.Overrides = None, address: st
     def say(line: str) -> None:
         print(line, file=out, flush=True)
 
-    joined = _connected() or bool(address or os.environ.get("RAY_ADDRESS"))
+    coordinated = not _connected() and bool(address or os.environ.get("RAY_ADDRESS"))
+    joined = coordinated or _connected()
     plan = job_mod.plan(job, overrides, run_dir, name, job_mod.resume_spec(resume), not joined, say)
+    if coordinated:  # the run is driven by a detached actor in the cluster: it outlives this process
+        return _train_coordinated(plan, address, resume, t0, out, say)
     cfg, path = plan.cfg, plan.run_dir
-    path.mkdir(parents=True, exist_ok=True)
-    import yaml
-    (path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    say(f"[raytp] run {plan.run}  dir {path}  layout {cfg.layout}  "
-        f"device {cfg.runtime.device}  memory {plan.memory.line()}")
+    job_mod.check_fresh(path, job_mod.resume_spec(resume))
+    _begin(plan, say)
 
     with _ray(address, cfg) as embedded:
         if not embedded:
@@ -72,10 +72,41 @@ def train(job: job_mod.JobSpec, overrides: job_mod.Overrides = None, address: st
         except Exception as e:  # noqa: BLE001 - the run dir's events.jsonl says more
             raise RunFailed(message_of(e), path) from e
         newest = driver.checkpoints.newest() if driver.checkpoints.committed is not None else None
-        layout = driver.layout
+        summary = {**summary, "checkpoint": newest.where if newest is not None else None, "layout": driver.layout}
+    return _result(plan, summary)
+
+
+def _train_coordinated(plan, address, resume, t0: float, out, say) -> Result:
+    """Start the run's coordinator in the cluster and follow it to its end (raytp.api.follow)."""
+    from raytp.api import follow
+    t0_wall = time.time() - (time.perf_counter() - t0)
+    with _ray(address, plan.cfg):
+        refusal = follow.alive(plan.run)
+        if refusal:
+            raise BadJob(refusal)
+        job_mod.check_fresh(plan.run_dir, job_mod.resume_spec(resume))
+        _begin(plan, say)
+        _check_cluster_memory(plan.cfg, plan.memory)
+        actor = follow.start(plan, t0_wall)
+        summary = follow.outcome(follow.follow(actor, plan.run, out, 0, stops=True), plan.run_dir)
+    return _result(plan, summary)
+
+
+def _begin(plan, say) -> None:
+    """The run directory with the job as it runs (config.yaml), and the run's first line."""
+    import yaml
+    cfg, path = plan.cfg, plan.run_dir
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    say(f"[raytp] run {plan.run}  dir {path}  layout {cfg.layout}  "
+        f"device {cfg.runtime.device}  memory {plan.memory.line()}")
+
+
+def _result(plan, summary: dict) -> Result:
+    path = plan.run_dir
     return Result(run=plan.run, run_dir=path, state=summary["state"], steps=summary["steps"], loss=summary["loss"],
                   val_loss=summary["val_loss"], seconds=summary["seconds"], failures=summary["failures"],
-                  checkpoint=newest.where if newest is not None else None, layout=layout, events=read_events(path))
+                  checkpoint=summary["checkpoint"], layout=summary["layout"], events=read_events(path))
 
 
 def _connected() -> bool:

@@ -57,3 +57,10 @@ def failed(e: BaseException, code: int = EXIT_FAILED):
         traceback.print_exception(e)
     own = type(e).__module__.startswith("raytp")  # raytp's own errors say what is wrong and where
     fail(message_of(e) + ("" if own or DEBUG["on"] else "  (raytp --debug shows the traceback)"), code)
+
+
+def ended_line(state: str, steps: int, seconds: float, loss, val_loss, run_dir) -> str:
+    """The last line of `raytp train` and `raytp attach`: how the run ended."""
+    ended = "stopped after" if state == "stopped" else "finished"
+    return (f"[raytp] {ended} {steps} steps in {seconds:.1f}s" + (f": loss {loss:.4f}" if loss is not None else "")
+            + (f", val_loss {val_loss:.4f}" if val_loss is not None else "") + f"; run dir {run_dir}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from raytp.cli.base import fail, failed, keys_help, main
+from raytp.cli.base import ended_line, fail, failed, keys_help, main
 
 
 @main.command(epilog=keys_help())
@@ -34,11 +34,8 @@ def train(job, sets, address, run_dir, name, resume):
         if e.__cause__ is not None:  # a run's error: its traceback with --debug
             failed(e.__cause__, e.exit_code)
         fail(str(e), e.exit_code)
-    val, loss = result.val_loss, result.loss
-    ended = "stopped after" if result.state == "stopped" else "finished"
-    click.echo(f"[raytp] {ended} {result.steps} steps in {result.seconds:.1f}s"
-               + (f": loss {loss:.4f}" if loss is not None else "")
-               + (f", val_loss {val:.4f}" if val is not None else "") + f"; run dir {result.run_dir}", err=True)
+    click.echo(ended_line(result.state, result.steps, result.seconds, result.loss, result.val_loss,
+                          result.run_dir), err=True)
 
 
 @main.command()

@@ -192,6 +192,10 @@ class RuntimeConfig:
                                       "<storage>/<run>/ (and its checkpoints written, unless checkpoint.dir is "
                                       "set): `raytp status RUN --storage` reads them after the head is gone; "
                                       "null = none")
+    orphan_timeout_s: float = _f(600.0, "a run joined to a cluster that no client (raytp train, raytp attach) "
+                                        "has followed for this long is stopped with a checkpoint", POSITIVE)
+    detached: bool = _f(False, "a run joined to a cluster trains on with no client following it (stop it "
+                               "with raytp stop)")
     straggler_ratio: float = _f(1.2, "a rank whose step compute time stays above this many times the median "
                                      "rank's for 5 steps in a row is named in a straggler event", POSITIVE)
 

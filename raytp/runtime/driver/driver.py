@@ -330,7 +330,8 @@ class Driver:
         self.handle_requests()  # a stop filed meanwhile (`raytp stop` sends SIGTERM too) is answered as well
         path = self.save_checkpoint() if self.step > 0 else None
         self.state = State.STOPPED
-        self.log.event("stopped", step=self.step, reason="requested", checkpoint=str(path) if path else None)
+        self.log.event("stopped", step=self.step, reason="requested", via=self.controls.stop.via,
+                       checkpoint=str(path) if path else None)
         for rid in self.controls.stop.ids:
             self.controls.answer(rid, Outcome(ok=True, step=self.step, checkpoint=str(path) if path else None))
         self._say(f"stopped at step {self.step} on request" + (f"; checkpoint {path}" if path else ""))

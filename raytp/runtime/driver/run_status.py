@@ -20,7 +20,8 @@ def summary(view: dict) -> dict:
             "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "world_size": lay.world_size,
             "loss": last.get("loss"), "val_loss": last.get("val_loss"),
             "tokens_per_s": last.get("tokens_per_s"), "step_time_s": last.get("step_time_s"),
-            "failures": view["failures"], "spares": view["spares"], "run_dir": view["run_dir"]}
+            "failures": view["failures"], "spares": view["spares"], "run_dir": view["run_dir"],
+            **({"client": view["client"]} if "client" in view else {})}
 
 
 @dataclass(frozen=True)
