@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "checkpoint_io": lazy("bench.checkpoint_io:run"),
     "recovery": lazy("bench.recovery:run"),
     "drain": lazy("bench.drain:run"),
+    "client_killed": lazy("bench.client_killed:run"),
     "snapshots": lazy("bench.snapshots:run"),
     "resize": lazy("bench.resize:run"),
     "memory_scale": lazy("bench.memory_scale:run"),

@@ -261,7 +261,7 @@ def test_long_run_exports_metrics_scales_and_stops_cleanly(head, prometheus, tmp
     after = raytp("status", "long", "--address", head.dashboard)
     assert "long: STOPPED" in after.stdout and "Ray job raytp-long: STOPPED" in after.stdout
     assert any((run_dir / "checkpoints").iterdir())
-    assert wait_for("the run's actors to go", lambda: alive_actors(head, "raytp.long.") == [] or None)
+    assert wait_for("the run's actors and placement groups to go", lambda: leftovers(head, "long") == [] or None)
 
 
 @pytest.mark.slow
@@ -380,3 +380,23 @@ def test_a_run_nobody_follows_is_stopped_with_a_checkpoint_after_its_orphan_time
     assert (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     assert "no client has followed the run for 2s" in (run_dir / "driver.log").read_text()
     assert wait_for("the run's actors and placement groups to go", lambda: leftovers(head, "orphan") == [] or None)
+
+
+@pytest.mark.slow
+def test_sigterm_of_the_client_stops_its_run_with_a_checkpoint(head, tmp_path):
+    """What `ray job stop` sends a submitted run's entrypoint: the client files a stop with the coordinator and
+    follows the run to it."""
+    from helpers import events, steps_logged
+    run_dir = tmp_path / "termed"
+    p = client(head, "termed", run_dir, "--set", "train.steps=100000", "--set", "checkpoint.every=0")
+    try:
+        wait_for("the run to train", lambda: steps_logged(run_dir) >= 2 or p.poll() is not None, every=0.2)
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=NEVER_S)
+    finally:
+        p.kill()
+    assert p.returncode == 0, out[-3000:]
+    assert re.search(r"\[raytp\] stopped after \d+ steps", out), out[-3000:]
+    (stopped,) = events(run_dir, "stopped")
+    assert stopped["via"] == "SIGTERM" and stopped["checkpoint"]
+    assert wait_for("the run's actors and placement groups to go", lambda: leftovers(head, "termed") == [] or None)

@@ -164,6 +164,50 @@ def test_ranks_leave_a_node_that_ray_drains_before_its_deadline_and_lose_nothing
             cluster.remove_node(node)
 
 
+def test_a_drained_node_with_no_room_elsewhere_is_left_by_a_live_shrink_losing_nothing(cluster, recovery_reference,
+                                                                                        tmp_path):
+    """TP=2 x DP=2 under zero 1 filling two 2-GPU nodes, parallel.min_dp 1: `ray drain-node` of replica 0's
+    node, with no node that has room for its ranks -> the job drops replica 0 at a step boundary (its ranks hand
+    their AdamW rows to the kept ones first) and goes on with replica 1 (renumbered 0) at DP=1: no failure,
+    every step once, the loss curve that of an undisturbed DP=2 run."""
+    import time
+
+    from ray.core.generated import autoscaler_pb2
+    gpu_nodes(cluster, 2)
+    recovery_reference(2, 2, gpus_per_worker=1.0)
+    reference = recovery_reference.run_dir(2, 2)
+    drained = {}
+
+    def drain_replica_0s_node(run_name):
+        node_id = ray_actors(f"raytp.{run_name}.rank0")[f"raytp.{run_name}.rank0"]["node_id"]
+        drained.update(node=node_id)
+        gcs = ray._raylet.GcsClient(address=cluster.address)
+        accepted, why = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                       "spot instance reclaimed", int((time.time() + 60) * 1000))
+        assert accepted, why
+
+    WaitsForMoved.run, WaitsForMoved.ranks, WaitsForMoved.at = "dshrink", (), 15  # steps of 0.4 s from step 3
+    base = recovery_job(2, 2, gpus_per_worker=1.0, step_timeout_s=2 * HOLD_S)
+    run_dir = tmp_path / "run"
+    run(dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, min_dp=1, zero=1)), run_dir, "dshrink",
+        faults=[(3, drain_replica_0s_node)], worker_cls=WaitsForMoved)
+    (draining,) = events(run_dir, "draining")
+    assert draining["node"] == drained["node"] and draining["ranks"] == [0, 1]
+    (resized,) = events(run_dir, "resized")
+    assert (resized["old"]["dp"], resized["new"]["dp"]) == (2, 1) and resized["lost_steps"] == 0
+    assert resized["bytes"] > 0  # the dropped replica's AdamW rows
+    assert resized["reason"] == f"drained node {drained['node']}; kept replicas [1] of 2"
+    assert not events(run_dir, "failure") and not events(run_dir, "recovered")
+    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == list(range(16)) and metrics[-1]["dp"] == 1
+    np.testing.assert_allclose(losses(run_dir), losses(reference), rtol=0, atol=1e-4)
+    placed = events(run_dir, "placed")[-1]["ranks"]
+    assert drained["node"] not in {p["node_id"] for p in placed} and len(placed) == 2
+    for node in list(cluster.worker_nodes):
+        if node.node_id == drained["node"]:
+            cluster.remove_node(node)
+
+
 def test_a_job_grows_into_nodes_as_they_join_up_to_max_dp(cluster, tmp_path):
     """TP=2 at DP=1 with parallel.max_dp 3 on one 2-GPU node: it asks for two more replicas (pending placement
     groups, and the autoscaler for the whole target) and trains on; a node joins -> DP 2, another -> DP 3,

@@ -218,3 +218,18 @@ def test_a_scale_request_is_typed_and_names_its_target_layout():
 
 def changes_of(old, new):
     return changes.plan_change(old, new)
+
+
+def test_a_drain_with_no_room_elsewhere_keeps_the_replicas_clear_of_it_that_divide_the_batch():
+    tp2dp4 = Layout(2, dp=4)  # replica q on node "nq"
+    nodes = [f"n{r // 2}" for r in range(8)]
+    assert policy.drain_keep(tp2dp4, nodes, {"n0"}, 1, 8) == (1, 2)  # 3 clear, 2 divides the batch of 8
+    assert policy.drain_keep(tp2dp4, nodes, {"n0"}, 1, 6) == (1, 2, 3)
+    assert policy.drain_keep(tp2dp4, nodes, {"n1", "n3"}, 1, 8) == (0, 2)
+    assert policy.drain_keep(tp2dp4, nodes, {"n0"}, 3, 8) is None   # below min_dp
+    assert policy.drain_keep(tp2dp4, nodes, {"n0"}, None, 8) is None  # not elastic
+    assert policy.drain_keep(tp2dp4, nodes, {"x"}, 1, 8) is None    # nothing of the job is drained
+    assert policy.drain_keep(tp2dp4, ["n0"] * 8, {"n0"}, 1, 8) is None  # no replica is clear
+    pp2 = Layout(1, pp=2, dp=2)  # a replica's stages on two nodes: one drained stage drops its replica
+    assert policy.drain_keep(pp2, ["a", "b", "c", "d"], {"b"}, 1, 4) == (1,)
+    assert policy.drain_keep(Layout(2, dp=2, ep=2), ["a", "a", "b", "b"], {"a"}, 1, 4) is None  # expert mesh

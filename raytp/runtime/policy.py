@@ -12,7 +12,7 @@ import dataclasses
 import math
 from enum import Enum
 from dataclasses import dataclass
-from typing import Hashable, Mapping, Sequence
+from typing import Collection, Hashable, Mapping, Sequence
 
 from raytp import config as config_mod
 from raytp.parallel.layout import Layout
@@ -98,6 +98,20 @@ def shrink_decision(layout: Layout, lost: Sequence[int], completed: Mapping[int,
     if not sizes or len(steps) != 1:
         return None
     return Shrink(sizes[0], tuple(whole[:sizes[0]]), steps.pop())
+
+
+def drain_keep(layout: Layout, nodes: Sequence[str | None], draining: Collection[str], min_dp: int | None,
+               batch_size: int) -> tuple[int, ...] | None:
+    """A live shrink off nodes Ray is draining when no node has room for their ranks: the replicas to keep
+    (old DP ranks, renumbered 0.. in this order): those with no rank on a drained node, as many as divide the
+    global batch, at least `min_dp`. None if the job is not elastic (min_dp None), has an expert mesh of its
+    own (no live DP change), or too few replicas stay clear of the drained nodes."""
+    if min_dp is None or layout.ep > 1 or layout.etp == 1:
+        return None
+    hit = {layout.coords(r).dp for r, n in enumerate(nodes) if n in draining}
+    clear = [q for q in range(layout.dp) if q not in hit]
+    sizes = [k for k in range(len(clear), 0, -1) if k >= min_dp and batch_size % k == 0]
+    return tuple(clear[:sizes[0]]) if hit and sizes else None
 
 
 def choose_spares(layout: Layout, lost: Sequence[int], nodes: Sequence[str | None],

@@ -80,7 +80,8 @@ class Coordinator:
     """The actor. `start` begins the run; clients `follow`, `stop` and `close`."""
 
     def __init__(self, cfg, run_dir: str, run: str, init_state, cwd: str, t0_wall: float):
-        os.chdir(cwd)  # the job's relative paths mean what they mean to the client
+        if os.path.isdir(cwd):  # the job's relative paths mean what they mean to the client (same machine)
+            os.chdir(cwd)
         from raytp.runtime.driver.driver import Driver
 
         class Coordinated(Driver):

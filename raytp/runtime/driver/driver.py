@@ -1,6 +1,7 @@
 """The Driver: a state machine that decides, and carries out through one WorkerGroup.
 
-It runs in the Ray driver process (``raytp train``): SCHEDULING (reserve the
+It runs in the process of ``raytp train`` with an embedded Ray, or in the run's coordinator actor when the
+run joins a cluster (raytp.runtime.driver.coordinator): SCHEDULING (reserve the
 placement, start the actors, meet in torch.distributed) -> RUNNING (streamed
 calls of ``steps_per_call`` steps, evaluation, checkpoints) <-> RECOVERING (a
 worker died or hung: raytp.runtime.recovery.recovery) or RESIZING (raytp.runtime.elastic.resize)
@@ -254,7 +255,7 @@ class Driver:
         """Submit the next call behind the one in flight if nothing must happen between them."""
         quiet = (self.controls.stop is None and self.pending_resize is None and self.elastic.growing is None
                  and self.elastic.awaiting is None
-                 and not self.controls.waiting() and self.respread.pending is None)
+                 and not self.controls.waiting() and not self.respread.under_way)
         self.calls.submit_next(self.cfg, end, self.checkpoints.last_step, quiet, self.cadence.every)
 
     def _report(self) -> None:
@@ -275,7 +276,10 @@ class Driver:
         if moved.error is not None:
             self._recover(moved.error)
             return
-        self.moving = dataclasses.replace(moved.moving, before=self.last.get("time"))
+        if moved.resizing is not None:  # a shrink off a drained node
+            self.resizing = dataclasses.replace(moved.resizing, before=self.last.get("time"))
+        else:
+            self.moving = dataclasses.replace(moved.moving, before=self.last.get("time"))
         self._survival()
 
     def _recover(self, error: BaseException) -> None:

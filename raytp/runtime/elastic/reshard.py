@@ -52,7 +52,7 @@ def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: di
     """`group` at DP degree new_cfg.parallel.dp: (new group, bytes moved). `reserved`: placement of the
     added replicas (reserved now if None); `early`: {rank: (actor, bundle)} of added ranks started ahead;
     `plan`: the request's rank_plans.dp_resize_ranks (made here if None). Under zero 1 every rank first cuts
-    the AdamW rows it keeps into bundles for the new DP ranks (``_rows``); added ranks copy only the weights."""
+    the AdamW rows it keeps into bundles for the new DP ranks (``row_bundles``); added ranks copy only the weights."""
     old_dp, new_dp = group.layout.dp, new_cfg.parallel.dp
     plan = plan or rank_plans.dp_resize_ranks(group.layout.replica_size, old_dp, new_dp)
     added = list(range(old_dp, new_dp))
@@ -78,7 +78,7 @@ def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: di
         donors = {r: (own.weight_holders(r) if zero else own.holders(r))[0] for r in plan.early}
         moved = nxt.copy_shards(donors, step, weights_only=zero)
         if zero:
-            nxt.take_rows(_rows(group.layout, nxt.layout, rows[0]))
+            nxt.take_rows(row_bundles(group.layout, nxt.layout, rows[0]))
             moved += sum(map(sum, rows[1]))
     except FAILURES as e:
         group.kill_actors(a for a, _ in early.values())
@@ -89,7 +89,7 @@ def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: di
     return nxt, moved
 
 
-def _rows(old, new, refs: list) -> dict[int, list]:
+def row_bundles(old, new, refs: list) -> dict[int, list]:
     """{rank of layout `new`: the bundles of AdamW rows it takes}: from every rank of `old` at its TP rank and
     stage, the bundle cut for its DP rank (`refs[old rank][new DP rank]`, Group.export_rows)."""
     out = {}

@@ -28,8 +28,10 @@ Drains. A node that Ray is draining (``ray drain-node``, a spot preemption with 
 scale-down: raytp.runtime.cluster.drains, read at most once a second as records arrive) is left the same way,
 ahead of any move off a twin: spread.move_off_drained picks the stage and a node with room, and at the
 boundary the stage's own ranks put their state in the object store before they stop, and the new ones take
-it (so a stage with no twin, or under zero 1, moves too). With no room the ranks stay; the node's loss is
-then healed as a failure.
+it (so a stage with no twin, or under zero 1, moves too). With no room an elastic job (parallel.min_dp)
+shrinks live instead: policy.drain_keep picks the replicas clear of the drained nodes, and at the boundary
+raytp.runtime.elastic.replica_drop drops the others (a ``resized`` event). A job that cannot shrink keeps its
+ranks there; the node's loss is then healed as a failure.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ import ray
 from raytp import names
 from raytp.runtime import policy, spread
 from raytp.runtime.errors import FAILURES
-from raytp.runtime.records import Moving
+from raytp.runtime.records import Moving, Resizing
 from raytp.runtime.cluster.slots import replaced, unused_groups
 
 
@@ -66,6 +68,7 @@ class Moved:
     group: object
     moving: Moving | None
     error: BaseException | None = None
+    resizing: Resizing | None = None  # a live shrink off a drained node (no node had room for its ranks)
 
 
 class Respread:
@@ -80,18 +83,27 @@ class Respread:
         self.draining: dict[str, float] = {}  # node -> deadline (Unix s) of the nodes Ray is draining, as last read
         self._drains_read = float("-inf")     # when (monotonic)
         self._told: set[str] = set()          # drained nodes already announced
+        self.shrink: tuple[int, ...] | None = None  # the replicas to keep, off drained nodes with no room elsewhere
+        self._stuck: set[str] = set()         # drained nodes told to have no way off but their loss
+
+    @property
+    def under_way(self) -> bool:
+        """A move or a shrink waits for the next step boundary."""
+        return self.pending is not None or self.shrink is not None
 
     def wants_boundary(self, group) -> bool:
         """Look for a move, or take the one under way a stage further (never waits: the driver calls this
         as each step's record arrives); whether one is under way (the driver then stops at the next step
         boundary instead of submitting a call behind)."""
         self._progress(group)
-        return self.pending is not None
+        return self.under_way
 
     def advance(self, group, step: int) -> Moved | None:
         """At a step boundary: carry out the move under way once its workers are up; else take it (or
         the look for one) a stage further."""
         self._progress(group)
+        if self.shrink is not None:
+            return self._shrink(group)
         p = self.pending
         if p is None or not p.pings or not group.answered(p.pings):
             return None
@@ -161,7 +173,32 @@ class Respread:
         if move is not None:
             pg = group.placer.request_stage(cfg, self.run, move.dp, move.stage, move.node)
             self.pending = _Pending(move, pg, pg.ready(), group.placement, time.perf_counter())
+            return True
+        lay = group.layout
+        self.shrink = policy.drain_keep(lay, nodes, set(self.draining), cfg.parallel.min_dp, cfg.train.batch_size)
+        if self.shrink is None and not set(drained) <= self._stuck:
+            self._stuck.update(drained)
+            self.say(f"no node has room for the ranks on {', '.join(drained)} and the job cannot shrink off it "
+                     f"(parallel.min_dp {cfg.parallel.min_dp}, DP={lay.dp}): they stay until the node goes, then "
+                     "are recovered as after a failure")
         return True
+
+    def _shrink(self, group) -> Moved:
+        """Go on with the replicas clear of the drained nodes (no node had room for the others' ranks)."""
+        from raytp.runtime.elastic.reshard import SwitchFailed
+        from raytp.runtime.elastic.replica_drop import drop_replicas
+        keep, self.shrink = self.shrink, None
+        lay, t0 = group.layout, time.perf_counter()
+        dropped = [q for q in range(lay.dp) if q not in keep]
+        nodes = sorted({n for q in dropped for r in lay.replica(q) if (n := group.nodes()[r]) in self.draining})
+        self.say(f"no node has room for the ranks on {', '.join(nodes)}, which Ray is draining: dropping replica(s) "
+                 f"{dropped}, going on at DP={len(keep)} (grows back when capacity returns)")
+        try:
+            nxt, moved = drop_replicas(group, keep)
+        except SwitchFailed as e:
+            return Moved(e.group, None, e.cause)
+        reason = f"drained node {', '.join(nodes)}; kept replicas {list(keep)} of {lay.dp}"
+        return Moved(nxt, None, resizing=Resizing(t0, t0, lay, nxt.layout, moved, reason))
 
     def _start_ahead(self, group, p: _Pending) -> None:
         lay = group.layout
