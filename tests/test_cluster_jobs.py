@@ -301,6 +301,7 @@ def test_unreachable_head_fails_fast():
 
 # -- a run that outlives its client (raytp.runtime.driver.coordinator) ----------------------------------
 OUTLIVES = [*SMALL, "--set", "parallel.dp=2", "--set", "train.steps_per_call=2"]
+ONE_WORKER = ["--set", "parallel.tp=1", "--set", "parallel.dp=1"]  # what a test of the client alone needs
 
 
 def leftovers(head, run: str) -> list[str]:
@@ -367,7 +368,7 @@ def test_a_run_outlives_its_killed_client_and_attach_follows_it_to_the_end(head,
 def test_a_run_nobody_follows_is_stopped_with_a_checkpoint_after_its_orphan_timeout(head, tmp_path):
     from helpers import events, steps_logged
     run_dir = tmp_path / "orphan"
-    p = client(head, "orphan", run_dir, "--set", "train.steps=100000", "--set", "checkpoint.every=0",
+    p = client(head, "orphan", run_dir, *ONE_WORKER, "--set", "train.steps=100000", "--set", "checkpoint.every=0",
                "--set", "runtime.orphan_timeout_s=2")
     try:
         wait_for("the run to train", lambda: steps_logged(run_dir) >= 2 or p.poll() is not None, every=0.2)
@@ -388,7 +389,7 @@ def test_sigterm_of_the_client_stops_its_run_with_a_checkpoint(head, tmp_path):
     follows the run to it."""
     from helpers import events, steps_logged
     run_dir = tmp_path / "termed"
-    p = client(head, "termed", run_dir, "--set", "train.steps=100000", "--set", "checkpoint.every=0")
+    p = client(head, "termed", run_dir, *ONE_WORKER, "--set", "train.steps=100000", "--set", "checkpoint.every=0")
     try:
         wait_for("the run to train", lambda: steps_logged(run_dir) >= 2 or p.poll() is not None, every=0.2)
         p.send_signal(signal.SIGTERM)

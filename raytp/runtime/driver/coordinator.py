@@ -9,8 +9,9 @@ attach`` follow it by polling ``follow``: the output lines since their cursor, a
 A client's SIGTERM or Ctrl-C files a stop (``stop``), served at a step boundary with a checkpoint.
 
 A run nobody follows for ``runtime.orphan_timeout_s`` is stopped the same way (``orphaned``, pure), unless
-``runtime.detached``. Once it has ended, the coordinator keeps the result for ``LINGER_S`` for a client to
-collect, then exits; a client that collected it ends it at once (``close``).
+``runtime.detached``. Once it has ended, the coordinator keeps the result for a client to collect (``LINGER_S``,
+or ``ALONE_LINGER_S`` when none was following), then exits; a client that collected it ends it at once
+(``close``).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import traceback
 
 from raytp import names
 
-LINGER_S = 10.0       # how long an ended run's result waits for a client (events.jsonl keeps it after)
+LINGER_S = 10.0       # how long an ended run's result waits for the client following it (events.jsonl keeps it)
+ALONE_LINGER_S = 2.0  # ... when no client was following at the end
 FOLLOWING_S = 3.0     # a client seen this recently follows the run (clients poll every 0.25 s)
 KEPT_LINES = 20_000   # output lines kept for clients (driver.log has them all)
 
@@ -138,7 +140,8 @@ class Coordinator:
             result = {"error": kind, "exception": (type(e).__module__, type(e).__name__, str(e)),
                       "traceback": traceback.format_exc()}
         self.result = result
-        threading.Thread(target=self._exit, args=(LINGER_S,), daemon=True).start()
+        following = time.time() - self.last_seen <= FOLLOWING_S
+        threading.Thread(target=self._exit, args=(LINGER_S if following else ALONE_LINGER_S,), daemon=True).start()
 
     def _watch(self) -> None:
         while self.result is None:
