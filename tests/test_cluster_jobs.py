@@ -318,10 +318,11 @@ def leftovers(head, run: str) -> list[str]:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def client(head, run: str, run_dir, *sets):
+def client(head, run: str, run_dir, *sets, env=None):
     """`raytp train` of a run joined to the head, as a process of its own."""
     return subprocess.Popen([sys.executable, "-m", "raytp.cli", "train", "jobs/default.yaml", "--address", head.gcs,
-                             "--name", run, "--run-dir", str(run_dir), *OUTLIVES, *sets], cwd=ROOT, env=_env(),
+                             "--name", run, "--run-dir", str(run_dir), *OUTLIVES, *sets], cwd=ROOT,
+                            env=_env(**(env or {})),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -386,12 +387,16 @@ def test_a_run_nobody_follows_is_stopped_with_a_checkpoint_after_its_orphan_time
 @pytest.mark.slow
 def test_sigterm_of_the_client_stops_its_run_with_a_checkpoint(head, tmp_path):
     """What `ray job stop` sends a submitted run's entrypoint: the client files a stop with the coordinator and
-    follows the run to it."""
+    follows the run to it. The client's tracker and credential variables reach the coordinator and its workers."""
     from helpers import events, steps_logged
     run_dir = tmp_path / "termed"
-    p = client(head, "termed", run_dir, *ONE_WORKER, "--set", "train.steps=100000", "--set", "checkpoint.every=0")
+    p = client(head, "termed", run_dir, *ONE_WORKER, "--set", "train.steps=100000", "--set", "checkpoint.every=0",
+               env={"WANDB_PROBE": "from the client", "UNRELATED_PROBE": "stays"})
     try:
         wait_for("the run to train", lambda: steps_logged(run_dir) >= 2 or p.poll() is not None, every=0.2)
+        (worker,) = events(run_dir, "placed")[0]["ranks"]
+        environ = Path(f"/proc/{worker['pid']}/environ").read_bytes().split(b"\0")
+        assert b"WANDB_PROBE=from the client" in environ and not any(e.startswith(b"UNRELATED_PROBE") for e in environ)
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=NEVER_S)
     finally:

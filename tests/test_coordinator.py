@@ -39,3 +39,11 @@ def test_a_run_that_failed_in_its_coordinator_is_raised_as_it_would_be_here():
     with pytest.raises(BadJob, match="^memory: a worker needs 9 GiB$"):
         outcome({"error": "bad", "exception": ("raytp.runtime.errors", "DoesNotFit", "memory: a worker needs 9 GiB"),
                  "traceback": tb}, "runs/x")
+
+
+def test_the_coordinator_is_given_the_clients_tracker_and_storage_variables_only():
+    from raytp.runtime.driver.coordinator import forwarded_env
+    env = {"WANDB_API_KEY": "k", "WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": "file:/m", "AWS_ACCESS_KEY_ID": "a",
+           "HF_TOKEN": "t", "PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0", "RAY_ADDRESS": "h:6379", "HOME": "/root"}
+    assert forwarded_env(env) == {"WANDB_API_KEY": "k", "WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": "file:/m",
+                                  "AWS_ACCESS_KEY_ID": "a", "HF_TOKEN": "t"}

@@ -135,6 +135,7 @@ def _prepare_cli(*args):
     return r.exit_code, r.output
 
 
+@pytest.mark.slow  # over 15 s: the quick tier keeps under 3 minutes
 def test_bad_input_is_one_error_naming_the_file_and_line(ray_local, corpus, tmp_path):
     data, _, tok_file, _ = corpus
     bad = tmp_path / "bad.jsonl"

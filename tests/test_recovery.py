@@ -137,6 +137,7 @@ def test_too_many_failures_fail_clearly_and_leave_a_checkpoint(ray_local, tmp_pa
     assert not ray_actors("raytp.giveup.")
 
 
+@pytest.mark.slow  # over 15 s: the quick tier keeps under 3 minutes
 def test_an_error_of_the_job_itself_fails_it_at_once(ray_local, tmp_path):
     """Every worker alive, a step raising: no recovery (it would only repeat), a clear failure."""
     from faulty import Buggy

@@ -16,6 +16,7 @@ STEPS = 4 * len(PHASES)
 
 # The quick tests come first: they run in the shared Ray (conftest.ray_local, 4 CPUs: a TP 2 -> 4 grow
 # fits), which the slow ones' ray_wide below ends for good in this module.
+@pytest.mark.slow  # over 15 s: the quick tier keeps under 3 minutes
 def test_invalid_requests_are_refused_and_the_job_is_untouched(ray_local, tmp_path):
     d = Driver(job(2, 1, steps=4, placement_timeout_s=2.0), tmp_path / "run", "refuse", out=io.StringIO())
     try:

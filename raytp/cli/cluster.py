@@ -48,9 +48,10 @@ def await_outcome(ctl, rid: int, timeout_s: float, what: str, until=lambda outco
     fail(f"no answer to the {what} request within {timeout_s:g}s (the run answers at step boundaries)", 1)
 
 
-@main.command(epilog="\b\nThe run's Ray job is raytp-RUN; its driver is `raytp train` on the head node, and its "
-                     "run directory\n~/raytp/runs/RUN there unless --run-dir is given. Paths in the job file "
-                     "(data.source,\nmodel.init_from, checkpoint.dir) are paths on the cluster.")
+@main.command(epilog="\b\nThe run's Ray job is raytp-RUN; its entrypoint is `raytp train` on the head node, which "
+                     "starts the run's\ncoordinator there (the run goes on if the entrypoint dies: `raytp attach "
+                     "RUN`), and its run directory\n~/raytp/runs/RUN there unless --run-dir is given. Paths in the "
+                     "job file (data.source,\nmodel.init_from, checkpoint.dir) are paths on the cluster.")
 @click.argument("job", type=click.Path(exists=True, dir_okay=False))
 @click.option("--address", default=None, help="The cluster's dashboard, http://HEAD:8265, or its GCS, HEAD:6379 "
               "(default: RAY_ADDRESS, else the cluster `ray start` made on this machine).")

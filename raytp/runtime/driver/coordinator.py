@@ -26,6 +26,16 @@ LINGER_S = 10.0       # how long an ended run's result waits for the client foll
 ALONE_LINGER_S = 2.0  # ... when no client was following at the end
 FOLLOWING_S = 3.0     # a client seen this recently follows the run (clients poll every 0.25 s)
 KEPT_LINES = 20_000   # output lines kept for clients (driver.log has them all)
+# The client's variables a Driver reads (trackers, storage credentials, Hugging Face): the coordinator is
+# another process, started by Ray, so they are handed to it (and from it to the workers, which Ray gives the
+# parent's env_vars). Nothing else: a client's PATH or CUDA_VISIBLE_DEVICES has no business on other nodes.
+FORWARDED = ("WANDB_", "MLFLOW_", "TENSORBOARD_", "HF_", "HUGGING_FACE_", "AWS_", "GOOGLE_APPLICATION_CREDENTIALS",
+             "AZURE_", "FSSPEC_", "RAYTP_")
+
+
+def forwarded_env(environ) -> dict[str, str]:
+    """The client's environment variables the coordinator is given (FORWARDED prefixes)."""
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED)}
 
 
 def orphaned(last_seen: float, now: float, timeout_s: float, detached: bool) -> bool:
@@ -166,6 +176,7 @@ def start(cfg, run_dir, run: str, init_state, t0_wall: float):
     actor = ray.remote(Coordinator).options(
         name=names.coordinator(run), namespace=names.NAMESPACE, lifetime="detached", num_cpus=0,
         max_restarts=0, max_concurrency=8, scheduling_strategy=here,
+        runtime_env={"env_vars": forwarded_env(os.environ)},
     ).remote(cfg, str(run_dir), run, init_state, os.getcwd(), t0_wall)
     ray.get(actor.start.remote())
     return actor
