@@ -14,7 +14,7 @@ _shared_ray = []  # [True] while ray_local's Ray is up
 # each take whole files in collection order (pyproject's addopts), so these start first and the suite ends on
 # short files instead of one process running a long file alone. Every other file follows in name order.
 LONG_FIRST = ["test_node_loss.py", "test_pipeline_runtime.py", "test_recovery.py", "test_cli.py",
-              "test_cluster_jobs.py", "test_resize.py", "test_checkpoint.py", "test_pipeline.py",
+              "test_cluster_jobs.py", "test_detached_runs.py", "test_resize.py", "test_checkpoint.py", "test_pipeline.py",
               "test_llama_runtime.py", "test_pipeline_resize.py"]
 
 
@@ -79,3 +79,10 @@ def recovery_reference(tmp_path_factory):
         return dirs[(tp, dp)]
     final.run_dir = run_dir
     return final
+
+
+@pytest.fixture(scope="module")
+def head():
+    """A real `ray start` head for the module (tests/ray_head.py), ended with it."""
+    from ray_head import start_head
+    yield from start_head()

@@ -46,42 +46,42 @@ def alive(run: str) -> str | None:
             f"follow it with `raytp attach {run}`, stop it with `raytp stop {run}`, or give another --name")
 
 
-def follow(actor, run: str, out: TextIO, cursor: int | None, stops: bool) -> dict:
+def follow(actor, run: str, out: TextIO, cursor: int | None, stops: bool, asked: list) -> dict:
     """Print the run's output from `cursor` (None: from now) until it ends; its result. `stops`: a first
-    Ctrl-C files a stop (the client that started the run) rather than leaving."""
+    Ctrl-C files a stop (the client that started the run) rather than leaving. `asked`: sigterm_flag's list
+    (a SIGTERM that came before the following began is served at once)."""
     import ray
     stopping = False
-    with _sigterm_flag() as asked:
-        while True:
-            try:
-                if asked and not stopping:
-                    actor.stop.remote(asked[0])
-                    stopping = True
-                try:
-                    got = ray.get(actor.follow.remote(cursor), timeout=60)
-                except ray.exceptions.RayActorError:
-                    raise RunFailed(f"the coordinator of run {run} was lost (its node left the cluster?); its "
-                                    "run directory keeps every record so far, and --resume continues from its "
-                                    "newest checkpoint", None) from None
-                except ray.exceptions.GetTimeoutError:
-                    continue
-                for line in got["lines"]:
-                    print(line, file=out, flush=True)
-                cursor = got["cursor"]
-                if got["result"] is not None:
-                    try:
-                        actor.close.remote()
-                    except Exception:  # noqa: BLE001 - it ends by itself after a while
-                        pass
-                    return got["result"]
-                time.sleep(POLL_S)
-            except KeyboardInterrupt:
-                if not stops or stopping:
-                    raise Left(run, stopping) from None
-                actor.stop.remote("interrupt")
+    while True:
+        try:
+            if asked and not stopping:
+                actor.stop.remote(asked[0])
                 stopping = True
-                print("[raytp] stopping the run at its next step boundary with a checkpoint (Ctrl-C again leaves "
-                      f"it to stop by itself; `raytp attach {run}` follows it)", file=out, flush=True)
+            try:
+                got = ray.get(actor.follow.remote(cursor), timeout=60)
+            except ray.exceptions.RayActorError:
+                raise RunFailed(f"the coordinator of run {run} was lost (its node left the cluster?); its "
+                                "run directory keeps every record so far, and --resume continues from its "
+                                "newest checkpoint", None) from None
+            except ray.exceptions.GetTimeoutError:
+                continue
+            for line in got["lines"]:
+                print(line, file=out, flush=True)
+            cursor = got["cursor"]
+            if got["result"] is not None:
+                try:
+                    actor.close.remote()
+                except Exception:  # noqa: BLE001 - it ends by itself after a while
+                    pass
+                return got["result"]
+            time.sleep(POLL_S)
+        except KeyboardInterrupt:
+            if not stops or stopping:
+                raise Left(run, stopping) from None
+            actor.stop.remote("interrupt")
+            stopping = True
+            print("[raytp] stopping the run at its next step boundary with a checkpoint (Ctrl-C again leaves "
+                  f"it to stop by itself; `raytp attach {run}` follows it)", file=out, flush=True)
 
 
 def outcome(result: dict, run_dir) -> dict:
@@ -107,8 +107,9 @@ def start(plan, t0_wall: float):
         raise RunFailed(f"the run's coordinator did not start: {message_of(e)}", plan.run_dir) from e
 
 
-def attach(run: str, out: TextIO) -> dict:
-    """Follow the running `run` from now to its end (connected to its cluster already); its summary."""
+def attach(run: str, out: TextIO, asked: list) -> dict:
+    """Follow the running `run` from now to its end (connected to its cluster already); its summary.
+    `asked`: sigterm_flag's list."""
     import ray
     from raytp.runtime.driver.coordinator import find
     actor = find(run)
@@ -119,13 +120,16 @@ def attach(run: str, out: TextIO) -> dict:
     if now["result"] is None:
         print(f"[raytp] attached to run {run} at step {now['step']}/{now['steps']} (its earlier output: "
               f"{now['run_dir']}/driver.log)", file=out, flush=True)
-    result = follow(actor, run, out, now["cursor"], stops=False) if now["result"] is None else now["result"]
+    result = follow(actor, run, out, now["cursor"], False, asked) if now["result"] is None else now["result"]
     return {**outcome(result, now["run_dir"]), "run_dir": now["run_dir"]}
 
 
 @contextmanager
-def _sigterm_flag():
-    """A list that SIGTERM appends "SIGTERM" to while following (main thread only; else stays empty)."""
+def sigterm_flag():
+    """A list that SIGTERM appends "SIGTERM" to, from now until the client ends (main thread only; else it
+    stays empty): installed once the client is connected (ray.init sets a handler of its own) and before the
+    coordinator starts, so that a `ray job stop` during the start is a stop filed, not a client killed with its
+    run left to the orphan timeout."""
     asked: list[str] = []
     if threading.current_thread() is not threading.main_thread():
         yield asked

@@ -80,7 +80,7 @@ def _train_coordinated(plan, address, resume, t0: float, out, say) -> Result:
     """Start the run's coordinator in the cluster and follow it to its end (raytp.api.follow)."""
     from raytp.api import follow
     t0_wall = time.time() - (time.perf_counter() - t0)
-    with _ray(address, plan.cfg):
+    with _ray(address, plan.cfg), follow.sigterm_flag() as asked:  # after ray.init, which sets its own handler
         refusal = follow.alive(plan.run)
         if refusal:
             raise BadJob(refusal)
@@ -88,7 +88,7 @@ def _train_coordinated(plan, address, resume, t0: float, out, say) -> Result:
         _begin(plan, say)
         _check_cluster_memory(plan.cfg, plan.memory)
         actor = follow.start(plan, t0_wall)
-        summary = follow.outcome(follow.follow(actor, plan.run, out, 0, stops=True), plan.run_dir)
+        summary = follow.outcome(follow.follow(actor, plan.run, out, 0, True, asked), plan.run_dir)
     return _result(plan, summary)
 
 

@@ -18,18 +18,20 @@ def attach(run, address):
 
     A run that joined a cluster (`raytp train --address`, `raytp submit`) is driven by its coordinator in the
     cluster and goes on when the process that started it is gone; its earlier output is in its run
-    directory's driver.log. Ctrl-C leaves the run training (`raytp stop RUN` stops it)."""
+    directory's driver.log. Ctrl-C leaves the run training (`raytp stop RUN` stops it); SIGTERM stops it at its
+    next step boundary with a checkpoint, as for the client that started it."""
     from raytp.api import errors, follow
     _head(address).connect()
-    try:
-        s = follow.attach(run, sys.stderr)
-    except follow.NotFollowable as e:
-        fail(str(e), 1)
-    except errors.Interrupted as e:
-        click.echo(f"[raytp] {e}", err=True)
-        sys.exit(e.exit_code)
-    except errors.TrainError as e:
-        if e.__cause__ is not None:
-            failed(e.__cause__, e.exit_code)
-        fail(str(e), e.exit_code)
+    with follow.sigterm_flag() as asked:  # after ray.init, which sets its own SIGTERM handler
+        try:
+            s = follow.attach(run, sys.stderr, asked)
+        except follow.NotFollowable as e:
+            fail(str(e), 1)
+        except errors.Interrupted as e:
+            click.echo(f"[raytp] {e}", err=True)
+            sys.exit(e.exit_code)
+        except errors.TrainError as e:
+            if e.__cause__ is not None:
+                failed(e.__cause__, e.exit_code)
+            fail(str(e), e.exit_code)
     click.echo(ended_line(s["state"], s["steps"], s["seconds"], s["loss"], s["val_loss"], s["run_dir"]), err=True)
