@@ -107,20 +107,22 @@ def start(plan, t0_wall: float):
         raise RunFailed(f"the run's coordinator did not start: {message_of(e)}", plan.run_dir) from e
 
 
-def attach(run: str, out: TextIO, asked: list) -> dict:
+def attach(run: str, out: TextIO, asked: list | None = None) -> dict:
     """Follow the running `run` from now to its end (connected to its cluster already); its summary.
-    `asked`: sigterm_flag's list."""
+    `asked`: sigterm_flag's list (none: SIGTERM is left to the caller)."""
     import ray
     from raytp.runtime.driver.coordinator import find
     actor = find(run)
     if actor is None:
         raise NotFollowable(f"no run named {run!r} with a coordinator in this cluster (see `raytp status`; a run "
-                        "with an embedded Ray ends with the process that started it)")
+                            "with an embedded Ray ends with the process that started it)")
     now = ray.get(actor.follow.remote(None), timeout=60)
     if now["result"] is None:
         print(f"[raytp] attached to run {run} at step {now['step']}/{now['steps']} (its earlier output: "
               f"{now['run_dir']}/driver.log)", file=out, flush=True)
-    result = follow(actor, run, out, now["cursor"], False, asked) if now["result"] is None else now["result"]
+    result = now["result"]
+    if result is None:
+        result = follow(actor, run, out, now["cursor"], False, [] if asked is None else asked)
     return {**outcome(result, now["run_dir"]), "run_dir": now["run_dir"]}
 
 

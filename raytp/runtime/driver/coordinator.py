@@ -158,7 +158,7 @@ class Coordinator:
             time.sleep(1.0)
             if orphaned(self.last_seen, time.time(), self.runtime.orphan_timeout_s, self.runtime.detached) \
                     and self.driver.controls.stop is None:
-                self.driver._say(f"no client has followed the run for {self.runtime.orphan_timeout_s:g}s: "
+                self.driver.say(f"no client has followed the run for {self.runtime.orphan_timeout_s:g}s: "
                                  "stopping it with a checkpoint (runtime.orphan_timeout_s; runtime.detached: "
                                  "true keeps such a run going)")
                 self.driver.request_stop(via="orphaned")

@@ -412,5 +412,8 @@ class Driver:
         self.spares.release()
         self.controls.close()
 
-    def _say(self, msg: str) -> None:
+    def say(self, msg: str) -> None:
+        """A `[raytp]` line of the run's output (its stream and driver.log)."""
         print(f"[raytp] {msg}", file=self.out, flush=True)
+
+    _say = say  # handed to the collaborators as their `say`
