@@ -1,5 +1,5 @@
 """recovery's "client killed": the gap in training that SIGKILL of `raytp train` leaves in a run that joined a
-cluster (its coordinator, raytp.runtime.driver.coordinator, trains on).
+cluster (its coordinator, raytp.runtime.coordinator, trains on).
 
 Also a benchmark of its own (`python -m bench client_killed`): only this part, its reps in one Ray.
 

@@ -46,7 +46,7 @@ def control(run: str) -> str:
 
 
 def coordinator(run: str) -> str:
-    """The detached actor that drives a run joined to a cluster (raytp.runtime.driver.coordinator)."""
+    """The detached actor that drives a run joined to a cluster (raytp.runtime.coordinator)."""
     return f"{PREFIX}{run}.coordinator"
 
 

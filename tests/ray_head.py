@@ -94,37 +94,34 @@ def start_head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def alive_actors(head, prefix: str) -> list[str]:
+def in_cluster(head, body: str, check: bool = True):
+    """Run `body` in a fresh Python process connected to the head (`ray` and Ray's `state` imported); what its
+    last printed line holds as JSON (None if it printed nothing)."""
     code = ("import json, ray; from ray._private import state\n"
-            f"ray.init(address={head.gcs!r}, logging_level='ERROR')\n"
-            "print(json.dumps([a['Name'] for a in state.actors().values() "
-            f"if a.get('Name', '').startswith({prefix!r}) and a['State'] == 'ALIVE']))")
+            f"ray.init(address={head.gcs!r}, logging_level='ERROR')\n" + body)
     p = subprocess.run([sys.executable, "-c", code], env=_env(RAY_AUTH_MODE="token"), capture_output=True,
                        text=True, timeout=NEVER_S)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    assert p.returncode == 0 or not check, p.stderr[-2000:]
+    out = p.stdout.strip().splitlines()
+    return json.loads(out[-1]) if out else None
+
+
+def alive_actors(head, prefix: str) -> list[str]:
+    return in_cluster(head, "print(json.dumps([a['Name'] for a in state.actors().values() "
+                            f"if a.get('Name', '').startswith({prefix!r}) and a['State'] == 'ALIVE']))")
 
 
 def leftovers(head, run: str) -> list[str]:
     """The run's actors alive and placement groups not removed."""
-    code = ("import json, ray; from ray._private import state\n"
-            f"ray.init(address={head.gcs!r}, logging_level='ERROR')\n"
-            f"pre = {'raytp.' + run + '.'!r}\n"
-            "print(json.dumps([a['Name'] for a in state.actors().values() if a.get('Name', '').startswith(pre) "
-            "and a['State'] != 'DEAD'] + [g['name'] for g in ray.util.placement_group_table().values() "
-            "if g['name'].startswith(pre) and g['state'] != 'REMOVED']))")
-    p = subprocess.run([sys.executable, "-c", code], env=_env(RAY_AUTH_MODE="token"), capture_output=True,
-                       text=True, timeout=NEVER_S)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return in_cluster(head, f"pre = {'raytp.' + run + '.'!r}\n"
+                            "print(json.dumps([a['Name'] for a in state.actors().values() if a.get('Name', '')"
+                            ".startswith(pre) and a['State'] != 'DEAD'] + [g['name'] for g in "
+                            "ray.util.placement_group_table().values() if g['name'].startswith(pre) "
+                            "and g['state'] != 'REMOVED']))")
 
 
 def end_runs(head) -> None:
     """Kill every run's coordinator (and so its workers and placement groups) and every raytp actor left."""
-    code = ("import ray; from ray._private import state\n"
-            f"ray.init(address={head.gcs!r}, logging_level='ERROR')\n"
-            "for a in state.actors().values():\n"
-            "    if a.get('Name', '').startswith('raytp.') and a['State'] != 'DEAD':\n"
-            "        ray.kill(ray.get_actor(a['Name'], namespace='raytp'))")
-    subprocess.run([sys.executable, "-c", code], env=_env(RAY_AUTH_MODE="token"), capture_output=True, text=True,
-                   timeout=NEVER_S)
+    in_cluster(head, "for a in state.actors().values():\n"
+                     "    if a.get('Name', '').startswith('raytp.') and a['State'] != 'DEAD':\n"
+                     "        ray.kill(ray.get_actor(a['Name'], namespace='raytp'))", check=False)

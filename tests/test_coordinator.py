@@ -1,5 +1,6 @@
-"""The coordinator's decisions and its output buffer, Ray-free (raytp.runtime.driver.coordinator)."""
-from raytp.runtime.driver.coordinator import FOLLOWING_S, Lines, client_line, orphaned
+"""The coordinator's decisions and its output buffer, Ray-free (raytp.runtime.coordinator)."""
+from raytp.runtime.coordinator.actor import FOLLOWING_S, client_line, orphaned
+from raytp.runtime.coordinator.lines import Lines
 
 
 def test_a_run_is_orphaned_only_past_its_timeout_and_never_when_detached():
@@ -42,7 +43,7 @@ def test_a_run_that_failed_in_its_coordinator_is_raised_as_it_would_be_here():
 
 
 def test_the_coordinator_is_given_the_clients_tracker_and_storage_variables_only():
-    from raytp.runtime.driver.coordinator import forwarded_env
+    from raytp.runtime.coordinator.actor import forwarded_env
     env = {"WANDB_API_KEY": "k", "WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": "file:/m", "AWS_ACCESS_KEY_ID": "a",
            "HF_TOKEN": "t", "PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0", "RAY_ADDRESS": "h:6379", "HOME": "/root"}
     assert forwarded_env(env) == {"WANDB_API_KEY": "k", "WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": "file:/m",

@@ -1,4 +1,4 @@
-"""A run that joins a cluster outlives the process that started it (raytp.runtime.driver.coordinator): killed
+"""A run that joins a cluster outlives the process that started it (raytp.runtime.coordinator): killed
 clients, `raytp attach`, a client's SIGTERM, orphaned runs, on a real `ray start` head (tests/ray_head.py)."""
 import json
 import re

@@ -1,4 +1,4 @@
-"""The client of a run's coordinator (raytp.runtime.driver.coordinator): start it or find it, then follow it.
+"""The client of a run's coordinator (raytp.runtime.coordinator): start it or find it, then follow it.
 
 Following prints the run's output as it is written (the same lines `raytp train` prints without a
 coordinator) and ends with its result. SIGTERM of the client files a stop (served at a step boundary, with
@@ -39,7 +39,7 @@ class RemoteError(Exception):
 
 def alive(run: str) -> str | None:
     """The refusal of a run name whose coordinator is alive in the connected cluster, else None."""
-    from raytp.runtime.driver.coordinator import find
+    from raytp.runtime.coordinator.actor import find
     if find(run) is None:
         return None
     return (f"run {run} is already running in this cluster (its coordinator {names.coordinator(run)} is alive); "
@@ -99,7 +99,7 @@ def outcome(result: dict, run_dir) -> dict:
 
 def start(plan, t0_wall: float):
     """Start the coordinator of `plan`'s run (raytp.api.job.Plan) and begin the run; its handle."""
-    from raytp.runtime.driver import coordinator
+    from raytp.runtime.coordinator import actor as coordinator
     try:
         return coordinator.start(plan.cfg, plan.run_dir.resolve(), plan.run, plan.init_state, t0_wall)
     except Exception as e:  # noqa: BLE001 - a coordinator that could not start: the run never began
@@ -111,7 +111,7 @@ def attach(run: str, out: TextIO, asked: list | None = None) -> dict:
     """Follow the running `run` from now to its end (connected to its cluster already); its summary.
     `asked`: sigterm_flag's list (none: SIGTERM is left to the caller)."""
     import ray
-    from raytp.runtime.driver.coordinator import find
+    from raytp.runtime.coordinator.actor import find
     actor = find(run)
     if actor is None:
         raise NotFollowable(f"no run named {run!r} with a coordinator in this cluster (see `raytp status`; a run "

@@ -1,7 +1,7 @@
 """The Driver: a state machine that decides, and carries out through one WorkerGroup.
 
 It runs in the process of ``raytp train`` with an embedded Ray, or in the run's coordinator actor when the
-run joins a cluster (raytp.runtime.driver.coordinator): SCHEDULING (reserve the
+run joins a cluster (raytp.runtime.coordinator): SCHEDULING (reserve the
 placement, start the actors, meet in torch.distributed) -> RUNNING (streamed
 calls of ``steps_per_call`` steps, evaluation, checkpoints) <-> RECOVERING (a
 worker died or hung: raytp.runtime.recovery.recovery) or RESIZING (raytp.runtime.elastic.resize)

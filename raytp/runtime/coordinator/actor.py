@@ -21,11 +21,11 @@ import time
 import traceback
 
 from raytp import names
+from raytp.runtime.coordinator.lines import Lines
 
 LINGER_S = 10.0       # how long an ended run's result waits for the client following it (events.jsonl keeps it)
 ALONE_LINGER_S = 2.0  # ... when no client was following at the end
 FOLLOWING_S = 3.0     # a client seen this recently follows the run (clients poll every 0.25 s)
-KEPT_LINES = 20_000   # output lines kept for clients (driver.log has them all)
 # The client's variables a Driver reads (trackers, storage credentials, Hugging Face): the coordinator is
 # another process, started by Ray, so they are handed to it (and from it to the workers, which Ray gives the
 # parent's env_vars). Nothing else: a client's PATH or CUDA_VISIBLE_DEVICES has no business on other nodes.
@@ -52,40 +52,6 @@ def client_line(last_seen: float, now: float, timeout_s: float, detached: bool) 
         return f"none since {since} (runtime.detached: runs on)"
     ends = time.strftime("%H:%M:%S UTC", time.gmtime(last_seen + timeout_s))
     return f"none since {since}; stops with a checkpoint at {ends} unless one attaches"
-
-
-class Lines:
-    """A text stream (the Driver's `out`) kept as numbered lines for clients to read from a cursor."""
-
-    def __init__(self, keep: int = KEPT_LINES):
-        self.keep, self.lines, self.first, self.partial = keep, [], 0, ""
-        self.lock = threading.Lock()
-
-    def write(self, text: str) -> int:
-        with self.lock:
-            *done, self.partial = (self.partial + text).split("\n")
-            self.lines.extend(done)
-            if len(self.lines) > self.keep:
-                cut = len(self.lines) - self.keep
-                del self.lines[:cut]
-                self.first += cut
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def isatty(self) -> bool:
-        return False
-
-    @property
-    def end(self) -> int:
-        return self.first + len(self.lines)
-
-    def since(self, cursor: int) -> tuple[list[str], int]:
-        """The lines from `cursor` on (those still kept), and the cursor after them."""
-        with self.lock:
-            start = max(cursor, self.first) - self.first
-            return self.lines[start:], self.first + len(self.lines)
 
 
 class Coordinator:
