@@ -126,7 +126,7 @@ def training_on(p: dict, old: tuple, new: tuple, run_dir: Path) -> dict:
         at_request = d.step
         while d.pending_resize is not None or not _same(d, new):
             d.train_loop(until=d.step + 1)
-        if d.resizing is not None:  # switched at the request (a shrink): one step at the new layout
+        if d.changes.resizing is not None:  # switched at the request (a shrink): one step at the new layout
             d.train_loop(until=d.step + 1)
         t2 = time.perf_counter()
     finally:
@@ -206,7 +206,7 @@ def full_cluster(p: dict, run_dir: Path) -> dict:
         t0 = time.perf_counter()
         _accepted(d.request_resize(d.layout.changed(tp=1, dp=2)), (4, 1), (1, 2))
         t1 = time.perf_counter()
-        while d.pending_resize is not None or not _same(d, (1, 2)) or d.resizing is not None:
+        while d.pending_resize is not None or not _same(d, (1, 2)) or d.changes.resizing is not None:
             d.train_loop(until=d.step + 1)
     finally:
         close(d)

@@ -135,7 +135,7 @@ def one_run(p: dict, first: int, run_dir: Path, tp: int = 2, on: int | None = 1)
             snap = bool(first) if i % 4 in (0, 3) else not first
             cfg = dataclasses.replace(d.cfg, recovery=dataclasses.replace(d.cfg.recovery,
                                                                           snapshot_every=on if snap else 0))
-            d.adopt(dataclasses.replace(d.group, cfg=cfg))
+            d.changes.adopt(dataclasses.replace(d.group, cfg=cfg))
             start = d.step
             t0 = time.perf_counter()
             d.train_loop(until=start + p["spc"])  # one streamed call of spc steps (the driver's code path)

@@ -292,7 +292,7 @@ def test_a_scale_request_with_no_room_waits_for_it_while_the_job_trains_on(tmp_p
         d.train_loop(until=2)
         rid = d.control.file("scale", tp=2, dp=2)
         d.train_loop(until=3)
-        assert d.elastic.awaiting is not None and rid not in d.control.outcomes
+        assert d.changes.elastic.awaiting is not None and rid not in d.control.outcomes
         while rid not in d.control.outcomes and d.step < STEPS:
             d.train_loop(until=d.step + 1)
         assert d.control.outcomes[rid]["ok"] and (d.layout.tp, d.layout.dp) == (2, 2)

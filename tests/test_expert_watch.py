@@ -1,6 +1,6 @@
 """The expert_imbalance event: told once when a layer stays above the threshold for the steps it needs, again
-only after it came back under (raytp.runtime.driver.expert_watch, pure)."""
-from raytp.runtime.driver.expert_watch import ImbalanceWatch
+only after it came back under (raytp.runtime.driver.watches, pure)."""
+from raytp.runtime.driver.watches import ImbalanceWatch
 
 
 def rec(step, **layers):

@@ -51,7 +51,7 @@ def test_stages_resize_live_and_the_loss_tracks_an_unresized_run(ray_wide, tmp_p
                 else:
                     if tp != PHASES[i - 1][0]:  # first a try whose new worker dies while it starts: nothing changes
                         assert d.request_resize(d.layout.changed(tp=tp, dp=dp, pp=pp)) is None
-                        ray.kill(d.elastic.pending.early[0][0])
+                        ray.kill(d.changes.elastic.pending.early[0][0])
                         failed = d.advance_resize(now=True)
                         assert not failed.ok and "rolled back" in failed.error, failed
                         assert (d.layout.tp, d.layout.pp, d.layout.dp) == PHASES[i - 1]

@@ -6,7 +6,7 @@ import pytest
 
 from faulty import SlowData
 from helpers import events, job, run
-from raytp.runtime.driver.stragglers import STEPS, Stragglers, slowest
+from raytp.runtime.driver.watches import STRAGGLER_STEPS as STEPS, Stragglers, slowest
 
 
 def test_slowest_names_the_rank_and_its_ratio_to_the_median():

@@ -14,7 +14,7 @@ from tp_training import HYPER, SEED, corpus, gpt_config, llama_config
 
 from raytp.data.corpus import batch
 from raytp.models.shard import build_shard, gather_full_state
-from raytp.parallel import comm
+from raytp.parallel import comm, overlap
 from raytp.parallel.groups import build_groups
 from raytp.parallel.layers import set_tp_overlap
 from raytp.parallel.layout import Layout
@@ -76,20 +76,20 @@ def timing(rank, world, init):
     set_tp_overlap(model, True)
     x = torch.randint(0, cfg.vocab_size, (4, cfg.block_size))
     behind = []
-    real = comm.finish_entry_grad
+    real = overlap.finish_entry_grad
 
     def finish(p):
         dist_done = p.work.is_completed()  # before the wait: it ran while the GEMMs did
         behind.append(dist_done)
         return real(p)
-    comm.finish_entry_grad = finish
+    overlap.finish_entry_grad = finish
     passes = 0
     try:  # on a loaded machine more passes, until several collectives have ended early on both ranks
         while passes < 3 or (passes < 12 and not _both_saw(sum(behind) >= 3)):
             model(x, x).backward()
             passes += 1
     finally:
-        comm.finish_entry_grad = real
+        overlap.finish_entry_grad = real
     return sum(behind), len(behind), passes
 
 

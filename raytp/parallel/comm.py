@@ -112,43 +112,6 @@ def wait(work) -> None:
     STATS.timed(work.wait)
 
 
-class Pending:
-    """An entry gradient's collective in flight (``start_entry_grad``): its output, its work, the input it
-    reads, when it started, and when it ended (set by the work's future, where the backend has one)."""
-
-    def __init__(self, out, work, reads):
-        self.out, self.work, self.reads, self.started, self.ended = out, work, reads, time.perf_counter(), None
-        try:
-            work.get_future().add_done_callback(self._ended)
-        except (AttributeError, RuntimeError):  # a backend without futures: counted up to the wait
-            pass
-
-    def _ended(self, _future) -> None:
-        self.ended = time.perf_counter()
-
-
-def start_entry_grad(g: torch.Tensor, group, sequence_parallel: bool) -> Pending:
-    """Start summing the gradient `g` of a TP entry's output over `group`, asynchronously: an all-reduce (f's
-    backward), or under sequence parallelism a reduce-scatter along T (the all-gather's)."""
-    if sequence_parallel:
-        n = group_size(group)
-        stacked = torch.cat(g.chunk(n, dim=SEQ_DIM), dim=0).contiguous()  # rank r's part at rows r*B..
-        out = torch.empty((g.shape[0],) + stacked.shape[1:], dtype=g.dtype, device=g.device)
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return Pending(out, STATS.timed(fn, out, stacked, group=group, async_op=True), stacked)
-    out = g.contiguous()
-    return Pending(out, STATS.timed(dist.all_reduce, out, op=dist.ReduceOp.SUM, group=group, async_op=True), out)
-
-
-def finish_entry_grad(p: Pending) -> torch.Tensor:
-    """Wait for `p` (the wait counts as exposed collective time; what ran before it, as hidden)."""
-    t = time.perf_counter()
-    wait(p.work)
-    end = p.ended if p.ended is not None and p.ended < t else t
-    STATS.hidden += max(0.0, end - p.started)
-    return p.out
-
-
 def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     """Every rank's `x` of `group` joined along T (not an autograd function: raytp.parallel.overlap's)."""
     return _all_gather(x, SEQ_DIM, group)

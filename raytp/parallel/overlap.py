@@ -20,10 +20,50 @@ cast to the parameter's), so the gradients are the same bits as without overlap 
 """
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from raytp.parallel import comm
+
+
+class Pending:
+    """An entry gradient's collective in flight (``start_entry_grad``): its output, its work, the input it
+    reads, when it started, and when it ended (set by the work's future, where the backend has one)."""
+
+    def __init__(self, out, work, reads):
+        self.out, self.work, self.reads, self.started, self.ended = out, work, reads, time.perf_counter(), None
+        try:
+            work.get_future().add_done_callback(self._ended)
+        except (AttributeError, RuntimeError):  # a backend without futures: counted up to the wait
+            pass
+
+    def _ended(self, _future) -> None:
+        self.ended = time.perf_counter()
+
+
+def start_entry_grad(g: torch.Tensor, group, sequence_parallel: bool) -> Pending:
+    """Start summing the gradient `g` of a TP entry's output over `group`, asynchronously: an all-reduce (f's
+    backward), or under sequence parallelism a reduce-scatter along T (the all-gather's)."""
+    if sequence_parallel:
+        n = comm.group_size(group)
+        stacked = torch.cat(g.chunk(n, dim=comm.SEQ_DIM), dim=0).contiguous()  # rank r's part at rows r*B..
+        out = torch.empty((g.shape[0],) + stacked.shape[1:], dtype=g.dtype, device=g.device)
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return Pending(out, comm.STATS.timed(fn, out, stacked, group=group, async_op=True), stacked)
+    out = g.contiguous()
+    return Pending(out, comm.STATS.timed(dist.all_reduce, out, op=dist.ReduceOp.SUM, group=group, async_op=True), out)
+
+
+def finish_entry_grad(p: Pending) -> torch.Tensor:
+    """Wait for `p` (the wait counts as exposed collective time; what ran before it, as hidden)."""
+    t = time.perf_counter()
+    comm.wait(p.work)
+    end = p.ended if p.ended is not None and p.ended < t else t
+    comm.STATS.hidden += max(0.0, end - p.started)
+    return p.out
 
 
 def _cast(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
@@ -62,9 +102,9 @@ class _ColumnParallel(torch.autograd.Function):
     def backward(ctx, g):
         whole, w = ctx.saved_tensors
         gx, weight_grads = _linear_grads(g, whole, w)
-        pending = comm.start_entry_grad(gx, ctx.group, ctx.sp)
+        pending = start_entry_grad(gx, ctx.group, ctx.sp)
         gw, gb = weight_grads()
-        gx = comm.finish_entry_grad(pending)
+        gx = finish_entry_grad(pending)
         wd, bd = ctx.dtypes
         return gx, gw.to(wd), None if bd is None else gb.to(bd), None, None
 
@@ -92,12 +132,12 @@ class _SharedEntry(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        pending = comm.start_entry_grad(g, ctx.group, ctx.sp)
+        pending = start_entry_grad(g, ctx.group, ctx.sp)
         grads = [None] * len(ctx.dtypes)
         for i, fn in sorted(ctx.entry.pending, key=lambda e: e[0]):
             grads[i] = fn()
         ctx.entry.pending.clear()
-        gx = comm.finish_entry_grad(pending)
+        gx = finish_entry_grad(pending)
         return (gx, None, None, None, *(None if t is None else t.to(d) for t, d in zip(grads, ctx.dtypes)))
 
 

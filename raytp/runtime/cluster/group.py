@@ -5,7 +5,7 @@ placement, the worker actors in rank order, the bundle each actor sits in, and
 where each rank runs once the group has met in torch.distributed. It is
 frozen: replacing lost ranks, renumbering after a shrink, or moving to another
 layout makes a *new* group (``with_workers``, ``started``, ``successor``),
-and the driver switches to it in one place (``Driver.adopt``), so layout,
+and the driver switches to it in one place (raytp.runtime.driver.group_changes), so layout,
 config, placement and workers never disagree.
 
 Joining: every rank of a group meets the others at rank 0's address in one of

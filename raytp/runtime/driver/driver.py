@@ -1,44 +1,32 @@
 """The Driver: a state machine that decides, and carries out through one WorkerGroup.
 
-It runs in the process of ``raytp train`` with an embedded Ray, or in the run's coordinator actor when the
-run joins a cluster (raytp.runtime.coordinator): SCHEDULING (reserve the
-placement, start the actors, meet in torch.distributed) -> RUNNING (streamed
-calls of ``steps_per_call`` steps, evaluation, checkpoints) <-> RECOVERING (a
-worker died or hung: raytp.runtime.recovery.recovery) or RESIZING (raytp.runtime.elastic.resize)
--> FINISHED, or FAILED / STOPPED. Recovery and resize build the next worker
-group and hand it back; ``adopt`` is the one place the job switches to it, so
-its layout, config, placement and workers always agree. Whatever happens,
-``release`` kills the actors and removes the placement groups, and the run
-directory keeps every line written so far.
+It runs in the process of ``raytp train`` with an embedded Ray, or in the run's coordinator actor when the run
+joins a cluster (raytp.runtime.coordinator): SCHEDULING (reserve the placement, start the actors, meet in
+torch.distributed) -> RUNNING (streamed calls of ``steps_per_call`` steps, evaluation, checkpoints) <->
+RECOVERING or RESIZING -> FINISHED, or FAILED / STOPPED. Recoveries, resizes and moves hand the next worker
+group to ``changes`` (raytp.runtime.driver.group_changes), the one place the job switches to it, so its layout,
+config, placement and workers always agree. Whatever happens, ``release`` kills the actors and removes the
+placement groups, and the run directory keeps every line written so far.
 
-The Ray-facing parts are class attributes a test may swap: ``worker_cls``
-(what each rank runs: faults are injected through it), ``group_cls`` (how
-workers are placed, started and called: a fake runs the loop without Ray),
-``control_cls`` and ``copy_cls`` (the control actor, the off-node snapshot copy). Its collaborators
-each own their part and hand back what changed: Elastic (the resizes: raytp.runtime.elastic.resize),
-recovery (raytp.runtime.recovery.recovery), Checkpoints, Snapshots and their copy, Spares, Profiles,
+The Ray-facing parts are class attributes a test may swap: ``worker_cls`` (what each rank runs: faults are
+injected through it), ``group_cls`` (how workers are placed, started and called: a fake runs the loop without
+Ray), ``control_cls`` and ``copy_cls`` (the control actor, the off-node snapshot copy). The collaborators each
+own their part and hand back what changed: GroupChanges, Checkpoints, the snapshots' copy, Spares, Profiles,
 the control channel (requests arrive typed: raytp.runtime.driver.run_status).
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from pathlib import Path
 
 from raytp.config import JobConfig
 from raytp.parallel.layout import Layout
-from raytp.parallel.ownership import Ownership
 from raytp.runtime import policy
-from raytp.runtime.driver import follow_on
-from raytp.runtime.recovery import recovery
-from raytp.runtime.recovery.respread import Respread
-from raytp.runtime.driver import reporting
+from raytp.runtime.driver import follow_on, reporting, run_status
 from raytp.runtime.state.checkpoints import Checkpoints
-from raytp.runtime.driver import run_status
 from raytp.runtime.driver.control_actor import ControlChannel
-from raytp.runtime.elastic import resize
-from raytp.runtime.elastic.resize import Elastic
+from raytp.runtime.driver.group_changes import GroupChanges
 from raytp.runtime.errors import FAILURES
 from raytp.runtime.cluster.group import WorkerGroup
 from raytp.runtime.driver.metrics import RunLog
@@ -46,7 +34,7 @@ from raytp.runtime.driver.profiles import Profiles
 from raytp.runtime.driver.progress import Progress
 from raytp.files.storage import checkpoint_location
 from raytp.runtime.records import Outcome, State
-from raytp.runtime.state.snapshots import Cadence, OffNodeCopy, Snapshots
+from raytp.runtime.state.snapshots import Cadence, OffNodeCopy
 from raytp.runtime.recovery.spares import Spares
 from raytp.runtime.worker.worker import Worker
 from raytp.files.checkpoint import CheckpointError
@@ -68,28 +56,31 @@ class Driver:
         self.log = RunLog.for_job(cfg, self.run_dir, run, ray_metrics, init_state[0] if init_state else 0)
         self.out = self.log.tee(out)  # also kept in the run dir's driver.log
         self.state = State.SCHEDULING
-        self.group: WorkerGroup | None = None
         self.controls = run_status.RunControl(None)  # the control actor's channel, the stop asked for
         self.step = 0
         self.last: dict = {}
         self.first_step: float | None = None  # seconds from the command to the first completed step
-        self.snapshots = Snapshots(Ownership(cfg.layout).parts)
         self.cadence = Cadence(cfg)  # how often replica 0 snapshots
         self.copy = self.copy_cls(run, self.log)
         self.spares = Spares(run, cfg.recovery.spares, self.log)
         self.checkpoints = Checkpoints(checkpoint_location(cfg, self.run_dir, run), cfg.checkpoint.keep,
                                        self.log)
         self.profiles = Profiles(cfg.profile, self.checkpoints.storage, self.log, self._say)  # profile, raytp profile
-        self.failures = 0
-        self.healing = None            # records.Healing, until the next completed step
-        self.resizing = None           # records.Resizing, until the next completed step
-        self.moving = None             # records.Moving, until the next completed step
-        self.elastic = Elastic(cfg.parallel.max_dp or cfg.parallel.dp, self._say, self.log)
         self.t_start = time.perf_counter()
         self.calls = follow_on.Calls()  # the streamed call in flight and the one submitted behind it
-        self.respread = Respread(run, self.log, self._say)  # copies moved off their twins' nodes
+        self.changes = GroupChanges(cfg, run, self.log, self._say, spares=self.spares, copy=self.copy,
+                                    checkpoints=self.checkpoints, cadence=self.cadence, calls=self.calls,
+                                    show=self._show, answer=lambda rid, outcome: self.controls.answer(rid, outcome))
 
-    # -- the group and what follows from it ----------------------------------------------------
+    # -- the group and what follows from it (raytp.runtime.driver.group_changes) ----------------
+    @property
+    def group(self) -> WorkerGroup | None:
+        return self.changes.group
+
+    @property
+    def failures(self) -> int:
+        return self.changes.failures
+
     @property
     def cfg(self) -> JobConfig:
         return self.group.cfg if self.group is not None else self.job
@@ -103,15 +94,6 @@ class Driver:
         return {"state": self.state, "step": self.step, "steps": self.cfg.train.steps, "layout": self.layout,
                 "last": self.last, "failures": self.failures, "spares": len(self.spares.pool),
                 "run_dir": str(self.run_dir.resolve()), "placement": self.group.placement if self.group else ()}
-
-    def adopt(self, group: WorkerGroup) -> None:
-        """Switch the job to `group`: the one place the workers, their layout, config and placement change."""
-        old = self.group
-        if old is not None and group.layout != old.layout:
-            self.snapshots = Snapshots(Ownership(group.layout).parts)  # snapshots of another layout are of no use
-        self.group = group
-        if group.placement and (old is None or group.placement != old.placement):
-            self.log.event("placed", ranks=list(group.placement))
 
     # -- lifecycle -------------------------------------------------------------------------------
     def run_to_end(self, t_start: float | None = None) -> dict:
@@ -150,13 +132,13 @@ class Driver:
         launcher = self.group_cls.launcher_cls(self.run, self.worker_cls, evict=self.spares.evict,
                                                   say=self._say)
         # With a state to start from, every worker builds its shard from its slices of it: no seeded init.
-        self.adopt(self.group_cls.launch(launcher, cfg, self.init_state[1] if self.init_state else None))
+        self.changes.adopt(self.group_cls.launch(launcher, cfg, self.init_state[1] if self.init_state else None))
         if cfg.model.moe is not None and self.group.placement and "experts" in self.group.placement[0]:
             self._say(f"experts: {self.group.placement[0]['experts']} on rank 0's device")
         self.checkpoints.check_reached(self.group)
         if self.cadence.every:
-            self.copy.update(self.group, self.snapshots, self.step)  # its keeper starts while the first step runs
-        self._survival()
+            self.copy.update(self.group, self.changes.snapshots, self.step)  # its keeper starts while the first step runs
+        self.changes.survival()
         self.spares.start(self.group)  # in the background, like the keeper
         if self.init_state is not None:
             step, _, source = self.init_state
@@ -186,12 +168,11 @@ class Driver:
                 self.checkpoints.poll(self.group)
                 if self.calls.next is None:  # else the next call runs already: this waits for its end
                     self.handle_requests()
-                    self.advance_resize()
-                    self._take(self.elastic.grow(self.group, self.step))
-                    self._moved(self.respread.advance(self.group, self.step))
+                    self.step = self.changes.boundary(self.step)
                 self.spares.refill(self.group)
                 if self.controls.stop is not None and self.calls.next is None:
-                    self.controls.answer(*(self.elastic.cancel(self.group, "the run was stopped") or (None, None)))
+                    self.controls.answer(*(self.changes.elastic.cancel(self.group, "the run was stopped")
+                                           or (None, None)))
                     self.stop()
                     return
                 try:
@@ -201,9 +182,9 @@ class Driver:
                         self.checkpoints.begin(self.group, self.step)
                     if self.step == steps:
                         self.checkpoints.finish(self.group)  # the run's last checkpoint is whole when it ends
-                        self._report()
+                        self.changes.closed(self.step, self.last)
                 except FAILURES + (CheckpointError,) as e:
-                    self._recover(e)
+                    self.step = self.changes.recover(e, self.step)
                 self.profiles.poll(self.step, self.controls.answer)  # every rank's calls before this step have ended
                 self.publish()
         finally:
@@ -230,17 +211,17 @@ class Driver:
             if self.step == stream.start and stream.count > 1:
                 self._submit_next(end)  # once the call runs: its ranks are not slowed while it starts
             for tp_rank, ref in done.snapshot.items():
-                self.snapshots.add(done.step + 1, tp_rank, ref)
+                self.changes.snapshots.add(done.step + 1, tp_rank, ref)
             self.step = done.step + 1
             self.last = reporting.step_record(done.records[0], done.records, self.cfg, self.layout)
             self.cadence.observe(done.records[0])
             if self.step == steps or (every and self.step % every == 0):
                 self.last["val_loss"] = self.group.evaluate(self.step)
             self.log.metric(self.last, done.records[0].get("rank_compute_s"))
-            self.respread.wants_boundary(self.group)  # a move off a twin's node, taken a stage further
+            self.changes.respread.wants_boundary(self.group)  # a move off a twin's node, taken a stage further
             if snap:
-                self.copy.update(self.group, self.snapshots, self.step)
-            self._report()
+                self.copy.update(self.group, self.changes.snapshots, self.step)
+            self.changes.closed(self.step, self.last)
         if policy.checkpoint_due(self.step, steps, save_every, self.checkpoints.last_step):
             self.checkpoints.begin(self.group, self.step)  # written while the next steps run
         changed = self.cadence.choose(cfg, self.layout, self.group.nodes())
@@ -253,58 +234,12 @@ class Driver:
 
     def _submit_next(self, end: int) -> None:
         """Submit the next call behind the one in flight if nothing must happen between them."""
-        quiet = (self.controls.stop is None and self.pending_resize is None and self.elastic.growing is None
-                 and self.elastic.awaiting is None
-                 and not self.controls.waiting() and not self.respread.under_way)
+        quiet = self.controls.stop is None and not self.controls.waiting() and self.changes.quiet()
         self.calls.submit_next(self.cfg, end, self.checkpoints.last_step, quiet, self.cadence.every)
 
-    def _report(self) -> None:
-        """The job went on after a recovery or a resize: log how long that took."""
-        reporting.closed(self.log, self._say, self.healing, self.resizing, self.step, self.last, self.moving)
-        self.healing = self.resizing = self.moving = None
-
-    def _survival(self) -> None:
-        reporting.survival(self.log, self._say, self.layout, self.group.nodes(), self.group.placement,
-                           self.copy.node if self.cadence.every else None)
-
-    def _moved(self, moved) -> None:
-        """Adopt the group of a stage moved off its twin's node (raytp.runtime.recovery.respread); a failure
-        during the move is recovered from as a failed step is."""
-        if moved is None:
-            return
-        self.adopt(moved.group)
-        if moved.error is not None:
-            self._recover(moved.error)
-            return
-        if moved.resizing is not None:  # a shrink off a drained node
-            self.resizing = dataclasses.replace(moved.resizing, before=self.last.get("time"))
-        else:
-            self.moving = dataclasses.replace(moved.moving, before=self.last.get("time"))
-        self._survival()
-
-    def _recover(self, error: BaseException) -> None:
-        self.state = State.RECOVERING
+    def _show(self, state: State) -> None:
+        self.state = state
         self.publish()
-        try:
-            self.checkpoints.poll(self.group)  # a save every rank finished is still committed
-        except FAILURES + (CheckpointError,):
-            pass
-        self.checkpoints.drop()
-        ctx = recovery.RecoveryContext(self.log, self._say, self.spares, self.snapshots, self.copy, self.checkpoints)
-        r = recovery.recover(ctx, self.group, error, self.step, self.failures)
-        if isinstance(r, recovery.GaveUp):
-            self.adopt(r.group)  # so that release() finds every actor the recovery started
-            raise r.error
-        self.calls.abandon()
-        self.failures += r.failures
-        reporting.unread_steps(self.log, r.replayed, self.step, r.step, self.cfg, self.layout)
-        self.adopt(r.group)
-        self.step, self.healing = r.step, r.healing
-        if r.resizing is not None:
-            self.resizing = dataclasses.replace(r.resizing, before=self.last.get("time"))
-            self._say(f"no capacity for the lost workers: continuing at {self.layout} (grows back to "
-                      f"DP={self.elastic.target_dp} when capacity returns)")
-        self.state = State.RUNNING
 
     # -- control requests (raytp stop / scale / profile), served at step boundaries -----------------
     @property
@@ -321,13 +256,10 @@ class Driver:
     def handle_requests(self) -> None:
         """Serve the requests filed through the control actor at this step boundary (a stop is served by
         the loop, at the boundary, with a checkpoint)."""
-        if self.controls.serve(self.layout, self.request_resize, self._profile):
+        def profile(req: run_status.ProfileAsked) -> Outcome:
+            return self.profiles.request(self.group, self.step, self.cfg.train.steps, req)
+        if self.controls.serve(self.layout, self.request_resize, profile):
             self.publish()
-
-    def _profile(self, req: run_status.ProfileAsked) -> Outcome:
-        ranks = None if req.ranks is None else list(req.ranks)
-        return self.profiles.request(self.group, self.step, self.cfg.train.steps, req.steps, ranks, req.memory,
-                                     req.id)
 
     def stop(self) -> None:
         """Stop at this step boundary on request: a checkpoint of the step reached, then release."""
@@ -340,10 +272,10 @@ class Driver:
             self.controls.answer(rid, Outcome(ok=True, step=self.step, checkpoint=str(path) if path else None))
         self._say(f"stopped at step {self.step} on request" + (f"; checkpoint {path}" if path else ""))
 
-    # -- resizes (carried out by Elastic; adopted here) ----------------------------------------
+    # -- resizes (carried out by GroupChanges) ------------------------------------------------
     @property
     def pending_resize(self):
-        return self.elastic.pending
+        return self.changes.elastic.pending
 
     def resize(self, *, tp: int | None = None, dp: int | None = None, pp: int | None = None,
                ep: int | None = None) -> Outcome:
@@ -353,50 +285,13 @@ class Driver:
             target = self.layout.changed(tp=tp, dp=dp, pp=pp, ep=ep)
         except ValueError as e:  # degrees no layout has: refused, as a control request's are
             return Outcome.refused(str(e))
-        outcome = self.request_resize(target)
-        while outcome is None and self.elastic.awaiting is not None:  # no room yet: wait for it here
-            time.sleep(0.2)
-            outcome = self.advance_resize()
-        if outcome is None:
-            self.group.answered(self.elastic.pending.ready, timeout_s=self.cfg.runtime.placement_timeout_s)
-            outcome = self.advance_resize(now=True)
-        return outcome
+        return self.changes.resize_now(target, self.step, self.cfg.runtime.placement_timeout_s)
 
     def request_resize(self, target: Layout, request_id: int | None = None) -> Outcome | None:
-        """Begin a resize to `target`; its outcome, or None while its new ranks start (`request_id` is
-        answered when it finishes). One with nothing to start (a shrink) switches at once."""
-        got = self._take(self.elastic.request(self.group, target, self.step, request_id))
-        return self.advance_resize() if got is None and self.elastic.due(self.group) else got
+        return self.changes.request(target, self.step, request_id)
 
     def advance_resize(self, now: bool = False) -> Outcome | None:
-        """At a step boundary: look again for room for a request waiting for it; switch to the pending
-        layout if it is due (or `now`)."""
-        retried = self.elastic.retry(self.group, self.step)
-        if retried is not None:  # answered now (refused, or switched at once)
-            outcome = self._take(retried[1])
-            self.controls.answer(retried[0], outcome)
-            return outcome
-        if not self.elastic.due(self.group, now):
-            return None
-        self.state = State.RESIZING
-        self.publish()
-        request_id, got = self.elastic.finish(self.group, self.step)
-        outcome = self._take(got)
-        self.state = State.RUNNING
-        self.controls.answer(request_id, outcome)
-        return outcome
-
-    def _take(self, got):
-        """Adopt the group of a switch (resize.Switched); the outcome. A requested DP degree is the one an
-        elastic job grows back to from then on (not the one it started at)."""
-        if not isinstance(got, resize.Switched):
-            return got
-        self.adopt(got.group)
-        if got.resizing is not None:
-            self.resizing = dataclasses.replace(got.resizing, before=self.last.get("time"))
-        if got.resizing is not None and got.resizing.reason.startswith("requested"):
-            self.elastic.target_dp = got.group.layout.dp
-        return got.outcome
+        return self.changes.advance(self.step, now)
 
     def logits(self, idx):
         """Full-vocabulary logits of a batch from replica 0 (for checks and tests)."""
@@ -406,8 +301,7 @@ class Driver:
         """Kill the actors and remove the placement groups (idempotent)."""
         if self.group is not None:
             self.group.release()
-            self.controls.answer(*(self.elastic.release(self.group) or (None, None)))
-            self.respread.release(self.group)
+            self.changes.release()
         self.copy.release()
         self.spares.release()
         self.controls.close()

@@ -11,8 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from raytp.runtime.driver.expert_watch import ImbalanceWatch
-from raytp.runtime.driver.stragglers import Stragglers
+from raytp.runtime.driver.watches import ImbalanceWatch, Stragglers
 
 
 GAUGES = {

@@ -70,12 +70,11 @@ class Profiles:
         if why:
             self.say(f"profile.steps [{first}, {last}]: nothing is profiled: {why}")
 
-    def request(self, group, step: int, total: int, count: int, ranks: list[int] | None, memory: bool,
-                request_id: int | None) -> Outcome:
-        """Serve `raytp profile` at the boundary before `step`: trace the next `count` steps on `ranks`
-        (default [0]); the answer says where the traces will be."""
-        ranks = sorted(set(ranks if ranks is not None else [0]))
-        got = requested_steps(step, total, count, ranks, group.layout.world_size, [h.plan for h in self.handed])
+    def request(self, group, step: int, total: int, req) -> Outcome:
+        """Serve `raytp profile` (`req`: a run_status.ProfileAsked) at the boundary before `step`: trace the next
+        `req.steps` steps on `req.ranks` (default [0]); the answer says where the traces will be."""
+        ranks, memory, request_id = sorted(set(req.ranks if req.ranks is not None else [0])), req.memory, req.id
+        got = requested_steps(step, total, req.steps, ranks, group.layout.world_size, [h.plan for h in self.handed])
         if isinstance(got, str):
             return Outcome.refused(got)
         plan = ProfilePlan(*got, memory, self.storage.url)

@@ -9,7 +9,7 @@ import time
 from raytp.config.adapters import model_args
 from raytp.parallel.layout import Layout
 from raytp.runtime import estimate, spread
-from raytp.runtime.driver import stragglers
+from raytp.runtime.driver import watches
 from raytp.train import efficiency
 from raytp.runtime.records import Healing, Moving, Resizing
 
@@ -23,7 +23,7 @@ def step_record(rec: dict, all_ranks: list[dict], cfg, layout: Layout) -> dict:
     """metrics.jsonl's line for one step: rank 0's figures, the slowest reporting rank's time (the ranks
     meet in collectives every step, so any rank's step time is every rank's to within their skew), their
     TFLOP/s per device and MFU (raytp.train.efficiency; MFU where the device's peak is known), the step's
-    slowest rank by compute time (raytp.runtime.driver.stragglers), and the highest peak memory and data
+    slowest rank by compute time (raytp.runtime.driver.watches), and the highest peak memory and data
     time of the reporting ranks."""
     step_time = max(r["step_time_s"] for r in all_ranks)
     tokens_per_step = cfg.train.batch_size * cfg.model.block_size
@@ -36,7 +36,7 @@ def step_record(rec: dict, all_ranks: list[dict], cfg, layout: Layout) -> dict:
     out.update(efficiency.step_figures(model_args(cfg), out["tokens_per_s"], layout.world_size, rec.get("peak_tflops")))
     if rec.get("epoch") is not None:
         out["epoch"] = round(rec["epoch"], 6)  # epochs of the training data read (raytp.data.corpus.epochs_read)
-    straggler = stragglers.slowest(rec.get("rank_compute_s") or [])
+    straggler = watches.slowest(rec.get("rank_compute_s") or [])
     if straggler is not None:
         out["straggler"] = straggler
     for key in ("experts", "expert_imbalance", "balance_loss", "z_loss"):  # expert layers (raytp.train.expert_load)

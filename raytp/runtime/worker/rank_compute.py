@@ -5,7 +5,7 @@ The batch is a pure function of (seed, step, DP rank), so any rank of any
 process computes the same micro-batches for the same place in the mesh. The
 record's ``rank_compute_s`` holds every rank's compute time (the step less its
 communication), gathered once per step: who holds back whom
-(raytp.runtime.driver.stragglers). With pipeline stages the logits' forwards run through every stage
+(raytp.runtime.driver.watches). With pipeline stages the logits' forwards run through every stage
 (raytp.train.stage_runner.pipeline_forward).
 """
 from __future__ import annotations
