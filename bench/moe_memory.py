@@ -1,6 +1,6 @@
 """moe_memory: what an MoE Llama's rank holds, measured, against the job's memory estimate (raytp.runtime.estimate).
 
-Two gloo ranks build their shard as a worker does (raytp.runtime.worker.held_shard.HeldShard.build, from a job
+Gloo ranks build their shard as a worker does (raytp.runtime.worker.held_shard.HeldShard.build, from a job
 config) and train two steps. Per rank, two figures against the estimate of the same job:
 
 - state: the storage bytes of its weights, gradients (with the flat buffers of their DP and expert-DP sums,
@@ -12,9 +12,10 @@ config) and train two steps. Per rank, two figures against the estimate of the s
   the allocator keeps freed pages and the first steps allocate more than the later ones, so this one is
   read as an upper bound.
 
-Layouts (2 ranks): TP=1 x DP=2 x EP=2 at zero 0 and zero 1 (dense AdamW rows cut over DP, each rank's
-experts whole), and TP=2 x EP=2 with etp 1 (the experts over the TP ranks, each expert whole). Goal: the
-state within 10% of the estimate.
+Layouts: TP=1 x DP=2 x EP=2 at zero 0 and zero 1 (dense AdamW rows cut over DP, each rank's experts whole),
+TP=2 x EP=2 with etp 1 (the experts over the TP ranks, each expert whole), and on 4 ranks TP=1 x DP=4 x EP=2
+at zero 1 (an expert-DP group of two: the experts' AdamW rows cut over it). Goal: the state within 10% of
+the estimate.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ FULL = {"n_layer": 4, "n_embd": 256, "moe_ffn": 512, "n_experts": 8, "block_size
 QUICK = {"n_layer": 2, "n_embd": 64, "moe_ffn": 64, "n_experts": 4, "block_size": 32, "batch": 4}
 LAYOUTS = {"dp2_ep2_zero0": {"tp": 1, "dp": 2, "ep": 2, "zero": 0},
            "dp2_ep2_zero1": {"tp": 1, "dp": 2, "ep": 2, "zero": 1},
-           "tp2_ep2_etp1": {"tp": 2, "dp": 1, "ep": 2, "etp": 1}}
+           "tp2_ep2_etp1": {"tp": 2, "dp": 1, "ep": 2, "etp": 1},
+           "dp4_ep2_zero1": {"tp": 1, "dp": 4, "ep": 2, "zero": 1}}
 GOAL = 0.10
 
 
@@ -109,7 +111,7 @@ def run(quick: bool = False) -> dict:
     out: dict = {"peer": PEER, "size": s, "goal": f"state within {GOAL:.0%} of the estimate"}
     for name, parallel in LAYOUTS.items():
         est = estimate(job(s, parallel))
-        ranks = spawn(2, _rank, s, parallel)
+        ranks = spawn(parallel.get("tp", 1) * parallel.get("dp", 1), _rank, s, parallel)
         worst = max(ranks, key=lambda r: r["state"]["total"])
         state = est.weights + est.grads + est.optimizer
         out[name] = {

@@ -165,3 +165,19 @@ def test_fused_attention_keeps_no_scores_and_bf16_keeps_the_weights_copies():
     assert tiny[0].activations < params < 2 * params <= tiny[1].activations < 3 * params
     ckpt = estimate(llama(16, micro_batch_size=1, precision="bf16", activation_checkpointing=True))
     assert ckpt.activations < params  # one block's copies at a time
+
+
+def test_zero1_cuts_the_experts_state_over_expert_dp():
+    """Mixtral-8x7B at TP=2 x DP=8 x EP=4 (each expert split over TP, held by an expert-DP group of two): zero 1
+    keeps 1/8 of the dense AdamW state and 1/2 of the experts' (8 bytes a parameter at zero 0)."""
+    import math
+    cfg = load(Path(__file__).resolve().parent.parent / "jobs" / "mixtral-8x7b-tp8-pp2.yaml")
+    ep4 = with_parallel(at_pp(cfg, 1), tp=2, dp=8, ep=4, min_dp=None)
+    assert ep4.layout.degree("edp") == 2 and with_parallel(ep4, zero=1).layout.sharded_experts
+    m = ep4.model
+    routed = m.n_layer * m.moe.n_experts * 3 * m.moe.moe_ffn * m.n_embd // (4 * 2)  # 1/ep of them, 1/tp of each
+    local = estimate(ep4).optimizer // 8
+    z1 = estimate(with_parallel(ep4, zero=1)).optimizer
+    assert z1 == math.ceil(8 * (local - routed) / 8) + math.ceil(8 * routed / 2)
+    ep8 = with_parallel(ep4, ep=8, zero=1)  # one rank per expert slice: nothing to cut it over
+    assert not ep8.layout.sharded_experts and ep8.layout.degree("edp") == 1

@@ -5,8 +5,9 @@ without SP) and etp 2 (EP over the replicas, each expert split over TP), and PP=
 losses within 1e-5 relative and final weights (every expert gathered from where it lives) within the bound
 of test_moe_tp; with a capacity factor, what each expert drops is the same at EP=2. Each rank holds only its
 experts; expert gradients are summed over expert-DP, not DP. Under the distributed optimizer (zero 1: EP=2,
-with the DeepSeek-style selection bias, and TP=2 x DP=2 x EP=2 with etp 1) each rank keeps the AdamW state of
-its rows of the dense weights and of its experts whole, and trains the same.
+with the DeepSeek-style selection bias; TP=2 x DP=2 x EP=2 with etp 1 and DP=4 x EP=2, each an expert-DP group
+of 2) each rank keeps the AdamW state of its rows of the dense weights and of its experts (whole at expert-DP 1,
+its rows of them cut over expert-DP above), and trains the same.
 Without Ray: one process per rank, gloo."""
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.sharding import unshard_tensors
 from raytp.parallel.spawn import run_ranks
-from raytp.train.optimizer import make_optimizer
+from raytp.train.optimizer import experts_cut, make_optimizer
 from raytp.train.stage_runner import PipelineSchedule
 from raytp.train.step import train_step
 
@@ -64,7 +65,8 @@ def train_runs(rank, world, init, runs, overlap=False):
         model = build_shard(cfg, SEED, groups.tp, sp, stage=stage, experts=ExpertPlace.of(groups))
         held = sorted({n.split(".")[4] for n in dict(model.named_parameters()) if is_expert_weight(n)}, key=int)
         opt = make_optimizer(model, HYPER, dp, groups.dp_rank, zero=zero, overlap=overlap,
-                             apart=is_expert_weight if lay.experts_split else None)
+                             apart=is_expert_weight if lay.experts_split else None,
+                             **experts_cut(Layout(tp, pp=pp, dp=dp, ep=ep, etp=etp, zero=zero), rank))
         names = [n for n, _ in model.named_parameters()]
         assert opt.names[:opt.n_bucketed] == bucketed(names, lay)  # what checkpoints' zero tables are cut over
         pipe = PipelineSchedule("1f1b", stage, sp) if stage else None
@@ -76,9 +78,29 @@ def train_runs(rank, world, init, runs, overlap=False):
             losses.append(train_step(model, opt, mbs, groups, step, HYPER, schedule=pipe).loss)
         kept = ({n: p.shape[0] for n, p in model.named_parameters()},  # rows held, rows of AdamW state kept
                 {n: st["exp_avg"].shape[0] for n, st in opt.named_state().items()})
+        if opt.apart_sharded:
+            _check_whole_expert_state(model, opt, groups.group("edp"))
         early = opt.apart.early if opt.apart is not None else 0  # expert buckets launched from the backward
         out.append((losses, gathered(model, groups, lay), held, kept if not overlap else (kept, early)))
     return out
+
+
+def _check_whole_expert_state(model, opt, group):
+    """The experts' AdamW state gathered whole over expert-DP (what a live EP change moves): each rank's rows
+    in place, and the same whole tensors on every rank of the group."""
+    whole, mine, params = opt.apart_state(group), opt.named_state(), dict(model.named_parameters())
+    assert sorted(whole) == sorted(n for n in params if is_expert_weight(n))
+    total = torch.zeros(2, dtype=torch.float64)
+    for name, st in whole.items():
+        assert st["exp_avg"].shape == params[name].shape and float(st["step"]) == STEPS
+        if name in mine:
+            a, b = opt.rows(name)
+            assert torch.equal(st["exp_avg_sq"][a:b], mine[name]["exp_avg_sq"]), name
+        total += torch.stack([st["exp_avg"].double().abs().sum(), st["exp_avg_sq"].double().sum()])
+    low, high = total.clone(), total.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    assert torch.equal(low, high) and bool((total > 0).all())
 
 
 def one_device_runs(rank, world, init, names):
@@ -92,7 +114,7 @@ RUNS = {2: [("mixtral", 1, 1, 2, 2, None, False, 0), ("deepseek", 1, 1, 2, 2, No
         4: [("mixtral", 1, 1, 4, 4, None, False, 0), ("mixtral", 2, 1, 2, 2, 1, False, 0),
             ("deepseek", 2, 1, 2, 2, 1, True, 0), ("mixtral", 2, 1, 2, 2, 2, True, 0),
             ("deepseek", 2, 1, 2, 2, None, False, 0),  # etp unset: tp ("mixtral", 1, 2, 2, 2, None, False, 0),
-            ("mixtral", 2, 1, 2, 2, 1, False, 1)]}
+            ("mixtral", 2, 1, 2, 2, 1, False, 1), ("mixtral", 1, 1, 4, 2, None, False, 1)]}
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +133,13 @@ def test_experts_over_ranks_train_like_one_device(world, references):
         for rank in range(world):
             losses, part, held, kept = per_rank[rank][i]
             assert len(held) == per_layer, f"{name}: rank {rank} holds experts {held}"
-            if zero:  # its rows of the dense weights' AdamW state, and its experts' whole
+            if zero:  # its rows of the dense weights' AdamW state, and of its experts' cut over expert-DP
                 local, kept = kept
-                assert all(kept.get(n) == r for n, r in local.items() if is_expert_weight(n)), name
+                experts = [n for n in local if is_expert_weight(n)]
+                if Layout(tp, pp=pp, dp=dp, ep=ep, etp=etp, zero=zero).sharded_experts:
+                    assert 0 < sum(kept.get(n, 0) for n in experts) < sum(local[n] for n in experts), name
+                else:
+                    assert all(kept.get(n) == local[n] for n in experts), name
                 dense = [n for n in local if not is_expert_weight(n) and not n.endswith("expert_bias")]
                 assert sum(kept.get(n, 0) for n in dense) < sum(local[n] for n in dense), name
             rel = np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses)

@@ -198,10 +198,11 @@ class Checkpoint:
         elif s.pad:
             out.zero_()  # padding positions are read from nowhere
         if blocks:
-            def read_rows(src, d, start, count):
-                return self._rows(shard_file(src, stage, d), key, start, count, dtype, None)
+            def read_rows(src, blk, start, count):  # a block's file: its DP rank's, its own TP rank's if it names one
+                return self._rows(shard_file(blk[3] if len(blk) > 3 else src, stage, blk[0]), key, start, count,
+                                  dtype, None)
             spans = [(0, 0, shape[0], 0)] if s.dim is None else \
-                [(p.src, p.src_at, p.length, p.dst_at) for p in pieces(s, shape[s.dim], self.tp, tp, rank)]
+                [(p.src, p.src_at, p.length, p.dst_at) for p in pieces(s, shape[s.dim], src_tp, tp, rank)]
             for src, src_at, length, dst_at in spans:
                 checkpoint_blocks.read_blocks(read_rows, spec, src, src_at, length, out, dst_at, flip)
             return out

@@ -7,7 +7,11 @@ moment of a TP shard is cut along its rows (dim 0) into *blocks*, block d in
 DP rank d's file, stored like the whole tensor would be (split dim first: a
 row-parallel weight's block transposed). The manifest's entry for such a
 tensor lists ``blocks: [[d, first row, end row], ...]`` (the same for every
-TP rank of a stage, whose shards have one shape).
+TP rank of a stage, whose shards have one shape). A routed expert's moments under
+the distributed optimizer are cut the same way over its expert-DP group
+(raytp.files.checkpoint_experts): d is the DP rank of each member's file, and
+where experts are whole on each TP rank (``tp: 1``) a fourth number names the
+member's TP file.
 
 A reader asks for TP rank r's slice at another TP degree as for any tensor
 (raytp.parallel.reshard_plan's pieces along the split dim); from each block it
@@ -45,12 +49,13 @@ def step_holder(blocks: list[list[int]]) -> int:
 def read_blocks(read_rows, spec: dict, src: int, src_at: int, length: int, out: torch.Tensor, dst_at: int,
                 flip: bool) -> None:
     """Rows src_at .. src_at+length along the split dim of old TP rank `src`'s tensor, from its blocks
-    (``spec["blocks"]``), into `out` at `dst_at` along the split dim. `read_rows(src, d, start, count)` reads
-    rows of block d's stored tensor; `flip`: `out` is in the stored orientation (split dim first)."""
+    (``spec["blocks"]``), into `out` at `dst_at` along the split dim. `read_rows(src, block, start, count)` reads
+    rows of a block's stored tensor; `flip`: `out` is in the stored orientation (split dim first)."""
     dim = spec["dim"]
-    for d, a, b in spec["blocks"]:
+    for blk in spec["blocks"]:
+        a, b = blk[1], blk[2]
         if dim == 1 and spec["transposed"]:  # every block holds these columns of its rows
-            rows = read_rows(src, d, src_at, length)          # (length, b - a)
+            rows = read_rows(src, blk, src_at, length)          # (length, b - a)
             if flip:
                 out.narrow(0, dst_at, length).narrow(1, a, b - a).copy_(rows)
             else:
@@ -58,4 +63,4 @@ def read_blocks(read_rows, spec: dict, src: int, src_at: int, length: int, out: 
             continue
         lo, hi = max(a, src_at), min(b, src_at + length)     # split along the rows (or not split)
         if hi > lo:
-            out.narrow(0, dst_at + lo - src_at, hi - lo).copy_(read_rows(src, d, lo - a, hi - lo))
+            out.narrow(0, dst_at + lo - src_at, hi - lo).copy_(read_rows(src, blk, lo - a, hi - lo))

@@ -11,15 +11,21 @@ file's DP rank (``dp``). Any layout reads them back by name (raytp.files.checkpo
 
 Under the distributed optimizer (``zero`` 1) every DP rank also writes the dense AdamW rows it keeps, as a
 dense model's ranks do (raytp.files.checkpoint_blocks); their entries are the zero table the caller adds
-(``zero_entries``). An expert's AdamW state is whole on each of its holders (the optimizer does not cut it over
-expert-DP) and is written with its weights.
+(``zero_entries``). An expert's AdamW state is whole on each of its holders and written with its weights, unless
+the optimizer cuts it over expert-DP too (``Layout.sharded_experts``): then every member of the group writes
+its rows of it into its own file, and the group's first reports their blocks (raytp.files.checkpoint_blocks,
+each block naming its member's file).
 """
 from __future__ import annotations
 
+import torch
+
 from raytp.files.checkpoint import tensor_table, zero_table
+from raytp.files.checkpoint_blocks import MOMENTS, blocks_of
 from raytp.models.registry import bucketed, is_expert_weight
 from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import expert_placement_of
+from raytp.parallel.sharding import Sharding
 
 
 def is_expert_key(key: str) -> bool:
@@ -34,20 +40,46 @@ def share(tensors: dict, layout: Layout, rank: int, vocab_size: int, stage: int 
     c = layout.coords(rank)
     dense = {k: v for k, v in tensors.items() if not is_expert_key(k)
              and (c.dp == 0 or (layout.sharded_optimizer and k.startswith("optim/")))}
-    experts = {}
-    if expert_placement_of(layout).writes(layout, rank):
-        experts = {k: v for k, v in tensors.items() if is_expert_key(k)}
+    writes, cut = expert_placement_of(layout).writes(layout, rank), layout.sharded_experts
+    experts = {k: v for k, v in tensors.items() if is_expert_key(k) and (writes or (cut and k.startswith("optim/")))}
     listed = {k: v for k, v in dense.items() if k.startswith("model/") or not layout.sharded_optimizer}
     table = tensor_table(listed, layout.tp, vocab_size, stage) if listed and c.tp == 0 else None
     whole = layout.expert_tp == 1
-    if experts and (whole or c.tp == 0):
-        entries = tensor_table(experts, 1 if whole else layout.tp, vocab_size, stage)
+    if writes and (whole or c.tp == 0):
+        shown = {k: v for k, v in experts.items() if not (cut and k.startswith("optim/"))}
+        entries = tensor_table(shown, 1 if whole else layout.tp, vocab_size, stage)
         for e in entries.values():
             e["dp"] = c.dp
             if whole:
                 e.update(tp=1, tp_file=c.tp)
+        if cut:
+            entries.update(_cut_entries({k: v for k, v in shown.items() if k.startswith("model/")}, layout, rank,
+                                        vocab_size, stage))
         table = {**(table or {}), **entries}
     return {**dense, **experts}, frozenset(experts) if whole else frozenset(), table
+
+
+def _cut_entries(weights: dict, layout: Layout, rank: int, vocab_size: int, stage: int | None) -> dict:
+    """The table entries of the AdamW state of `rank`'s experts (`weights`: their ``model/`` keys, in the
+    optimizer's order) cut over its expert-DP group by the distributed optimizer: each moment's rows in blocks
+    over the members' files, each step count in the file of the holder of its first row."""
+    whole = layout.expert_tp == 1
+    at = {a: layout.coord(rank, a) for a in ("ep", "etp", "pp")}
+    files = [layout.coords(layout.rank_at(edp=d, **at)) for d in range(layout.degree("edp"))]
+    virtual = {}
+    for key, (s, t) in weights.items():
+        name = key.split("/", 1)[1]
+        virtual.update({f"optim/{name}/{k}": (s, t) for k in MOMENTS})
+        virtual[f"optim/{name}/step"] = (Sharding(), torch.zeros((), dtype=torch.float32))
+    table = tensor_table(virtual, 1 if whole else layout.tp, vocab_size, stage)
+    for key, blk in zip(weights, blocks_of([tuple(t.shape) for _, t in weights.values()], layout.degree("edp"))):
+        name = key.split("/", 1)[1]
+        blocks = [[files[d].dp, a, b] + ([files[d].tp] if whole else []) for d, a, b in blk]
+        first = files[blk[0][0]]
+        for k in MOMENTS:
+            table[f"optim/{name}/{k}"].update(blocks=blocks, **({"tp": 1} if whole else {}))
+        table[f"optim/{name}/step"].update(dp=first.dp, **({"tp": 1, "tp_file": first.tp} if whole else {}))
+    return table
 
 
 def zero_entries(params: dict, cfg, layout: Layout, rank: int, stage: int | None, copy: str | None) -> dict:

@@ -81,6 +81,12 @@ class Layout:
         return self.zero == 1 and self.dp > 1
 
     @property
+    def sharded_experts(self) -> bool:
+        """Whether each expert-DP rank keeps its own part of its experts' AdamW state (the distributed optimizer,
+        with experts on a mesh of their own and an expert-DP group of more than one rank)."""
+        return self.sharded_optimizer and self.experts_split and self.degree("edp") > 1
+
+    @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 

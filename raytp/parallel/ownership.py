@@ -18,7 +18,8 @@ state of its own rows, so every rank owns a part and none can stand in for
 another (a lost rank's state comes from a snapshot or a checkpoint). Experts
 on a mesh of their own (ep > 1, or etp 1 at tp > 1) are held by their expert-DP
 group only: they narrow the holders to the ranks holding the same dense bytes
-and the same experts, and every first of those owns a part.
+and the same experts, and every first of those owns a part (under zero 1 their
+AdamW state is cut over expert-DP too: every rank owns a part anyway).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from functools import lru_cache
 
 from raytp.parallel.layout import Layout
 from raytp.parallel.placements import (TensorPlacement, dense_state_placements, dense_weight_placements,
-                                      expert_placement)
+                                      expert_placement, expert_state)
 
 
 @dataclass(frozen=True)
@@ -114,15 +115,21 @@ def expert_placement_of(layout: Layout) -> TensorPlacement:
 
 
 def _experts(layout: Layout) -> tuple[TensorPlacement, ...]:
-    """A model's expert placement where its layout gives experts a mesh of their own (their AdamW state is
-    placed as the weights: experts are not sharded over expert-DP by the optimizer)."""
+    """A model's expert placement where its layout gives experts a mesh of their own."""
     return (expert_placement_of(layout),) if layout.experts_split else ()
+
+
+def _expert_state(layout: Layout) -> tuple[TensorPlacement, ...]:
+    """Where the experts' AdamW state lives: as their weights, or cut over expert-DP by rows under zero 1."""
+    if not layout.experts_split:
+        return ()
+    return (expert_state(0 if layout.expert_tp > 1 else None, layout),)
 
 
 @lru_cache(maxsize=64)
 def _rule(layout: Layout, weights, state) -> _Rule:
     weights = weights if weights is not None else dense_weight_placements() + _experts(layout)
-    state = state if state is not None else dense_state_placements(layout) + _experts(layout)
+    state = state if state is not None else dense_state_placements(layout) + _expert_state(layout)
     table = tuple(dict.fromkeys(weights + state))
     holders = _same(layout, table)
     owners = tuple(r for r in range(layout.world_size) if holders[r][0] == r)

@@ -18,7 +18,8 @@ Dense models: weights split along TP by their Sharding (or replicated there) and
 replicated over DP; their AdamW state the same, or split over DP by rows under
 the distributed optimizer. Expert weights (Mixture of Experts): split over EP
 along the expert dim, over ETP as a dense row would be, replicated over
-expert-DP (``expert_placement``).
+expert-DP (``expert_placement``); their AdamW state the same, or split over expert-DP by rows under the
+distributed optimizer (``expert_state``).
 """
 from __future__ import annotations
 
@@ -94,6 +95,13 @@ def expert_placement(split_dim: int | None, expert_dim: int = 0) -> TensorPlacem
     `split_dim` (None: whole in each ETP rank), replicated over expert-DP."""
     return TensorPlacement.of(etp=REPLICATE if split_dim is None else Shard(split_dim), ep=Shard(expert_dim),
                               edp=REPLICATE)
+
+
+def expert_state(split_dim: int | None, layout: Layout) -> TensorPlacement:
+    """An expert's AdamW state: as its weight, but split over expert-DP by rows under the distributed optimizer
+    (``layout.sharded_experts``)."""
+    return TensorPlacement.of(etp=REPLICATE if split_dim is None else Shard(split_dim), ep=Shard(0),
+                              edp=Shard(ROWS) if layout.sharded_experts else REPLICATE)
 
 
 def dense_weight_placements() -> tuple[TensorPlacement, ...]:

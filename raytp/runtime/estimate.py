@@ -144,16 +144,17 @@ def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
     casts = 0 if cfg.train.precision == "fp32" else 2 * local / (max(layers, 1) if cfg.train.activation_checkpointing
                                                                  else 1)
     activations = int(kept + logits + casts + 2 * s * b * h * 4)
-    # zero 1: its rows of the dense state; the experts' state whole where they are on their own mesh
-    adam = 8 * local if par.zero == 0 or par.dp == 1 else math.ceil(8 * (local - routed) / par.dp) + 8 * routed
+    # zero 1: its rows of the dense state, and of its experts' over expert-DP where they are on their own mesh
+    lay = cfg.layout
+    expert_dp = lay.degree("edp") if split else 1
+    adam = 8 * local if par.zero == 0 or par.dp == 1 else (
+        math.ceil(8 * (local - routed) / par.dp) + math.ceil(8 * routed / (expert_dp if lay.sharded_experts else 1)))
     snapshots = 2 * (4 * local + adam) if cfg.recovery.snapshot_every != 0 else 0  # null: on, at some interval
     # The gradients, and with replicas their flat bucket buffers (raytp.train.grad_buckets), all alive at once
     # while they are summed: the dense ones' over DP (under zero 1 a gradient is dropped once in its buffer,
-    # kept to the weight gather), the experts' over expert-DP (whole; none where that group is one rank).
-    lay = cfg.layout
+    # kept to the weight gather), the experts' over expert-DP (none where that group is one rank).
     dense_buffers = 0 if par.dp == 1 or par.zero else 4 * (local - routed)
-    expert_dp = lay.degree("edp") if split else 1
-    expert_buffers = 4 * routed if expert_dp > 1 else 0
+    expert_buffers = 4 * routed if expert_dp > 1 and not lay.sharded_experts else 0  # cut: a buffer, no gradient
     return WorkerMemory(4 * local, 4 * local + dense_buffers + expert_buffers, adam, activations, snapshots,
                         cfg.runtime.device)
 

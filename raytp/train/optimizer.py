@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from raytp.train.grad_buckets import GradBuckets
-from raytp.train.weight_gather import WeightGather
-from raytp.parallel.zero_plan import BUCKET_NUMEL, Bucket, owned_rows, plan
+from raytp.parallel.zero_plan import BUCKET_NUMEL
 from raytp.train.hyper import Hyper
+from raytp.train.row_cut import RowCut
 
 
 class DistributedAdamW:
@@ -39,11 +38,10 @@ class DistributedAdamW:
 
     def __init__(self, model: torch.nn.Module, h: Hyper, dp: int = 1, dp_rank: int = 0, zero: int = 0,
                  bucket_numel: int = BUCKET_NUMEL, overlap: bool = False, overlap_gather: bool = False,
-                 apart=None):
+                 apart=None, apart_degree: int = 1, apart_rank: int = 0):
         # `apart(name)`: the parameters reduced over another group than DP (experts over expert-DP, with expert
-        # parallelism): in buckets of their own, whole (``reduce_apart``; overlapped with the backward pass as the
-        # DP buckets are, ``arm``); zero 1 does not shard them (each rank keeps the whole AdamW state of the
-        # experts it holds: they are already split over EP).
+        # parallelism, `apart_degree` ranks of which this is `apart_rank`): a cut of their own (``reduce_apart``;
+        # overlapped with the backward pass as the DP buckets are, ``arm``), sharded over that group under zero 1.
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # a router's bias is not trained
         if apart is not None:
             named = [(n, p) for n, p in named if not apart(n)] + [(n, p) for n, p in named if apart(n)]
@@ -53,11 +51,14 @@ class DistributedAdamW:
         self.params = [p for _, p in named]
         self._index = {n: i for i, n in enumerate(self.names)}
         self.h, self.zero, self.bucket_numel, self.overlap = h, zero, bucket_numel, overlap
-        self.dp = self.dp_rank = self.grads = self.gather = None
-        self._flats: list[torch.Tensor] = []  # zero 1: each bucket's buffer, from the reduce to the gather
+        self.dp = self.dp_rank = self.dense = None
         apart_params = self.params[self.n_bucketed:]
-        self.apart = GradBuckets(apart_params, plan([tuple(p.shape) for p in apart_params], 1, bucket_numel),
-                                 scatter=False) if apart_params else None
+        sharded_apart = bool(zero) and apart_degree > 1
+        self.experts = RowCut(apart_params, self.n_bucketed, apart_degree if sharded_apart else 1,
+                              apart_rank if sharded_apart else 0, sharded_apart, bucket_numel) if apart_params else None
+        self.apart = self.experts.grads if self.experts is not None else None
+        self._apart_group = None  # the group the experts were last reduced over (their gather's, under zero 1)
+        self.exported: dict = {}  # the experts' whole state as last exported for a live EP change (apart_state)
         self.recut(dp, dp_rank)
 
     def recut(self, dp: int, dp_rank: int) -> None:
@@ -67,15 +68,9 @@ class DistributedAdamW:
         self.dp = None
         self.sharded = bool(self.zero) and dp > 1
         self.follow(dp, dp_rank)
-        if self.sharded:  # leaves whose data are views of the owned rows: AdamW updates them in place
-            self.targets = {}
-            for i, (a, b) in self.owned.items():
-                leaf = torch.nn.Parameter(torch.empty(0, dtype=self.params[i].dtype, device=self.params[i].device))
-                leaf.data = self.params[i].data[a:b]
-                self.targets[i] = leaf
-            self.targets.update((i, self.params[i]) for i in range(self.n_bucketed, len(self.params)))
-        else:
-            self.targets = dict(enumerate(self.params))
+        self.targets = self.dense.leaves()
+        if self.experts is not None:
+            self.targets.update(self.experts.leaves())
         h = self.h
         decay = [t for i, t in self.targets.items() if self.params[i].dim() >= 2]
         no_decay = [t for i, t in self.targets.items() if self.params[i].dim() < 2]
@@ -93,15 +88,12 @@ class DistributedAdamW:
             raise ValueError(f"the distributed optimizer's rows are cut for DP={self.dp}; it cannot follow "
                              f"DP={dp} in place")
         self.dp, self.dp_rank = dp, dp_rank
-        bucketed = self.params[:self.n_bucketed]  # the parameters apart come last, outside the buckets
-        self.buckets: list[Bucket] = plan([tuple(p.shape) for p in bucketed], dp, self.bucket_numel)
-        self.owned = owned_rows(self.buckets, dp_rank)  # index -> (first row, end row)
-        if self.grads is not None:
-            self.grads.close()
-        if self.gather is not None:
-            self.gather.close()
-        self.grads = GradBuckets(bucketed, self.buckets, self.sharded)
-        self.gather = WeightGather(bucketed, self.buckets, dp_rank) if self.sharded else None
+        if self.dense is not None:
+            self.dense.close()
+        # the parameters apart come last, outside the DP buckets
+        self.dense = RowCut(self.params[:self.n_bucketed], 0, dp, dp_rank, self.sharded, self.bucket_numel)
+        self.buckets, self.owned = self.dense.buckets, self.dense.owned  # index -> (first row, end row)
+        self.grads, self.gather = self.dense.grads, self.dense.gather
         if self.gather is not None and self.overlap_gather:
             self.gather.hook(self.model)
 
@@ -134,45 +126,34 @@ class DistributedAdamW:
         """Sum the gradients over the DP `group` (then * scale): every rank's whole gradients (zero 0), or
         the owned rows' only (zero 1, into the leaves' ``.grad``)."""
         self.settle()  # a parameter no forward pass used may still be being gathered
-        self._flats = []
-        for b, flat in zip(self.buckets, self.grads.finish(group)):
-            if self.sharded:  # in place: this rank's chunk of the bucket received its rows' sums
-                at = self.dp_rank * b.chunk
-                mine = flat[at:at + b.chunk]
-                mine *= scale
-                self._flats.append(flat)  # the all-gather of the new weights reuses it
-                for pc in b.ranges[self.dp_rank]:
-                    t = self.targets[pc.index]
-                    t.grad = mine[pc.at:pc.at + pc.numel].view(t.shape)
-            else:
-                if scale != 1.0:
-                    flat *= scale
-                for d, pieces in enumerate(b.ranges):
-                    for pc in pieces:
-                        g = self.params[pc.index].grad
-                        if g is None:
-                            continue
-                        g[pc.start:pc.stop].copy_(flat[b.span(d, pc)].view_as(g[pc.start:pc.stop]))
+        self.dense.reduce(group, scale, self.targets)
 
     def reduce_apart(self, group, scale: float) -> None:
         """Sum the gradients of the parameters apart over `group` (then * scale): in their buckets (those the
         backward pass did not launch now), or, with no group, only scaled."""
-        if self.apart is None:
+        if self.experts is None:
             return
+        self._apart_group = group
         if group is None:
-            for p in self.apart.params:
+            for p in self.experts.params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
             return
-        for b, flat in zip(self.apart.buckets, self.apart.finish(group)):
-            flat *= scale
-            for pc in b.ranges[0]:
-                g = self.apart.params[pc.index].grad
-                if g is not None:
-                    g[pc.start:pc.stop].copy_(flat[b.span(0, pc)].view_as(g[pc.start:pc.stop]))
+        self.experts.reduce(group, scale, self.targets)
+
+    @property
+    def apart_sharded(self) -> bool:
+        """Whether the parameters apart are cut over their group (zero 1 over an expert-DP group of several)."""
+        return self.experts is not None and self.experts.sharded
 
     def apart_grads(self):
-        """(name, parameter, gradient) of the parameters apart (whole on every rank that holds them)."""
+        """(name, parameter, gradient) of the parameters apart: whole on every rank that holds them, or under
+        ``apart_sharded`` the rows this rank keeps (what the norm sums over their group)."""
+        if self.apart_sharded:
+            for i in self.experts.owned:
+                if self.targets[i].grad is not None:
+                    yield self.names[i], self.params[i], self.targets[i].grad
+            return
         for i in range(self.n_bucketed, len(self.params)):
             if self.params[i].grad is not None:
                 yield self.names[i], self.params[i], self.params[i].grad
@@ -203,45 +184,38 @@ class DistributedAdamW:
 
     def step(self, group=None) -> None:
         """Update what this rank owns, then (zero 1) give every replica the new weights: at once, or, with
-        `overlap_gather`, during the next forward pass (raytp.train.weight_gather)."""
+        `overlap_gather`, during the next forward pass (raytp.train.weight_gather); the experts' over their
+        group, at once."""
         self.inner.step()
-        if not self.sharded:
-            return
-        flats, self._flats = self._flats, []
-        for b, flat in zip(self.buckets, flats):  # the gradients' buffers, their chunks read by the update
-            at = self.dp_rank * b.chunk
-            mine = flat[at:at + b.chunk]
-            for pc in b.ranges[self.dp_rank]:
-                mine[pc.at:pc.at + pc.numel].copy_(self.targets[pc.index].data.reshape(-1))
-        self.gather.start(flats, group)
-        if not self.overlap_gather:
-            self.gather.settle()
+        if self.sharded:
+            self.dense.publish(self.targets, group, settle=not self.overlap_gather)
+        if self.apart_sharded:
+            self.experts.publish(self.targets, self._apart_group, settle=True)
 
     def abandon(self) -> None:
         """Forget the collectives in flight (a step failed: its process groups are being destroyed, and a work
         object kept would keep its group's sockets open). The weights of an abandoned gather are not whole:
         the state is restored from a replica, a snapshot or a checkpoint after such a failure anyway."""
-        self._flats = []
-        for buckets in (self.grads, self.apart):
-            if buckets is not None:
-                buckets.abandon()
-        if self.gather is not None:
-            self.gather.abandon()
+        for cut in (self.dense, self.experts):
+            if cut is not None:
+                cut.abandon()
 
     def settle(self) -> None:
         """Finish giving this replica every new weight (zero 1 with ``overlap_gather``: what the forward pass
         has not yet): before anything but a forward pass reads the weights."""
-        if self.gather is not None:
-            self.gather.settle()
+        for cut in (self.dense, self.experts):
+            if cut is not None:
+                cut.settle()
 
     # -- the state in parameter space -----------------------------------------------------------
     def rows(self, name: str) -> tuple[int, int] | None:
         """The rows of parameter `name` whose AdamW state this rank keeps: None for all of them (zero 0),
         else (first, end) (zero 1; end == first when it keeps none)."""
-        i = self._index[name]
-        if not self.sharded or i >= self.n_bucketed:  # or a parameter apart: whole
-            return None
-        return self.owned.get(i, (0, 0))
+        cut = self._cut(self._index[name])
+        return cut.owned.get(self._index[name], (0, 0)) if cut.sharded else None
+
+    def _cut(self, i: int) -> RowCut:
+        return self.dense if i < self.n_bucketed else self.experts
 
     def named_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """{parameter name: {"step", "exp_avg", "exp_avg_sq"}} of the state this rank keeps (live tensors)."""
@@ -259,7 +233,8 @@ class DistributedAdamW:
         if i not in self.targets:
             return
         t = self.targets[i]
-        a, b = self.owned[i] if (whole and self.sharded and i < self.n_bucketed) else (0, None)
+        cut = self._cut(i)
+        a, b = cut.owned[i] if (whole and cut.sharded) else (0, None)
         out = {}
         for k, v in state.items():
             if k == "step" or v.dim() == 0:
@@ -287,8 +262,22 @@ class DistributedAdamW:
         target = self.targets[self._index[name]]
         if key not in state:
             state[key] = torch.zeros_like(target.data)
-        lo = self.owned.get(self._index[name], (0, 0))[0]
+        i = self._index[name]
+        lo = self._cut(i).owned.get(i, (0, 0))[0]
         state[key][start - lo:start - lo + t.shape[0]].copy_(t)
+
+    def apart_state(self, group) -> dict[str, dict[str, torch.Tensor]]:
+        """{name: AdamW state} of the parameters apart, whole: under ``apart_sharded`` this rank's rows gathered
+        over `group` (their group: every rank of it calls this), else the live state. Also kept as ``exported``:
+        a live EP change builds the next shard's state from it (raytp.runtime.worker.expert_moves)."""
+        if self.experts is None:
+            return {}
+        if not self.apart_sharded:
+            return {self.names[i]: dict(self.inner.state[self.targets[i]]) for i in range(self.n_bucketed,
+                    len(self.params)) if self.inner.state.get(self.targets[i])}
+        whole = self.experts.whole_state(lambda i: self.inner.state.get(self.targets[i], {}), group)
+        self.exported = {self.names[i]: st for i, st in whole.items()}
+        return self.exported
 
     def clear_state(self) -> None:
         self.inner.state.clear()
@@ -299,10 +288,20 @@ class DistributedAdamW:
 
 def make_optimizer(model: torch.nn.Module, h: Hyper, dp: int = 1, dp_rank: int = 0, zero: int = 0,
                    bucket_numel: int = BUCKET_NUMEL, overlap: bool = False, overlap_gather: bool = False,
-                   apart=None) -> DistributedAdamW:
+                   apart=None, apart_degree: int = 1, apart_rank: int = 0) -> DistributedAdamW:
     """AdamW; matrices and embeddings decay, biases and LayerNorms do not (as nanoGPT); its state
     replicated over the `dp` replicas (`zero` 0) or sharded over them (`zero` 1); `overlap`: the DP reduction
     runs while the backward pass goes on (``arm``); `overlap_gather` (zero 1): the new weights are gathered
     while the next forward pass goes on; `apart(name)`: the parameters reduced over their own group
-    (``reduce_apart``: experts over expert-DP)."""
-    return DistributedAdamW(model, h, dp, dp_rank, zero, bucket_numel, overlap, overlap_gather, apart)
+    (``reduce_apart``: experts over expert-DP), whose state zero 1 cuts over the `apart_degree` ranks of their
+    group, of which this is `apart_rank` (``experts_cut``)."""
+    return DistributedAdamW(model, h, dp, dp_rank, zero, bucket_numel, overlap, overlap_gather, apart,
+                            apart_degree, apart_rank)
+
+
+def experts_cut(layout, rank: int) -> dict:
+    """make_optimizer's `apart_degree` and `apart_rank` for `rank` of `layout`: its expert-DP group's where the
+    distributed optimizer cuts the experts' state over it (``layout.sharded_experts``), else one rank."""
+    if not layout.sharded_experts:
+        return {"apart_degree": 1, "apart_rank": 0}
+    return {"apart_degree": layout.degree("edp"), "apart_rank": layout.coord(rank, "edp")}

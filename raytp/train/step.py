@@ -83,7 +83,8 @@ def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups, optimizer: D
     split it (its placement, raytp.models.registry.placement_of; a shared head's once), over the pipeline
     stages, and a tied embedding's second copy left out (raytp.models.stage). With DP replicas and
     `optimizer`, each DP rank sums the rows it owns (raytp.train.optimizer) and the sums are added over DP:
-    the same at zero 0 and zero 1."""
+    the same at zero 0 and zero 1. Experts on a mesh of their own are summed whole on each expert-DP rank, or,
+    cut over expert-DP by the distributed optimizer, by rows added over expert-DP (the same to rounding)."""
     lay = groups.layout
 
     def split(name: str) -> tuple[str, ...]:
@@ -108,9 +109,15 @@ def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups, optimizer: D
         both = torch.stack(sums)
         comm.all_reduce(both, groups.dp)
         sums = list(both.unbind())
-        for name, p, g in optimizer.apart_grads():  # experts: whole on each expert-DP replica, not over DP
+        # experts: whole on each expert-DP replica (not summed over DP), or each rank's rows summed over expert-DP
+        part = sums if not optimizer.apart_sharded else [torch.zeros((), device=device) for _ in sums]
+        for name, p, g in optimizer.apart_grads():
             at = list(by_axes).index(split(name))
-            sums[at] = sums[at] + g.float().pow(2).sum()
+            part[at] = part[at] + g.float().pow(2).sum()
+        if optimizer.apart_sharded:
+            part = torch.stack(part)
+            comm.all_reduce(part, groups.group("edp"))
+            sums = [s + q for s, q in zip(sums, part.unbind())]
     total = None
     for axes, sq in zip(by_axes, sums):
         for axis in axes:

@@ -1,7 +1,9 @@
 """A live expert-parallel change's state moving worker to worker: each expert a rank gains, once.
 
 Every worker keeps its process, its dense weights and their AdamW state (TP, PP and DP stay, so its dense
-slices and, under zero 1, the rows it keeps are the same). Each old rank cuts one bundle per global expert
+slices and, under zero 1, the rows it keeps are the same). Where zero 1 cuts the experts' state over expert-DP,
+whose degree an EP change changes, each rank first gathers its experts' rows over its old expert-DP group, and
+each new rank keeps its rows of the whole state at the new one. Each old rank cuts one bundle per global expert
 it holds (``export_experts``: that expert's weights and AdamW state in every expert layer of its stage,
 under their global names); a new rank rebuilds its shard from its old one (``own``) and, for each expert it
 gains, the bundle of the one old rank chosen to give it (raytp.runtime.elastic.rank_plans.expert_sources):
@@ -23,12 +25,13 @@ def expert_of(name: str) -> int | None:
     return None if m is None else int(m.group(0).split(".")[-2])  # layers.<i>.mlp.experts.<j>.
 
 
-def export_experts(model, optimizer, n_experts: int) -> list:
+def export_experts(model, optimizer, n_experts: int, group=None) -> list:
     """One bundle per global expert 0..n_experts-1 of what this shard holds of it (empty for one it does
     not hold): [(key, 0, 0, tensor)] for its weights (``model/<name>``) and AdamW state
-    (``optim/<name>/<key>``), then the bundles' sizes."""
+    (``optim/<name>/<key>``, whole: under zero 1 cut over expert-DP, each rank's rows gathered over its
+    expert-DP `group` first), then the bundles' sizes."""
     optimizer.settle()
-    state = optimizer.named_state()
+    state = optimizer.apart_state(group)
     entries: list[list] = [[] for _ in range(n_experts)]
     for name, p in model.named_parameters():
         j = expert_of(name)
@@ -55,12 +58,17 @@ class ExpertsSource:
         old_model, old_opt = own[0], own[1]
         old = dict(old_model.named_parameters())
         old_state = old_opt.named_state()
+        # its experts' state whole (gathered by export_experts where the optimizer cut it over expert-DP)
+        whole = old_opt.exported if old_opt.apart_sharded else {n: st for n, st in old_state.items()
+                                                                if expert_of(n) is not None}
         params = dict(model.named_parameters())
         with torch.no_grad():
             for name, p in params.items():
                 if name in old:
                     p.copy_(old[name])
-                    if name in old_state:
+                    if name in whole:
+                        optimizer.load_param_state(name, whole[name], whole=True)
+                    elif name in old_state:
                         optimizer.load_param_state(name, old_state[name])
             for ref in self.refs:
                 got: dict[str, dict] = {}
@@ -73,4 +81,4 @@ class ExpertsSource:
                     else:
                         got.setdefault(name, {})[k[0]] = t
                 for name, st in got.items():
-                    optimizer.load_param_state(name, st)
+                    optimizer.load_param_state(name, st, whole=True)  # this rank's rows where they are cut

@@ -30,6 +30,7 @@ from raytp.train.shard_state import load_shard_state, shard_state, unpack_state
 from raytp.files.state_sources import StateSource
 from raytp.parallel.layers import set_tp_overlap
 from raytp.train import zero_handover
+from raytp.train.optimizer import experts_cut
 from raytp.train.step import make_optimizer
 from raytp.files.storage import Storage
 
@@ -59,7 +60,8 @@ class HeldShard:
         optimizer = make_optimizer(model, knobs, groups.layout.dp, groups.dp_rank, groups.layout.zero,
                                    overlap=cfg.parallel.overlap_grad_reduce,
                                    overlap_gather=cfg.parallel.overlap_param_gather,
-                                   apart=is_expert_weight if groups.layout.experts_split else None)
+                                   apart=is_expert_weight if groups.layout.experts_split else None,
+                                   **experts_cut(groups.layout, groups.rank))
         if source is not None:
             source = StateSource(source) if isinstance(source, dict) else source
             # A kept process copies its own slices locally where the bundles leave them out (a TP resize: None)
@@ -76,11 +78,11 @@ class HeldShard:
                                          vocab_size, set(skip), stages=stages)
         return (*bundles, transfer.replicated(self.model, self.optimizer), [transfer.bundle_bytes(b) for b in bundles])
 
-    def export_experts(self, n_experts: int):
+    def export_experts(self, groups, n_experts: int):
         """For a live EP change: one bundle per global expert of what this shard holds of it, then their sizes
-        (raytp.runtime.worker.expert_moves)."""
+        (raytp.runtime.worker.expert_moves; its experts' state gathered over expert-DP where zero 1 cut it)."""
         self.settle()
-        return expert_moves.export_experts(self.model, self.optimizer, n_experts)
+        return expert_moves.export_experts(self.model, self.optimizer, n_experts, groups.group("edp"))
 
     def export_rows(self, new_dp: int):
         """A DP resize under zero 1: one bundle per DP rank of `new_dp` of the AdamW rows this rank keeps that

@@ -231,7 +231,7 @@ class Worker:
 
     def export_experts(self, n_experts: int):
         """HeldShard.export_experts; call with num_returns=n_experts + 1."""
-        return self.shard.export_experts(n_experts)
+        return self.shard.export_experts(self.groups, n_experts)
 
     def export_rows(self, new_dp: int):
         """HeldShard.export_rows; call with num_returns=new_dp + 1."""
