@@ -76,6 +76,10 @@ class Ownership:
         dense model, or itself alone under zero 1."""
         return list(_rule(self.layout, self.weights, self.state).holders[self._checked(rank)])
 
+    def first_holders(self) -> tuple[int, ...]:
+        """For every rank, the first of its holders (ranks with the same first hold the same bytes)."""
+        return tuple(h[0] for h in _rule(self.layout, self.weights, self.state).holders)
+
     def _checked(self, rank: int) -> int:
         if not 0 <= rank < self.layout.world_size:
             raise ValueError(f"rank {rank} outside world of {self.layout.world_size} ({self.layout})")

@@ -59,12 +59,16 @@ def node_losses(layout: Layout, nodes: Sequence[str | None], copy_node: str | No
     without a checkpoint: every rank on it holds bytes that a rank on another node holds too
     (Ownership.holders: its DP replicas), or the off-node copy of the snapshots (`copy_node`, None
     without one) lives on another node."""
-    own = Ownership(layout)
-    out = {}
-    for node in dict.fromkeys(n for n in nodes if n is not None):
-        lost = [r for r, n in enumerate(nodes) if n == node]
-        copied = copy_node is not None and copy_node != node
-        out[node] = copied or all(any(nodes[h] != node for h in own.holders(r)) for r in lost)
+    first = Ownership(layout).first_holders()  # a rank's holders are named by the first of them
+    spans: dict[int, set] = {}  # each set of holders -> the nodes its ranks are on
+    for r, n in enumerate(nodes):
+        spans.setdefault(first[r], set()).add(n)
+    out: dict[str, bool] = {}
+    for r, node in enumerate(nodes):  # a rank's loss is covered where its holders span another node too
+        if node is not None:
+            out[node] = out.get(node, True) and len(spans[first[r]]) > 1
+    if copy_node is not None:
+        out = {node: ok or copy_node != node for node, ok in out.items()}
     return out
 
 
