@@ -38,7 +38,7 @@ def held_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
     parameters' ``.grad`` are dropped: raytp.train.grad_buckets)."""
     groups = {
         "params": [p for p in model.parameters()],
-        "grads": [p.grad for p in model.parameters() if p.grad is not None] + list(getattr(optimizer, "_flats", [])),
+        "grads": [p.grad for p in model.parameters() if p.grad is not None] + list(getattr(optimizer, "held_buffers", list)()),
         "optimizer": [v for st in optimizer.named_state().values() for v in st.values() if isinstance(v, torch.Tensor)],
     }
     out, seen = {}, set()

@@ -102,5 +102,5 @@ def test_moe_quick_run_measures_both_layouts_and_the_rows_its_all_to_all_moves(t
     else:
         assert fig["ep2"]["torchtitan"] == "not installed"
     memory = {k: v for k, v in fig["memory"].items() if isinstance(v, dict) and "state_over_estimate" in v}
-    assert len(memory) == 3 and fig["memory"]["within_goal"], fig["memory"]
+    assert len(memory) == 4 and fig["memory"]["within_goal"], fig["memory"]
     assert all(0.9 <= v["state_over_estimate"] <= 1.1 and v["rss_growth_bytes"] > 0 for v in memory.values())

@@ -146,6 +146,10 @@ class DistributedAdamW:
         """Whether the parameters apart are cut over their group (zero 1 over an expert-DP group of several)."""
         return self.experts is not None and self.experts.sharded
 
+    def held_buffers(self) -> list[torch.Tensor]:
+        """The bucket buffers held from a reduction to the weight gather (zero 1: the kept rows' gradients)."""
+        return [f for cut in (self.dense, self.experts) if cut is not None for f in cut.flats]
+
     def apart_grads(self):
         """(name, parameter, gradient) of the parameters apart: whole on every rank that holds them, or under
         ``apart_sharded`` the rows this rank keeps (what the norm sums over their group)."""
