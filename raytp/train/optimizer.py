@@ -17,7 +17,8 @@ Both compute the gradient norm from each DP rank's owned rows, summed over DP,
 and reduce the same flat buffers (gloo's reduce-scatter is an all-reduce and a
 slice), so zero 0 and zero 1 take the same steps, bit for bit on gloo:
 AdamW's update is elementwise, and a view of a row block updates exactly as
-the whole tensor does.
+the whole tensor does. Routed experts on a mesh of their own are a second cut
+(raytp.train.row_cut), summed over expert-DP and, under zero 1, sharded there.
 
 The state in *parameter space* (``named_state``): per parameter name, the
 AdamW tensors this rank keeps; under zero 1 those of rows ``rows(name)`` of
