@@ -25,7 +25,8 @@ from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.sharding import unshard_tensors
 from raytp.parallel.spawn import run_ranks
-from raytp.train.optimizer import experts_cut, make_optimizer
+from raytp.train.optimizer import make_optimizer
+from raytp.train.row_cut import experts_cut
 from raytp.train.stage_runner import PipelineSchedule
 from raytp.train.step import train_step
 

@@ -104,12 +104,8 @@ class DistributedAdamW:
         return self.inner.param_groups
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
+        for p in (p for p in self.params if p.grad is not None):
+            p.grad = None if set_to_none else p.grad.zero_()
 
     # -- the step -------------------------------------------------------------------------------
     def arm(self, group, backwards: int, hold=(), apart_group=None) -> None:
@@ -299,14 +295,7 @@ def make_optimizer(model: torch.nn.Module, h: Hyper, dp: int = 1, dp_rank: int =
     runs while the backward pass goes on (``arm``); `overlap_gather` (zero 1): the new weights are gathered
     while the next forward pass goes on; `apart(name)`: the parameters reduced over their own group
     (``reduce_apart``: experts over expert-DP), whose state zero 1 cuts over the `apart_degree` ranks of their
-    group, of which this is `apart_rank` (``experts_cut``)."""
+    group, of which this is `apart_rank` (raytp.train.row_cut.experts_cut)."""
     return DistributedAdamW(model, h, dp, dp_rank, zero, bucket_numel, overlap, overlap_gather, apart,
                             apart_degree, apart_rank)
 
-
-def experts_cut(layout, rank: int) -> dict:
-    """make_optimizer's `apart_degree` and `apart_rank` for `rank` of `layout`: its expert-DP group's where the
-    distributed optimizer cuts the experts' state over it (``layout.sharded_experts``), else one rank."""
-    if not layout.sharded_experts:
-        return {"apart_degree": 1, "apart_rank": 0}
-    return {"apart_degree": layout.degree("edp"), "apart_rank": layout.coord(rank, "edp")}

@@ -122,3 +122,12 @@ class RowCut:
         self.grads.close()
         if self.gather is not None:
             self.gather.close()
+
+
+def experts_cut(layout, rank: int) -> dict:
+    """make_optimizer's (raytp.train.optimizer) `apart_degree` and `apart_rank` for `rank` of `layout`: its
+    expert-DP group's where the distributed optimizer cuts the experts' state over it
+    (``layout.sharded_experts``), else one rank."""
+    if not layout.sharded_experts:
+        return {"apart_degree": 1, "apart_rank": 0}
+    return {"apart_degree": layout.degree("edp"), "apart_rank": layout.coord(rank, "edp")}

@@ -30,7 +30,7 @@ from raytp.train.shard_state import load_shard_state, shard_state, unpack_state
 from raytp.files.state_sources import StateSource
 from raytp.parallel.layers import set_tp_overlap
 from raytp.train import zero_handover
-from raytp.train.optimizer import experts_cut
+from raytp.train.row_cut import experts_cut
 from raytp.train.step import make_optimizer
 from raytp.files.storage import Storage
 
