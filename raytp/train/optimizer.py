@@ -273,12 +273,18 @@ class DistributedAdamW:
         a live EP change builds the next shard's state from it (raytp.runtime.worker.expert_moves)."""
         if self.experts is None:
             return {}
-        if not self.apart_sharded:
-            return {self.names[i]: dict(self.inner.state[self.targets[i]]) for i in range(self.n_bucketed,
-                    len(self.params)) if self.inner.state.get(self.targets[i])}
-        whole = self.experts.whole_state(lambda i: self.inner.state.get(self.targets[i], {}), group)
+        if self.apart_sharded:
+            whole = self.experts.whole_state(lambda i: self.inner.state.get(self.targets[i], {}), group)
+        else:
+            whole = {i: dict(self.inner.state[self.targets[i]]) for i in range(self.n_bucketed, len(self.params))
+                     if self.inner.state.get(self.targets[i])}
         self.exported = {self.names[i]: st for i, st in whole.items()}
         return self.exported
+
+    def take_exported(self) -> dict[str, dict[str, torch.Tensor]]:
+        """What ``apart_state`` last gave, handed over once (a gathered copy is not kept alive after)."""
+        out, self.exported = self.exported, {}
+        return out
 
     def clear_state(self) -> None:
         self.inner.state.clear()

@@ -58,9 +58,7 @@ class ExpertsSource:
         old_model, old_opt = own[0], own[1]
         old = dict(old_model.named_parameters())
         old_state = old_opt.named_state()
-        # its experts' state whole (gathered by export_experts where the optimizer cut it over expert-DP)
-        whole = old_opt.exported if old_opt.apart_sharded else {n: st for n, st in old_state.items()
-                                                                if expert_of(n) is not None}
+        whole = old_opt.take_exported()  # its experts' state whole, as export_experts took it (gathered where cut)
         params = dict(model.named_parameters())
         with torch.no_grad():
             for name, p in params.items():
