@@ -234,9 +234,9 @@ class FakeGroup(WorkerGroup):
     def ready(self, ranks, timeout_s):
         return all(self.workers[r].up for r in ranks)
 
-    # -- state
-    def shard_states(self):
-        return [state_of(w.x) for w in self.workers[:self.layout.tp]]
+    # -- state (the fake group is its own StateCalls)
+    def state_calls(self):
+        return self
 
     def export_pieces(self, new_tp, skip=None):
         old_tp = self.layout.tp

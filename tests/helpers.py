@@ -206,6 +206,9 @@ class ShardsGroup:
         self.cfg = from_dict({"model": {k: v for k, v in model_cfg.__dict__.items()},
                               "parallel": {"tp": len(shards), "dp": dp}})
 
+    def state_calls(self):  # its own calls that move state (a WorkerGroup hands out a StateCalls)
+        return self
+
     def begin_save(self, url, directory):
         from raytp.files.storage import Storage
         tensors = [checkpoint.state_tensors(sh) for sh in self.shards]

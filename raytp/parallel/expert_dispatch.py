@@ -51,6 +51,14 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torc
     return _AllToAll.apply(x, send, recv, group)
 
 
+def per_expert(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many of the choices in `experts` (any shape) went to each expert: (n_experts,) int64, on their device.
+    A scatter-add, not ``torch.bincount``, which on a GPU reads the largest index back to the host (a sync in
+    every MoE layer's forward)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     """counts (ep, n): what this rank sends to each rank, per that rank's expert -> (ep, n): what each rank
     sends to this one."""
@@ -79,15 +87,15 @@ class ExpertDispatch(nn.Module):
         """flat (n, C) tokens; the choices as three (m,) lists in token order: which token, which expert,
         its weight -> (n, C): each token's weighted sum of its experts' outputs (zero for a token with no
         choice here). `compute(rows, sizes)`: this rank's experts, in order, on their rows (sizes[j] for local
-        expert j; raytp.models.moe.grouped)."""
+        expert j: a list, or at ep == 1 a tensor on the rows' device; raytp.models.moe.grouped)."""
         order = experts.argsort(stable=True)  # the choices grouped by expert, tokens in order
         tokens, w = tokens[order], weights[order]
-        per_expert = torch.bincount(experts, minlength=self.n_experts).cpu()
-        send_table = per_expert.view(self.ep, self.local)
-        if self.ep == 1:  # one rank: its rows, grouped by expert, are what its experts run
-            back = compute(flat[tokens], send_table[0].tolist())
+        counts = per_expert(experts, self.n_experts)
+        if self.ep == 1:  # one rank: its rows, grouped by expert, are what its experts run (sizes on the device)
+            back = compute(flat[tokens], counts)
             send = recv = [len(tokens)]
-        else:
+        else:  # the split sizes of an all-to-all are read on the host
+            send_table = counts.cpu().view(self.ep, self.local)
             recv_table = exchange_counts(send_table.to(flat.device), self.group).cpu()
             send, recv = send_table.sum(1).tolist(), recv_table.sum(1).tolist()
             rows = all_to_all(flat[tokens], send, recv, self.group)  # by source rank, each by local expert

@@ -64,17 +64,19 @@ def expert_kernel(device_type: str, dtype: torch.dtype) -> str:
     return "grouped GEMM (torch._grouped_mm)" if use_grouped(device_type, dtype) else "one expert at a time"
 
 
-def run_experts(rows: torch.Tensor, sizes: list[int], experts: list) -> torch.Tensor:
+def run_experts(rows: torch.Tensor, sizes, experts: list) -> torch.Tensor:
     """`rows` (sum(sizes), C), the first sizes[0] for experts[0] and so on -> each row through its SwiGLU
-    expert (raytp.models.moe.layer.Expert), in the same order."""
+    expert (raytp.models.moe.layer.Expert), in the same order. `sizes`: a list, or a tensor, which the grouped
+    GEMM reads where it is (no host sync) and the loop reads on the host."""
     dtype = compute_dtype(rows)
     if not experts or rows.shape[0] == 0 or not use_grouped(rows.device.type, dtype):
+        sizes = sizes.tolist() if torch.is_tensor(sizes) else sizes
         outs, at = [], 0
         for e, n in zip(experts, sizes):
             outs.append(e(rows[at:at + n]))
             at += n
         return torch.cat(outs) if outs else rows
-    offs = torch.tensor(sizes, device=rows.device).cumsum(0).to(torch.int32)
+    offs = torch.as_tensor(sizes, device=rows.device).cumsum(0).to(torch.int32)
 
     def stacked(leaf: str) -> torch.Tensor:  # (E, in, out): each expert's weight, transposed as F.linear reads it
         ws = [getattr(e, leaf).weight for e in experts]

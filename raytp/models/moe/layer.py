@@ -23,10 +23,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from raytp.models.moe.args import MoeArgs
-from raytp.models.moe.routing import balance_loss, counts, route, within_capacity, z_loss
+from raytp.models.moe.routing import balance_loss, route, within_capacity, z_loss
 from raytp.parallel import comm
 from raytp.models.moe.grouped import run_experts
-from raytp.parallel.expert_dispatch import ExpertDispatch
+from raytp.parallel.expert_dispatch import ExpertDispatch, per_expert
 
 
 class Expert(nn.Module):
@@ -94,7 +94,7 @@ class MoE(nn.Module):
         m = self.args
         balance, z = balance_loss(scores, experts, B, m), z_loss(logits)
         if torch._C._current_graph_task_id() == -1:  # not a recomputation in backward (activation checkpointing)
-            load = counts(experts, m.n_experts)
+            load = per_expert(experts, m.n_experts)
             self.stats.add(load, balance, z, 0 if kept is None else int((~kept).sum()))
             if m.bias_rate:
                 self.step_load = load if self.step_load is None else self.step_load + load

@@ -2,8 +2,8 @@
 logits, the same on every rank that computes them.
 
 - ``route``: softmax over the experts then the top k (Mixtral, Qwen-MoE), or a sigmoid per expert then
-  the top k of the scores plus a selection bias (DeepSeek-V3; ``balance_bias``), the k weights renormalised to sum to 1 when ``norm_topk`` (Mixtral always),
-  then times ``routed_scale``.
+  the top k of the scores plus a selection bias (DeepSeek-V3; ``balance_bias``), the k weights renormalised
+  to sum to 1 when ``norm_topk`` (Mixtral always), then times ``routed_scale``.
 - ``balance_loss``: the load-balancing loss per sequence, E / (k T) * sum_i count_i * mean_t p_i (Switch's
   E * sum f_i P_i with f_i the share of the sequence's k T choices that went to expert i; DeepSeek-V3's
   sequence-wise form), averaged over the sequences. Being a mean over sequences, it is the same whichever
@@ -41,9 +41,6 @@ def route(logits: torch.Tensor, m: MoeArgs, bias: torch.Tensor | None = None
     return weights, experts, scores
 
 
-def counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """How many of the choices in `experts` (any shape) went to each expert: (E,) int64."""
-    return torch.bincount(experts.reshape(-1), minlength=n_experts)
 
 
 def balance_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, m: MoeArgs) -> torch.Tensor:

@@ -19,8 +19,7 @@ All calls to the workers go through here, so the driver, recovery and resize
 never touch an actor directly (and the tests can swap this class for a fake).
 Its calls that move state in and out (checkpoints, snapshots, copies between
 replicas, the distributed optimizer's rows) are a value of their own,
-raytp.runtime.cluster.group_state.StateCalls, which the methods of the same
-names here hand each call to.
+raytp.runtime.cluster.group_state.StateCalls (``state_calls()``).
 """
 from __future__ import annotations
 
@@ -176,12 +175,13 @@ class WorkerGroup:
         keeps those slices)}."""
         refs, replicated, sizes = [], [], []
         n = new_tp * len(stages or [None])
-        for i, w in enumerate(self.owner_workers()):
+        calls = self.state_calls()
+        for i, w in enumerate(calls.owner_workers()):
             out = w.export_pieces.options(num_returns=n + 2).remote(new_tp, sorted((skip or {}).get(i, ())), stages)
             refs.append(list(out[:n]))
             replicated.append(out[n])
             sizes.append(out[n + 1])
-        return refs, replicated, self.fetch(sizes)  # the sizes only: small lists of ints
+        return refs, replicated, calls.fetch(sizes)  # the sizes only: small lists of ints
 
     def commit_reshape(self, ranks: Iterable[int]) -> None:
         ray.get([self.workers[r].commit_reshape.remote() for r in ranks], timeout=self.cfg.runtime.step_timeout_s)
@@ -198,45 +198,11 @@ class WorkerGroup:
         """Each rank's node, as last placed."""
         return [p.get("node_id") for p in self.placement]
 
-    # -- state in and out (raytp.runtime.cluster.group_state) ------------------------------------------
+    # -- state in and out ------------------------------------------------------------------------
     def state_calls(self) -> StateCalls:
+        """Its calls that move state in and out (checkpoints, snapshots, copies between replicas, the
+        distributed optimizer's rows): raytp.runtime.cluster.group_state."""
         return StateCalls(self.workers, self.cfg)
-
-    def owner_workers(self) -> list:
-        return self.state_calls().owner_workers()
-
-    def shard_states(self) -> list[dict]:
-        return self.state_calls().shard_states()
-
-    def fetch(self, refs) -> list:
-        return self.state_calls().fetch(refs)
-
-    def begin_save(self, url: str, directory: str) -> tuple[dict, list]:
-        return self.state_calls().begin_save(url, directory)
-
-    def probe_storage(self, url: str, token: str) -> list[str | None]:
-        return self.state_calls().probe_storage(url, token)
-
-    def load_source(self, source, step: int) -> None:
-        self.state_calls().load_source(source, step)
-
-    def write_snapshot(self, url: str, directory: str, parts: list) -> list[dict]:
-        return self.state_calls().write_snapshot(url, directory, parts)
-
-    def copy_shards(self, donors: Mapping[int, int], step: int, weights_only: bool = False) -> int:
-        return self.state_calls().copy_shards(donors, step, weights_only)
-
-    def export_rows(self, new_dp: int) -> tuple[list, list]:
-        return self.state_calls().export_rows(new_dp)
-
-    def recut_parts(self, refs: Mapping[int, list], old_dp: int, step: int) -> None:
-        self.state_calls().recut_parts(refs, old_dp, step)
-
-    def take_rows(self, refs: Mapping[int, list]) -> None:
-        self.state_calls().take_rows(refs)
-
-    def load_parts(self, ranks: Iterable[int], parts: Mapping[int, object], step: int) -> None:
-        self.state_calls().load_parts(ranks, parts, step)
 
     # -- training --------------------------------------------------------------------------------
     def run_steps(self, start: int, count: int, snapshot_every: int) -> StepStream:
@@ -259,7 +225,7 @@ class WorkerGroup:
     def logits(self, idx):
         """Full-vocabulary logits of a batch from replica 0 (every rank computes them where experts have a mesh
         of their own: a forward exchanges tokens with the ranks holding the experts)."""
-        workers = self.workers if self.layout.experts_split else self.owner_workers()
+        workers = self.workers if self.layout.experts_split else self.state_calls().owner_workers()
         got = ray.get([w.logits.remote(idx) for w in workers], timeout=self.cfg.runtime.step_timeout_s)
         return next(g for g in got if g is not None)  # the last stage's (every stage's at pp == 1)
 

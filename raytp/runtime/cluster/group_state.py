@@ -30,11 +30,6 @@ class StateCalls:
         """The workers that own the state (raytp.parallel.ownership), part 0 first."""
         return [self.workers[r] for r in Ownership(self.layout).owners()]
 
-    def shard_states(self) -> list[dict]:
-        """The TP shards of replica 0 (DP replicas hold the same), rank order, in this process."""
-        return ray.get([w.get_state.remote() for w in self.owner_workers()],
-                       timeout=self.cfg.runtime.step_timeout_s)
-
     def fetch(self, refs) -> list:
         """The (small) objects behind `refs`, in this process: what writers report, not tensors."""
         return ray.get(list(refs), timeout=self.cfg.runtime.step_timeout_s)

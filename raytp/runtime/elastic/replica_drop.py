@@ -22,13 +22,13 @@ def drop_replicas(group, keep: tuple[int, ...]):
     rows = None
     try:
         if lay.zero:
-            rows = group.export_rows(len(keep))
+            rows = group.state_calls().export_rows(len(keep))
         group.leave()
         workers = [group.workers[r] for q in keep for r in lay.replica(q)]
         nxt = group.successor(new_cfg, {i: group.pgs[q] for i, q in enumerate(keep)}, workers).join()
         moved = 0
         if rows is not None:
-            nxt.take_rows(row_bundles(lay, nxt.layout, rows[0]))
+            nxt.state_calls().take_rows(row_bundles(lay, nxt.layout, rows[0]))
             moved = sum(map(sum, rows[1]))
     except FAILURES as e:
         raise SwitchFailed(rejoined(group, rows), e) from e

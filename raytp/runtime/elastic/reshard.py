@@ -64,7 +64,7 @@ def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: di
     rows = None
     try:
         if group.layout.zero:
-            rows = group.export_rows(new_dp)
+            rows = group.state_calls().export_rows(new_dp)
         group.leave()
         for r in plan.early:
             if r not in early:
@@ -76,9 +76,9 @@ def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: di
         zero = rows is not None  # only the weights are copied (under zero 1 each rank owns its own rows)
         # An added rank takes the bytes it holds from the first rank holding the same.
         donors = {r: (own.weight_holders(r) if zero else own.holders(r))[0] for r in plan.early}
-        moved = nxt.copy_shards(donors, step, weights_only=zero)
+        moved = nxt.state_calls().copy_shards(donors, step, weights_only=zero)
         if zero:
-            nxt.take_rows(row_bundles(group.layout, nxt.layout, rows[0]))
+            nxt.state_calls().take_rows(row_bundles(group.layout, nxt.layout, rows[0]))
             moved += sum(map(sum, rows[1]))
     except FAILURES as e:
         group.kill_actors(a for a, _ in early.values())
@@ -307,7 +307,7 @@ def rejoined(group, rows=None):
     try:
         group = group.join()
         if rows is not None:
-            group.take_rows({r: list(rows[0][r]) for r in range(group.layout.world_size)})
+            group.state_calls().take_rows({r: list(rows[0][r]) for r in range(group.layout.world_size)})
         return group
     except FAILURES:
         return group  # the next step fails and recovers

@@ -176,7 +176,7 @@ def restore(ctx: RecoveryContext, group, lost: list[int], completed: dict[int, i
     while plan:
         r = plan.pop(0)
         if r.source == "replica":
-            group.copy_shards(r.donors, r.step)
+            group.state_calls().copy_shards(r.donors, r.step)
             return r.step, "replica"
         if r.source == "checkpoint":
             try:
@@ -186,7 +186,7 @@ def restore(ctx: RecoveryContext, group, lost: list[int], completed: dict[int, i
                                      f"{sorted(lost)}: {e}")
             return step, f"checkpoint {path}"
         try:
-            group.load_parts(r.targets, parts[r.source](), r.step)
+            group.state_calls().load_parts(r.targets, parts[r.source](), r.step)
             return r.step, r.source
         except (ObjectLostError, OwnerDiedError, RayTaskError) as e:
             ctx.say(f"{r.source} of step {r.step} unavailable ({type(e).__name__}); trying the next source")
@@ -235,7 +235,7 @@ def _recut_from_snapshot(ctx: RecoveryContext, group, old) -> tuple[int, str]:
         refs = {r: [got[own.part(o)] for o in old.dp_group(c.tp, c.pp)]
                 for r, c in ((r, new.coords(r)) for r in range(new.world_size))}
         try:
-            group.recut_parts(refs, old.dp, step)
+            group.state_calls().recut_parts(refs, old.dp, step)
             return step, f" from the {name}"
         except (ObjectLostError, OwnerDiedError, RayTaskError) as e:
             ctx.say(f"{name} of step {step} unavailable ({type(e).__name__}); trying the next source")

@@ -246,7 +246,7 @@ class Respread:
             if move.drain:
                 group.state_calls().hand_over(own, step)
             else:
-                group.copy_shards(plan.donors, step)
+                group.state_calls().copy_shards(plan.donors, step)
         except FAILURES as e:
             return Moved(group, None, e)
         group.placer.release(unused_groups([old], [new]))

@@ -52,7 +52,7 @@ class Checkpoints:
         check_writable(self.storage)
         self.storage.write_bytes(probe_name(token), token.encode())
         try:
-            problems = [p for p in group.probe_storage(self.storage.url, token) if p]
+            problems = [p for p in group.state_calls().probe_storage(self.storage.url, token) if p]
             missing = [r for r in range(group.layout.world_size) if not self.storage.exists(probe_name(token, r))]
         finally:
             for name in [probe_name(token)] + [probe_name(token, r) for r in range(group.layout.world_size)]:
@@ -76,7 +76,7 @@ class Checkpoints:
         if not self.storage.local:
             self.storage.remove(directory)  # what a save of this step cut short left
         self.storage.makedirs(directory)
-        table, results = group.begin_save(self.storage.url, directory)
+        table, results = group.state_calls().begin_save(self.storage.url, directory)
         self.pending = PendingSave(step, directory, table, results, group.cfg, time.perf_counter())
 
     def poll(self, group) -> None:
@@ -90,7 +90,7 @@ class Checkpoints:
         if p is None:
             return None
         try:
-            written = group.fetch(p.results)
+            written = group.state_calls().fetch(p.results)
         except BaseException:
             self.storage.remove(p.directory)  # what was written of it: no checkpoint of that step
             raise
@@ -133,7 +133,7 @@ class Checkpoints:
         """Every worker of `group` reads its slices of the newest whole checkpoint: (its step, where).
         Raises CheckpointError if there is none."""
         found = checkpoint.find(self.storage.url, warn=warn)
-        group.load_source(CheckpointSource.of(found), found.step)
+        group.state_calls().load_source(CheckpointSource.of(found), found.step)
         return found.step, found.where
 
     def save_snapshot(self, group, step: int, parts: list) -> str:
@@ -143,7 +143,7 @@ class Checkpoints:
         directory = f".tmp-{name}-{uuid.uuid4().hex[:8]}" if self.storage.local else name
         self.storage.makedirs(directory)
         cfg = group.cfg
-        done = group.write_snapshot(self.storage.url, directory, parts)
+        done = group.state_calls().write_snapshot(self.storage.url, directory, parts)
         files = {d["file"]: d["bytes"] for d in done}
         table = {k: v for d in done if d["table"] for k, v in d["table"].items()}
         m = checkpoint.manifest(step, model_args(cfg), cfg.parallel.tp, cfg.parallel.dp, files, table, cfg.parallel.pp,
