@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytp.parallel.layout import Layout
-from raytp.runtime.elastic import expert_switch, rank_plans, reshard
+from raytp.runtime.elastic import expert_switch, rank_plans, reshard, restart
 from raytp.runtime.elastic.rank_plans import RankPlan
 
 
@@ -108,7 +108,7 @@ class Restage(Change):
         return Reservation(pgs, pgs, list(pgs.values()))
 
     def switch(self, group, pending, step: int):
-        return reshard.restart_tp(group, pending.new_cfg, pending.reserved, pending.early)
+        return restart.restart_tp(group, pending.new_cfg, pending.reserved, pending.early)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ When the capacity cannot be reserved ahead but the new layout fits in the
 bundles the job holds (each new replica inside one old replica's bundles), the
 resize switches in place: every worker exports its slices to the object store
 and stops, and the new layout starts in the freed bundles (a longer pause,
-nothing lost; raytp.runtime.elastic.reshard.restart_in).
+nothing lost; raytp.runtime.elastic.restart.restart_in).
 
 The global batch stays the job's ``train.batch_size``: each replica's
 micro-batch stays the same and a smaller DP degree accumulates over more of
@@ -59,7 +59,7 @@ from raytp import config as config_mod
 from raytp.parallel.layout import Layout
 from raytp.runtime import policy
 from raytp.runtime.driver.reporting import layout_dict
-from raytp.runtime.elastic import changes, reshard
+from raytp.runtime.elastic import changes, reshard, restart
 from raytp.runtime.cluster import slots
 from raytp.runtime.cluster.resources import worker_resources
 from raytp.runtime.errors import FAILURES, PlacementError
@@ -136,7 +136,7 @@ class Elastic:
             got = change.reserve(group, new_cfg)
             if got is None:  # an extension landed on another node than its replica
                 self.say("more bundles could not be had on a replica's node: restarting every worker")
-                return carry_out(group, lambda: reshard.restart_tp(group, new_cfg), t0, "requested", step)
+                return carry_out(group, lambda: restart.restart_tp(group, new_cfg), t0, "requested", step)
             for r in change.ranks.early:
                 early[r] = group.start_worker(r, new_cfg, got.pgs, ahead=ahead)
         except (PlacementError, *FAILURES) as e:
@@ -194,7 +194,7 @@ class Elastic:
             return Outcome.refused(str(error))
         self.say(f"no room to start TP={new.tp} x DP={new.dp} beside the job ({error}); switching inside its "
                  "own bundles")
-        return carry_out(group, lambda: reshard.restart_in(group, new_cfg, carved), t0, "requested, in place", step)
+        return carry_out(group, lambda: restart.restart_in(group, new_cfg, carved), t0, "requested, in place", step)
 
     def due(self, group, now: bool = False) -> bool:
         """Whether the pending resize switches at this step boundary: at once if `now` or it has no new
