@@ -95,8 +95,8 @@ class ExpertDispatch(nn.Module):
             back = compute(flat[tokens], counts)
             send = recv = [len(tokens)]
         else:  # the split sizes of an all-to-all are read on the host
-            send_table = counts.cpu().view(self.ep, self.local)
-            recv_table = exchange_counts(send_table.to(flat.device), self.group).cpu()
+            table = counts.view(self.ep, self.local)  # exchanged where it is, then read
+            send_table, recv_table = table.cpu(), exchange_counts(table, self.group).cpu()
             send, recv = send_table.sum(1).tolist(), recv_table.sum(1).tolist()
             rows = all_to_all(flat[tokens], send, recv, self.group)  # by source rank, each by local expert
             # Regroup by local expert: source s's rows for expert j start at starts[s, j].
