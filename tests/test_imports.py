@@ -14,11 +14,11 @@ PKG = Path(__file__).resolve().parents[1] / "raytp"
 
 # Who may import whom: a module of a layer imports raytp modules of its own layer or of those listed.
 LAYERS = {
-    "raytp.names": set(), "raytp.seeds": set(), "raytp.tp_degrees": set(),
+    "raytp.names": set(), "raytp.seeds": set(), "raytp.tp_degrees": set(), "raytp.eager_adamw": set(),
     "raytp.initialization": {"raytp.seeds"},
     "raytp.parallel": {"raytp.seeds"},
     "raytp.models": {"raytp.seeds", "raytp.initialization", "raytp.parallel", "raytp.tp_degrees"},
-    "raytp.train": {"raytp.models", "raytp.parallel", "raytp.seeds"},
+    "raytp.train": {"raytp.models", "raytp.parallel", "raytp.seeds", "raytp.eager_adamw"},
     "raytp.files": {"raytp.models", "raytp.parallel", "raytp.train"},
     "raytp.data": {"raytp.seeds", "raytp.files"},
     "raytp.config": {"raytp.names", "raytp.models", "raytp.parallel", "raytp.train", "raytp.tp_degrees"},

@@ -1,34 +1,30 @@
 """AdamW over data-parallel replicas: replicated (``zero`` 0) or sharded over DP (``zero`` 1, ZeRO-1).
 
-One object does a step's data-parallel part for both: the gradients of a
-shard's parameters are laid out flat in buckets (raytp.parallel.zero_plan),
-summed over DP, clipped by the global norm and applied.
+One object does a step's data-parallel part for both: a shard's gradients are laid out flat in buckets
+(raytp.parallel.zero_plan), summed over DP, clipped by the global norm and applied.
 
-- ``zero`` 0: each bucket is all-reduced; every replica updates every weight
-  (torch's AdamW on the whole parameters) and keeps all the moments.
-- ``zero`` 1 (Megatron's distributed optimizer): each bucket is
-  reduce-scattered, so DP rank d receives the summed gradients of the rows it
-  owns only; it keeps AdamW moments for those rows only (torch's AdamW on
-  views of them), updates them, and the bucket is all-gathered so every
-  replica has every new weight again. Training state: 8 + 8/dp bytes per
-  fp32 parameter instead of 16.
+- ``zero`` 0: each bucket is all-reduced; every replica updates every weight (torch's AdamW on the whole
+  parameters) and keeps all the moments.
+- ``zero`` 1 (Megatron's distributed optimizer): each bucket is reduce-scattered, so DP rank d receives the
+  summed gradients of the rows it owns only; it keeps AdamW moments for those rows only (torch's AdamW on views
+  of them), updates them, and the bucket is all-gathered so every replica has every new weight again.
+  Training state: 8 + 8/dp bytes per fp32 parameter instead of 16.
 
-Both compute the gradient norm from each DP rank's owned rows, summed over DP,
-and reduce the same flat buffers (gloo's reduce-scatter is an all-reduce and a
-slice), so zero 0 and zero 1 take the same steps, bit for bit on gloo:
-AdamW's update is elementwise, and a view of a row block updates exactly as
-the whole tensor does. Routed experts on a mesh of their own are a second cut
-(raytp.train.row_cut), summed over expert-DP and, under zero 1, sharded there.
+Both compute the gradient norm from each DP rank's owned rows, summed over DP, and reduce the same flat buffers
+(gloo's reduce-scatter is an all-reduce and a slice), so zero 0 and zero 1 take the same steps, bit for bit on
+gloo: AdamW's update is elementwise, and a view of a row block updates exactly as the whole tensor does. Routed
+experts on a mesh of their own are a second cut (raytp.train.row_cut), summed over expert-DP and, under zero 1,
+sharded there. torch's AdamW is built and stepped by raytp.eager_adamw (no torch._dynamo import).
 
-The state in *parameter space* (``named_state``): per parameter name, the
-AdamW tensors this rank keeps; under zero 1 those of rows ``rows(name)`` of
-the parameter only. Snapshots, checkpoints and restores read and write it
-through ``named_state`` / ``load_param_state``.
+The state in *parameter space* (``named_state``): per parameter name, the AdamW tensors this rank keeps; under
+zero 1 those of rows ``rows(name)`` of the parameter only. Snapshots, checkpoints and restores read and write
+it through ``named_state`` / ``load_param_state``.
 """
 from __future__ import annotations
 
 import torch
 
+from raytp import eager_adamw
 from raytp.parallel.zero_plan import BUCKET_NUMEL
 from raytp.train.hyper import Hyper
 from raytp.train.row_cut import RowCut
@@ -40,9 +36,7 @@ class DistributedAdamW:
     def __init__(self, model: torch.nn.Module, h: Hyper, dp: int = 1, dp_rank: int = 0, zero: int = 0,
                  bucket_numel: int = BUCKET_NUMEL, overlap: bool = False, overlap_gather: bool = False,
                  apart=None, apart_degree: int = 1, apart_rank: int = 0):
-        # `apart(name)`: the parameters reduced over another group than DP (experts over expert-DP, with expert
-        # parallelism, `apart_degree` ranks of which this is `apart_rank`): a cut of their own (``reduce_apart``;
-        # overlapped with the backward pass as the DP buckets are, ``arm``), sharded over that group under zero 1.
+        # The arguments: make_optimizer's. The parameters `apart` are a cut of their own (raytp.train.row_cut).
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # a router's bias is not trained
         if apart is not None:
             named = [(n, p) for n, p in named if not apart(n)] + [(n, p) for n, p in named if apart(n)]
@@ -76,7 +70,7 @@ class DistributedAdamW:
         decay = [t for i, t in self.targets.items() if self.params[i].dim() >= 2]
         no_decay = [t for i, t in self.targets.items() if self.params[i].dim() < 2]
         cuda = self.params[0].is_cuda  # fused: one kernel for the whole update on a GPU
-        self.inner = torch.optim.AdamW([{"params": decay, "weight_decay": h.weight_decay},
+        self.inner = eager_adamw.adamw([{"params": decay, "weight_decay": h.weight_decay},
                                         {"params": no_decay, "weight_decay": 0.0}],
                                        lr=h.lr, betas=(h.beta1, h.beta2), foreach=False, fused=cuda or None)
 
@@ -131,11 +125,6 @@ class DistributedAdamW:
         if self.experts is None:
             return
         self._apart_group = group
-        if group is None:
-            for p in self.experts.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-            return
         self.experts.reduce(group, scale, self.targets)
 
     @property
@@ -143,9 +132,14 @@ class DistributedAdamW:
         """Whether the parameters apart are cut over their group (zero 1 over an expert-DP group of several)."""
         return self.experts is not None and self.experts.sharded
 
+    @property
+    def cuts(self) -> list[RowCut]:
+        """The dense parameters' cut, and the parameters apart's where there are any."""
+        return [cut for cut in (self.dense, self.experts) if cut is not None]
+
     def held_buffers(self) -> list[torch.Tensor]:
         """The bucket buffers held from a reduction to the weight gather (zero 1: the kept rows' gradients)."""
-        return [f for cut in (self.dense, self.experts) if cut is not None for f in cut.flats]
+        return [f for cut in self.cuts for f in cut.flats]
 
     def apart_grads(self):
         """(name, parameter, gradient) of the parameters apart: whole on every rank that holds them, or under
@@ -187,7 +181,7 @@ class DistributedAdamW:
         """Update what this rank owns, then (zero 1) give every replica the new weights: at once, or, with
         `overlap_gather`, during the next forward pass (raytp.train.weight_gather); the experts' over their
         group, at once."""
-        self.inner.step()
+        eager_adamw.step(self.inner)
         if self.sharded:
             self.dense.publish(self.targets, group, settle=not self.overlap_gather)
         if self.apart_sharded:
@@ -197,16 +191,14 @@ class DistributedAdamW:
         """Forget the collectives in flight (a step failed: its process groups are being destroyed, and a work
         object kept would keep its group's sockets open). The weights of an abandoned gather are not whole:
         the state is restored from a replica, a snapshot or a checkpoint after such a failure anyway."""
-        for cut in (self.dense, self.experts):
-            if cut is not None:
-                cut.abandon()
+        for cut in self.cuts:
+            cut.abandon()
 
     def settle(self) -> None:
         """Finish giving this replica every new weight (zero 1 with ``overlap_gather``: what the forward pass
         has not yet): before anything but a forward pass reads the weights."""
-        for cut in (self.dense, self.experts):
-            if cut is not None:
-                cut.settle()
+        for cut in self.cuts:
+            cut.settle()
 
     # -- the state in parameter space -----------------------------------------------------------
     def rows(self, name: str) -> tuple[int, int] | None:

@@ -47,8 +47,14 @@ class RowCut:
 
     def reduce(self, group, scale: float, targets: dict) -> None:
         """Sum the set's gradients over `group` (then * scale): every row back into ``.grad`` (not sharded), or
-        this rank's rows into its leaves' ``.grad`` (sharded: views of the buffers, kept for ``publish``)."""
+        this rank's rows into its leaves' ``.grad`` (sharded: views of the buffers, kept for ``publish``); with
+        no group (nothing to sum over), only scale them."""
         self.flats = []
+        if group is None:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            return
         for b, flat in zip(self.buckets, self.grads.finish(group)):
             if self.sharded:  # in place: this rank's chunk of the bucket received its rows' sums
                 mine = flat[self.rank * b.chunk:(self.rank + 1) * b.chunk]

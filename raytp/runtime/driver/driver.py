@@ -1,18 +1,18 @@
 """The Driver: a state machine that decides, and carries out through one WorkerGroup.
 
-It runs in the process of ``raytp train`` with an embedded Ray, or in the run's coordinator actor when the run
-joins a cluster (raytp.runtime.coordinator): SCHEDULING (reserve the placement, start the actors, meet in
-torch.distributed) -> RUNNING (streamed calls of ``steps_per_call`` steps, evaluation, checkpoints) <->
-RECOVERING or RESIZING -> FINISHED, or FAILED / STOPPED. Recoveries, resizes and moves hand the next worker
-group to ``changes`` (raytp.runtime.driver.group_changes), the one place the job switches to it, so its layout,
-config, placement and workers always agree. Whatever happens, ``release`` kills the actors and removes the
-placement groups, and the run directory keeps every line written so far.
+It runs in the process of ``raytp train`` with an embedded Ray, or in the run's coordinator actor when the run joins
+a cluster (raytp.runtime.coordinator): SCHEDULING (reserve the placement, start the actors, meet in
+torch.distributed) -> RUNNING (streamed calls of ``steps_per_call`` steps, evaluation, checkpoints) <-> RECOVERING
+or RESIZING -> FINISHED, or FAILED / STOPPED. Recoveries, resizes and moves hand the next worker group to
+``changes`` (raytp.runtime.driver.group_changes), the one place the job switches to it, so its layout, config,
+placement and workers always agree. Whatever happens, ``release`` kills the actors and removes the placement
+groups, and the run directory keeps every line written so far.
 
-The Ray-facing parts are class attributes a test may swap: ``worker_cls`` (what each rank runs: faults are
-injected through it), ``group_cls`` (how workers are placed, started and called: a fake runs the loop without
-Ray), ``control_cls`` and ``copy_cls`` (the control actor, the off-node snapshot copy). The collaborators each
-own their part and hand back what changed: GroupChanges, Checkpoints, the snapshots' copy, Spares, Profiles,
-the control channel (requests arrive typed: raytp.runtime.driver.run_status).
+The Ray-facing parts are class attributes a test may swap: ``worker_cls`` (what each rank runs: faults are injected
+through it), ``group_cls`` (how workers are placed, started and called: a fake runs the loop without Ray),
+``control_cls`` and ``copy_cls`` (the control actor, the off-node snapshot copy). The collaborators each own their
+part and hand back what changed: GroupChanges, Checkpoints, the snapshots' copy, Spares, Profiles, the control
+channel (requests arrive typed: raytp.runtime.driver.run_status).
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from raytp.config import JobConfig
 from raytp.parallel.layout import Layout
 from raytp.runtime import policy
 from raytp.runtime.driver import follow_on, reporting, run_status
-from raytp.runtime.state.checkpoints import Checkpoints
 from raytp.runtime.driver.control_actor import ControlChannel
 from raytp.runtime.driver.group_changes import GroupChanges
 from raytp.runtime.errors import FAILURES
@@ -32,12 +31,13 @@ from raytp.runtime.cluster.group import WorkerGroup
 from raytp.runtime.driver.metrics import RunLog
 from raytp.runtime.driver.profiles import Profiles
 from raytp.runtime.driver.progress import Progress
-from raytp.files.storage import checkpoint_location
 from raytp.runtime.records import Outcome, State
+from raytp.runtime.state.checkpoints import Checkpoints
 from raytp.runtime.state.snapshots import Cadence, OffNodeCopy
 from raytp.runtime.recovery.spares import Spares
 from raytp.runtime.worker.worker import Worker
 from raytp.files.checkpoint import CheckpointError
+from raytp.files.storage import checkpoint_location
 
 
 class Driver:
@@ -123,18 +123,15 @@ class Driver:
             self.log.close()
 
     def start(self) -> None:
-        cfg, lay = self.job, self.job.layout
+        cfg = self.job
         self.controls = run_status.RunControl(self.control_cls(self.run, self._say) if self.control_cls else None)
         self.publish()
-        self.log.event("started", run=self.run, tp=lay.tp, dp=lay.dp, world_size=lay.world_size,
-                       device=cfg.runtime.device, steps=cfg.train.steps)
-        self._say(f"placing {lay.world_size} workers ({lay}) ...")
+        reporting.started(self.log, self._say, self.run, cfg)
         launcher = self.group_cls.launcher_cls(self.run, self.worker_cls, evict=self.spares.evict,
                                                   say=self._say)
         # With a state to start from, every worker builds its shard from its slices of it: no seeded init.
         self.changes.adopt(self.group_cls.launch(launcher, cfg, self.init_state[1] if self.init_state else None))
-        if cfg.model.moe is not None and self.group.placement and "experts" in self.group.placement[0]:
-            self._say(f"experts: {self.group.placement[0]['experts']} on rank 0's device")
+        reporting.placed(self._say, cfg, self.group.placement)
         self.checkpoints.check_reached(self.group)
         if self.cadence.every:
             self.copy.update(self.group, self.changes.snapshots, self.step)  # its keeper starts while the first step runs
@@ -143,25 +140,21 @@ class Driver:
         if self.init_state is not None:
             step, _, source = self.init_state
             self.step = self.log.next_step = self.checkpoints.committed = step  # that state is saved already
-            self.log.event("resumed", step=step, source=source)
-            self._say(f"starting at step {step} from {source}")
+            reporting.resumed(self.log, self._say, step, source)
             self.init_state = None  # free the driver's copy
         self.profiles.start(self.group, self.step)
         self.state = State.RUNNING
 
     def save_checkpoint(self) -> str:
         """Save the step reached and wait for it (in the loop, saves are begun and committed later)."""
-        if self.checkpoints.last_step != self.step:
-            self.checkpoints.begin(self.group, self.step)
-        return self.checkpoints.finish(self.group) or self.checkpoints.newest().where
+        return self.checkpoints.save_now(self.group, self.step)
 
     # -- training --------------------------------------------------------------------------------
     def train_loop(self, t_start: float | None = None, until: int | None = None) -> None:
         """Train from self.step to `until` (default: the job's last step), healing failures on the way."""
         t_start = time.perf_counter() if t_start is None else t_start
         steps = self.cfg.train.steps
-        end = steps if until is None else min(until, steps)
-        progress = Progress(steps, self.out)
+        end, progress = (steps if until is None else min(until, steps)), Progress(steps, self.out)
         try:
             while self.step < end or (self.step == steps and policy.checkpoint_due(
                     steps, steps, self.cfg.checkpoint.every, self.checkpoints.last_step)):
@@ -171,8 +164,6 @@ class Driver:
                     self.step = self.changes.boundary(self.step)
                 self.spares.refill(self.group)
                 if self.controls.stop is not None and self.calls.next is None:
-                    self.controls.answer(*(self.changes.elastic.cancel(self.group, "the run was stopped")
-                                           or (None, None)))
                     self.stop()
                     return
                 try:
@@ -262,7 +253,8 @@ class Driver:
             self.publish()
 
     def stop(self) -> None:
-        """Stop at this step boundary on request: a checkpoint of the step reached, then release."""
+        """Stop at this step boundary on request: a resize under way dropped, a checkpoint of the step reached."""
+        self.controls.answer(*(self.changes.elastic.cancel(self.group, "the run was stopped") or (None, None)))
         self.handle_requests()  # a stop filed meanwhile (`raytp stop` sends SIGTERM too) is answered as well
         path = self.save_checkpoint() if self.step > 0 else None
         self.state = State.STOPPED
@@ -279,13 +271,8 @@ class Driver:
 
     def resize(self, *, tp: int | None = None, dp: int | None = None, pp: int | None = None,
                ep: int | None = None) -> Outcome:
-        """Move to the layout with these degrees now: request, wait for the new ranks, switch (tests,
-        benchmarks)."""
-        try:
-            target = self.layout.changed(tp=tp, dp=dp, pp=pp, ep=ep)
-        except ValueError as e:  # degrees no layout has: refused, as a control request's are
-            return Outcome.refused(str(e))
-        return self.changes.resize_now(target, self.step, self.cfg.runtime.placement_timeout_s)
+        """Move to the layout with these degrees now (GroupChanges.resize_now; tests, benchmarks)."""
+        return self.changes.resize_now(self.step, self.cfg.runtime.placement_timeout_s, tp=tp, dp=dp, pp=pp, ep=ep)
 
     def request_resize(self, target: Layout, request_id: int | None = None) -> Outcome | None:
         return self.changes.request(target, self.step, request_id)

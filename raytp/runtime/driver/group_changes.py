@@ -133,9 +133,14 @@ class GroupChanges:
         self.answer(request_id, outcome)
         return outcome
 
-    def resize_now(self, target: Layout, step: int, timeout_s: float) -> Outcome:
-        """Request a resize to `target` and wait until it is done: its room, its new ranks, the switch (tests,
-        benchmarks; a control request is advanced at step boundaries instead)."""
+    def resize_now(self, step: int, timeout_s: float, **degrees) -> Outcome:
+        """Request a resize to the layout with these degrees and wait until it is done: its room, its new ranks,
+        the switch (tests, benchmarks; a control request is advanced at step boundaries instead). Degrees no
+        layout has are refused, as a control request's are."""
+        try:
+            target = self.group.layout.changed(**degrees)
+        except ValueError as e:
+            return Outcome.refused(str(e))
         outcome = self.request(target, step)
         while outcome is None and self.elastic.awaiting is not None:  # no room yet: wait for it here
             time.sleep(0.2)

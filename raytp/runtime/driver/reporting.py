@@ -74,6 +74,24 @@ def survival(log, say, layout: Layout, nodes: list, placement, copy_node: str | 
     say(f"node loss: {spread.survival_line(losses, names, by_replica)}")
 
 
+def started(log, say, run: str, cfg) -> None:
+    lay = cfg.layout
+    log.event("started", run=run, tp=lay.tp, dp=lay.dp, world_size=lay.world_size, device=cfg.runtime.device,
+              steps=cfg.train.steps)
+    say(f"placing {lay.world_size} workers ({lay}) ...")
+
+
+def placed(say, cfg, placement) -> None:
+    """Where a MoE job's experts run (rank 0's grouped GEMM or loop: raytp.models.moe.grouped)."""
+    if cfg.model.moe is not None and placement and "experts" in placement[0]:
+        say(f"experts: {placement[0]['experts']} on rank 0's device")
+
+
+def resumed(log, say, step: int, source: str) -> None:
+    log.event("resumed", step=step, source=source)
+    say(f"starting at step {step} from {source}")
+
+
 def first_step(log, say, cfg, rec: dict, seconds: float) -> None:
     """The first completed step: when, and the memory a worker measured at its peak against the start line's
     estimate (raytp.runtime.estimate: host memory on a CPU, the device's on a GPU)."""

@@ -122,6 +122,12 @@ class Checkpoints:
         return self.storage.path(final) if self.storage.local else f"{self.storage.url.rstrip('/')}/{final}"
 
     # -- reading -------------------------------------------------------------------------------------
+    def save_now(self, group, step: int) -> str:
+        """Save step `step` (unless it is the last begun) and wait for it; where it is."""
+        if self.last_step != step:
+            self.begin(group, step)
+        return self.finish(group) or self.newest().where
+
     def newest(self):
         """The newest whole checkpoint here (a Checkpoint), or None."""
         try:

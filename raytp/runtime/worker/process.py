@@ -11,15 +11,17 @@ from raytp.train.efficiency import peak_tflops
 
 
 def prepare(cfg) -> tuple[torch.device, float | None]:
-    """Set up this worker's process for job `cfg`: the allocator, torch's threads, what building the first
-    optimizer imports (~1 s, paid here: a spare, or a rank started ahead of a resize, has it behind it when it
-    is needed). Its device (Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU, then cuda:0) and that device's
+    """Set up this worker's process for job `cfg`: the allocator, torch's threads, and with activation
+    checkpointing (whose recomputation imports torch._dynamo: ~1.2 s) that import, paid here: a spare, or a rank
+    started ahead of a resize, has it behind it when it is needed (the optimizer needs none:
+    raytp.eager_adamw). Its device (Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU, then cuda:0) and that device's
     peak TFLOP/s (None where unknown)."""
     tune_malloc()
     if cfg.runtime.threads_per_worker:
         torch.set_num_threads(cfg.runtime.threads_per_worker)
     device = torch.device("cuda", 0) if cfg.runtime.device == "cuda" else torch.device("cpu")
-    importlib.import_module("torch._dynamo")
+    if cfg.train.activation_checkpointing:
+        importlib.import_module("torch._dynamo")
     return device, peak_tflops(torch.cuda.get_device_name(0) if device.type == "cuda" else None,
                                cfg.runtime.peak_tflops)
 

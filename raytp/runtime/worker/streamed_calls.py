@@ -35,14 +35,29 @@ from raytp.runtime.worker.snapshot_buffers import SnapshotBuffers
 from raytp.train.shard_state import state_bytes
 
 
+KEPT_RECORDS = 256  # steps whose records a rank keeps, at least: two streamed calls' (the one read, the one behind)
+
+
 class StreamedCalls:
     """One worker's streamed calls: their order (``calls``), the host buffers its snapshots are packed into
-    (``snap_bufs``) and what the last snapshot cost (``snapshot_s``, packing and the object store write)."""
+    (``snap_bufs``), what the last snapshot cost (``snapshot_s``, packing and the object store write) and the
+    records of its last steps (``kept``)."""
 
     def __init__(self, device: torch.device):
         self.calls = Calls()
         self.snap_bufs = SnapshotBuffers(device)
         self.snapshot_s: float | None = None
+        self.kept: dict[int, dict] = {}
+
+    def keep(self, step: int, record: dict, steps_per_call: int) -> None:
+        """Keep step `step`'s record (and those of the last KEPT_RECORDS steps, or two calls' if more)."""
+        self.kept[step] = record
+        self.kept.pop(step - max(KEPT_RECORDS, 2 * steps_per_call + 2), None)
+
+    def kept_records(self, start: int, stop: int) -> list[dict]:
+        """The records kept of steps start .. stop-1, in order: a step this rank finished whose record the driver
+        never read (it failed reading) is read here."""
+        return [self.kept[s] for s in range(start, stop) if s in self.kept]
 
     def run(self, rank: int, start: int, count: int, snapshot_every: int, seq: int, after: int | None,
             report: bool, step: Callable, snapshot_state: Callable, leave: Callable):

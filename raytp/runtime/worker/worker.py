@@ -15,7 +15,6 @@ from __future__ import annotations
 import gc
 import time
 
-
 from raytp.config import from_dict
 from raytp.config.adapters import model_args
 from raytp.parallel.groups import destroy_process_groups, init_process_groups, listening_store
@@ -23,19 +22,15 @@ from raytp.parallel.layout import Layout
 from raytp.models.shard import rebind_groups
 from raytp.models.stage import stage_of
 from raytp.runtime.cluster import relay as relay_calls
-from raytp.runtime.worker import identity, rank_compute
+from raytp.runtime.worker import identity, process, rank_compute
 from raytp.runtime.worker.streamed_calls import StreamedCalls
 from raytp.runtime.errors import WorkerAborted
 from raytp.runtime.worker.held_shard import HeldShard
 from raytp.runtime.worker.profiling import ProfilePlan, StepProfiler
-from raytp.runtime.worker import process
 from raytp.files.storage import Storage, answer_probe
 from raytp.train.shard_state import live_state
 from raytp.data.corpus import document_eod, job_corpus, vocabulary_fits
 from raytp.train.stage_runner import PipelineSchedule
-
-
-KEPT_RECORDS = 256  # steps whose records a rank keeps, at least: two streamed calls' (the one read, the one behind)
 
 
 class Worker:
@@ -47,8 +42,7 @@ class Worker:
         self.shard: HeldShard | None = None  # its weights and AdamW state
         self.pipeline = None  # raytp.train.stage_runner.PipelineSchedule of this rank's stage, at pp > 1
         self.completed = 0
-        self.kept: dict[int, dict] = {}  # the records of its last KEPT_RECORDS steps (recovery reads them back)
-        self.steps = StreamedCalls(self.device)  # its streamed calls: their order, the snapshot buffers
+        self.steps = StreamedCalls(self.device)  # its streamed calls: their order, snapshot buffers, last records
         self.profiler = StepProfiler()  # traces of the steps a ProfilePlan names
         self.previous = None  # (job, rank, shard, layout) a reshape replaced, until committed or reverted
         self.corpus = job_corpus(self.cfg.data)
@@ -146,18 +140,11 @@ class Worker:
                                            step, before_update, self._micro_batches)
         self.completed = step + 1
         record = {**record, "snapshot_s": self.steps.snapshot_s, "peak_tflops": self.peak_tflops}
-        self.kept[step] = record
-        self.kept.pop(step - max(KEPT_RECORDS, 2 * self.cfg.train.steps_per_call + 2), None)
+        self.steps.keep(step, record, self.cfg.train.steps_per_call)  # recovery reads them back (kept_records)
         return record
 
     def kept_records(self, start: int, stop: int) -> list[dict]:
-        """The records this rank kept of steps start .. stop-1 (those it ran of its last KEPT_RECORDS or more), in
-        order: a step it finished whose record the driver never read (it failed reading) is read here."""
-        return [self.kept[s] for s in range(start, stop) if s in self.kept]
-
-    def train(self, start: int, count: int) -> list[dict]:
-        """Run optimizer steps start .. start+count-1; returns one record per step."""
-        return [self._step(step) for step in range(start, start + count)]
+        return self.steps.kept_records(start, stop)
 
     def run_steps(self, start: int, count: int, snapshot_every: int, seq: int, after: int | None = None,
                   report: bool = True, relay: list | None = None):
@@ -220,9 +207,6 @@ class Worker:
         self.groups = self._join(self._checked(layout), self.rank, init_method)
         rebind_groups(self.shard.model, self.groups)
         self._announce()
-
-    def shutdown(self) -> None:
-        destroy_process_groups()
 
     # -- its state in and out (raytp.runtime.worker.held_shard) ---------------------------------
     def export_pieces(self, new_tp: int, skip: list[int], stages: list | None = None):
