@@ -107,3 +107,42 @@ def test_a_stage_on_a_drained_node_moves_to_a_node_with_room_away_from_its_twin(
     assert spread.move_off_drained(tp2dp2, ["a"] * 4, {"a"}, free, {"GPU": 2.0}) == Move(0, 0, "c", drain=True)
     assert spread.move_off_drained(Layout(2), ["a", "a"], {"a"}, free, {"GPU": 2.0}) == Move(0, 0, "c", drain=True)
     assert spread.move_off_drained(tp2dp2, nodes[:3], {"b"}, free, {"GPU": 2.0}) is None  # not placed yet
+
+
+def _move_by_trying_each(layout, nodes, free, need):
+    """move_off_twin's choice worked out the long way: every group to every node with room, node_losses each."""
+    def needing(ns):
+        return sum(not ok for ok in spread.node_losses(layout, ns).values())
+    bad, load, best = needing(nodes), {n: nodes.count(n) for n in free}, None
+    for d in reversed(range(layout.dp)):
+        for s in range(layout.pp):
+            ranks = layout.tp_group(d, s)
+            if len({nodes[r] for r in ranks}) != 1:
+                continue
+            for node in sorted(free, key=lambda n: (load[n], n)):
+                if node == nodes[ranks[0]] or not all(free[node].get(k, 0.0) >= v for k, v in need.items()):
+                    continue
+                after = needing([node if r in ranks else n for r, n in enumerate(nodes)])
+                if bad and after < bad and (best is None or after < best[0]):
+                    best = (after, Move(d, s, node))
+    return best[1] if best else None
+
+
+def test_the_move_off_a_twin_is_the_one_trying_every_group_finds():
+    """move_off_twin counts a move of groups holding the same bytes between the same nodes once; its choice is
+    the one trying every group on every node gives, on random placements of dense and expert layouts."""
+    import random
+    rng = random.Random(3)
+    layouts = [Layout(2, dp=4), Layout(2, pp=2, dp=3), Layout(1, dp=4, ep=2), Layout(2, dp=4, ep=2, etp=1)]
+    for _ in range(60):
+        layout = rng.choice(layouts)
+        names = [f"n{i}" for i in range(rng.randint(2, 5))]
+        nodes = [None] * layout.world_size
+        for d in range(layout.dp):
+            for s in range(layout.pp):
+                node = rng.choice(names)
+                for r in layout.tp_group(d, s):
+                    nodes[r] = node
+        free = {n: {"CPU": float(rng.choice([0, 2, 4]))} for n in names}
+        need = {"CPU": float(layout.tp)}
+        assert spread.move_off_twin(layout, nodes, free, need) == _move_by_trying_each(layout, nodes, free, need)

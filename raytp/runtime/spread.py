@@ -59,7 +59,15 @@ def node_losses(layout: Layout, nodes: Sequence[str | None], copy_node: str | No
     without a checkpoint: every rank on it holds bytes that a rank on another node holds too
     (Ownership.holders: its DP replicas), or the off-node copy of the snapshots (`copy_node`, None
     without one) lives on another node."""
-    first = Ownership(layout).first_holders()  # a rank's holders are named by the first of them
+    out = _losses(Ownership(layout).first_holders(), nodes)
+    if copy_node is not None:
+        out = {node: ok or copy_node != node for node, ok in out.items()}
+    return out
+
+
+def _losses(first: Sequence[int], nodes: Sequence[str | None]) -> dict[str, bool]:
+    """node_losses without the snapshots' copy, from each rank's first holder (`first`: ranks with the same one
+    hold the same bytes)."""
     spans: dict[int, set] = {}  # each set of holders -> the nodes its ranks are on
     for r, n in enumerate(nodes):
         spans.setdefault(first[r], set()).add(n)
@@ -67,8 +75,6 @@ def node_losses(layout: Layout, nodes: Sequence[str | None], copy_node: str | No
     for r, node in enumerate(nodes):  # a rank's loss is covered where its holders span another node too
         if node is not None:
             out[node] = out.get(node, True) and len(spans[first[r]]) > 1
-    if copy_node is not None:
-        out = {node: ok or copy_node != node for node, ok in out.items()}
     return out
 
 
@@ -104,11 +110,15 @@ def move_off_twin(layout: Layout, nodes: Sequence[str | None], free: Mapping[str
     loaded target node."""
     if len(nodes) < layout.world_size or None in nodes:
         return None
-    bad = _needing_checkpoint(layout, nodes)
+    first = Ownership(layout).first_holders()
+    bad = _needing_checkpoint(first, nodes)
     if not bad:
         return None
     load = {n: sum(1 for m in nodes if m == n) for n in free}
     best: tuple[int, Move] | None = None
+    # Groups holding the same bytes (the same first holders) moved from the same node to the same node leave
+    # the same node losses: each such move is counted once (a replica's stage at 1024 ranks: 128 -> a few).
+    counted: dict[tuple, int] = {}
     for d in reversed(range(layout.dp)):
         for s in range(layout.pp):
             ranks = layout.tp_group(d, s)
@@ -118,8 +128,12 @@ def move_off_twin(layout: Layout, nodes: Sequence[str | None], free: Mapping[str
             for node in sorted(free, key=lambda n: (load[n], n)):
                 if node in here or not all(free[node].get(k, 0.0) >= v for k, v in need.items()):
                     continue
-                moved = [node if r in ranks else n for r, n in enumerate(nodes)]
-                after = _needing_checkpoint(layout, moved)
+                key = (tuple(sorted(first[r] for r in ranks)), next(iter(here)), node)
+                if key not in counted:
+                    moving = set(ranks)
+                    moved = [node if r in moving else n for r, n in enumerate(nodes)]
+                    counted[key] = _needing_checkpoint(first, moved)
+                after = counted[key]
                 if after < bad and (best is None or after < best[0]):
                     best = (after, Move(d, s, node))
     return best[1] if best else None
@@ -152,5 +166,5 @@ def could_move(layout: Layout, nodes: Sequence[str | None]) -> bool:
     return move_off_twin(layout, nodes, {"": {}}, {}) is not None
 
 
-def _needing_checkpoint(layout: Layout, nodes: Sequence[str | None]) -> int:
-    return sum(not ok for ok in node_losses(layout, nodes).values())
+def _needing_checkpoint(first: Sequence[int], nodes: Sequence[str | None]) -> int:
+    return sum(not ok for ok in _losses(first, nodes).values())
