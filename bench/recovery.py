@@ -25,6 +25,12 @@ steps completed.
   line written by a process of the new worker group, and the steps redone.
   Also ``fit()`` -> first step, for comparison with raytp's start.
 
+- "hang": SIGSTOP instead of SIGKILL (the process stays, answering nothing), raytp TP=2 x DP=2 with the
+  default ``recovery.hang_s`` (1 s) and the step deadline of the issue's runs (``runtime.step_timeout_s: 8``,
+  ``recovery.ping_timeout_s: 3``, the last resort), against Ray Train with ``TorchConfig(timeout_s=30)``
+  (gloo's collective timeout: its only hang handling; the default is 1800 s). Measured: stop -> the next
+  completed step (raytp: its ``recovered`` event's ``seconds``, the record gap, too).
+
 - "client killed" (bench/client_killed): SIGKILL of `raytp train` of a run joined to this Ray; the longest
   gap between steps after it against a normal step.
 
@@ -50,6 +56,9 @@ GOAL_RATIO, GOAL_S = 0.3, 3.5
 FULL = {"model": MODEL["FULL"], "batch_size": 8, "kill_step": 6, "after": 6, "reps": 2, "spare_steps": 150}
 QUICK = {"model": MODEL["QUICK"], "batch_size": 4, "kill_step": 3, "after": 3, "reps": 1, "spare_steps": 200}
 LAYOUTS = ((2, 2, 0), (4, 1, 0), (2, 2, 1))  # (tp, dp, warm spares)
+HANG = {"runtime": {"step_timeout_s": 8.0}, "recovery": {"ping_timeout_s": 3.0}}  # the settings
+RAY_TRAIN_HANG_TIMEOUT_S = 30.0
+GOAL_HANG_S = 3.5
 GOAL_SPARE_S = 2.0
 KILL_RANK = 1
 
@@ -81,12 +90,15 @@ def _key(tp: int, dp: int, spares: int) -> str:
     return f"tp{tp}_dp{dp}" + (f"_spare{spares}" if spares else "")
 
 
-def raytp_once(p: dict, tp: int, dp: int, spares: int, run_dir: Path) -> dict:
+def raytp_once(p: dict, tp: int, dp: int, spares: int, run_dir: Path, sig=signal.SIGKILL) -> dict:
     k = p["kill_step"]
     # With a spare, the kill waits for its process to be up, as it is in a job that has run a while: the
     # job runs long enough for that (seconds), and the kill comes after step k or later.
     steps = k + p["after"] + (p["spare_steps"] if spares else 0)
-    d = driver(job(p["model"], p["batch_size"], tp, dp, steps, recovery={"spares": spares}), run_dir)
+    hang = HANG if sig == signal.SIGSTOP else {"runtime": {}, "recovery": {}}
+    cfg = job(p["model"], p["batch_size"], tp, dp, steps, recovery={"spares": spares, **hang["recovery"]},
+              runtime=hang["runtime"])
+    d = driver(cfg, run_dir)
     t, errors = _in_thread(d.run_to_end)
     _wait(lambda: len(jsonl(run_dir / "metrics.jsonl")) >= k, t, errors)
     if spares:
@@ -95,7 +107,7 @@ def raytp_once(p: dict, tp: int, dp: int, spares: int, run_dir: Path) -> dict:
         k = len(jsonl(run_dir / "metrics.jsonl"))
     pid = next(w["pid"] for w in d.group.placement if w["rank"] == KILL_RANK)
     killed = time.time()
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
     t.join(timeout=600)
     if t.is_alive() or errors:
         raise RuntimeError(f"raytp TP={tp} x DP={dp} did not finish after the kill: {errors}")
@@ -108,6 +120,7 @@ def raytp_once(p: dict, tp: int, dp: int, spares: int, run_dir: Path) -> dict:
             "failure_to_placed_s": placed["time"] - fail["time"], "placed_to_step_s": rec["time"] - placed["time"],
             "failure_to_up_s": up - fail["time"], "up_to_placed_s": placed["time"] - up,
             "source": rec["source"], "lost_steps": rec["lost_steps"], "killed_after_step": k,
+            "cause": fail["cause"], "detect_s": rec.get("detect_s"),
             "spares_used": len(rec.get("spares", [])),
             "first_step_s": ev["first_step"]["seconds"]}
 
@@ -166,15 +179,16 @@ def train_loop(c: dict) -> None:
                                  "start": start}) + "\n")
 
 
-def ray_train_once(p: dict, work: Path) -> dict:
+def ray_train_once(p: dict, work: Path, sig=signal.SIGKILL) -> dict:
     import ray.cloudpickle
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import bench
     k, log = p["kill_step"], work / "steps.jsonl"
     c = {"model": p["model"], "batch_size": p["batch_size"], "steps": k + p["after"], "log": str(log)}
     trainer = TorchTrainer(
         train_loop, train_loop_config=c,
+        torch_config=TorchConfig(timeout_s=int(RAY_TRAIN_HANG_TIMEOUT_S)) if sig == signal.SIGSTOP else None,
         scaling_config=ScalingConfig(num_workers=4, use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name="bench-recovery", storage_path=str(work / "storage"),
                              failure_config=FailureConfig(max_failures=1),
@@ -187,7 +201,7 @@ def ray_train_once(p: dict, work: Path) -> dict:
     pid = next(r["pid"] for r in lines if r["rank"] == KILL_RANK)
     done = max(r["step"] for r in lines if r["rank"] == 0) + 1
     killed = time.time()
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
     t.join(timeout=900)
     if t.is_alive() or errors:
         raise RuntimeError(f"Ray Train did not finish after the kill: {errors}")
@@ -204,7 +218,7 @@ def ray_train_once(p: dict, work: Path) -> dict:
 def run(quick: bool = False) -> dict:
     p = QUICK if quick else FULL
     res: dict[str, list[dict]] = {"raytp_" + _key(*c): [] for c in LAYOUTS}
-    res["ray_train"], clients = [], []
+    res["ray_train"], res["raytp_hang"], res["ray_train_hang"], clients = [], [], [], []
     with ray_session(8) as ray, tempfile.TemporaryDirectory(prefix="raytp-bench-rec-") as tmp:
         warm_up(p, 4, 1, Path(tmp) / f"recovery-warm-up-{os.getpid()}")
         for i in range(p["reps"]):
@@ -219,6 +233,15 @@ def run(quick: bool = False) -> dict:
             r = ray_train_once(p, work)
             res["ray_train"].append(r)
             say(f"recovery: Ray Train rep {i + 1}: {r['kill_to_step_s']:.2f}s")
+            hung = raytp_once(p, 2, 2, 0, Path(tmp) / f"rec-hang-{os.getpid()}-{i}", signal.SIGSTOP)
+            res["raytp_hang"].append(hung)
+            say(f"recovery: raytp hang rep {i + 1}: {hung['kill_to_step_s']:.2f}s ({hung['cause']}, found "
+                f"{hung['detect_s']:.2f}s after the last step)")
+            work = Path(tmp) / f"ray-train-hang-{i}"
+            work.mkdir()
+            r = ray_train_once(p, work, signal.SIGSTOP)
+            res["ray_train_hang"].append(r)
+            say(f"recovery: Ray Train hang rep {i + 1}: {r['kill_to_step_s']:.2f}s")
             c = client_killed_once({**p, "kill_step": 20, "client_after": 40}, Path(tmp) / f"client-{os.getpid()}-{i}",
                                    ray.get_runtime_context().gcs_address)
             clients.append(c)
@@ -252,6 +275,18 @@ def run(quick: bool = False) -> dict:
             "spares_used": [r["spares_used"] for r in rs],
             "ratio_raytp_to_ray_train": round(kts / rt, 4)}
         met = met and kts / rt <= GOAL_RATIO and kts < (GOAL_SPARE_S if spares else GOAL_S)
+    rh, rth = res["raytp_hang"], med([r["kill_to_step_s"] for r in res["ray_train_hang"]])
+    hang_s = med([r["kill_to_step_s"] for r in rh])
+    fig["hang_tp2_dp2"] = {
+        "raytp_stop_to_step_s": hang_s, "raytp_runs_s": [round(r["kill_to_step_s"], 2) for r in rh],
+        "raytp_recovered_event_seconds": med([r["event_seconds"] for r in rh]),
+        "raytp_detect_s": med([r["detect_s"] for r in rh]), "cause": sorted({r["cause"] for r in rh}),
+        "lost_steps": [r["lost_steps"] for r in rh], "source": sorted({r["source"] for r in rh}),
+        "raytp_settings": HANG, "ray_train_stop_to_step_s": rth,
+        "ray_train_runs_s": [round(r["kill_to_step_s"], 2) for r in res["ray_train_hang"]],
+        "ray_train_torch_config_timeout_s": RAY_TRAIN_HANG_TIMEOUT_S,
+        "ratio_raytp_to_ray_train": round(hang_s / rth, 4), "goal": f"< {GOAL_HANG_S:g} s from SIGSTOP to the next step"}
+    met = met and hang_s < GOAL_HANG_S
     fig["raytp_first_step_s"] = med([r["first_step_s"] for v in res.values() for r in v if "first_step_s" in r])
     fig["goal"] = (f"raytp <= {GOAL_RATIO}x Ray Train and < {GOAL_S:g} s, < {GOAL_SPARE_S:g} s with a warm spare "
                    "(kill -> next completed step)")

@@ -206,13 +206,13 @@ class FakeGroup(WorkerGroup):
         return torch.tensor([self.workers[0].x])
 
     # -- health
-    def find_lost(self):
+    def find_lost(self, suspects=()):
         return {r: "died" for r, w in enumerate(self.workers) if not w.alive}
 
     def wait_out(self, survivors):
         for r in survivors:
             self.workers[r].ended_at = None  # they leave their process groups
-        return {r: self.workers[r].completed for r in survivors}, []
+        return {r: self.workers[r].completed for r in survivors}, [], {}
 
     def kept_records(self, completed, start):
         out = {}

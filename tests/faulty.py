@@ -206,3 +206,49 @@ class WaitsForMoved(Worker):
             hold_until(lambda: len([a for r in cls.ranks for a in _answers(f"raytp.{cls.run}.rank{r}.moved1", "where")])
                        == len(cls.ranks), "the moved workers did not start")
         return super()._step(step, before_update)
+
+
+class DiesInItsStep(Worker):
+    """Each rank of `at` ({rank: step}) exits in that step as it calls `comm`'s function `dies_in`: by default
+    the record's gather, the step's last collective before its update (its peers wait there, none updated);
+    "start_all_gather_in_place" under zero 1 is right after its own update (its peers have updated too, or
+    are about to, and fail gathering the new weights: their state is torn). Once per test each (marker files
+    `marker`-rank-step)."""
+
+    at: dict = {}
+    dies_in = "all_gather_float"
+    marker = ""
+
+    def _step(self, step, before_update=None):
+        path = f"{type(self).marker}-{self.rank}-{step}"
+        if type(self).at.get(self.rank) == step and not os.path.exists(path):
+            open(path, "w").close()
+            from raytp.parallel import comm
+
+            def exit_instead(*args, **kwargs):
+                os._exit(1)
+            setattr(comm, type(self).dies_in, exit_instead)
+        return super()._step(step, before_update)
+
+
+class WithholdsItsGather(Worker):
+    """Under zero 1 with the gather of new weights overlapped with the next forward pass: each rank of `at`
+    ({rank: step}) updates at that step but sends its peers nothing of its new rows, ends the step (its record
+    and snapshot part go out), and exits as the next step begins. Its peers ended the step too, then fail in
+    the next forward pass waiting for its rows: their weights are torn at a step the snapshots hold. Once per
+    test each (marker files `marker`-rank-step)."""
+
+    at: dict = {}
+    marker = ""
+
+    def _step(self, step, before_update=None):
+        from raytp.parallel import comm
+        at = type(self).at.get(self.rank)
+        path = f"{type(self).marker}-{self.rank}-{at}"
+        if at is not None and step == at + 1 and getattr(self, "withheld", False):
+            os._exit(1)
+        if at == step and not os.path.exists(path):
+            open(path, "w").close()
+            self.withheld = True
+            comm.start_all_gather_in_place = lambda flat, group: []
+        return super()._step(step, before_update)

@@ -79,7 +79,7 @@ def test_checkpoint_io_quick(tmp_path):
     for key in ("dcp_save_s", "raytp_load_reshard_s", "dcp_load_reshard_s", "ratio_load_to_dcp",
                 "raytp_files_gb", "dcp_files_gb"):
         assert ck[key] > 0, key
-    assert ck["ratio_pause_to_dcp_save"] >= 0 and ck["raytp_load_checked"] is True
+    assert ck["ratio_pause_to_dcp_save"] > 0 and ck["raytp_load_checked"] is True
 
 
 @pytest.mark.slow  # a benchmark run: ~12 s

@@ -114,7 +114,8 @@ RUNS = {2: [("mixtral", 1, 1, 2, 2, None, False, 0), ("deepseek", 1, 1, 2, 2, No
             ("dropping", 1, 1, 2, 2, None, False, 0), ("deepseek", 1, 1, 2, 2, None, False, 1)],
         4: [("mixtral", 1, 1, 4, 4, None, False, 0), ("mixtral", 2, 1, 2, 2, 1, False, 0),
             ("deepseek", 2, 1, 2, 2, 1, True, 0), ("mixtral", 2, 1, 2, 2, 2, True, 0),
-            ("deepseek", 2, 1, 2, 2, None, False, 0),  # etp unset: tp ("mixtral", 1, 2, 2, 2, None, False, 0),
+            ("deepseek", 2, 1, 2, 2, None, False, 0),  # etp unset: tp
+            ("mixtral", 1, 2, 2, 2, None, False, 0),  # PP=2 x DP=2 x EP=2
             ("mixtral", 2, 1, 2, 2, 1, False, 1), ("mixtral", 1, 1, 4, 2, None, False, 1)]}
 
 

@@ -66,19 +66,25 @@ def train_layout(rank, world, init, runs):
 
 
 def one_device(rank, world, init, keys):
-    """The reference of each (arch, tied, dropout, m): the whole model, the same micro-batches in turn."""
+    """The reference of each (arch, tied, dropout, m): the whole model, the same micro-batches in turn; and how
+    far one device's final weights move under another summation order of the same arithmetic (half as many
+    micro-batches: the same mean gradient), on this CPU."""
     out = {}
     for arch, tied, dropout, m in keys:
         cfg = config(arch, tied, dropout)
         groups = ProcessGroups(Layout(1), 0, None, None)
-        model = build_model(cfg, SEED)
-        opt = make_optimizer(model, HYPER)
-        data = corpus(cfg.vocab_size)
-        losses = [train_step(model, opt, micro_batches(data, cfg, step, 0, 1, m), groups, step, HYPER).loss
-                  for step in range(STEPS)]
-        val = eval_loss(model, micro_batches(data, cfg, STEPS, 0, 1, m), groups, HYPER)
-        state = {k: t.detach().clone() for k, t in model.named_parameters()}
-        out[(arch, tied, dropout, m)] = (losses, val, state)
+        runs = []
+        for mb in (m, max(m // 2, 1)):
+            model = build_model(cfg, SEED)
+            opt = make_optimizer(model, HYPER)
+            data = corpus(cfg.vocab_size)
+            losses = [train_step(model, opt, micro_batches(data, cfg, step, 0, 1, mb), groups, step, HYPER).loss
+                      for step in range(STEPS)]
+            val = eval_loss(model, micro_batches(data, cfg, STEPS, 0, 1, mb), groups, HYPER)
+            runs.append((losses, val, {k: t.detach().clone() for k, t in model.named_parameters()}))
+        (losses, val, state), (_, _, other) = runs
+        reorder = max(float((state[k] - other[k]).abs().max()) for k in state)
+        out[(arch, tied, dropout, m)] = (losses, val, state, reorder)
     return out
 
 
@@ -123,7 +129,12 @@ def test_pipeline_trains_like_one_device(world, references, trained):
     for i, run in enumerate(RUNS[world]):
         arch, tied, dropout, tp, pp, dp, sp, sched, v, m = run
         name = f"{arch} tied={tied} dropout={dropout} TP={tp} x PP={pp} x DP={dp} sp={sp} {sched} v={v} m={m}"
-        ref_losses, ref_val, ref_state = references[reference_key(run)]
+        ref_losses, ref_val, ref_state, reorder = references[reference_key(run)]
+        # The weights' bound, from the arithmetic on this CPU: no further from one device than one device is from
+        # itself under another order of the same sums (half the micro-batches), and 1e-5 where that is closer.
+        # (On an AVX-512/AMX CPU a Llama's up_proj ended 1.02e-5 from one device; on an AVX2 EPYC one device's
+        # reordered Llama ends 6e-6 to 1.9e-5 from itself, a GPT-2 1.2e-4.)
+        weights_tol = max(1e-5, reorder)
         assert np.mean(ref_losses[-5:]) < ref_losses[0] - 0.3, "the reference itself did not learn"
         for rank in range(world):
             losses, val, _, _ = per_rank[rank][i]
@@ -139,7 +150,7 @@ def test_pipeline_trains_like_one_device(world, references, trained):
         state, ref_state = without_key_bias(state), without_key_bias(ref_state)
         for k in ref_state:
             diff = float((state[k] - ref_state[k]).abs().max())
-            assert diff < 1e-5, f"{name}: final {k} differs by {diff:.2e}"
+            assert diff < weights_tol, f"{name}: final {k} differs by {diff:.2e} (bound {weights_tol:.2e})"
 
 
 @pytest.mark.slow

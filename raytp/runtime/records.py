@@ -35,6 +35,8 @@ class Healing:
     source: str                    # "replica", "snapshot", "snapshot copy", "checkpoint <path>", "shrink to DP=n"
     ranks: tuple[int, ...]
     spares: tuple[str, ...] = ()   # names of the warm spares that took lost ranks
+    seen: float | None = None      # t0 as wall time (time.time)
+    before: float | None = None    # the wall time of the last step's record before the failure
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ router's loss-free balancing does with the same counts, inside the step.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from raytp.models.moe.layer import MoE
@@ -52,20 +54,25 @@ def expert_figures(model: torch.nn.Module, groups: ProcessGroups) -> dict:
             "z_loss": sum(v["z_loss"] for v in layers.values())}
 
 
-def balance_biases(model: torch.nn.Module, groups: ProcessGroups) -> None:
-    """Move each expert layer's selection bias toward balance by the step's choices per expert over every DP
-    replica (raytp.models.moe.routing.balance_bias), in one all-reduce for all its layers. Every rank of the
-    stage calls it once per step, with the same result (TP ranks route the same tokens)."""
+def balance_biases(model: torch.nn.Module, groups: ProcessGroups) -> Callable[[], None]:
+    """Sum each expert layer's choices per expert over every DP replica (one all-reduce for all its layers);
+    the returned call moves each selection bias toward balance by them (raytp.models.moe.routing.balance_bias).
+    The move is the step's update, made with the optimizer's: no state changes while a collective of the step
+    can still fail. Every rank of the stage calls it once per step, with the same result (TP ranks route the
+    same tokens)."""
     layers = [m for m in model.modules() if isinstance(m, MoE) and m.args.bias_rate]
     if not layers:
-        return
+        return lambda: None
     E = layers[0].args.n_experts
     loads = torch.stack([m.step_load if m.step_load is not None else torch.zeros(E, dtype=torch.long,
                                                                                 device=m.expert_bias.device)
                          for m in layers]).to(torch.float64)
     if groups.dp is not None:
         comm.all_reduce(loads, groups.dp)
-    with torch.no_grad():
+
+    @torch.no_grad()
+    def move() -> None:
         for m, load in zip(layers, loads):
             balance_bias(m.expert_bias.data, load, m.args.bias_rate)
             m.step_load = None
+    return move

@@ -187,12 +187,11 @@ class DistributedAdamW:
         if self.apart_sharded:
             self.experts.publish(self.targets, self._apart_group, settle=True)
 
-    def abandon(self) -> None:
+    def abandon(self) -> bool:
         """Forget the collectives in flight (a step failed: its process groups are being destroyed, and a work
-        object kept would keep its group's sockets open). The weights of an abandoned gather are not whole:
-        the state is restored from a replica, a snapshot or a checkpoint after such a failure anyway."""
-        for cut in self.cuts:
-            cut.abandon()
+        object kept would keep its group's sockets open). Whether a gather of new weights was among them: the
+        weights are then not whole, and the worker takes its state from a replica, a snapshot or a checkpoint."""
+        return any([cut.abandon() for cut in self.cuts])
 
     def settle(self) -> None:
         """Finish giving this replica every new weight (zero 1 with ``overlap_gather``: what the forward pass

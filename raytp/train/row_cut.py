@@ -118,11 +118,11 @@ class RowCut:
         if self.gather is not None:
             self.gather.settle()
 
-    def abandon(self) -> None:
+    def abandon(self) -> bool:
+        """Forget the collectives in flight: whether a gather of new weights was among them (WeightGather.abandon)."""
         self.flats = []
         self.grads.abandon()
-        if self.gather is not None:
-            self.gather.abandon()
+        return self.gather is not None and self.gather.abandon()
 
     def close(self) -> None:
         self.grads.close()

@@ -157,7 +157,10 @@ def finish_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups
     with the loss, then the TP sums), clip by the global norm, and update. `local_loss`: this rank's mean
     loss over its micro-batches. `before_update`: called right before the weights and optimizer state
     change (the optimizer's step); until then they are only read, so a snapshot of them may still be
-    being copied."""
+    being copied. The step's last collective comes before it (the caller's own, such as a record's gather,
+    go in `before_update`): after it nothing fails with a peer's loss but zero 1's gather of the new
+    weights, so a rank holds the state before the step or after it, or knows it holds neither
+    (raytp.runtime.worker.worker: ``torn``)."""
     if groups.emb is not None and model.cfg.tied:  # the first and the last stage's copies of the embedding
         comm.all_reduce(model.input_embedding().weight.grad, groups.emb)
     mean_loss = sum_over_stages(local_loss.detach().reshape(1), groups)  # the last stage's, on every stage
@@ -171,7 +174,7 @@ def finish_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups
     if groups.tp is not None:  # after the DP sum (Megatron's order), so DP buckets need not wait for it
         _sum_over_tp(list(optimizer.update_grads()), groups.tp)
 
-    balance_biases(model, groups)  # sigmoid routers' selection biases, by the step's loads (raytp.models.moe)
+    move_biases = balance_biases(model, groups)  # sigmoid routers' selection biases, moved with the update
     norm = global_grad_norm(model, groups, optimizer)
     if h.grad_clip > 0:
         optimizer.scale_gradients(torch.clamp(h.grad_clip / (norm + 1e-6), max=1.0))
@@ -180,6 +183,7 @@ def finish_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups
         g["lr"] = lr
     if before_update is not None:
         before_update()
+    move_biases()  # the state changes from here on only: a failed collective before it left the step undone
     optimizer.step(groups.dp)  # under zero 1 also gives every replica the new weights
     return StepResult(float(mean_loss), float(norm), lr)
 

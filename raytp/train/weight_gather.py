@@ -42,7 +42,7 @@ class WeightGather:
     def settle(self, buckets=None) -> None:
         """Wait for the gathers of `buckets` (all pending if None) and copy the other ranks' rows out."""
         for k in sorted(self._pending) if buckets is None else sorted(set(buckets) & self._pending.keys()):
-            flat, works = self._pending.pop(k)
+            flat, works = self._pending[k]
             for work in works:
                 comm.wait(work)
             b = self.buckets[k]
@@ -52,10 +52,14 @@ class WeightGather:
                 for pc in pieces:
                     p = self.params[pc.index]
                     p.data[pc.start:pc.stop].copy_(flat[b.span(d, pc)].view_as(p.data[pc.start:pc.stop]))
+            del self._pending[k]  # only now are its rows whole here
 
-    def abandon(self) -> None:
-        """Drop the gathers in flight (a failed step; see the optimizer's ``abandon``)."""
+    def abandon(self) -> bool:
+        """Drop the gathers in flight (a failed step; see the optimizer's ``abandon``): whether any was (the
+        weights then hold this update's own rows and the last one's of the others: neither step's)."""
+        torn = bool(self._pending)
         self._pending.clear()
+        return torn
 
     def hook(self, model: torch.nn.Module) -> None:
         """Settle each module's own parameters' buckets right before it runs (overlap with the forward)."""

@@ -162,7 +162,7 @@ class WorkerGroup:
                 calls.append(w.reshape.remote(lay, init_method, job, r, src))
             else:
                 calls.append(w.rejoin.remote(lay, init_method, job, r))
-        ray.get(calls, timeout=timeout)
+        health.all_or_first_error(calls, timeout)  # a rank lost while they meet: known at once, not at the timeout
         where = ray.get([w.where.remote() for w in self.workers], timeout=timeout)
         return self._with(placement=tuple(where))
 
@@ -208,7 +208,7 @@ class WorkerGroup:
     def run_steps(self, start: int, count: int, snapshot_every: int) -> StepStream:
         """One streamed call of `count` steps on every worker (iterate it for each step's records)."""
         return StepStream(self.workers, self.layout, start, count, snapshot_every, self.cfg.runtime.step_timeout_s,
-                          relay=self.relay())
+                          relay=self.relay(), hang_s=self.cfg.recovery.hang_s)
 
     def relay(self) -> dict:
         """{leader: (peer ranks, ref of their handles)} (raytp.runtime.cluster.relay): made once per group,
@@ -230,14 +230,15 @@ class WorkerGroup:
         return next(g for g in got if g is not None)  # the last stage's (every stage's at pp == 1)
 
     # -- health ----------------------------------------------------------------------------------
-    def find_lost(self) -> dict[int, str]:
-        """{rank: "died" | "hung"} of the workers that no longer serve; hung ones are killed."""
-        return health.find_lost(self.workers, self.cfg.recovery.ping_timeout_s)
+    def find_lost(self, suspects=()) -> dict[int, str]:
+        """{rank: "died" | "hung"} of the workers that no longer serve; hung ones are killed. `suspects`: ranks a
+        heartbeat found hung already (their pings are not waited for again)."""
+        return health.find_lost(self.workers, self.cfg.recovery.ping_timeout_s, suspects)
 
-    def wait_out(self, survivors: list[int]) -> tuple[dict[int, int], list[int]]:
+    def wait_out(self, survivors: list[int]) -> tuple[dict[int, int], list[int], dict[int, int]]:
         """Wait until no survivor is inside a step, then have them leave their process groups:
         ({rank: completed steps}, [ranks that did not get out within runtime.collective_timeout_s,
-        killed: they count as lost])."""
+        killed: they count as lost], {rank: completed steps} of those whose state is torn: they take it anew)."""
         return health.wait_out(self.workers, survivors, self.cfg.recovery.ping_timeout_s,
                                self.cfg.runtime.collective_timeout_s, self.kill)
 

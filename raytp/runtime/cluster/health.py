@@ -11,10 +11,16 @@ import ray
 from ray.exceptions import RayActorError
 
 
-def find_lost(workers: list, ping_timeout_s: float) -> dict[int, str]:
-    """{rank: "died" | "hung"} of the workers that no longer serve; hung ones are killed."""
+def find_lost(workers: list, ping_timeout_s: float, suspects=()) -> dict[int, str]:
+    """{rank: "died" | "hung"} of the workers that no longer serve; hung ones are killed. `suspects`: ranks
+    found hung already (raytp.runtime.cluster.heartbeat): the wait is for the others' answers only, and a
+    suspect that has not answered by then is hung."""
     pings = [w.ping.remote() for w in workers]
-    ready, _ = ray.wait(pings, num_returns=len(pings), timeout=ping_timeout_s)
+    suspects = set(suspects)
+    others = [p for r, p in enumerate(pings) if r not in suspects]
+    ready, _ = ray.wait(others, num_returns=len(others), timeout=ping_timeout_s) if others else ([], [])
+    if suspects:
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=0)
     answered = set(ready)  # a set: `in` a list of refs made this quadratic (104 ms at 1024 ranks)
     lost = {}
     for rank, ref in enumerate(pings):
@@ -33,11 +39,27 @@ def find_lost(workers: list, ping_timeout_s: float) -> dict[int, str]:
     return dict(sorted(lost.items()))
 
 
+def all_or_first_error(refs: list, timeout_s: float) -> list:
+    """ray.get of `refs`, raising the first error among them as soon as it is there (ray.get of a list waits for
+    every one first: a call that failed beside others blocked on it raised only when they timed out)."""
+    pending, deadline = list(refs), time.monotonic() + timeout_s
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} calls not done within {timeout_s:g}s")
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, 0.1), fetch_local=False)
+        if ready:
+            ray.get(ready)  # raises the error of a failed call
+    return ray.get(refs)
+
+
 def wait_out(workers: list, survivors: list[int], ping_timeout_s: float, collective_timeout_s: float,
-             kill) -> tuple[dict[int, int], list[int]]:
+             kill) -> tuple[dict[int, int], list[int], dict[int, int]]:
     """Wait until no survivor is inside a step, then have them leave their process groups:
-    ({rank: completed steps}, [ranks that did not get out within collective_timeout_s, killed by
-    `kill(ranks)`: they count as lost])."""
+    ({rank: completed steps} of those whose state is that step's, [ranks that did not get out within
+    collective_timeout_s, killed by `kill(ranks)`: they count as lost], {rank: completed steps} of those whose
+    state is torn: a step failed mid-update there (zero 1's gather of the new weights); they keep their
+    process but take their state as a lost rank does)."""
     deadline = time.monotonic() + collective_timeout_s
     completed: dict[int, int] = {}
     pending, stuck = list(survivors), []
@@ -55,7 +77,10 @@ def wait_out(workers: list, survivors: list[int], ping_timeout_s: float, collect
             time.sleep(0.02)
     # Waited for: a worker is threaded, so a leave still queued could run after the rejoin that follows.
     ray.get([workers[r].leave_groups.remote() for r in completed], timeout=collective_timeout_s)
-    return completed, stuck
+    # Read after the leave: it drops a gather of new weights still in flight, which tears the state.
+    torn = {r: completed[r] for r, st in zip(completed, ray.get([workers[r].status.remote() for r in completed],
+                                                                timeout=ping_timeout_s)) if st["torn"]}
+    return {r: c for r, c in completed.items() if r not in torn}, stuck, torn
 
 
 def kept_records(workers: list, completed: dict[int, int], start: int, ping_timeout_s: float

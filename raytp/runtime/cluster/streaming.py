@@ -42,6 +42,7 @@ import ray
 
 from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import Ownership
+from raytp.runtime.cluster.heartbeat import Heartbeat
 from raytp.runtime.errors import StepDeadline, WorkerAborted
 
 
@@ -77,8 +78,9 @@ class StepStream:
     their leader (raytp.runtime.cluster.relay.relay_plan); every other rank gets it from here."""
 
     def __init__(self, workers, layout: Layout, start: int, count: int, snapshot_every: int, timeout: float,
-                 after: int | None = None, relay: dict | None = None):
+                 after: int | None = None, relay: dict | None = None, hang_s: float = 0.0):
         self.workers, self.layout, self.timeout = workers, layout, timeout
+        self.heartbeat = Heartbeat(workers, hang_s)  # pinged while a step runs long: a hung rank found fast
         self.start, self.count, self.snap = start, count, snapshot_every
         self.after, self.relay = after, relay or {}
         self.seq = next(_numbers)
@@ -101,7 +103,7 @@ class StepStream:
         """The call that follows this one on the same workers, submitted now: each rank starts it the
         moment its part of this call ends, if that part ended well (raytp.runtime.worker.calls)."""
         return StepStream(self.workers, self.layout, self.start + self.count, count, snapshot_every,
-                          self.timeout, after=self.seq, relay=self.relay)
+                          self.timeout, after=self.seq, relay=self.relay, hang_s=self.heartbeat.hang_s)
 
     def __iter__(self):
         owners = self.owners
@@ -141,6 +143,7 @@ class StepStream:
                 t_progress = time.perf_counter()
             if pending:
                 self._quiet_check(list(self.watch), 0)
+                self.heartbeat.check()  # a step longer than the last ones: does every rank still answer?
         return [next(s, None) for s in streams]  # None: the stream ended
 
     def _quiet_check(self, ranks: list[int], timeout: float) -> None:
@@ -171,7 +174,9 @@ class StepStream:
             if left <= 0:
                 raise StepDeadline(f"rank(s) {self.ends[:8]} did not end their call within "
                                    f"runtime.step_timeout_s={self.timeout:g}s")
-            self._quiet_check(list(self.ends), left)
+            self._quiet_check(list(self.ends), min(left, self.poll_s))
+            if self.ends:
+                self.heartbeat.check()
 
     def drain(self, timeout: float = 1.0) -> None:
         """After a failure: take what is left of every worker's stream (its records, its error), so that

@@ -101,7 +101,7 @@ class GroupChanges:
         self.failures += r.failures
         reporting.unread_steps(self.log, r.replayed, step, r.step, self.group.cfg, self.group.layout)
         self.adopt(r.group)
-        self.healing = r.healing
+        self.healing = dataclasses.replace(r.healing, before=self.before)  # the pause counts from that step
         if r.resizing is not None:
             self.resizing = dataclasses.replace(r.resizing, before=self.before)
             self.say(f"no capacity for the lost workers: continuing at {self.group.layout} (grows back to "

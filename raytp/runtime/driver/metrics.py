@@ -31,7 +31,7 @@ GAUGES = {
 }
 EXPERT_ONLY = ("expert_imbalance",)  # exported by runs of models with expert layers only
 RANK_GAUGES = {
-    "rank_compute_seconds": "a rank's compute time in the last step (its step less its time in collectives)",
+    "rank_compute_seconds": "a rank's compute time in the last step up to its update (less its time in collectives)",
 }
 COUNTERS = {
     "steps": "optimizer steps completed",

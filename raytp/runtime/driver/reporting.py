@@ -107,12 +107,21 @@ def first_step(log, say, cfg, rec: dict, seconds: float) -> None:
         f"(estimated {expected / estimate.GiB:,.2f} GiB)")
 
 
-def recovered(log, say, h: Healing, step: int) -> None:
-    """The first completed step after a recovery: how long it took, from where, what was lost."""
-    seconds = time.perf_counter() - h.t0
-    log.event("recovered", seconds=seconds, lost_steps=h.lost_steps, source=h.source, ranks=list(h.ranks),
-              step=step, spares=list(h.spares))
-    say(f"recovered in {seconds:.1f}s from {h.source}, {h.lost_steps} step(s) lost")
+def recovered(log, say, h: Healing, step: int, rec: dict) -> None:
+    """The first completed step after a recovery (`rec`, its metrics line): how long training paused as the user
+    saw it (``seconds``: from the last step's record before the failure to this one's, the gap metrics.jsonl
+    shows; from the failure seen where no step came before), and its parts: ``detect_s`` (from that record to
+    the failure seen), ``recovery_s`` (from then to this step's end); from where; what was lost."""
+    now = time.perf_counter()
+    recovery_s = now - h.t0
+    seconds, detect = recovery_s, None
+    if h.before is not None and h.seen is not None:
+        detect = max(h.seen - h.before, 0.0)
+        seconds = (rec["time"] - h.before) if rec.get("time") is not None else detect + recovery_s
+    log.event("recovered", seconds=seconds, detect_s=detect, recovery_s=recovery_s, lost_steps=h.lost_steps,
+              source=h.source, ranks=list(h.ranks), step=step, spares=list(h.spares))
+    seen = f"; failure seen {detect:.1f}s after the last step" if detect is not None else ""
+    say(f"recovered in {seconds:.1f}s (step to step{seen}) from {h.source}, {h.lost_steps} step(s) lost")
 
 
 def paused_for(before: float | None, started: float, rec: dict) -> float:
@@ -153,7 +162,7 @@ def closed(log, say, healing: Healing | None, resizing: Resizing | None, step: i
     """The job went on after a recovery, a resize and/or a move (whichever is given): log how long each
     took. `rec`: the metrics line of the first step after it."""
     if healing is not None:
-        recovered(log, say, healing, step)
+        recovered(log, say, healing, step, rec)
     if resizing is not None:
         resized(log, say, resizing, step, rec)
     if moving is not None:

@@ -23,7 +23,10 @@
    newest in-memory snapshot (everyone rolls back to it if the survivors are
    ahead); else its copy on another node (raytp.runtime.state.snapshots); else the
    newest checkpoint. Data and dropout are functions of the step, so the
-   replay is exact.
+   replay is exact. A survivor's state is that of the steps it completed: a
+   step changes it only after its last collective (raytp.train.step), except
+   zero 1's gather of the new weights; a survivor that failed there is "torn"
+   and takes its state from the source like a lost rank.
 5. Rewire: new groups at a new rendezvous; survivors rejoin, new workers set
    up. The driver adopts the group this returns; its first completed step
    logs ``recovered``.
@@ -34,6 +37,7 @@ driver adopts its group.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -88,16 +92,18 @@ class _Attempt:
 
     def __init__(self, group, failures: int):
         self.group, self.failures, self.counted = group, failures, 0
+        self.restarted: set[int] = set()  # ranks this recovery killed itself after a failed join (not losses)
 
 
 def recover(ctx: RecoveryContext, group, error: BaseException, step: int, failures: int) -> Recovered | GaveUp:
     """Heal `group` after `error` at `step` (the first step whose record the driver has not read;
     `failures`: worker losses so far): Recovered, or GaveUp (a JobError, or a RecoveryFailed)."""
-    t0 = time.perf_counter()
+    t0, seen = time.perf_counter(), time.time()
     attempt = _Attempt(group, failures)
     while True:
         try:
-            return _recover_once(ctx, attempt, error, step, t0)
+            r = _recover_once(ctx, attempt, error, step, t0)
+            return dataclasses.replace(r, healing=dataclasses.replace(r.healing, seen=seen))
         except (RecoveryFailed, JobError) as e:
             return GaveUp(attempt.group, e)
         except FAILURES as e:
@@ -108,21 +114,26 @@ def recover(ctx: RecoveryContext, group, error: BaseException, step: int, failur
 def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0: float) -> Recovered:
     group = attempt.group
     cfg, lay = group.cfg, group.layout
-    lost = group.find_lost()
+    lost = group.find_lost(getattr(error, "ranks", ()))  # a heartbeat's RanksHung names them
+    lost.update({r: "restarted" for r in attempt.restarted})  # killed by the last try: gone, answer or not
     if not lost:  # every worker is alive: not a lost worker but an error of the job itself
         cause = getattr(error, "cause", None) or error  # a RayTaskError carries the worker's exception
         raise JobError(f"a step failed with every worker alive: {type(cause).__name__}: {cause}") from error
-    completed, stuck = group.wait_out([r for r in range(lay.world_size) if r not in lost])
+    completed, stuck, torn = group.wait_out([r for r in range(lay.world_size) if r not in lost])
     lost.update({r: "stuck" for r in stuck})
+    if torn:  # their state is neither step's (raytp.train.step.finish_step): it comes from the source too
+        ctx.say(f"rank(s) {sorted(torn)} failed mid-update; they take their state anew")
     kept = group.kept_records({r: c for r, c in completed.items() if r not in lost}, step)
     for rank, cause in lost.items():
         where = group.placement[rank] if rank < len(group.placement) else {}
         ctx.log.event("failure", rank=rank, node=where.get("node_id"), pid=where.get("pid"), cause=cause,
                       step=step, error=f"{type(error).__name__}: {str(error)[:300]}")
         ctx.say(f"rank {rank} {cause} (pid {where.get('pid')}) at step {step}; recovering")
-    decision = policy.on_failure(lost, attempt.failures, cfg.recovery.max_failures)
-    attempt.failures += len(lost)
-    attempt.counted += len(lost)
+    losses = [r for r, cause in lost.items() if cause != "restarted"]
+    attempt.restarted = set()
+    decision = policy.on_failure(lost, attempt.failures + len(losses) - len(lost), cfg.recovery.max_failures)
+    attempt.failures += len(losses)
+    attempt.counted += len(losses)
     if decision == policy.GIVE_UP:
         give_up(ctx, group, f"{attempt.failures} worker losses exceed recovery.max_failures="
                             f"{cfg.recovery.max_failures}")
@@ -140,12 +151,23 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0:
     if not group.ready(lost, cfg.recovery.replace_timeout_s):
         why = (f"no capacity to replace rank(s) {sorted(lost)} within "
                f"recovery.replace_timeout_s={cfg.recovery.replace_timeout_s:g}s")
-        shrink = policy.shrink_decision(lay, list(lost), completed, cfg.parallel.min_dp, cfg.train.batch_size)
+        # Under zero 1 every kept rank takes the snapshot anew (_recut_from_snapshot): a torn one too.
+        whole = {**completed, **torn} if lay.sharded_optimizer else completed
+        shrink = policy.shrink_decision(lay, list(lost), whole, cfg.parallel.min_dp, cfg.train.batch_size)
         if shrink is None:
             give_up(ctx, group, why)
         return _shrink(ctx, attempt, shrink, lost, t0, _unread(kept, step))
-    group = attempt.group = group.join(setup=lost)
-    restored, source = restore(ctx, group, list(lost), completed)
+    try:
+        group = attempt.group = group.join(setup=lost)
+    except FAILURES:
+        # A rank lost while the others meet in torch.distributed holds them in that rendezvous until
+        # runtime.collective_timeout_s, and a new meeting in their processes beside the stale one does not
+        # come together: every rank starts anew, and the state comes from the snapshots (or the checkpoint).
+        attempt.restarted = set(range(lay.world_size))
+        ctx.say("a rank was lost while the ranks met; every rank starts anew")
+        group.kill(range(lay.world_size))
+        raise
+    restored, source = restore(ctx, group, sorted({*lost, *torn}), completed)
     if source == "snapshot" and not snap_nodes <= set(group.placer.alive_nodes()):
         source = "snapshot copy"  # a part's own node is gone: Ray served the copy kept on another node
     ahead = max(completed.values(), default=restored)

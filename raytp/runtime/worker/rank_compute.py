@@ -1,6 +1,9 @@
 """What a rank computes: a training step, as the record the driver reads (its batch, the step, its times
 and memory), and the logits of a batch (the validation loss is raytp.train.step.eval_loss).
 
+The step's last collective (the record's gather of every rank's compute time) comes before its optimizer
+update, so that a peer lost in it leaves every rank's state as it was.
+
 The batch is a pure function of (seed, step, DP rank), so any rank of any
 process computes the same micro-batches for the same place in the mesh. The
 record's ``rank_compute_s`` holds every rank's compute time (the step less its
@@ -46,16 +49,28 @@ def train_record(cfg, corpus, shard, groups, pipeline, device: torch.device, ste
     batches = (batches_of("train", step) if batches_of is not None
                else micro_batches(cfg, corpus, groups, device, "train", step))
     data_s = time.perf_counter() - t0
-    r = train_step(shard.model, shard.optimizer, batches, groups, step, shard.hyper, before_update, pipeline)
-    experts = expert_figures(shard.model, groups)  # {} without expert layers
+    gathered: dict = {}
+
+    def gather_then_update() -> None:
+        """The record's collectives, the step's last before its update (raytp.train.step.finish_step): a peer
+        lost in them leaves this rank's state as it was, not updated by a step that then runs again."""
+        gathered.update(expert_figures(shard.model, groups))  # {} without expert layers
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        comm_s = comm.STATS.take()[0]
+        gathered["comm_s"] = comm_s
+        gathered["rank_compute_s"] = comm.all_gather_float(time.perf_counter() - t0 - comm_s, device)
+        if before_update is not None:
+            before_update()
+    r = train_step(shard.model, shard.optimizer, batches, groups, step, shard.hyper, gather_then_update, pipeline)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    elapsed, comm_s = time.perf_counter() - t0, comm.STATS.take()[0]
-    ranks = comm.all_gather_float(elapsed - comm_s, device)
+    elapsed = time.perf_counter() - t0
+    gathered["comm_s"] += comm.STATS.take()[0]  # zero 1's gather of the new weights
     return {"step": step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "step_time_s": elapsed,
-            "comm_s": comm_s, "comm_hidden_s": comm.STATS.take_hidden(), "data_s": data_s, "rank_compute_s": ranks,
+            "comm_hidden_s": comm.STATS.take_hidden(), "data_s": data_s,
             "epoch": epochs_read(corpus, (step + 1) * cfg.train.batch_size, cfg.model.block_size),
-            **peak_memory(device), **experts}
+            **peak_memory(device), **gathered}
 
 
 @torch.no_grad()

@@ -42,6 +42,7 @@ class Worker:
         self.shard: HeldShard | None = None  # its weights and AdamW state
         self.pipeline = None  # raytp.train.stage_runner.PipelineSchedule of this rank's stage, at pp > 1
         self.completed = 0
+        self.torn = False  # a step failed mid-update: the state is neither `completed`'s nor the next step's
         self.steps = StreamedCalls(self.device)  # its streamed calls: their order, snapshot buffers, last records
         self.profiler = StepProfiler()  # traces of the steps a ProfilePlan names
         self.previous = None  # (job, rank, shard, layout) a reshape replaced, until committed or reverted
@@ -85,6 +86,7 @@ class Worker:
         modes = {"activation_checkpointing": self.cfg.train.activation_checkpointing,
                  "document_eod": self.document_eod}
         self.shard = HeldShard.build(self.cfg, self.groups, self.device, self._stage(), modes, source, own)
+        self.torn = False
         if old is not None:
             self.shard.saving = old.saving  # a checkpoint file still being written goes on being written
 
@@ -136,9 +138,13 @@ class Worker:
         return rank_compute.micro_batches(self.cfg, self.corpus, self.groups, self.device, split, step)
 
     def _step(self, step: int, before_update=None) -> dict:
+        def updating() -> None:
+            if before_update is not None:
+                before_update()
+            self.torn = True  # until the step ends: zero 1's gather of the new weights may still fail
         record = rank_compute.train_record(self.cfg, self.corpus, self.shard, self.groups, self.pipeline, self.device,
-                                           step, before_update, self._micro_batches)
-        self.completed = step + 1
+                                           step, updating, self._micro_batches)
+        self.completed, self.torn = step + 1, False
         record = {**record, "snapshot_s": self.steps.snapshot_s, "peak_tflops": self.peak_tflops}
         self.steps.keep(step, record, self.cfg.train.steps_per_call)  # recovery reads them back (kept_records)
         return record
@@ -177,9 +183,9 @@ class Worker:
         return self.rank
 
     def status(self) -> dict:
-        """Answered even while a step runs (the actor is threaded): completed steps, and whether a call runs
-        (or one queued behind it is about to)."""
-        return {"rank": self.rank, "completed": self.completed, "running": self.steps.calls.busy()}
+        """Answered even while a step runs (threaded actor): completed steps, whether a call runs (or one
+        queued behind it is about to), whether the state is torn (a step failed mid-update)."""
+        return {"rank": self.rank, "completed": self.completed, "running": self.steps.calls.busy(), "torn": self.torn}
 
     def leave_groups(self) -> None:
         """Destroy this rank's process groups and drop every reference to them, so that their
@@ -187,8 +193,8 @@ class Worker:
         unblocks a collective; a closed socket does); no call queued behind the one that ran may start
         now. Idempotent."""
         self.steps.calls.reset()
-        if self.shard is not None:
-            self.shard.optimizer.abandon()  # its collectives in flight hold their groups (and sockets) open
+        if self.shard is not None and self.shard.optimizer.abandon():  # in flight, they hold their sockets open
+            self.torn = True  # a gather of new weights was among them
         destroy_process_groups()
         if self.shard is not None:
             rebind_groups(self.shard.model, None)
@@ -227,7 +233,7 @@ class Worker:
     def recut_parts(self, refs: list, old_dp: int, completed: int) -> None:
         """HeldShard.recut_parts, as the state after `completed` steps."""
         self.shard.recut_parts(self.groups, refs, old_dp)
-        self.completed = completed
+        self.completed, self.torn = completed, False
 
     def commit_reshape(self) -> None:
         """The switch took: the old shard kept by `reshape` goes."""
@@ -248,12 +254,12 @@ class Worker:
     def set_shard(self, state: dict, completed: int, weights_only: bool = False) -> None:
         """HeldShard.set_shard, as the state after `completed` steps."""
         self.shard.set_shard(state, weights_only)
-        self.completed = completed
+        self.completed, self.torn = completed, weights_only and self.torn
 
     def load(self, source, completed: int) -> None:
         """Take this rank's slices of `source` as the state after `completed` steps."""
         self.shard.load(self.groups, source)
-        self.completed = completed
+        self.completed, self.torn = completed, False
 
     def begin_save(self, url: str, directory: str) -> dict | None:
         return self.shard.begin_save(self.groups, self.cfg, self.steps.snap_bufs, self.completed, url, directory)

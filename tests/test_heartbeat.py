@@ -1,0 +1,57 @@
+"""The heartbeat's verdict (pure) and, on Ray, a stopped worker found by it in about recovery.hang_s while a
+worker that is merely slow, or a machine that is, draws none."""
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from raytp.runtime.cluster.heartbeat import Heartbeat, RanksHung, verdict
+
+
+def test_a_rank_silent_while_every_other_answers_quickly_is_hung():
+    assert verdict({0: 0.01, 1: 0.02, 3: 0.01}, 4, 1.0) == [2]
+    assert verdict({0: 0.01}, 3, 1.0) == [1, 2]
+
+
+@pytest.mark.parametrize("answered", [{0: 0.01, 1: 0.3, 3: 0.01},  # the others slow: the machine is, no verdict
+                                      {},                           # nobody answered: the driver side is slow
+                                      {0: 0.01, 1: 0.01, 2: 0.02, 3: 0.01}])  # everyone answered
+def test_no_verdict_unless_sure(answered):
+    assert verdict(answered, 4, 1.0) == []
+
+
+class Sleeper:
+    """A threaded actor answering pings while another of its threads is busy (as a worker in a collective)."""
+
+    def ping(self):
+        return os.getpid()
+
+    def busy(self, s):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < s:  # holds a thread, releases the GIL now and then, as torch does
+            time.sleep(0.001)
+
+
+def test_a_stopped_process_is_found_and_a_busy_one_is_not(ray_local):
+    import ray
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on the workers' path
+    actor = ray.remote(Sleeper).options(max_concurrency=4, num_cpus=0)
+    workers = [actor.remote() for _ in range(3)]
+    pids = ray.get([w.ping.remote() for w in workers])
+    busy = workers[1].busy.remote(3.0)
+    beat = Heartbeat(workers, 1.0)
+    beat.check()  # busy is not hung
+    os.kill(pids[2], signal.SIGSTOP)
+    try:
+        beat.last = 0.0
+        t0 = time.perf_counter()
+        with pytest.raises(RanksHung) as e:
+            beat.check()
+        assert e.value.ranks == [2] and time.perf_counter() - t0 < 5.0
+    finally:
+        os.kill(pids[2], signal.SIGCONT)
+    ray.get(busy)
+    for w in workers:
+        ray.kill(w)

@@ -1,0 +1,100 @@
+"""Exact recovery under faults in random order (tests/fault_plans.py): kills and hangs of random ranks, inside
+steps, between them and inside the recovery of the fault before, a replacement killed again, the reporting
+rank. Each run ends with every step's record once, and every loss and the final weights of the unbroken run,
+bit for bit. Two seeded faults pin the moment that once broke it: a rank lost in the step's last collective,
+after which its peers must not have updated (or, under zero 1, know that their state is torn)."""
+import dataclasses
+import os
+
+import pytest
+
+import faulty
+from fault_plans import assert_exact, plan, run_with
+from helpers import RECOVERY_STEPS, recovery_job, run
+
+SEED = os.environ.get("RAYTP_TEST_SEED", "")
+
+
+def zero1(cfg):
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=1, overlap_param_gather=True))
+
+
+def faulty_job(tp, dp, **kw):
+    """helpers.recovery_job, with room for many faults (a stop is found by the heartbeat in about a second; the
+    step deadline, 30 s, is the last resort and never a false alarm on a loaded machine), and a rank
+    lost while the others meet in torch.distributed (a recovery's join) holding them 20 s, not 120 s: the
+    rendezvous waits runtime.collective_timeout_s for it (docs/findings.md)."""
+    return recovery_job(tp, dp, recovery={"max_failures": 50}, step_timeout_s=30.0, collective_timeout_s=20.0, **kw)
+
+
+@pytest.fixture(scope="module")
+def ref(ray_local, recovery_reference):
+    """The unbroken TP x DP run's dir (conftest's, shared with test_recovery and test_node_loss)."""
+    return recovery_reference.run_dir
+
+
+def test_two_random_kills_at_tp2_dp2_change_nothing(ref, tmp_path):
+    """The quick tier's: two kills of a seeded plan (one may fall inside the other's recovery)."""
+    faults = plan(f"quick{SEED}", 4, RECOVERY_STEPS, kills=2)
+    sent = run_with(faulty_job(2, 2), tmp_path / "run", "rfquick", faults)
+    assert_exact(tmp_path / "run", ref(2, 2), RECOVERY_STEPS, sent)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_kills_and_hangs_at_tp2_dp2_change_nothing(ref, tmp_path, seed):
+    faults = plan(f"{seed}{SEED}", 4, RECOVERY_STEPS, kills=4, stops=1)
+    sent = run_with(faulty_job(2, 2), tmp_path / "run", f"rf{seed}", faults)
+    assert_exact(tmp_path / "run", ref(2, 2), RECOVERY_STEPS, sent)
+
+
+@pytest.mark.slow
+def test_random_kills_and_a_hang_under_zero1_change_nothing(ref, tmp_path):
+    """TP=2 x DP=2 under zero 1 (weights gathered in the next forward pass) ends as zero 0's unbroken run."""
+    faults = plan(f"zero{SEED}", 4, RECOVERY_STEPS, kills=3, stops=1)
+    sent = run_with(zero1(faulty_job(2, 2)), tmp_path / "run", "rfzero", faults)
+    assert_exact(tmp_path / "run", ref(2, 2), RECOVERY_STEPS, sent)
+
+
+@pytest.mark.slow
+def test_random_kills_and_a_hang_at_pp2_dp2_change_nothing(ray_local, tmp_path):
+    def pp2(cfg):
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=2))
+    run(pp2(recovery_job(1, 2, model={"n_layer": 3})), tmp_path / "ref", "rfppref")
+    faults = plan(f"pp{SEED}", 4, RECOVERY_STEPS, kills=3, stops=1)
+    sent = run_with(pp2(faulty_job(1, 2, model={"n_layer": 3})), tmp_path / "run", "rfpp", faults)
+    assert_exact(tmp_path / "run", tmp_path / "ref", RECOVERY_STEPS, sent)
+
+
+@pytest.mark.slow
+def test_random_kills_and_a_hang_of_an_ep_job_change_nothing(ray_local, tmp_path):
+    """TP=1 x DP=2 x EP=2: each expert on one rank, no replica of it; snapshots heal it."""
+    moe = {"arch": "llama", "n_head": 4, "n_kv_head": 2, "intermediate_size": 96,
+           "moe": {"n_experts": 4, "top_k": 2, "moe_ffn": 32, "aux_coeff": 0.01}}
+
+    def ep2(cfg):
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=2))
+    run(ep2(recovery_job(1, 2, model=moe)), tmp_path / "ref", "rfepref")
+    faults = plan(f"ep{SEED}", 2, RECOVERY_STEPS, kills=2, stops=1)
+    sent = run_with(ep2(faulty_job(1, 2, model=moe)), tmp_path / "run", "rfep", faults)
+    assert_exact(tmp_path / "run", tmp_path / "ref", RECOVERY_STEPS, sent)
+
+
+@pytest.mark.slow
+def test_a_rank_lost_in_the_steps_last_collective_leaves_no_step_done_twice(ref, tmp_path):
+    """Rank 3 exits at step 6 in the record's gather, the step's last collective: no survivor has updated yet,
+    so the replica that heals it is at step 6, not 7 under step 6's name."""
+    faulty.DiesInItsStep.at, faulty.DiesInItsStep.marker = {3: 6}, str(tmp_path / "died")
+    run(faulty_job(2, 2), tmp_path / "run", "endstep", worker_cls=faulty.DiesInItsStep)
+    assert_exact(tmp_path / "run", ref(2, 2), RECOVERY_STEPS, [])
+
+
+@pytest.mark.slow
+def test_zero1_peers_torn_by_a_lost_gather_take_their_state_anew(ref, tmp_path):
+    """Under zero 1 (weights gathered in the next forward pass), rank 3 withholds its new rows of step 6 and
+    exits as step 7 begins: the survivors finished step 6 and the snapshot of it is whole, but their weights
+    lack rank 3's rows. They say so (torn), and take the snapshot with the new rank."""
+    faulty.WithholdsItsGather.at, faulty.WithholdsItsGather.marker = {3: 6}, str(tmp_path / "withheld")
+    run(zero1(faulty_job(2, 2)), tmp_path / "run", "torn", worker_cls=faulty.WithholdsItsGather)
+    assert "rank(s) [1] failed mid-update" in (tmp_path / "torn.out").read_text()  # rank 3's DP peer
+    assert_exact(tmp_path / "run", ref(2, 2), RECOVERY_STEPS, [])
