@@ -252,3 +252,17 @@ class WithholdsItsGather(Worker):
             self.withheld = True
             comm.start_all_gather_in_place = lambda flat, group: []
         return super()._step(step, before_update)
+
+
+class DiesInEvaluation(Worker):
+    """Rank `rank` exits as the evaluation after `at` steps begins (once per test, marker file `marker`): the
+    step before it completed everywhere, and its record is read, but not yet written."""
+
+    rank_, at, marker = 1, 12, ""
+
+    def evaluate(self, step):
+        cls = type(self)
+        if self.rank == cls.rank_ and step == cls.at and not os.path.exists(cls.marker):
+            open(cls.marker, "w").close()
+            os._exit(1)
+        return super().evaluate(step)

@@ -4,6 +4,7 @@ rank. Each run ends with every step's record once, and every loss and the final 
 bit for bit. Two seeded faults pin the moment that once broke it: a rank lost in the step's last collective,
 after which its peers must not have updated (or, under zero 1, know that their state is torn)."""
 import dataclasses
+import json
 import os
 
 import pytest
@@ -98,3 +99,15 @@ def test_zero1_peers_torn_by_a_lost_gather_take_their_state_anew(ref, tmp_path):
     run(zero1(faulty_job(2, 2)), tmp_path / "run", "torn", worker_cls=faulty.WithholdsItsGather)
     assert "rank(s) [1] failed mid-update" in (tmp_path / "torn.out").read_text()  # rank 3's DP peer
     assert_exact(tmp_path / "run", ref(2, 2), RECOVERY_STEPS, [])
+
+
+@pytest.mark.slow
+def test_a_rank_lost_in_an_evaluation_leaves_no_hole(ref, tmp_path):
+    """Rank 1 exits as the evaluation after step 11 begins: step 11's metrics line is written after the recovery,
+    with its validation loss, as in the unbroken run (it was lost: the step had been counted before)."""
+    faulty.DiesInEvaluation.marker = str(tmp_path / "died")
+    run(faulty_job(2, 2), tmp_path / "run", "evaldeath", worker_cls=faulty.DiesInEvaluation)
+    assert_exact(tmp_path / "run", ref(2, 2), RECOVERY_STEPS, [])
+    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    theirs = [json.loads(line) for line in open(ref(2, 2) / "metrics.jsonl")]
+    assert lines[11]["val_loss"] == theirs[11]["val_loss"]

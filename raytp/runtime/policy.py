@@ -216,6 +216,11 @@ def call_length(step: int, end: int, steps_per_call: int, warm: bool, eval_every
     return n
 
 
+def evaluation_due(step: int, steps: int, every: int) -> bool:
+    """The validation loss is due after `step` steps: every `every` steps and at the last one."""
+    return step == steps or bool(every and step % every == 0)
+
+
 def checkpoint_due(step: int, steps: int, every: int, saved_step: int | None) -> bool:
     """A checkpoint is due at `step` (every `every` steps and at the last one) unless already saved."""
     return bool(every) and step > 0 and saved_step != step and (step % every == 0 or step == steps)

@@ -59,6 +59,7 @@ class Driver:
         self.controls = run_status.RunControl(None)  # the control actor's channel, the stop asked for
         self.step = 0
         self.last: dict = {}
+        self.owed: tuple | None = None  # (metrics line, ranks' compute) of a step whose evaluation failed
         self.first_step: float | None = None  # seconds from the command to the first completed step
         self.cadence = Cadence(cfg)  # how often replica 0 snapshots
         self.copy = self.copy_cls(run, self.log)
@@ -167,6 +168,7 @@ class Driver:
                     self.stop()
                     return
                 try:
+                    self._write_owed()
                     if self.step < end:
                         self._call(end, t_start, progress)
                     else:  # the last step's checkpoint, cut short by a failure: saved after recovery
@@ -185,11 +187,11 @@ class Driver:
     def _call(self, end: int, t_start: float, progress: Progress) -> None:
         """One streamed call of up to steps_per_call steps, then evaluation and checkpoint if due."""
         cfg = self.cfg
-        steps, every, save_every = cfg.train.steps, cfg.train.eval_interval, cfg.checkpoint.every
+        steps, save_every = cfg.train.steps, cfg.checkpoint.every
         self.cadence.follow(cfg)
         if self.calls.next is None:
             warm = self.first_step is not None and self.pending_resize is None
-            n = policy.call_length(self.step, end, cfg.train.steps_per_call, warm, every, save_every)
+            n = policy.call_length(self.step, end, cfg.train.steps_per_call, warm, cfg.train.eval_interval, save_every)
             if policy.checkpoint_due(self.step, steps, save_every, self.checkpoints.last_step):
                 self.checkpoints.begin(self.group, self.step)  # a save interrupted by a failure, redone now
         else:
@@ -206,9 +208,8 @@ class Driver:
             self.step = done.step + 1
             self.last = reporting.step_record(done.records[0], done.records, self.cfg, self.layout)
             self.cadence.observe(done.records[0])
-            if self.step == steps or (every and self.step % every == 0):
-                self.last["val_loss"] = self.group.evaluate(self.step)
-            self.log.metric(self.last, done.records[0].get("rank_compute_s"))
+            self.owed = (self.last, done.records[0].get("rank_compute_s"))
+            self._write_owed()
             self.changes.respread.wants_boundary(self.group)  # a move off a twin's node, taken a stage further
             if snap:
                 self.copy.update(self.group, self.changes.snapshots, self.step)
@@ -222,6 +223,17 @@ class Driver:
             self.first_step = time.perf_counter() - t_start
             reporting.first_step(self.log, self._say, self.cfg, self.last, self.first_step)
         progress.update(self.last, time.perf_counter() - t_start)
+
+    def _write_owed(self) -> None:
+        """Write the metrics line of the step just completed, evaluated first where due. A failure in the
+        evaluation keeps it owed: written after the recovery if training goes on from the step after it (the
+        same state), else by the replay."""
+        rec, ranks = self.owed or ({"step": -2}, None)
+        if rec["step"] + 1 == self.step:  # else none is owed, or the replay writes it
+            if policy.evaluation_due(self.step, self.cfg.train.steps, self.cfg.train.eval_interval):
+                rec["val_loss"] = self.group.evaluate(self.step)
+            self.log.metric(rec, ranks)
+        self.owed = None
 
     def _submit_next(self, end: int) -> None:
         """Submit the next call behind the one in flight if nothing must happen between them."""
