@@ -255,14 +255,18 @@ class WithholdsItsGather(Worker):
 
 
 class DiesInEvaluation(Worker):
-    """Rank `rank` exits as the evaluation after `at` steps begins (once per test, marker file `marker`): the
-    step before it completed everywhere, and its record is read, but not yet written."""
+    """Rank `eval_rank` exits as the evaluation after `eval_at` steps begins (once per test, marker file
+    `eval_marker`): the step before it completed everywhere, and its record is read, but not yet written."""
 
-    rank_, at, marker = 1, 12, ""
+    eval_rank, eval_at, eval_marker = 1, 12, ""
 
     def evaluate(self, step):
         cls = type(self)
-        if self.rank == cls.rank_ and step == cls.at and not os.path.exists(cls.marker):
-            open(cls.marker, "w").close()
+        if self.rank == cls.eval_rank and step == cls.eval_at and not os.path.exists(cls.eval_marker):
+            open(cls.eval_marker, "w").close()
             os._exit(1)
         return super().evaluate(step)
+
+
+class DiesAtTheEndOfAStep(DiesInItsStep, DiesInEvaluation):
+    """Both: DiesInItsStep's exit in a step's last collective, then DiesInEvaluation's in an evaluation."""

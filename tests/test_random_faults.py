@@ -11,7 +11,7 @@ import pytest
 
 import faulty
 from fault_plans import assert_exact, plan, run_with
-from helpers import RECOVERY_STEPS, recovery_job, run
+from helpers import RECOVERY_STEPS, events, recovery_job, run
 
 SEED = os.environ.get("RAYTP_TEST_SEED", "")
 
@@ -34,15 +34,15 @@ def ref(ray_local, recovery_reference):
     return recovery_reference.run_dir
 
 
-def test_two_random_kills_at_tp2_dp2_change_nothing(ref, tmp_path):
-    """The quick tier's: two kills of a seeded plan (one may fall inside the other's recovery)."""
-    faults = plan(f"quick{SEED}", 4, RECOVERY_STEPS, kills=2)
-    sent = run_with(faulty_job(2, 2), tmp_path / "run", "rfquick", faults)
-    assert_exact(tmp_path / "run", ref(2, 2), RECOVERY_STEPS, sent)
+def test_two_random_kills_at_dp2_change_nothing(ref, tmp_path):
+    """The quick tier's: two kills of a seeded plan at DP=2 (one may fall inside the other's recovery)."""
+    faults = plan(f"quick{SEED}", 2, RECOVERY_STEPS, kills=2)
+    sent = run_with(faulty_job(1, 2), tmp_path / "run", "rfquick", faults)
+    assert_exact(tmp_path / "run", ref(1, 2), RECOVERY_STEPS, sent)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2])
 def test_random_kills_and_hangs_at_tp2_dp2_change_nothing(ref, tmp_path, seed):
     faults = plan(f"{seed}{SEED}", 4, RECOVERY_STEPS, kills=4, stops=1)
     sent = run_with(faulty_job(2, 2), tmp_path / "run", f"rf{seed}", faults)
@@ -82,12 +82,19 @@ def test_random_kills_and_a_hang_of_an_ep_job_change_nothing(ray_local, tmp_path
 
 
 @pytest.mark.slow
-def test_a_rank_lost_in_the_steps_last_collective_leaves_no_step_done_twice(ref, tmp_path):
-    """Rank 3 exits at step 6 in the record's gather, the step's last collective: no survivor has updated yet,
-    so the replica that heals it is at step 6, not 7 under step 6's name."""
+def test_ranks_lost_in_a_steps_last_collective_and_in_an_evaluation_leave_no_step_twice_and_no_hole(ref, tmp_path):
+    """Rank 3 exits at step 6 in the record's gather, the step's last collective: no survivor has updated yet, so
+    the replica that heals it is at step 6, not 7 under step 6's name. Rank 1 exits as the evaluation after
+    step 11 begins: step 11's metrics line (read, not yet written) is written after the recovery, with its
+    validation loss, as in the unbroken run."""
     faulty.DiesInItsStep.at, faulty.DiesInItsStep.marker = {3: 6}, str(tmp_path / "died")
-    run(faulty_job(2, 2), tmp_path / "run", "endstep", worker_cls=faulty.DiesInItsStep)
+    faulty.DiesInEvaluation.eval_marker = str(tmp_path / "died-in-eval")
+    run(faulty_job(2, 2), tmp_path / "run", "endstep", worker_cls=faulty.DiesAtTheEndOfAStep)
     assert_exact(tmp_path / "run", ref(2, 2), RECOVERY_STEPS, [])
+    assert [(e["rank"], e["step"]) for e in events(tmp_path / "run", "failure")] == [(3, 6), (1, 12)]
+    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    theirs = [json.loads(line) for line in open(ref(2, 2) / "metrics.jsonl")]
+    assert lines[11]["val_loss"] == theirs[11]["val_loss"]
 
 
 @pytest.mark.slow
@@ -99,15 +106,3 @@ def test_zero1_peers_torn_by_a_lost_gather_take_their_state_anew(ref, tmp_path):
     run(zero1(faulty_job(2, 2)), tmp_path / "run", "torn", worker_cls=faulty.WithholdsItsGather)
     assert "rank(s) [1] failed mid-update" in (tmp_path / "torn.out").read_text()  # rank 3's DP peer
     assert_exact(tmp_path / "run", ref(2, 2), RECOVERY_STEPS, [])
-
-
-@pytest.mark.slow
-def test_a_rank_lost_in_an_evaluation_leaves_no_hole(ref, tmp_path):
-    """Rank 1 exits as the evaluation after step 11 begins: step 11's metrics line is written after the recovery,
-    with its validation loss, as in the unbroken run (it was lost: the step had been counted before)."""
-    faulty.DiesInEvaluation.marker = str(tmp_path / "died")
-    run(faulty_job(2, 2), tmp_path / "run", "evaldeath", worker_cls=faulty.DiesInEvaluation)
-    assert_exact(tmp_path / "run", ref(2, 2), RECOVERY_STEPS, [])
-    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    theirs = [json.loads(line) for line in open(ref(2, 2) / "metrics.jsonl")]
-    assert lines[11]["val_loss"] == theirs[11]["val_loss"]
