@@ -13,7 +13,7 @@ _shared_ray = []  # [True] while ray_local's Ray is up
 # The longest files, longest first (serial seconds measured 2026-12-02): the tests run in two processes that
 # each take whole files in collection order (pyproject's addopts), so these start first and the suite ends on
 # short files instead of one process running a long file alone. Every other file follows in name order.
-LONG_FIRST = ["test_node_loss.py", "test_pipeline_runtime.py", "test_recovery.py", "test_cli.py",
+LONG_FIRST = ["test_random_faults.py", "test_node_loss.py", "test_pipeline_runtime.py", "test_recovery.py", "test_cli.py",
               "test_cluster_jobs.py", "test_detached_runs.py", "test_resize.py", "test_checkpoint.py", "test_pipeline.py",
               "test_llama_runtime.py", "test_pipeline_resize.py"]
 

@@ -55,3 +55,11 @@ def test_a_stopped_process_is_found_and_a_busy_one_is_not(ray_local):
     ray.get(busy)
     for w in workers:
         ray.kill(w)
+
+
+def test_a_hung_rank_is_ended_only_if_it_is_a_ray_worker():
+    """identity.end_process signals only a Ray worker's process (its command line says ``ray::``): never this
+    test's own, nor a pid that is gone."""
+    from raytp.runtime.worker.identity import end_process
+    assert end_process(os.getpid()) is False
+    assert end_process(2 ** 22 + 12345) is False  # past pid_max's default: no such process

@@ -26,23 +26,8 @@ def reference(ray_local, recovery_reference):
     return recovery_reference
 
 
-@pytest.mark.slow  # as is every test here that kills a worker (two jobs each); the quick tier keeps the last
-def test_sigkill_of_a_random_worker_loses_nothing(reference, tmp_path):
-    """TP=2 x DP=2: restored from the DP replica (without a replica, from the snapshot: test_two_failures_in_one_run)."""
-    tp, dp = 2, 2
-    rng = random.Random(f"{tp}{dp}{os.environ.get('RAYTP_TEST_SEED', '')}")
-    rank, step = rng.randrange(tp * dp), rng.randrange(2, STEPS - 4)
-    run_dir = tmp_path / "run"
-    run(recovery_job(tp, dp), run_dir, "kill", faults=[(step, signal_rank(rank, signal.SIGKILL))])
-    assert_bitwise_equal(final_state(run_dir), reference(tp, dp))
-    (fail,), (rec,) = events(run_dir, "failure"), events(run_dir, "recovered")
-    assert fail["rank"] == rank and fail["cause"] == "died", f"killed rank {rank} after step {step}"
-    assert rec["source"] == "replica" and rec["lost_steps"] == 0
-    assert rec["seconds"] > 0  # how fast is measured in bench/recovery.py, not asserted here
-    metrics = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
-    assert metrics == list(range(STEPS)), "one metrics line per step, none twice"
-
-
+# A SIGKILL of a random rank at TP=2 x DP=2, healed from the replica bit for bit with every step's record once, is
+# tests/test_random_faults.py's (with kills inside recoveries, hangs, zero 1, PP and EP).
 @pytest.mark.slow
 def test_a_warm_spare_takes_the_place_of_a_killed_worker(reference, tmp_path):
     run_dir = tmp_path / "run"

@@ -233,7 +233,7 @@ class WorkerGroup:
     def find_lost(self, suspects=()) -> dict[int, str]:
         """{rank: "died" | "hung"} of the workers that no longer serve; hung ones are killed. `suspects`: ranks a
         heartbeat found hung already (their pings are not waited for again)."""
-        return health.find_lost(self.workers, self.cfg.recovery.ping_timeout_s, suspects)
+        return health.find_lost(self.workers, self.cfg.recovery.ping_timeout_s, suspects, self.placement)
 
     def wait_out(self, survivors: list[int]) -> tuple[dict[int, int], list[int], dict[int, int]]:
         """Wait until no survivor is inside a step, then have them leave their process groups:

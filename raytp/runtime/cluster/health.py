@@ -11,10 +11,10 @@ import ray
 from ray.exceptions import RayActorError
 
 
-def find_lost(workers: list, ping_timeout_s: float, suspects=()) -> dict[int, str]:
-    """{rank: "died" | "hung"} of the workers that no longer serve; hung ones are killed. `suspects`: ranks
-    found hung already (raytp.runtime.cluster.heartbeat): the wait is for the others' answers only, and a
-    suspect that has not answered by then is hung."""
+def find_lost(workers: list, ping_timeout_s: float, suspects=(), placement=()) -> dict[int, str]:
+    """{rank: "died" | "hung"} of the workers that no longer serve; hung ones are killed (``end_hung``, with
+    `placement`: each rank's ``where``). `suspects`: ranks found hung already (raytp.runtime.cluster.heartbeat):
+    the wait is for the others' answers only, and a suspect that has not answered by then is hung."""
     pings = [w.ping.remote() for w in workers]
     suspects = set(suspects)
     others = [p for r, p in enumerate(pings) if r not in suspects]
@@ -22,11 +22,7 @@ def find_lost(workers: list, ping_timeout_s: float, suspects=()) -> dict[int, st
     if suspects:
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=0)
     answered = set(ready)  # a set: `in` a list of refs made this quadratic (104 ms at 1024 ranks)
-    lost = {}
-    for rank, ref in enumerate(pings):
-        if ref not in answered:
-            lost[rank] = "hung"
-            ray.kill(workers[rank], no_restart=True)
+    lost = {rank: "hung" for rank, ref in enumerate(pings) if ref not in answered}
     try:
         ray.get(ready)  # one batched get; only a rank that died makes it raise
     except RayActorError:
@@ -36,6 +32,8 @@ def find_lost(workers: list, ping_timeout_s: float, suspects=()) -> dict[int, st
                     ray.get(ref)
                 except RayActorError:
                     lost[rank] = "died"
+    end_hung(workers, [r for r, c in lost.items() if c == "hung"], [r for r in range(len(workers)) if r not in lost],
+             placement, ping_timeout_s)
     return dict(sorted(lost.items()))
 
 
@@ -51,6 +49,23 @@ def all_or_first_error(refs: list, timeout_s: float) -> list:
         if ready:
             ray.get(ready)  # raises the error of a failed call
     return ray.get(refs)
+
+
+def end_hung(workers: list, hung: list[int], alive: list[int], placement, timeout_s: float) -> None:
+    """Kill the `hung` ranks: through Ray, and at once by a live rank on the same node (``Worker.end_process``:
+    SIGKILL; Ray's kill of a stopped process waits ~5 s first, while every survivor waits on its sockets)."""
+    where = {r: placement[r] for r in range(min(len(placement), len(workers)))}
+    beside = {}
+    for r in alive:
+        beside.setdefault(where.get(r, {}).get("node_id"), r)
+    calls = []
+    for r in hung:
+        peer, pid = beside.get(where.get(r, {}).get("node_id")), where.get(r, {}).get("pid")
+        if peer is not None and pid:
+            calls.append(workers[peer].end_process.remote(pid))
+        ray.kill(workers[r], no_restart=True)
+    if calls:
+        ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
 
 
 def wait_out(workers: list, survivors: list[int], ping_timeout_s: float, collective_timeout_s: float,

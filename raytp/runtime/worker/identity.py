@@ -8,7 +8,22 @@ worker's lines with it.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+
+
+def end_process(pid: int) -> bool:
+    """SIGKILL process `pid` of this node if it is a Ray worker (its command line says ``ray::``): a rank found
+    hung, ended by a live rank beside it (Ray's own kill of a stopped process waits ~5 s for it to exit by
+    itself first). Whether it was sent."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if not f.read().startswith(b"ray::"):
+                return False
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except OSError:  # gone already, or no /proc here: Ray's kill ends it
+        return False
 
 
 def node_ip() -> str:

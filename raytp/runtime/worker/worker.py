@@ -182,6 +182,9 @@ class Worker:
     def ping(self) -> int:
         return self.rank
 
+    def end_process(self, pid: int) -> bool:
+        return identity.end_process(pid)  # a hung rank beside this one (raytp.runtime.cluster.health)
+
     def status(self) -> dict:
         """Answered even while a step runs (threaded actor): completed steps, whether a call runs (or one
         queued behind it is about to), whether the state is torn (a step failed mid-update)."""
