@@ -180,8 +180,8 @@ class RuntimeConfig:
                                  NONNEG)
     placement_timeout_s: float = _f(60.0, "seconds to wait for workers to be placed",
                                     POSITIVE)
-    step_timeout_s: float = _f(300.0, "seconds one optimizer step may take before its workers are "
-                                      "checked for a hang", POSITIVE)
+    step_timeout_s: float = _f(300.0, "seconds one optimizer step may take before its workers are checked for a "
+                                      "hang (the last resort: recovery.hang_s finds a stopped rank first)", POSITIVE)
     collective_timeout_s: float = _f(120.0, "seconds before a collective gives up",
                                      POSITIVE)
     peak_tflops: Optional[float] = _f(None, "peak dense bf16 TFLOP/s of one device, for MFU; null = from the "

@@ -30,7 +30,7 @@ from typing import Iterable, Mapping
 import ray
 
 from raytp.parallel.layout import Layout
-from raytp.runtime.cluster import health, placement as placements, relay
+from raytp.runtime.cluster import health, heartbeat, placement as placements, relay
 from raytp.runtime.cluster.streaming import StepStream, direct_ranks
 from raytp.runtime.cluster.group_state import StateCalls
 from raytp.runtime.cluster.launch import Launcher, actor_id
@@ -220,7 +220,9 @@ class WorkerGroup:
         return self.relays["plan"]
 
     def evaluate(self, step: int) -> float:
-        return ray.get([w.evaluate.remote(step) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)[0]
+        """The validation loss at `step` (a hung rank found by the heartbeat, as in a step)."""
+        return heartbeat.watched_get([w.evaluate.remote(step) for w in self.workers], self.workers,
+                                     self.cfg.runtime.step_timeout_s, self.cfg.recovery.hang_s)[0]
 
     def logits(self, idx):
         """Full-vocabulary logits of a batch from replica 0 (every rank computes them where experts have a mesh

@@ -63,3 +63,21 @@ class Heartbeat:
         hung = verdict(answered, len(refs), self.hang_s)
         if hung:
             raise RanksHung(hung, self.hang_s)
+
+
+def watched_get(refs: list, workers: list, timeout_s: float, hang_s: float) -> list:
+    """ray.get of calls on `workers` (an evaluation: every rank in collectives), with a heartbeat round whenever
+    a second passes without them all: a stopped rank raises RanksHung in about hang_s, not at gloo's collective
+    timeout or at `timeout_s` (GetTimeoutError). A failed call's error is raised as soon as it is there."""
+    beat, pending = Heartbeat(workers, hang_s), list(refs)
+    deadline = time.perf_counter() + timeout_s
+    while pending:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} calls not done within {timeout_s:g}s")
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, 1.0), fetch_local=False)
+        if ready:
+            ray.get(ready)  # raises the error of a failed call
+        if pending:
+            beat.check()
+    return ray.get(refs)
