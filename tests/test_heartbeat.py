@@ -34,6 +34,18 @@ class Sleeper:
             time.sleep(0.001)
 
 
+def verdict_within(beat, seconds):
+    """The ranks of the first round's verdict within `seconds` (None if none came)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        beat.last = 0.0
+        try:
+            beat.check()
+        except RanksHung as e:
+            return e.ranks
+    return None
+
+
 def test_a_stopped_process_is_found_and_a_busy_one_is_not(ray_local):
     import ray
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on the workers' path
@@ -45,10 +57,7 @@ def test_a_stopped_process_is_found_and_a_busy_one_is_not(ray_local):
     beat.check()  # busy is not hung
     os.kill(pids[2], signal.SIGSTOP)
     try:
-        beat.last = 0.0
-        with pytest.raises(RanksHung) as e:
-            beat.check()  # one round: it answers within hang_s or it is hung
-        assert e.value.ranks == [2]
+        assert verdict_within(beat, 120.0) == [2]  # a round with no verdict (a loaded machine) is asked again
     finally:
         os.kill(pids[2], signal.SIGCONT)
     ray.get(busy)
