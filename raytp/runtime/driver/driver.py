@@ -225,9 +225,8 @@ class Driver:
         progress.update(self.last, time.perf_counter() - t_start)
 
     def _write_owed(self) -> None:
-        """Write the metrics line of the step just completed, evaluated first where due. A failure in the
-        evaluation keeps it owed: written after the recovery if training goes on from the step after it (the
-        same state), else by the replay."""
+        """Write the metrics line of the step just completed, evaluated first where due; a failed evaluation keeps
+        it owed: written after the recovery if training goes on from the step after it, else by the replay."""
         rec, ranks = self.owed or ({"step": -2}, None)
         if rec["step"] + 1 == self.step:  # else none is owed, or the replay writes it
             if policy.evaluation_due(self.step, self.cfg.train.steps, self.cfg.train.eval_interval):
