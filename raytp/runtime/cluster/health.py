@@ -37,17 +37,20 @@ def find_lost(workers: list, ping_timeout_s: float, suspects=(), placement=()) -
     return dict(sorted(lost.items()))
 
 
-def all_or_first_error(refs: list, timeout_s: float) -> list:
+def all_or_first_error(refs: list, timeout_s: float, between=None, slice_s: float = 0.1) -> list:
     """ray.get of `refs`, raising the first error among them as soon as it is there (ray.get of a list waits for
-    every one first: a call that failed beside others blocked on it raised only when they timed out)."""
+    every one first: a call that failed beside others blocked on it raised only when they timed out). `between()`
+    is called after each `slice_s` that leaves some not done (raytp.runtime.cluster.heartbeat: a check)."""
     pending, deadline = list(refs), time.monotonic() + timeout_s
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
             raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} calls not done within {timeout_s:g}s")
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, 0.1), fetch_local=False)
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, slice_s), fetch_local=False)
         if ready:
             ray.get(ready)  # raises the error of a failed call
+        if pending and between is not None:
+            between()
     return ray.get(refs)
 
 

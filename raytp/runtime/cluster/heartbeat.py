@@ -16,6 +16,7 @@ import time
 
 import ray
 
+from raytp.runtime.cluster.health import all_or_first_error
 from raytp.runtime.errors import StepDeadline
 
 
@@ -69,15 +70,4 @@ def watched_get(refs: list, workers: list, timeout_s: float, hang_s: float) -> l
     """ray.get of calls on `workers` (an evaluation: every rank in collectives), with a heartbeat round whenever
     a second passes without them all: a stopped rank raises RanksHung in about hang_s, not at gloo's collective
     timeout or at `timeout_s` (GetTimeoutError). A failed call's error is raised as soon as it is there."""
-    beat, pending = Heartbeat(workers, hang_s), list(refs)
-    deadline = time.perf_counter() + timeout_s
-    while pending:
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} calls not done within {timeout_s:g}s")
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, 1.0), fetch_local=False)
-        if ready:
-            ray.get(ready)  # raises the error of a failed call
-        if pending:
-            beat.check()
-    return ray.get(refs)
+    return all_or_first_error(refs, timeout_s, Heartbeat(workers, hang_s).check, slice_s=1.0)
