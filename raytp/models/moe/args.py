@@ -6,9 +6,10 @@ the others keep the dense SwiGLU MLP of ``model.intermediate_size``. Every MoE l
 SwiGLU experts of width ``moe_ffn``, each token sent to ``top_k`` of them by a router, and, with
 ``n_shared`` > 0, a shared SwiGLU of width n_shared * shared_ffn that every token goes through (scaled
 by a sigmoid gate per token when ``shared_gate``, as Qwen2-MoE's). Dropless unless ``capacity_factor``:
-then each expert takes at most ceil(T * top_k / n_experts * capacity_factor) of a sequence's choices, the
-first in the sequence (GShard's and Switch's position order, per sequence so that what is dropped does not
-depend on how the batch is split), and the dropped choices add nothing. With ``bias_rate`` (sigmoid routers,
+then each expert takes at most ceil(T * top_k / n_experts * capacity_factor) of a sequence's choices, those of
+the earliest tokens, each token's choices kept together (Megatron's "position" drop policy; GShard takes every
+token's first choice before any second one), per sequence so that what is dropped does not depend on how the
+batch is split; the dropped choices add nothing. With ``bias_rate`` (sigmoid routers,
 DeepSeek-V3's auxiliary-loss-free balancing) a per-expert bias is added to the scores to choose the experts,
 not to weigh them, and after every step moves by bias_rate toward balance: + where an expert got fewer
 choices than the mean over the whole step, - where more.

@@ -8,8 +8,10 @@ logits, the same on every rank that computes them.
   E * sum f_i P_i with f_i the share of the sequence's k T choices that went to expert i; DeepSeek-V3's
   sequence-wise form), averaged over the sequences. Being a mean over sequences, it is the same whichever
   data-parallel rank or micro-batch a sequence lands in: the gradient is equal at every layout (a global
-  per-batch f_i would depend on how the batch is split). transformers' Mixtral loss is k times this
-  (its f_i counts each of the k slots over T).
+  per-batch f_i would depend on how the batch is split). For one sequence transformers' Mixtral loss is k
+  times this (its f_i counts each of the k slots over T); over a batch it counts the whole batch at once, so
+  the ratio is only near k (1.95-2.0 at B = 1..8, k = 2): the export's router_aux_loss_coef = aux_coeff / k
+  is the one-sequence match.
 - ``z_loss``: mean over tokens of logsumexp(logits)^2 (ST-MoE's router z-loss).
 """
 from __future__ import annotations
