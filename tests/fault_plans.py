@@ -3,13 +3,14 @@ while the recovery of the one before runs, some on the rank just replaced. A pla
 seed (print it, rerun it); its faults are sent from outside, as reality sends them, by ``run_with``."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
 import time
 from dataclasses import dataclass
 
-from helpers import events, losses, ray_actors, run
+from helpers import assert_bitwise_equal, events, final_state, losses, ray_actors, run
 
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
@@ -80,8 +81,6 @@ def run_with(cfg, run_dir, name: str, faults: list[Fault], worker_cls=None) -> l
 def assert_exact(run_dir, reference_dir, steps: int, sent: list[Fault]) -> None:
     """Every step's record once, every loss and the final weights as the unbroken run's, bit for bit, and a
     failure event for each rank a fault reached."""
-    from helpers import assert_bitwise_equal, final_state
-    import json
     got = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
     assert got == list(range(steps)), f"steps recorded: {got}"
     ours, theirs = losses(run_dir), losses(reference_dir)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from raytp.runtime.cluster.heartbeat import Heartbeat, RanksHung, verdict
+from raytp.runtime.cluster.health import Heartbeat, RanksHung, verdict
 
 
 def test_a_rank_silent_while_every_other_answers_quickly_is_hung():
@@ -74,10 +74,10 @@ def test_a_hung_rank_is_ended_only_if_it_is_a_ray_worker():
 
 
 def test_an_evaluation_waiting_on_a_stopped_rank_is_cut_short(ray_local):
-    """heartbeat.watched_get (the driver's wait for an evaluation): a stopped rank raises RanksHung while the
+    """health.watched_get (the driver's wait for an evaluation): a stopped rank raises RanksHung while the
     others' calls still run, long before their end or the timeout."""
     import ray
-    from raytp.runtime.cluster.heartbeat import watched_get
+    from raytp.runtime.cluster.health import watched_get
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     actor = ray.remote(Sleeper).options(max_concurrency=4, num_cpus=0)
     workers = [actor.remote() for _ in range(3)]

@@ -30,7 +30,7 @@ from typing import Iterable, Mapping
 import ray
 
 from raytp.parallel.layout import Layout
-from raytp.runtime.cluster import health, heartbeat, placement as placements, relay
+from raytp.runtime.cluster import health, placement as placements, relay
 from raytp.runtime.cluster.streaming import StepStream, direct_ranks
 from raytp.runtime.cluster.group_state import StateCalls
 from raytp.runtime.cluster.launch import Launcher, actor_id
@@ -221,7 +221,7 @@ class WorkerGroup:
 
     def evaluate(self, step: int) -> float:
         """The validation loss at `step` (a hung rank found by the heartbeat, as in a step)."""
-        return heartbeat.watched_get([w.evaluate.remote(step) for w in self.workers], self.workers,
+        return health.watched_get([w.evaluate.remote(step) for w in self.workers], self.workers,
                                      self.cfg.runtime.step_timeout_s, self.cfg.recovery.hang_s)[0]
 
     def logits(self, idx):

@@ -42,7 +42,7 @@ import ray
 
 from raytp.parallel.layout import Layout
 from raytp.parallel.ownership import Ownership
-from raytp.runtime.cluster.heartbeat import Heartbeat
+from raytp.runtime.cluster.health import Heartbeat
 from raytp.runtime.errors import StepDeadline, WorkerAborted
 
 
