@@ -97,11 +97,12 @@ class WaitsForSnapshotCopy(Worker):
 
 
 class SlowData(Worker):
-    """Rank 1 takes 0.2 s longer to build each batch (a slow disk, a busy host): the others wait for it."""
+    """Rank 1 takes `delay_s` longer to build each batch (a slow disk, a busy host): the others wait for it."""
+    delay_s = 0.5
 
     def _micro_batches(self, split, step):
         if self.rank == 1 and split == "train":
-            time.sleep(0.2)
+            time.sleep(self.delay_s)
         return super()._micro_batches(split, step)
 
 

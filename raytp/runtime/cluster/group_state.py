@@ -30,9 +30,12 @@ class StateCalls:
         """The workers that own the state (raytp.parallel.ownership), part 0 first."""
         return [self.workers[r] for r in Ownership(self.layout).owners()]
 
-    def fetch(self, refs) -> list:
-        """The (small) objects behind `refs`, in this process: what writers report, not tensors."""
-        return ray.get(list(refs), timeout=self.cfg.runtime.step_timeout_s)
+    def fetch(self, refs, tasks: bool = False) -> list:
+        """The (small) objects behind `refs`, in this process: what writers report, not tensors. `tasks`: the
+        refs are tasks' that start processes of their own (a Python importing torch, slow on a loaded host),
+        which may take runtime.placement_timeout_s to come up before their step_timeout_s of work."""
+        rt = self.cfg.runtime
+        return ray.get(list(refs), timeout=rt.step_timeout_s + (rt.placement_timeout_s if tasks else 0.0))
 
     def begin_save(self, url: str, directory: str) -> tuple[dict, list]:
         """Replica 0's ranks start writing their files of a checkpoint (raytp.runtime.state.checkpoints):
@@ -61,7 +64,7 @@ class StateCalls:
                                                   c.pp if lay.pp > 1 else None, lay.pp,
                                                   c.dp if lay.sharded_optimizer else 0, lay.dp, lay.sharded_optimizer,
                                                   (lay, own.owner(t)) if lay.experts_split else None)
-                           for t, (c, ref) in enumerate(zip(where, parts))])
+                           for t, (c, ref) in enumerate(zip(where, parts))], tasks=True)
 
     def copy_shards(self, donors: Mapping[int, int], step: int, weights_only: bool = False) -> int:
         """Ranks take their shards from donors holding the same ones ({rank: donor rank}; `weights_only`:
