@@ -5,7 +5,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,8 @@ from ray_head import NEVER_S, ROOT, SMALL, _env, end_runs, leftovers, raytp, wai
 
 OUTLIVES = [*SMALL, "--set", "parallel.dp=2", "--set", "train.steps_per_call=2"]
 ONE_WORKER = ["--set", "parallel.tp=1", "--set", "parallel.dp=1"]  # what a test of the client alone needs
-LONG = ["--set", "train.steps=100000", "--set", "checkpoint.every=100", "--set", "checkpoint.keep=3"]
+CKPT = 40  # the step both runs checkpoint (the client of the second is killed at half of it)
+LONG = ["--set", "train.steps=100000", "--set", f"checkpoint.every={CKPT}", "--set", "checkpoint.keep=3"]
 
 
 @pytest.fixture(autouse=True)
@@ -34,14 +34,14 @@ def client(head, run: str, run_dir, *sets, env=None):
 @pytest.mark.slow
 def test_a_run_outlives_its_killed_client_and_attach_follows_it(head, tmp_path):
     """TP=2 x DP=2: an unbroken run is stopped by its client's SIGTERM (what `ray job stop` sends) once its
-    step-100 checkpoint is written; the same job's client is SIGKILLed at step 50, the run trains on, `raytp
-    attach` follows it and its SIGTERM stops it past step 100. Every step is recorded once, and the two step-100
+    step-40 checkpoint is written; the same job's client is SIGKILLed at step 20, the run trains on, `raytp
+    attach` follows it and its SIGTERM stops it past step 40. Every step is recorded once, and the two step-40
     checkpoints are equal bit for bit. A running run's name is refused; the client's tracker variables reach
     the workers, no other."""
     from helpers import assert_bitwise_equal, events, final_state, steps_logged
 
     def checkpointed(run_dir):
-        return lambda: any(e["step"] == 100 for e in events(run_dir, "checkpoint")) if steps_logged(run_dir) else None
+        return lambda: any(e["step"] == CKPT for e in events(run_dir, "checkpoint")) if steps_logged(run_dir) else None
 
     whole = client(head, "whole", tmp_path / "whole", *LONG, env={"WANDB_PROBE": "from the client",
                                                                   "UNRELATED_PROBE": "stays"})
@@ -56,7 +56,7 @@ def test_a_run_outlives_its_killed_client_and_attach_follows_it(head, tmp_path):
                       str(tmp_path / "other"), *OUTLIVES)
         assert again.returncode == 2 and "raytp attach whole" in again.stderr, again.stderr[-2000:]
         assert not (tmp_path / "other").exists()  # refused before anything was written
-        wait_for("the step-100 checkpoint", checkpointed(tmp_path / "whole"), every=0.5)
+        wait_for(f"the step-{CKPT} checkpoint", checkpointed(tmp_path / "whole"), every=0.5)
         whole.send_signal(signal.SIGTERM)
         out, _ = whole.communicate(timeout=NEVER_S)
     finally:
@@ -67,18 +67,18 @@ def test_a_run_outlives_its_killed_client_and_attach_follows_it(head, tmp_path):
 
     cut = client(head, "cut", tmp_path / "cut", *LONG)
     try:
-        wait_for("step 50 of the run", lambda: steps_logged(tmp_path / "cut") >= 50 or cut.poll() is not None,
+        wait_for(f"step {CKPT // 2} of the run",
+                 lambda: steps_logged(tmp_path / "cut") >= CKPT // 2 or cut.poll() is not None,
                  every=0.2)
         assert cut.poll() is None, cut.stdout.read()[-3000:]
     finally:
         cut.kill()  # SIGKILL: the client is gone, as a closed laptop's
         cut.wait()
     at = steps_logged(tmp_path / "cut")
-    time.sleep(10)
     status = wait_for("the run to say it has no client", lambda: (s := raytp("status", "cut", "--address", head.gcs))
                       and "client: none since" in s.stdout and s, every=0.5)
     assert "cut: running" in status.stdout, status.stdout
-    assert steps_logged(tmp_path / "cut") > at  # it trained on without its client
+    wait_for("the run to train on without its client", lambda: steps_logged(tmp_path / "cut") > at + 2, every=0.2)
 
     attached = subprocess.Popen([sys.executable, "-m", "raytp.cli", "attach", "cut", "--address", head.gcs], cwd=ROOT,
                                 env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -88,7 +88,7 @@ def test_a_run_outlives_its_killed_client_and_attach_follows_it(head, tmp_path):
             seen.append(line)
             if "[raytp] attached to run cut" in line:
                 break
-        wait_for("the step-100 checkpoint", checkpointed(tmp_path / "cut"), every=0.5)
+        wait_for(f"the step-{CKPT} checkpoint", checkpointed(tmp_path / "cut"), every=0.5)
         attached.send_signal(signal.SIGTERM)
         out, _ = attached.communicate(timeout=NEVER_S)
         out = "".join(seen) + out
@@ -100,7 +100,7 @@ def test_a_run_outlives_its_killed_client_and_attach_follows_it(head, tmp_path):
     steps_seen = [json.loads(line)["step"] for line in open(tmp_path / "cut" / "metrics.jsonl")]
     assert steps_seen == list(range(stopped["step"]))  # every step exactly once
     assert events(tmp_path / "cut", "failure") == []
-    assert_bitwise_equal(final_state(tmp_path / "whole", 100), final_state(tmp_path / "cut", 100))
+    assert_bitwise_equal(final_state(tmp_path / "whole", CKPT), final_state(tmp_path / "cut", CKPT))
     for run in ("whole", "cut"):
         assert wait_for("the run's actors to go", lambda: leftovers(head, run) == [] or None)
 

@@ -105,6 +105,7 @@ print(json.dumps({"ids": out.tolist(), "text": tok.decode(out), "dtype": str(mod
 """
 
 
+@pytest.mark.slow  # over 10 s (generation in two processes); the quick tier keeps the other exports
 def test_bf16_export_generates_what_raytp_sample_prints_with_no_raytp(run_dir, tmp_path):
     cli("export", str(run_dir), "--out", str(tmp_path / "m.safetensors"))
     sampled = cli("sample", str(tmp_path / "m.safetensors"), "--prompt", PROMPT, "--tokens", "24",

@@ -130,7 +130,8 @@ def test_zero1_at_ep2_heals_kills_and_hangs_bit_for_bit_and_its_checkpoint_moves
     step-4 checkpoint (dense AdamW rows in blocks over DP, experts whole) resumes at TP=1 x DP=4 x EP=4 and on
     one device, tracking it."""
     run_dir = tmp_path / "run"
-    run(ep_job(1, 2, 2, zero=1, step_timeout_s=4.0, ping_timeout_s=2.0), run_dir, "ep2z1faults",
+    # The heartbeat finds the hang (recovery.hang_s); the step deadline (ep_job's) is the last resort.
+    run(ep_job(1, 2, 2, zero=1, ping_timeout_s=2.0), run_dir, "ep2z1faults",
         faults=[(2, signal_rank(1, signal.SIGKILL)), (5, signal_rank(0, signal.SIGSTOP))])
     fails, recs = events(run_dir, "failure"), events(run_dir, "recovered")
     assert [(f["rank"], f["cause"]) for f in fails] == [(1, "died"), (0, "hung")], fails

@@ -96,6 +96,7 @@ def test_profiles_live_beside_the_checkpoints_without_being_one(tmp_path):
 
 
 # -- on a real Ray ---------------------------------------------------------------------------------------
+@pytest.mark.slow  # a job with a checkpoint every two steps: over 10 s (the quick tier runs the request below)
 def test_a_profile_of_two_steps_on_two_ranks_lands_in_the_runs_storage(ray_local, tmp_path):
     cfg = with_profile(job(tp=2, steps=6, checkpoint={"every": 2, "keep": 1}), steps=[2, 3], ranks=[0, 1])
     run_dir = tmp_path / "run"

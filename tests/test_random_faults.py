@@ -12,6 +12,7 @@ import pytest
 import faulty
 from fault_plans import assert_exact, plan, run_with
 from helpers import RECOVERY_STEPS, events, recovery_job, run
+from raytp.files import checkpoint
 
 SEED = os.environ.get("RAYTP_TEST_SEED", "")
 
@@ -42,19 +43,28 @@ def test_two_random_kills_at_dp2_change_nothing(ref, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2])
-def test_random_kills_and_hangs_at_tp2_dp2_change_nothing(ref, tmp_path, seed):
-    faults = plan(f"{seed}{SEED}", 4, RECOVERY_STEPS, kills=4, stops=1)
-    sent = run_with(faulty_job(2, 2), tmp_path / "run", f"rf{seed}", faults)
-    assert_exact(tmp_path / "run", ref(2, 2), RECOVERY_STEPS, sent)
+@pytest.mark.parametrize("tp, dp, seed, kills", [(2, 2, "1", 4), (4, 1, "tp4", 2)])
+def test_random_kills_and_hangs_at_tp_x_dp_change_nothing(ref, tmp_path, tp, dp, seed, kills):
+    """TP=2 x DP=2 heals from the replica; TP=4 x DP=1 has none: every recovery takes the snapshot and replays
+    (fewer faults: each rolls every rank back)."""
+    faults = plan(f"{seed}{SEED}", 4, RECOVERY_STEPS, kills=kills, stops=1)
+    sent = run_with(faulty_job(tp, dp), tmp_path / "run", f"rf{tp}{dp}", faults)
+    assert_exact(tmp_path / "run", ref(tp, dp), RECOVERY_STEPS, sent)
+    if dp == 1:
+        assert {r["source"] for r in events(tmp_path / "run", "recovered")} == {"snapshot"}
 
 
 @pytest.mark.slow
 def test_random_kills_and_a_hang_under_zero1_change_nothing(ref, tmp_path):
-    """TP=2 x DP=2 under zero 1 (weights gathered in the next forward pass) ends as zero 0's unbroken run."""
+    """TP=2 x DP=2 under zero 1 (weights gathered in the next forward pass) ends as zero 0's unbroken run. No
+    replica holds a rank's rows of the AdamW state: every recovery takes the snapshot; every rank writes its
+    rows of the checkpoint."""
     faults = plan(f"zero{SEED}", 4, RECOVERY_STEPS, kills=3, stops=1)
     sent = run_with(zero1(faulty_job(2, 2)), tmp_path / "run", "rfzero", faults)
     assert_exact(tmp_path / "run", ref(2, 2), RECOVERY_STEPS, sent)
+    assert {r["source"] for r in events(tmp_path / "run", "recovered")} == {"snapshot"}
+    ckpt = checkpoint.find(str(tmp_path / "run" / "checkpoints"))
+    assert ckpt.manifest["layout"]["zero"] == 1 and len(ckpt.manifest["files"]) == 4
 
 
 @pytest.mark.slow

@@ -1,8 +1,6 @@
 """Fault recovery: kill workers from outside (as reality does) and the job finishes with the very
 weights of an uninterrupted run."""
-import json
 import os
-import random
 import signal
 import threading
 from pathlib import Path
@@ -63,35 +61,14 @@ def test_a_warm_spare_takes_the_place_of_a_killed_worker(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_failures_in_one_run(reference, tmp_path):
-    """TP=4 x DP=1, no replica: a random rank SIGKILLed at a random step, then another after step 10; each
-    restored from the snapshot (the first alone is the single-kill case at this layout)."""
-    rng = random.Random(f"41{os.environ.get('RAYTP_TEST_SEED', '')}")
-    rank, step = rng.randrange(4), rng.randrange(2, 7)
-    second = (rank + 2) % 4
-    run_dir = tmp_path / "run"
-    run(recovery_job(4, 1), run_dir, "twice",
-        faults=[(step, signal_rank(rank, signal.SIGKILL)), (10, signal_rank(second, signal.SIGKILL))])
-    assert_bitwise_equal(final_state(run_dir), reference(4, 1))
-    fails = events(run_dir, "failure")
-    assert [(f["rank"], f["cause"]) for f in fails] == [(rank, "died"), (second, "died")], \
-        f"killed rank {rank} after step {step}, then rank {second} after step 10"
-    recs = events(run_dir, "recovered")
-    assert len(recs) == 2 and all(r["source"] == "snapshot" and r["lost_steps"] <= 1 and r["seconds"] > 0
-                                  for r in recs)
-    metrics = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
-    assert metrics == list(range(STEPS)), "one metrics line per step, none twice"
-
-
-@pytest.mark.slow
 def test_failure_during_a_checkpoint_save_then_a_hung_worker(reference, tmp_path):
     """TP=2 x DP=2, two faults in one run, each restored from the DP replica: rank 1 dies inside the save of
     step 8 (the job heals, saves step 8 again and goes on); then rank 1's new process is SIGSTOPped after
-    step 10, and the step deadline finds it."""
+    step 10, and the heartbeat finds it (the step deadline, 30 s, is the last resort)."""
     from faulty import DiesInSave
     DiesInSave.marker = str(tmp_path / "died-once")
     run_dir = tmp_path / "run"
-    cfg = recovery_job(2, 2, step_timeout_s=4.0, recovery={"ping_timeout_s": 2.0})
+    cfg = recovery_job(2, 2, recovery={"ping_timeout_s": 2.0})
     cfg = cfg.__class__(**{**cfg.__dict__, "checkpoint": cfg.checkpoint.__class__(every=8, keep=3)})
     run(cfg, run_dir, "insave", faults=[(10, signal_rank(1, signal.SIGSTOP))], worker_cls=DiesInSave)
     assert os.path.exists(DiesInSave.marker), "the fault was not injected"

@@ -38,6 +38,9 @@ class PipelineSchedule:
 
     def __init__(self, name: str, stage: Stage, sequence_parallel: bool):
         self.name, self.stage, self.sp = name, stage, sequence_parallel
+        # Autograd imports this (and sympy with it) at the first backward from a received gradient: 1-3 s, which
+        # a fresh process (a replacement) would spend inside its first step's deadline. Paid here, as it is built.
+        import torch.fx.experimental.symbolic_shapes  # noqa: F401
         self.chunks, self.virtual = stage.all_chunks, len(stage.split) // stage.pp
         self.sent_bytes = 0  # across nodes, in the last step (raytp.parallel.pipeline.p2p)
 
