@@ -96,6 +96,15 @@ class WaitsForSnapshotCopy(Worker):
         return super()._step(step, before_update)
 
 
+class SlowSaves(Worker):
+    """Reports its checkpoint file written 2 s late (a slow filesystem): a save is still in flight at the next
+    step boundary."""
+
+    def save_result(self):
+        time.sleep(2.0)
+        return super().save_result()
+
+
 class SlowData(Worker):
     """Rank 1 takes `delay_s` longer to build each batch (a slow disk, a busy host): the others wait for it."""
     delay_s = 0.5

@@ -67,10 +67,15 @@ def test_a_stopped_process_is_found_and_a_busy_one_is_not(ray_local):
 
 def test_a_hung_rank_is_ended_only_if_it_is_a_ray_worker():
     """identity.end_process signals only a Ray worker's process (its command line says ``ray::``): never this
-    test's own, nor a pid that is gone."""
+    test's own; a pid that is gone is told apart (None: the rank had exited, it died rather than hung)."""
+    import subprocess
+    import sys
     from raytp.runtime.worker.identity import end_process
     assert end_process(os.getpid()) is False
-    assert end_process(2 ** 22 + 12345) is False  # past pid_max's default: no such process
+    assert end_process(2 ** 22 + 12345) is None  # past pid_max's default: no such process
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    assert end_process(done.pid) is None
 
 
 def test_an_evaluation_waiting_on_a_stopped_rank_is_cut_short(ray_local):

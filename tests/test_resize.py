@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import ray
 
-from faulty import DiesInResizeSetup
-from helpers import FIXED, job, losses, ray_actors
+from faulty import DiesInResizeSetup, SlowSaves
+from helpers import FIXED, events, job, losses, ray_actors
+from raytp.files import checkpoint
 from raytp.runtime.driver.driver import Driver
 
 PHASES = [(2, 2), (4, 2), (1, 2), (1, 1), (1, 2)]  # layouts, 4 steps each
@@ -71,6 +72,30 @@ def ray_wide(no_shared_ray):
     ray.init(address="local", num_cpus=12, include_dashboard=False, namespace="raytp", log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.mark.slow
+def test_a_resize_while_a_checkpoint_is_written_commits_it_first(ray_local, tmp_path):
+    """TP 2 -> 1 while the checkpoint of step 4 is still being written: the switch stops rank 1, one of its
+    writers, so the save is committed first (before, its writer's call ended with the process and the run with
+    `ActorDiedError` at the next boundary: the issue's `raytp scale` failure); the run goes on."""
+    run_dir = tmp_path / "run"
+    d = Driver(job(2, 1, steps=8, checkpoint={"every": 4, "keep": 3}), run_dir, "savingresize", out=io.StringIO())
+    d.worker_cls = SlowSaves
+    try:
+        d.start()
+        d.train_loop(until=4)
+        assert d.checkpoints.pending is not None and d.checkpoints.pending.step == 4  # still being written
+        outcome = d.resize(tp=1, dp=1)
+        assert outcome.ok, outcome
+        d.train_loop()
+    finally:
+        d.release()
+        d.log.close()
+    assert [e["step"] for e in events(run_dir, "checkpoint")] == [4, 8]
+    assert checkpoint.find(str(run_dir / "checkpoints" / checkpoint.step_dir(4))).step == 4
+    assert not events(run_dir, "checkpoint_dropped")
+    assert [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")] == list(range(8))
 
 
 @pytest.mark.slow

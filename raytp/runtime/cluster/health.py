@@ -46,8 +46,9 @@ def find_lost(workers: list, ping_timeout_s: float, suspects=(), placement=()) -
                     ray.get(ref)
                 except RayActorError:
                     lost[rank] = "died"
-    end_hung(workers, [r for r, c in lost.items() if c == "hung"], [r for r in range(len(workers)) if r not in lost],
-             placement, ping_timeout_s)
+    exited = end_hung(workers, [r for r, c in lost.items() if c == "hung"],
+                      [r for r in range(len(workers)) if r not in lost], placement, ping_timeout_s)
+    lost.update({r: "died" for r in exited})
     return dict(sorted(lost.items()))
 
 
@@ -68,21 +69,30 @@ def all_or_first_error(refs: list, timeout_s: float, between=None, slice_s: floa
     return ray.get(refs)
 
 
-def end_hung(workers: list, hung: list[int], alive: list[int], placement, timeout_s: float) -> None:
-    """Kill the `hung` ranks: through Ray, and at once by a live rank on the same node (``Worker.end_process``:
-    SIGKILL; Ray's kill of a stopped process waits ~5 s first, while every survivor waits on its sockets)."""
+def end_hung(workers: list, hung: list[int], alive: list[int], placement, timeout_s: float) -> set[int]:
+    """Kill the `hung` ranks: at once by a live rank on the same node (``Worker.end_process``: SIGKILL; Ray's kill
+    of a stopped process waits ~5 s first, while every survivor waits on its sockets), then through Ray. The
+    ranks whose process had exited already (a death Ray had not yet told the pings of: not a hang)."""
     where = {r: placement[r] for r in range(min(len(placement), len(workers)))}
     beside = {}
     for r in alive:
         beside.setdefault(where.get(r, {}).get("node_id"), r)
-    calls = []
+    calls = {}
     for r in hung:
         peer, pid = beside.get(where.get(r, {}).get("node_id")), where.get(r, {}).get("pid")
         if peer is not None and pid:
-            calls.append(workers[peer].end_process.remote(pid))
+            calls[workers[peer].end_process.remote(pid)] = r
+    done = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)[0] if calls else []
+    exited = set()
+    for ref in done:
+        try:
+            if ray.get(ref) is None:
+                exited.add(calls[ref])
+        except RayActorError:  # the peer went too: the recovery finds it
+            pass
+    for r in hung:
         ray.kill(workers[r], no_restart=True)
-    if calls:
-        ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
+    return exited
 
 
 def wait_out(workers: list, survivors: list[int], ping_timeout_s: float, collective_timeout_s: float,

@@ -127,11 +127,22 @@ class GroupChanges:
         if not self.elastic.due(self.group, now):
             return None
         self.show(State.RESIZING)
+        self.settle_save()
         request_id, got = self.elastic.finish(self.group, step)
         outcome = self.take(got)
         self.show(State.RUNNING)
         self.answer(request_id, outcome)
         return outcome
+
+    def settle_save(self) -> None:
+        """Commit the checkpoint still being written before a switch stops or reshapes its writers: their
+        `save_result` calls would end with them (ActorDiedError, and no checkpoint of that step). A writer lost
+        meanwhile drops it; the switch, or the next step, finds the loss."""
+        try:
+            self.checkpoints.finish(self.group)
+        except FAILURES + (CheckpointError,) as e:
+            self.say(f"the checkpoint being written was lost before the resize ({type(e).__name__})")
+            self.checkpoints.drop()
 
     def resize_now(self, step: int, timeout_s: float, **degrees) -> Outcome:
         """Request a resize to the layout with these degrees and wait until it is done: its room, its new ranks,

@@ -26,6 +26,7 @@ from raytp.files.state_sources import CheckpointSource
 from raytp.files import checkpoint_experts
 from raytp.models.registry import bucketed
 from raytp.files.storage import Storage, StorageError, check_writable, probe_name
+from raytp.runtime.errors import FAILURES
 
 
 @dataclass
@@ -80,9 +81,16 @@ class Checkpoints:
         self.pending = PendingSave(step, directory, table, results, group.cfg, time.perf_counter())
 
     def poll(self, group) -> None:
-        """Commit the save in flight if every rank has written its file (never waits)."""
+        """Commit the save in flight if every rank has written its file (never waits). One a writer ended
+        without (a worker lost, or stopped by a layout change that did not settle it first) is dropped and told
+        (`checkpoint_dropped`): the next save is at the next step due; a lost worker is found by the next
+        call, not here."""
         if self.pending is not None and group.answered(self.pending.results):
-            self.finish(group)
+            step = self.pending.step
+            try:
+                self.finish(group)
+            except FAILURES as e:
+                self.log.event("checkpoint_dropped", step=step, error=f"{type(e).__name__}: {str(e)[:300]}")
 
     def finish(self, group) -> str | None:
         """Wait for the save in flight and commit it; its path."""

@@ -12,17 +12,22 @@ import signal
 import sys
 
 
-def end_process(pid: int) -> bool:
+def end_process(pid: int) -> bool | None:
     """SIGKILL process `pid` of this node if it is a Ray worker (its command line says ``ray::``): a rank found
     hung, ended by a live rank beside it (Ray's own kill of a stopped process waits ~5 s for it to exit by
-    itself first). Whether it was sent."""
+    itself first). True: sent; None: no such process (it had exited: it died, it did not hang); False: not a
+    Ray worker's, or this system has no /proc."""
+    if not os.path.isdir("/proc/self"):
+        return False
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             if not f.read().startswith(b"ray::"):
                 return False
         os.kill(pid, signal.SIGKILL)
         return True
-    except OSError:  # gone already, or no /proc here: Ray's kill ends it
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
         return False
 
 
