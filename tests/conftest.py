@@ -56,21 +56,56 @@ def _shared_ray_ends_with_the_session():
     _end_shared_ray()
 
 
+# Runtime keys that choose where workers run, not what they compute (runtime.device is cpu): not part of
+# what makes two reference runs the same.
+PLACEMENT_KEYS = ("gpus_per_worker", "cpus_per_worker")
+
+
 @pytest.fixture(scope="session")
-def recovery_reference(tmp_path_factory):
+def shared_run(tmp_path_factory):
+    """shared_run(key, cfg) -> the run dir of an unbroken run of job `cfg`, run once per suite run: the first
+    test process that asks runs it (in the Ray it is connected to) while the other waits on a file lock, and
+    both read the same directory (the test processes share the parent of their temp dirs). `key` names it;
+    the config's hash, placement keys left out, makes sure one key never means two jobs."""
+    import hashlib
+    import json
+    import shutil
+
+    from filelock import FileLock
+    from helpers import run
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs"
+    root.mkdir(exist_ok=True)
+
+    def get(key, cfg):
+        d = cfg.to_dict()
+        d["runtime"] = {k: v for k, v in d["runtime"].items() if k not in PLACEMENT_KEYS}
+        digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+        where = root / f"{key}-{digest}"
+        with FileLock(str(where) + ".lock"):
+            if not (where / "done").exists():
+                shutil.rmtree(where, ignore_errors=True)  # a run that failed midway in the other process
+                where.mkdir()
+                run(cfg, where / "run", key.replace("-", ""))
+                (where / "done").write_text("")
+        return where / "run"
+    return get
+
+
+@pytest.fixture(scope="session")
+def recovery_reference(shared_run):
     """reference(tp, dp, **runtime): the final state of an uninterrupted helpers.recovery_job(tp, dp) run
-    (``reference.run_dir(tp, dp)``: its run dir),
-    run in the Ray the first asking test is connected to and shared by every module of the session.
-    `runtime` placement keys (gpus_per_worker) choose where the workers run, not what they compute
-    (runtime.device is cpu), so they are not part of what is shared."""
-    from helpers import final_state, recovery_job, run
+    (``reference.run_dir(tp, dp)``: its run dir), run once per suite run (shared_run). `runtime` placement
+    keys (gpus_per_worker) choose where the workers run, not what they compute, so they are not part of
+    what is shared."""
+    from helpers import final_state, recovery_job
     done, dirs = {}, {}
 
     def final(tp, dp, **runtime):
         if (tp, dp) not in done:
-            run_dir = tmp_path_factory.mktemp(f"ref-tp{tp}-dp{dp}")
-            run(recovery_job(tp, dp, **runtime), run_dir, f"ref{tp}{dp}")
-            done[(tp, dp)], dirs[(tp, dp)] = final_state(run_dir), run_dir
+            dirs[(tp, dp)] = shared_run(f"ref-tp{tp}-dp{dp}", recovery_job(tp, dp, **runtime))
+            done[(tp, dp)] = final_state(dirs[(tp, dp)])
         return done[(tp, dp)]
 
     def run_dir(tp, dp):

@@ -71,7 +71,7 @@ def test_submitted_run_runs_to_success_with_status_and_logs(head, tmp_path):
     assert "[raytp] finished 30 steps" in follow.stdout
 
     done = wait_for("SUCCEEDED", lambda: (s := raytp("status", "short", "--address", head.dashboard))
-                    and "SUCCEEDED" in s.stdout and s)
+                    and "SUCCEEDED" in s.stdout and s, every=2)
     assert "short: SUCCEEDED  step 30/30" in done.stdout
     assert "Ray job raytp-short: SUCCEEDED" in done.stdout
     by_gcs = raytp("status", "short", "--address", head.gcs)  # the other door gives the same answer

@@ -17,6 +17,10 @@ from raytp.files import checkpoint
 SEED = os.environ.get("RAYTP_TEST_SEED", "")
 
 
+def pp2(cfg):
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=2))
+
+
 def zero1(cfg):
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=1, overlap_param_gather=True))
 
@@ -68,27 +72,25 @@ def test_random_kills_and_a_hang_under_zero1_change_nothing(ref, tmp_path):
 
 
 @pytest.mark.slow
-def test_random_kills_and_a_hang_at_pp2_dp2_change_nothing(ray_local, tmp_path):
-    def pp2(cfg):
-        return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=2))
-    run(pp2(recovery_job(1, 2, model={"n_layer": 3})), tmp_path / "ref", "rfppref")
+def test_random_kills_and_a_hang_at_pp2_dp2_change_nothing(ray_local, shared_run, tmp_path):
+    ref = shared_run("ref-pp2-dp2", pp2(recovery_job(1, 2, model={"n_layer": 3})))  # (test_step_records' too)
     faults = plan(f"pp{SEED}", 4, RECOVERY_STEPS, kills=3, stops=1)
     sent = run_with(pp2(faulty_job(1, 2, model={"n_layer": 3})), tmp_path / "run", "rfpp", faults)
-    assert_exact(tmp_path / "run", tmp_path / "ref", RECOVERY_STEPS, sent)
+    assert_exact(tmp_path / "run", ref, RECOVERY_STEPS, sent)
 
 
 @pytest.mark.slow
-def test_random_kills_and_a_hang_of_an_ep_job_change_nothing(ray_local, tmp_path):
+def test_random_kills_and_a_hang_of_an_ep_job_change_nothing(ray_local, shared_run, tmp_path):
     """TP=1 x DP=2 x EP=2: each expert on one rank, no replica of it; snapshots heal it."""
     moe = {"arch": "llama", "n_head": 4, "n_kv_head": 2, "intermediate_size": 96,
            "moe": {"n_experts": 4, "top_k": 2, "moe_ffn": 32, "aux_coeff": 0.01}}
 
     def ep2(cfg):
         return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=2))
-    run(ep2(recovery_job(1, 2, model=moe)), tmp_path / "ref", "rfepref")
+    ref = shared_run("ref-ep2-dp2", ep2(recovery_job(1, 2, model=moe)))
     faults = plan(f"ep{SEED}", 2, RECOVERY_STEPS, kills=2, stops=1)
     sent = run_with(ep2(faulty_job(1, 2, model=moe)), tmp_path / "run", "rfep", faults)
-    assert_exact(tmp_path / "run", tmp_path / "ref", RECOVERY_STEPS, sent)
+    assert_exact(tmp_path / "run", ref, RECOVERY_STEPS, sent)
 
 
 @pytest.mark.slow

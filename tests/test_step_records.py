@@ -64,13 +64,13 @@ def test_tp2_dp2_ranks_dying_between_a_step_and_its_record_leave_every_record(ra
     assert np.allclose([e.value for e in acc.Scalars("loss")], [m["loss"] for m in got], rtol=1e-6)
 
 
-def test_pp2_dp2_the_loss_holder_and_the_first_rank_dying_after_their_step_leave_every_record(ray_local, tmp_path):
+def test_pp2_dp2_the_loss_holder_and_the_first_rank_dying_after_their_step_leave_every_record(ray_local, shared_run,
+                                                                                              tmp_path):
     """PP=2 x DP=2 (ranks 0, 1: replica 0's stages; 2, 3: replica 1's): rank 1, whose record holds the loss,
     after step 4, the last of a call; rank 0 after step 9, the last of a call; rank 2 inside a call."""
-    cfg = recovery_job(1, 2)
+    cfg = recovery_job(1, 2, model={"n_layer": 3})
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=2))
-    ref = tmp_path / "ref"
-    run(cfg, ref, "recs2ref")
+    ref = shared_run("ref-pp2-dp2", cfg)  # (test_random_faults' too)
     run_dir = tmp_path / "run"
     recovered = chaos(cfg, run_dir, "recs2pp", {1: CALL_ENDS[0], 2: 7, 0: CALL_ENDS[1]}, tmp_path)
     assert_bitwise_equal(final_state(run_dir), final_state(ref))
