@@ -24,6 +24,9 @@ SMALL = {
     "train": {"steps": 12, "batch_size": 8, "lr": 3e-3, "warmup_steps": 2, "eval_interval": 6,
               "steps_per_call": 4},
 }
+# A small MoE Llama (4 experts, top 2) on SMALL's sizes: the expert-parallel jobs' model.
+SMALL_MOE = {"arch": "llama", "n_head": 4, "n_kv_head": 2, "intermediate_size": 96,
+             "moe": {"n_experts": 4, "top_k": 2, "moe_ffn": 32, "aux_coeff": 0.01}}
 FIXED = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(5))  # a batch to compare logits on
 RECOVERY_STEPS = 16
 # The ceiling of a wait for an event (a node up, a job shrunk, a spare started): far past a slow, loaded

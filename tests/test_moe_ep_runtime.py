@@ -1,12 +1,13 @@
-"""Expert parallelism through the runtime (an MoE Llama, 4 experts, top 2): at TP=1 x DP=2 x EP=2 each
-worker holds two experts; each expert is written to the checkpoint once, by the rank
-holding it, and read back at any layout: a run at TP=2 x DP=2 x EP=2 with whole experts per TP rank (etp 1)
-resumes from it and goes on as the unbroken run did, and its own checkpoint resumes on one device; a live
-EP change both ways tracks the unresized run (other live resizes of an EP job are refused, and it goes on); at DP=4 x EP=2 a killed rank is healed from
-the rank holding the same experts (its expert-DP twin), bit for bit. Under the distributed optimizer at
-TP=1 x DP=2 x EP=2 (zero 1: each rank its rows of the dense AdamW state, its experts' whole) a SIGKILLed and
-then a SIGSTOPped rank are restored from their snapshots bit for bit, and the run's checkpoint resumes at
-EP=4 and on one device (at an expert-DP group of two: tests/test_moe_zero_experts.py)."""
+"""Expert parallelism through the runtime (an MoE Llama, 4 experts, top 2): at TP=1 x DP=2 x EP=2 each worker
+holds two experts; each expert is written to the checkpoint once, by the rank holding it, and read back at any
+layout: a run at TP=2 x DP=2 x EP=2 with whole experts per TP rank (etp 1) resumes from it and goes on as the
+unbroken run did, and its own checkpoint resumes on one device; a live EP change both ways tracks the
+unresized run (other live resizes of an EP job are refused, and it goes on), at DP=4 under zero 1 too (a
+killed rank of that layout is healed from its expert-DP twin: test_random_faults). Under the distributed
+optimizer at TP=1 x DP=2 x EP=2 (zero 1: each rank its rows of the dense AdamW state, its experts' whole) a
+SIGKILLed and then a SIGSTOPped rank are restored from their snapshots bit for bit, and the run's checkpoint
+resumes at EP=4 and on one device (at an expert-DP group of two: tests/test_moe_zero_experts.py)."""
+import dataclasses
 import io
 import json
 import signal
@@ -14,19 +15,18 @@ import signal
 import numpy as np
 import pytest
 
-from helpers import FIXED, assert_bitwise_equal, events, final_state, job, losses, resume_run, run, signal_rank
+from helpers import (FIXED, RECOVERY_STEPS, SMALL_MOE, assert_bitwise_equal, events, final_state, job, losses,
+                     recovery_job, resume_run, run, signal_rank)
 from raytp.files import checkpoint
 from raytp.runtime.driver.driver import Driver
 
-MOE = {"arch": "llama", "n_head": 4, "n_kv_head": 2, "intermediate_size": 96,
-       "moe": {"n_experts": 4, "top_k": 2, "moe_ffn": 32, "aux_coeff": 0.01}}
+MOE = SMALL_MOE
 STEPS = 8
 
 
 def ep_job(tp, dp, ep, etp=None, zero=0, step_timeout_s=30.0, **recovery):
     cfg = job(tp, dp, steps=STEPS, checkpoint={"every": 4, "keep": 2}, recovery={"snapshot_every": 1, **recovery},
               model=MOE, step_timeout_s=step_timeout_s)
-    import dataclasses
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep, etp=etp, zero=zero))
 
 
@@ -49,7 +49,6 @@ def test_each_expert_is_written_once_by_the_rank_holding_it(reference):
 @pytest.mark.slow
 def test_checkpoints_move_between_expert_layouts_and_one_device(reference, tmp_path):
     """EP=2 over DP -> TP=2 x DP=2 x EP=2 with whole experts (each on one TP rank) -> one device."""
-    import dataclasses
     theirs = np.array(losses(reference))
     etp1 = ep_job(2, 2, 2, etp=1)
     etp1 = dataclasses.replace(etp1, checkpoint=dataclasses.replace(etp1.checkpoint, every=2))
@@ -94,20 +93,14 @@ def test_a_live_ep_change_both_ways_tracks_the_unresized_run(reference, tmp_path
 
 
 @pytest.mark.slow
-def test_a_killed_expert_rank_with_an_expert_dp_twin_is_healed_from_it_bit_for_bit(ray_local, tmp_path):
-    """TP=1 x DP=4 x EP=2: ranks 0 and 2 hold experts 0-1, ranks 1 and 3 experts 2-3 (expert-DP 2). Rank 3 is
-    killed: rank 1 holds its dense weights and its experts, and gives them, with nothing lost. Under zero 1 a
-    live EP change 2 -> 4 -> 2 tracks the same run."""
-    ref, run_dir = tmp_path / "ref", tmp_path / "run"
-    run(ep_job(1, 4, 2), ref, "ep4ref")
-    run(ep_job(1, 4, 2), run_dir, "ep4kill", faults=[(3, signal_rank(3, signal.SIGKILL))])
-    assert_bitwise_equal(final_state(run_dir, STEPS), final_state(ref, STEPS))
-    (fail,), (rec,) = events(run_dir, "failure"), events(run_dir, "recovered")
-    assert fail["rank"] == 3 and rec["source"] == "replica" and rec["lost_steps"] == 0, rec
-    assert losses(run_dir) == losses(ref)
-    # The same job under zero 1, EP 2 -> 4 -> 2 live (each rank's dense AdamW rows stay; experts move with
-    # theirs): it tracks the unresized run.
-    d = Driver(ep_job(1, 4, 2, zero=1), tmp_path / "z1", "ep4z1", out=io.StringIO())
+def test_a_live_ep_change_under_zero1_at_dp4_tracks_the_unbroken_run(ray_local, shared_run, tmp_path):
+    """TP=1 x DP=4 x EP=2 under zero 1 (ranks 0 and 2 hold experts 0-1, ranks 1 and 3 experts 2-3), EP 2 -> 4
+    -> 2 live: each rank's dense AdamW rows stay, experts move with theirs, and the run tracks the unbroken
+    zero-0 run. (A killed rank of this layout healed from its expert-DP twin, bit for bit: test_random_faults.)"""
+    cfg = recovery_job(1, 4, model=SMALL_MOE)
+    ref = shared_run("ref-ep2-dp4", dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=2)))
+    d = Driver(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=2, zero=1)), tmp_path / "z1",
+               "ep4z1", out=io.StringIO())
     try:
         d.start()
         for until, ep in ((2, 4), (5, 2)):
@@ -119,7 +112,7 @@ def test_a_killed_expert_rank_with_an_expert_dp_twin_is_healed_from_it_bit_for_b
         d.release()
         d.log.close()
     ours, theirs = np.array(losses(tmp_path / "z1")), np.array(losses(ref))
-    assert len(ours) == STEPS and np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-4
+    assert len(ours) == RECOVERY_STEPS and np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-4
 
 
 @pytest.mark.slow

@@ -7,12 +7,10 @@ turn (a fresh node joins for its ranks) and the job heals from the expert-DP twi
 lost."""
 
 import pytest
-from helpers import final_state, gpu_cluster, gpu_nodes, lose_a_named_node, recovery_job, run
+from helpers import SMALL_MOE, final_state, gpu_cluster, gpu_nodes, lose_a_named_node, recovery_job
 
 pytestmark = pytest.mark.slow  # a simulated cluster of two nodes (and one joining), and three jobs
 
-MOE = {"arch": "llama", "n_head": 4, "n_kv_head": 2, "intermediate_size": 96,
-       "moe": {"n_experts": 4, "top_k": 2, "moe_ffn": 32, "aux_coeff": 0.01}}
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +21,15 @@ def cluster(no_shared_ray):
 
 
 def ep_job():
-    cfg = recovery_job(1, 4, gpus_per_worker=1.0, model=MOE)
+    cfg = recovery_job(1, 4, gpus_per_worker=1.0, model=SMALL_MOE)
     return cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=1, dp=4, ep=2)})
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("epnref") / "run"
+def reference(cluster, shared_run):
+    """(test_random_faults' and test_moe_ep_runtime's TP=1 x DP=4 x EP=2 reference: run here if not run already)"""
     gpu_nodes(cluster, 2)
-    run(ep_job(), run_dir, "epnref")
-    return final_state(run_dir)
+    return final_state(shared_run("ref-ep2-dp4", ep_job()))
 
 
 @pytest.mark.parametrize("which", [0, 1])

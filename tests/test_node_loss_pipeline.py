@@ -3,7 +3,7 @@ holds both copies of a stage survives the loss of any one node (test_node_loss.p
 the two files run beside each other)."""
 
 import pytest
-from helpers import final_state, gpu_cluster, gpu_nodes, lose_a_named_node, recovery_job, run
+from helpers import final_state, gpu_cluster, gpu_nodes, lose_a_named_node, recovery_job
 
 pytestmark = pytest.mark.slow  # a simulated cluster of three nodes, and four jobs
 
@@ -16,15 +16,14 @@ def cluster(no_shared_ray):
 
 
 @pytest.fixture(scope="module")
-def pp2_dp2_reference(cluster, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("ppnref") / "run"
+def pp2_dp2_reference(cluster, shared_run):
+    """(test_random_faults' and test_step_records' PP=2 x DP=2 reference: run here if not run already)"""
     gpu_nodes(cluster, 3)
-    run(pp_job(), run_dir, "ppnref")
-    return final_state(run_dir)
+    return final_state(shared_run("ref-pp2-dp2", pp_job()))
 
 
 def pp_job():
-    cfg = recovery_job(1, 2, gpus_per_worker=1.0)
+    cfg = recovery_job(1, 2, gpus_per_worker=1.0, model={"n_layer": 3})
     return cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=1, pp=2, dp=2)})
 
 

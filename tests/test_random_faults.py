@@ -11,7 +11,7 @@ import pytest
 
 import faulty
 from fault_plans import assert_exact, plan, run_with
-from helpers import RECOVERY_STEPS, events, recovery_job, run
+from helpers import RECOVERY_STEPS, SMALL_MOE, events, recovery_job, run
 from raytp.files import checkpoint
 
 SEED = os.environ.get("RAYTP_TEST_SEED", "")
@@ -81,16 +81,17 @@ def test_random_kills_and_a_hang_at_pp2_dp2_change_nothing(ray_local, shared_run
 
 @pytest.mark.slow
 def test_random_kills_and_a_hang_of_an_ep_job_change_nothing(ray_local, shared_run, tmp_path):
-    """TP=1 x DP=2 x EP=2: each expert on one rank, no replica of it; snapshots heal it."""
-    moe = {"arch": "llama", "n_head": 4, "n_kv_head": 2, "intermediate_size": 96,
-           "moe": {"n_experts": 4, "top_k": 2, "moe_ffn": 32, "aux_coeff": 0.01}}
-
+    """TP=1 x DP=4 x EP=2: ranks 0 and 2 hold experts 0-1, ranks 1 and 3 experts 2-3 (expert-DP 2); a killed
+    rank is healed from the rank holding its dense weights and its experts (its expert-DP twin), or, where
+    both twins are gone, from the snapshots. (Snapshots alone heal experts at DP=2 x EP=2 under zero 1:
+    test_moe_ep_runtime.)"""
     def ep2(cfg):
         return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=2))
-    ref = shared_run("ref-ep2-dp2", ep2(recovery_job(1, 2, model=moe)))
-    faults = plan(f"ep{SEED}", 2, RECOVERY_STEPS, kills=2, stops=1)
-    sent = run_with(ep2(faulty_job(1, 2, model=moe)), tmp_path / "run", "rfep", faults)
+    ref = shared_run("ref-ep2-dp4", ep2(recovery_job(1, 4, model=SMALL_MOE)))  # (test_node_loss_experts' too)
+    faults = plan(f"ep{SEED}", 4, RECOVERY_STEPS, kills=3, stops=1)
+    sent = run_with(ep2(faulty_job(1, 4, model=SMALL_MOE)), tmp_path / "run", "rfep", faults)
     assert_exact(tmp_path / "run", ref, RECOVERY_STEPS, sent)
+    assert "replica" in {r["source"] for r in events(tmp_path / "run", "recovered")}
 
 
 @pytest.mark.slow
