@@ -5,6 +5,7 @@ training against one device, without Ray) or in faulty.py (workers with faults):
 each other.
 """
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -45,6 +46,16 @@ def job(tp=1, dp=1, model=None, steps=None, checkpoint=None, recovery=None, **ru
     d["checkpoint"] = checkpoint or {}
     d["recovery"] = recovery or {}
     return from_dict(d)
+
+
+EP_STEPS = 8
+
+
+def ep_job(tp, dp, ep, etp=None, zero=0, step_timeout_s=30.0, **recovery):
+    """SMALL_MOE at TP x DP x EP (etp, zero): EP_STEPS steps, a checkpoint every 4, a snapshot after each step."""
+    cfg = job(tp, dp, steps=EP_STEPS, checkpoint={"every": 4, "keep": 2}, recovery={"snapshot_every": 1, **recovery},
+              model=SMALL_MOE, step_timeout_s=step_timeout_s)
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep, etp=etp, zero=zero))
 
 
 def recovery_job(tp, dp, **kw):

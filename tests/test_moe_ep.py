@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from test_moe_tp import WEIGHTS_TOL, moe_config
-from tp_training import BATCH, HYPER, SEED, STEPS, corpus, train
+from tp_training import BATCH, HYPER, SEED, STEPS, WEIGHTS_TOL, corpus, moe_config, train
 
 from raytp.data.corpus import batch
 from raytp.models.moe.plan import ExpertPlace

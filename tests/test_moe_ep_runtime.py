@@ -15,20 +15,12 @@ import signal
 import numpy as np
 import pytest
 
-from helpers import (FIXED, RECOVERY_STEPS, SMALL_MOE, assert_bitwise_equal, events, final_state, job, losses,
-                     recovery_job, resume_run, run, signal_rank)
+from helpers import (EP_STEPS, FIXED, RECOVERY_STEPS, SMALL_MOE, assert_bitwise_equal, ep_job, events, final_state,
+                     losses, recovery_job, resume_run, run, signal_rank)
 from raytp.files import checkpoint
 from raytp.runtime.driver.driver import Driver
 
-MOE = SMALL_MOE
-STEPS = 8
-
-
-def ep_job(tp, dp, ep, etp=None, zero=0, step_timeout_s=30.0, **recovery):
-    cfg = job(tp, dp, steps=STEPS, checkpoint={"every": 4, "keep": 2}, recovery={"snapshot_every": 1, **recovery},
-              model=MOE, step_timeout_s=step_timeout_s)
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep, etp=etp, zero=zero))
-
+STEPS = EP_STEPS
 
 @pytest.fixture(scope="module")
 def reference(ray_local, tmp_path_factory):

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from tp_training import BATCH, SEED, corpus, train
+from tp_training import BATCH, CONFIGS, SEED, WEIGHTS_TOL, corpus, moe_config, train
 
-from raytp.models.args import ModelArgs
 from raytp.models.moe.args import MoeArgs
 from raytp.data.corpus import batch
 from raytp.models.registry import build_model, sharding_of
@@ -21,26 +20,6 @@ from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.spawn import run_ranks
 from raytp.train.step import _sum_over_tp
-
-# The final weights' bound: 20 AdamW steps amplify rounding where a gradient element is near AdamW's eps
-# (tp_training's note). Measured 2026-12-04: the first step's gradients agree within 5e-7 of each tensor's
-# largest, but one element of the DeepSeek-style layer 2's expert 0 has |g| = 4.6e-9, below eps = 1e-8, and
-# differs by 2% between TP=2 and one device (a sum that cancels); its first update differs by 1e-5, and the
-# final weight by 1.3e-5 (3.6e-5 at TP=2 x DP=2 with the selection bias on, whose values end equal to the
-# bit). Everything else ends within 2e-6.
-WEIGHTS_TOL = 5e-5
-
-MIXTRAL = MoeArgs(n_experts=4, top_k=2, moe_ffn=16, aux_coeff=0.05, z_coeff=0.01)
-DEEPSEEK = MoeArgs(n_experts=4, top_k=2, moe_ffn=16, score="sigmoid", routed_scale=2.5, first_dense=1,
-                   n_shared=1, shared_ffn=16, shared_gate=True, aux_coeff=0.05, bias_rate=0.01)
-DROPPING = MoeArgs(n_experts=4, top_k=2, moe_ffn=16, capacity_factor=1.0, aux_coeff=0.05)  # 8 choices/expert/sequence
-CONFIGS = {"mixtral": MIXTRAL, "deepseek": DEEPSEEK, "dropping": DROPPING}
-
-
-def moe_config(which: str) -> ModelArgs:
-    return ModelArgs(arch="llama", n_layer=3, n_head=8, n_kv_head=2, n_embd=32, intermediate_size=48,
-                     block_size=16, vocab_size=256, rope_theta=500.0, moe=CONFIGS[which])
-
 
 def train_runs(rank, world, init, runs):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

@@ -9,9 +9,9 @@ import signal
 import numpy as np
 import pytest
 
-from helpers import assert_bitwise_equal, events, final_state, losses, resume_run, run, signal_rank
+from helpers import EP_STEPS as STEPS
+from helpers import assert_bitwise_equal, ep_job, events, final_state, losses, resume_run, run, signal_rank
 from raytp.files import checkpoint
-from test_moe_ep_runtime import STEPS, ep_job
 
 
 @pytest.mark.slow
