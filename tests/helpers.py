@@ -51,11 +51,16 @@ def job(tp=1, dp=1, model=None, steps=None, checkpoint=None, recovery=None, **ru
 EP_STEPS = 8
 
 
+def parallel(cfg, **degrees):
+    """Job `cfg` with these `parallel` keys changed (pp=2, ep=2, zero=1, ...)."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **degrees))
+
+
 def ep_job(tp, dp, ep, etp=None, zero=0, step_timeout_s=30.0, **recovery):
     """SMALL_MOE at TP x DP x EP (etp, zero): EP_STEPS steps, a checkpoint every 4, a snapshot after each step."""
     cfg = job(tp, dp, steps=EP_STEPS, checkpoint={"every": 4, "keep": 2}, recovery={"snapshot_every": 1, **recovery},
               model=SMALL_MOE, step_timeout_s=step_timeout_s)
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep, etp=etp, zero=zero))
+    return parallel(cfg, ep=ep, etp=etp, zero=zero)
 
 
 def recovery_job(tp, dp, **kw):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from helpers import (EP_STEPS, FIXED, RECOVERY_STEPS, SMALL_MOE, assert_bitwise_equal, ep_job, events, final_state,
-                     losses, recovery_job, resume_run, run, signal_rank)
+                     losses, parallel, recovery_job, resume_run, run, signal_rank)
 from raytp.files import checkpoint
 from raytp.runtime.driver.driver import Driver
 
@@ -90,9 +90,8 @@ def test_a_live_ep_change_under_zero1_at_dp4_tracks_the_unbroken_run(ray_local, 
     -> 2 live: each rank's dense AdamW rows stay, experts move with theirs, and the run tracks the unbroken
     zero-0 run. (A killed rank of this layout healed from its expert-DP twin, bit for bit: test_random_faults.)"""
     cfg = recovery_job(1, 4, model=SMALL_MOE)
-    ref = shared_run("ref-ep2-dp4", dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=2)))
-    d = Driver(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=2, zero=1)), tmp_path / "z1",
-               "ep4z1", out=io.StringIO())
+    ref = shared_run("ref-ep2-dp4", parallel(cfg, ep=2))
+    d = Driver(parallel(cfg, ep=2, zero=1), tmp_path / "z1", "ep4z1", out=io.StringIO())
     try:
         d.start()
         for until, ep in ((2, 4), (5, 2)):

@@ -7,7 +7,7 @@ turn (a fresh node joins for its ranks) and the job heals from the expert-DP twi
 lost."""
 
 import pytest
-from helpers import SMALL_MOE, final_state, gpu_cluster, gpu_nodes, lose_a_named_node, recovery_job
+from helpers import SMALL_MOE, final_state, gpu_cluster, gpu_nodes, lose_a_named_node, parallel, recovery_job
 
 pytestmark = pytest.mark.slow  # a simulated cluster of two nodes (and one joining), and three jobs
 
@@ -21,8 +21,7 @@ def cluster(no_shared_ray):
 
 
 def ep_job():
-    cfg = recovery_job(1, 4, gpus_per_worker=1.0, model=SMALL_MOE)
-    return cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=1, dp=4, ep=2)})
+    return parallel(recovery_job(1, 4, gpus_per_worker=1.0, model=SMALL_MOE), ep=2)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ holds both copies of a stage survives the loss of any one node (test_node_loss.p
 the two files run beside each other)."""
 
 import pytest
-from helpers import final_state, gpu_cluster, gpu_nodes, lose_a_named_node, recovery_job
+from helpers import final_state, gpu_cluster, gpu_nodes, lose_a_named_node, parallel, recovery_job
 
 pytestmark = pytest.mark.slow  # a simulated cluster of three nodes, and four jobs
 
@@ -23,8 +23,7 @@ def pp2_dp2_reference(cluster, shared_run):
 
 
 def pp_job():
-    cfg = recovery_job(1, 2, gpus_per_worker=1.0, model={"n_layer": 3})
-    return cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=1, pp=2, dp=2)})
+    return parallel(recovery_job(1, 2, gpus_per_worker=1.0, model={"n_layer": 3}), pp=2)
 
 
 @pytest.mark.parametrize("which", [0, 1, 2])

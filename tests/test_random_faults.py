@@ -3,7 +3,6 @@ steps, between them and inside the recovery of the fault before, a replacement k
 rank. Each run ends with every step's record once, and every loss and the final weights of the unbroken run,
 bit for bit. Two seeded faults pin the moment that once broke it: a rank lost in the step's last collective,
 after which its peers must not have updated (or, under zero 1, know that their state is torn)."""
-import dataclasses
 import json
 import os
 
@@ -11,18 +10,14 @@ import pytest
 
 import faulty
 from fault_plans import assert_exact, plan, run_with
-from helpers import RECOVERY_STEPS, SMALL_MOE, events, recovery_job, run
+from helpers import RECOVERY_STEPS, SMALL_MOE, events, parallel, recovery_job, run
 from raytp.files import checkpoint
 
 SEED = os.environ.get("RAYTP_TEST_SEED", "")
 
 
-def pp2(cfg):
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=2))
-
-
 def zero1(cfg):
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=1, overlap_param_gather=True))
+    return parallel(cfg, zero=1, overlap_param_gather=True)
 
 
 def faulty_job(tp, dp, **kw):
@@ -73,9 +68,10 @@ def test_random_kills_and_a_hang_under_zero1_change_nothing(ref, tmp_path):
 
 @pytest.mark.slow
 def test_random_kills_and_a_hang_at_pp2_dp2_change_nothing(ray_local, shared_run, tmp_path):
-    ref = shared_run("ref-pp2-dp2", pp2(recovery_job(1, 2, model={"n_layer": 3})))  # (test_step_records' too)
+    # (test_step_records' and test_node_loss_pipeline's reference too)
+    ref = shared_run("ref-pp2-dp2", parallel(recovery_job(1, 2, model={"n_layer": 3}), pp=2))
     faults = plan(f"pp{SEED}", 4, RECOVERY_STEPS, kills=3, stops=1)
-    sent = run_with(pp2(faulty_job(1, 2, model={"n_layer": 3})), tmp_path / "run", "rfpp", faults)
+    sent = run_with(parallel(faulty_job(1, 2, model={"n_layer": 3}), pp=2), tmp_path / "run", "rfpp", faults)
     assert_exact(tmp_path / "run", ref, RECOVERY_STEPS, sent)
 
 
@@ -85,11 +81,10 @@ def test_random_kills_and_a_hang_of_an_ep_job_change_nothing(ray_local, shared_r
     rank is healed from the rank holding its dense weights and its experts (its expert-DP twin), or, where
     both twins are gone, from the snapshots. (Snapshots alone heal experts at DP=2 x EP=2 under zero 1:
     test_moe_ep_runtime.)"""
-    def ep2(cfg):
-        return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=2))
-    ref = shared_run("ref-ep2-dp4", ep2(recovery_job(1, 4, model=SMALL_MOE)))  # (test_node_loss_experts' too)
+    # (test_node_loss_experts' and test_moe_ep_runtime's reference too)
+    ref = shared_run("ref-ep2-dp4", parallel(recovery_job(1, 4, model=SMALL_MOE), ep=2))
     faults = plan(f"ep{SEED}", 4, RECOVERY_STEPS, kills=3, stops=1)
-    sent = run_with(ep2(faulty_job(1, 4, model=SMALL_MOE)), tmp_path / "run", "rfep", faults)
+    sent = run_with(parallel(faulty_job(1, 4, model=SMALL_MOE), ep=2), tmp_path / "run", "rfep", faults)
     assert_exact(tmp_path / "run", ref, RECOVERY_STEPS, sent)
     assert "replica" in {r["source"] for r in events(tmp_path / "run", "recovered")}
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from helpers import RECOVERY_STEPS, assert_bitwise_equal, events, final_state, recovery_job, run
+from helpers import RECOVERY_STEPS, assert_bitwise_equal, events, final_state, parallel, recovery_job, run
 
 pytestmark = pytest.mark.slow  # Ray runs of four workers, each killed three times
 
@@ -68,8 +68,7 @@ def test_pp2_dp2_the_loss_holder_and_the_first_rank_dying_after_their_step_leave
                                                                                               tmp_path):
     """PP=2 x DP=2 (ranks 0, 1: replica 0's stages; 2, 3: replica 1's): rank 1, whose record holds the loss,
     after step 4, the last of a call; rank 0 after step 9, the last of a call; rank 2 inside a call."""
-    cfg = recovery_job(1, 2, model={"n_layer": 3})
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=2))
+    cfg = parallel(recovery_job(1, 2, model={"n_layer": 3}), pp=2)
     ref = shared_run("ref-pp2-dp2", cfg)  # (test_random_faults' too)
     run_dir = tmp_path / "run"
     recovered = chaos(cfg, run_dir, "recs2pp", {1: CALL_ENDS[0], 2: 7, 0: CALL_ENDS[1]}, tmp_path)
