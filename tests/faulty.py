@@ -70,6 +70,8 @@ class WaitsForSpare(Worker):
     at least 0.4 s. The job outlives the spare's start however loaded the machine is, and the steps
     after it leave time to kill a rank."""
 
+    holds_s = HOLD_S  # its peers wait for a held step in its collectives (helpers.run)
+
     spare = ""
 
     def _step(self, step, before_update=None):
@@ -84,6 +86,8 @@ class WaitsForSpare(Worker):
 class WaitsForSnapshotCopy(Worker):
     """Rank 0 holds its step 4 until a snapshot keeper of run `run` holds a snapshot (once per test, via
     a marker file): the copy is in place early in the job however loaded the machine is."""
+
+    holds_s = HOLD_S  # its peers wait for a held step in its collectives (helpers.run)
 
     run = marker = ""
 
@@ -151,6 +155,8 @@ class WaitsForRoom(Worker):
     workers (``raytp.<run>.rank<R>.moved1`` of replica 1) are up. The move then happens at the boundary
     after step 11 at the latest, however loaded the machine is."""
 
+    holds_s = HOLD_S  # its peers wait for a held step in its collectives (helpers.run)
+
     run = node_file = ""
     need: dict = {}
 
@@ -184,6 +190,8 @@ class WaitsForReplicas(Worker):
     parallel.max_dp asked for it when the job started; a node joining places it), so that the job grows at
     the step boundary after it however loaded the machine is."""
 
+    holds_s = HOLD_S  # its peers wait for a held step in its collectives (helpers.run)
+
     run = ""
     at: dict = {}
 
@@ -203,6 +211,8 @@ class WaitsForMoved(Worker):
     second apart: it reads Ray's draining nodes as records arrive, at most once a second) and holds step `at`
     until the workers a move started ahead (``raytp.<run>.rank<R>.moved1`` for each of `ranks`) are up: the
     move then happens at the boundary after that step, however loaded the machine."""
+
+    holds_s = HOLD_S  # its peers wait for a held step in its collectives (helpers.run)
 
     run = ""
     ranks: tuple = ()
@@ -280,3 +290,17 @@ class DiesInEvaluation(Worker):
 
 class DiesAtTheEndOfAStep(DiesInItsStep, DiesInEvaluation):
     """Both: DiesInItsStep's exit in a step's last collective, then DiesInEvaluation's in an evaluation."""
+
+
+class HoldsTheGilInItsExport(Worker):
+    """Rank 1 holds the GIL for 2.5 s right after its profile's trace is written (torch's profiler stop and
+    ``export_chrome_trace`` hold it for as long as a trace takes: 0.04 s for a tiny one unloaded, seconds for a
+    big one or on a loaded machine): its pings go unanswered meanwhile, as a stopped process's would."""
+
+    def _traced_step(self, step, last):
+        tracing = self.profiler.active is not None
+        rec = super()._traced_step(step, last)
+        if self.rank == 1 and tracing and self.profiler.active is None:  # it stopped and wrote its trace
+            import ctypes
+            ctypes.PyDLL(None).usleep(2_500_000)  # a C call made with the GIL held
+        return rec

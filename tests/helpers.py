@@ -128,7 +128,13 @@ def close(d):
 
 
 def run(cfg, run_dir, name, faults=(), worker_cls=Worker):
-    """Run a job in a thread; `faults` are (after_step, action(run_name)) applied from outside."""
+    """Run a job in a thread; `faults` are (after_step, action(run_name)) applied from outside. A worker class
+    that holds a step until something happens (`holds_s`: faulty.hold_until) holds its peers in that step's
+    collectives: their timeout outlasts the hold, so a slow event fails as the hold's own error, if ever, and
+    never as gloo's ("Application timeout caused pair closure" under CI's load, at 120 s)."""
+    if getattr(worker_cls, "holds_s", 0):
+        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(
+            cfg.runtime, collective_timeout_s=max(cfg.runtime.collective_timeout_s, 2 * worker_cls.holds_s)))
     d = Driver(cfg, run_dir, name, out=open(run_dir.parent / f"{name}.out", "w"))
     d.worker_cls = worker_cls
     errors = []

@@ -15,6 +15,12 @@ def test_a_rank_silent_while_every_other_answers_quickly_is_hung():
     assert verdict({0: 0.01}, 3, 1.0) == [1, 2]
 
 
+def test_a_rank_excused_is_never_hung_and_the_others_still_are():
+    """A rank tracing a profile (torch's profiler holds the GIL while it writes) is excused; one beside it is not."""
+    assert verdict({0: 0.01, 2: 0.01, 3: 0.01}, 4, 1.0, excused={1}) == []
+    assert verdict({0: 0.01, 3: 0.01}, 4, 1.0, excused={1}) == [2]
+
+
 @pytest.mark.parametrize("answered", [{0: 0.01, 1: 0.3, 3: 0.01},  # the others slow: the machine is, no verdict
                                       {},                           # nobody answered: the driver side is slow
                                       {0: 0.01, 1: 0.01, 2: 0.02, 3: 0.01}])  # everyone answered

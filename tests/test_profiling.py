@@ -11,6 +11,7 @@ import pytest
 import ray
 from click.testing import CliRunner
 
+from faulty import HoldsTheGilInItsExport
 from helpers import NEVER_S, close, events, job, raytp_cli, run, run_catching, steps_logged, wait_for
 from raytp.cli import main
 from raytp.config import ConfigError, from_dict
@@ -113,8 +114,10 @@ def test_a_profile_of_two_steps_on_two_ranks_lands_in_the_runs_storage(ray_local
 def test_raytp_profile_traces_the_next_steps_of_a_running_job(ray_local, tmp_path):
     """What `raytp profile RUN --steps 2 --ranks 1` files through the control actor, served at the next
     step boundary: answered at once with where, then again once the traces are written. Its two steps run in
-    two calls, each on a thread of its own (a profile bound to one thread crashed its export)."""
+    two calls, each on a thread of its own (a profile bound to one thread crashed its export). Its export holds
+    the GIL (unanswered pings) for longer than recovery.hang_s: a rank tracing is not taken for hung."""
     d = Driver(job(tp=2, steps=8), tmp_path / "run", "on-demand", out=io.StringIO())
+    d.worker_cls = HoldsTheGilInItsExport
     try:
         d.start()
         d.train_loop(until=3)
@@ -136,6 +139,7 @@ def test_raytp_profile_traces_the_next_steps_of_a_running_job(ray_local, tmp_pat
     assert not (where / trace_file(0)).exists()
     (ev,) = events(tmp_path / "run", "profile")
     assert (ev["steps"], ev["ranks"], ev["memory"]) == ([3, 4], [1], True)
+    assert events(tmp_path / "run", "failure") == []
 
 
 @pytest.mark.slow

@@ -13,7 +13,9 @@ step's time), the driver pings every rank of the call, at most once per ``recove
 answered quickly (within a quarter of it: the machine and Ray are not merely slow), is declared hung
 (``RanksHung``), and the recovery replaces it at once. Anything less sure gives no verdict: the step deadline
 (``runtime.step_timeout_s``) and the recovery's ping (``recovery.ping_timeout_s``) stay the last resort. One
-rank alone has no one to be compared with: only the deadline finds it hung.
+rank alone has no one to be compared with: only the deadline finds it hung. A rank tracing a profile is excused
+(``Heartbeat.excused``): torch's profiler holds the GIL while it starts, stops and writes its trace (seconds for a
+big trace or on a loaded machine), and a silent rank then was killed as hung, its trace lost.
 """
 from __future__ import annotations
 
@@ -154,13 +156,14 @@ class RanksHung(StepDeadline):
         self.ranks = list(ranks)
 
 
-def verdict(answered: dict[int, float], ranks: int, hang_s: float) -> list[int]:
+def verdict(answered: dict[int, float], ranks: int, hang_s: float, excused=frozenset()) -> list[int]:
     """The ranks hung by one round of pings to `ranks` ranks, waited for `hang_s` ({rank: seconds its answer
-    took} of those that answered): those that did not answer, if every other did within hang_s / 4; else []."""
+    took} of those that answered): those that did not answer, if every other did within hang_s / 4, less the
+    `excused` (whose silence proves nothing now); else []."""
     silent = [r for r in range(ranks) if r not in answered]
     if not silent or len(silent) == ranks or max(answered.values()) > hang_s / 4:
         return []
-    return silent
+    return [r for r in silent if r not in excused]
 
 
 class Heartbeat:
@@ -169,6 +172,7 @@ class Heartbeat:
     def __init__(self, workers: list, hang_s: float):
         self.workers, self.hang_s = workers, hang_s
         self.last = 0.0  # when the last round was sent (perf_counter)
+        self.excused: set[int] = set()  # ranks never found hung by it (tracing a profile: the module's doc)
 
     def check(self) -> None:
         """A round of pings if the last is hang_s old, waited for up to hang_s; raise RanksHung on its verdict."""
@@ -186,7 +190,7 @@ class Heartbeat:
             ready, pending = ray.wait(pending, num_returns=1, timeout=left, fetch_local=False)
             for ref in ready:
                 answered[index[ref]] = time.perf_counter() - t0
-        hung = verdict(answered, len(refs), self.hang_s)
+        hung = verdict(answered, len(refs), self.hang_s, self.excused)
         if hung:
             raise RanksHung(hung, self.hang_s)
 

@@ -70,6 +70,11 @@ class Profiles:
         if why:
             self.say(f"profile.steps [{first}, {last}]: nothing is profiled: {why}")
 
+    def tracing(self, first: int, last: int) -> set[int]:
+        """The ranks that trace any of steps `first`..`last`: their pings may go unanswered for seconds then, as
+        torch's profiler holds the GIL (raytp.runtime.cluster.health: excused from the heartbeat)."""
+        return {r for h in self.handed if h.plan.first <= last and first <= h.plan.last for r in h.ranks}
+
     def request(self, group, step: int, total: int, req) -> Outcome:
         """Serve `raytp profile` (`req`: a run_status.ProfileAsked) at the boundary before `step`: trace the next
         `req.steps` steps on `req.ranks` (default [0]); the answer says where the traces will be."""
