@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from tp_training import BATCH, HYPER, SEED, STEPS, WEIGHTS_TOL, corpus, moe_config, train
+from tp_training import BATCH, HYPER, SEED, STEPS, WEIGHTS_TOL, assert_table_holds, corpus, moe_config, train
 
 from raytp.data.corpus import batch
 from raytp.models.moe.plan import ExpertPlace
@@ -76,6 +76,7 @@ def train_runs(rank, world, init, runs, overlap=False):
             x, y = batch(data, "train", SEED, step, groups.dp_rank, dp, BATCH, cfg.block_size)
             mbs = list(zip(x.chunk(2), y.chunk(2))) if pipe else [(x, y)]
             losses.append(train_step(model, opt, mbs, groups, step, HYPER, schedule=pipe).loss)
+        assert_table_holds(model, opt, cfg, Layout(tp, pp=pp, dp=dp, ep=ep, etp=etp, zero=zero), rank)
         kept = ({n: p.shape[0] for n, p in model.named_parameters()},  # rows held, rows of AdamW state kept
                 {n: st["exp_avg"].shape[0] for n, st in opt.named_state().items()})
         if opt.apart_sharded:

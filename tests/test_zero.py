@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from tp_training import HYPER, SEED, STEPS, corpus, gpt_config, llama_config, without_key_bias
+from tp_training import HYPER, SEED, STEPS, assert_table_holds, corpus, gpt_config, llama_config, without_key_bias
 
 from raytp.models.moe.args import MoeArgs
 from raytp.train import zero_handover
@@ -65,6 +65,7 @@ def train_layout(rank, world, init, runs):
         results = [train_step(model, opt, micro_batches(data, cfg, step, groups.dp_rank, dp), groups, step, h,
                               schedule=pipe) for step in range(STEPS)]
         opt.settle()  # the last gather (overlapping a next forward pass that never comes)
+        assert_table_holds(model, opt, cfg, Layout(tp, pp=pp, dp=dp, zero=zero), rank, BUCKET)
         state = {k: t for k, t in gather_full_state(model, groups.tp).items() if not replicated_copy(model, k)}
         keep = groups.dp_rank == 0 and groups.tp_rank == 0
         replicated = sum(8 * p.numel() + 4 for p in model.parameters())  # two fp32 moments and a step count

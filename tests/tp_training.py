@@ -144,3 +144,16 @@ CONFIGS = {"mixtral": MIXTRAL, "deepseek": DEEPSEEK, "dropping": DROPPING}
 def moe_config(which: str) -> ModelArgs:
     return ModelArgs(arch="llama", n_layer=3, n_head=8, n_kv_head=2, n_embd=32, intermediate_size=48,
                      block_size=16, vocab_size=256, rope_theta=500.0, moe=CONFIGS[which])
+
+
+def assert_table_holds(model, opt, cfg, layout, rank, bucket_numel=None):
+    """The state mover's placement table (raytp.moves.table) says what this rank holds: every weight and AdamW
+    tensor of its shard, by key, at its shape (its stage, its TP slices, its experts, its rows under zero 1),
+    and nothing else."""
+    from raytp.moves.table import model_table
+    from raytp.parallel.zero_plan import BUCKET_NUMEL
+    real = {f"model/{n}": tuple(p.shape) for n, p in model.named_parameters()}
+    real.update({f"optim/{n}/{k}": tuple(v.shape) for n, st in opt.named_state().items() for k, v in st.items()
+                 if torch.is_tensor(v)})
+    table = model_table(cfg, bucket_numel=bucket_numel or BUCKET_NUMEL).held(layout)[rank]
+    assert {k: h.shape for k, h in table.items()} == real, (layout, rank)

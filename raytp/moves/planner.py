@@ -1,0 +1,164 @@
+"""The state mover's plan: every layout change and every recovery as typed slice moves. Pure.
+
+``plan_moves(table, old, new, world)`` reads which region of which tensor each
+rank holds on the old layout and must hold on the new one (the placement table,
+raytp.moves.table) and which old processes serve and where (``World``), and
+says, for every new rank, where each block of its state comes from:
+
+1. the process that becomes it, if that process held the block (nothing moves:
+   a kept rank keeps what it has);
+2. else a live old rank holding it on the new rank's node, then anywhere
+   (the least loaded first, so that replicas share the sending);
+3. else the in-memory snapshot of an old rank that held it;
+4. else the checkpoint; if there is none, ``Unplannable`` names what is gone.
+
+So a recovery is a plan whose lost ranks serve nothing, a DP grow one whose new
+replicas' processes are fresh, a TP, PP, EP or ZeRO re-cut one whose regions
+differ: one planner for all. Each ``Move`` is a box contiguous in both the
+source's local tensor (the old rank's, whichever kind serves it) and the new
+rank's; a new rank's moves cover every element of its state exactly once.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from raytp.moves.regions import Box, Region, cells, contains, edges
+from raytp.moves.table import Held, StateTable
+from raytp.parallel.layout import Layout
+
+
+class SourceKind(enum.Enum):
+    LIVE = "live"                # an old rank's process, serving
+    SNAPSHOT = "snapshot"        # an old rank's part of the in-memory snapshots
+    CHECKPOINT = "checkpoint"    # the checkpoint of the same state
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: SourceKind
+    rank: int  # the old rank whose local tensor the move's source box indexes
+
+
+@dataclass(frozen=True)
+class Move:
+    key: str
+    source: Source
+    dst: int          # the new rank
+    box: Box          # a_at: in the source's local tensor; b_at: in the new rank's
+    itemsize: int
+    in_place: bool    # the source is the new rank's own process: no byte leaves it
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class World:
+    """The processes as the plan finds them."""
+    alive: frozenset[int]                    # old ranks whose processes serve
+    process_of: dict[int, int] = field(default_factory=dict)  # new rank -> the old rank whose process it runs in
+    old_nodes: dict[int, str] = field(default_factory=dict)   # old rank -> node (unknown: none shared)
+    new_nodes: dict[int, str] = field(default_factory=dict)   # new rank -> node
+    snapshot: frozenset[int] = frozenset()   # old ranks whose held state the snapshots hold
+    checkpoint: bool = False                 # a checkpoint of the same state is there
+
+
+class Unplannable(ValueError):
+    """No source holds some of the new state: no live rank, snapshot or checkpoint has it."""
+
+
+def plan_moves(table: StateTable, old: Layout, new: Layout, world: World) -> list[Move]:
+    """Every move that makes the state of `new` from that of `old` in `world` (see the module doc)."""
+    before, after = table.held(old), table.held(new)
+    holders: dict[str, dict[Region, list[int]]] = {}  # key -> each distinct region held -> its holders
+    for i, held in enumerate(before):
+        for key, h in held.items():
+            holders.setdefault(key, {}).setdefault(h.region, []).append(i)
+    sent: dict[int, int] = {}  # bytes each live old rank sends so far: the next block goes to the least loaded
+    out: list[Move] = []
+    for j, held in enumerate(after):
+        for key, want in held.items():
+            out += _fill(key, want, j, holders.get(key, {}), world, sent)
+    return out
+
+
+def _fill(key: str, want: Held, j: int, have: dict[Region, list[int]], world: World, sent: dict) -> list[Move]:
+    """The moves of one tensor of new rank `j`: cut into cells no holder's edge crosses, each from its source."""
+    cuts = edges(want.region)
+    for region in have:
+        for d, e in enumerate(edges(region)):
+            cuts[d] |= e
+    chosen: dict[Source, list[Region]] = {}
+    region_of: dict[int, Region] = {}
+    for cell in cells(want.region, cuts):
+        if cell.numel == 0:
+            continue
+        by = [(region, ranks) for region, ranks in have.items() if contains(region, cell)]
+        src = _source(key, j, sorted(i for _, ranks in by for i in ranks), world, sent, cell.numel * want.itemsize)
+        region_of.update({i: region for region, ranks in by for i in ranks if i == src.rank})
+        chosen.setdefault(src, []).append(cell)
+    out = []
+    for src, got in chosen.items():
+        region = region_of[src.rank]
+        own = src.kind is SourceKind.LIVE and world.process_of.get(j) == src.rank
+        for box in merge([Box(_at(region, c), _at(want.region, c), c.shape) for c in got]):
+            out.append(Move(key, src, j, box, want.itemsize, own))
+    return out
+
+
+def _source(key: str, j: int, ranks: list[int], world: World, sent: dict, nbytes: int) -> Source:
+    """The source of one cell of new rank `j`, held by old `ranks` (ascending): the module doc's order."""
+    live = [i for i in ranks if i in world.alive]
+    mine = world.process_of.get(j)
+    if mine in live:
+        return Source(SourceKind.LIVE, mine)
+    if live:
+        node = world.new_nodes.get(j)
+        near = [i for i in live if node is not None and world.old_nodes.get(i) == node]
+        i = min(near or live, key=lambda r: (sent.get(r, 0), r))
+        sent[i] = sent.get(i, 0) + nbytes
+        return Source(SourceKind.LIVE, i)
+    snap = [i for i in ranks if i in world.snapshot]
+    if snap:
+        return Source(SourceKind.SNAPSHOT, snap[0])
+    if world.checkpoint and ranks:
+        return Source(SourceKind.CHECKPOINT, ranks[0])
+    raise Unplannable(f"{key} of new rank {j}: " + (f"its old holders {ranks} are gone, with no snapshot of "
+                                                    "theirs and no checkpoint" if ranks else "no old rank held it"))
+
+
+def _at(region: Region, cell: Region) -> tuple[int, ...]:
+    """Where cell `cell` (inside `region`) starts in `region`'s local tensor."""
+    out = []
+    for d, ((lo, _),) in enumerate(cell.dims):
+        out.append(next(at + lo - a for a, b, at in region.local(d) if a <= lo < b))
+    return tuple(out)
+
+
+def merge(boxes: list[Box]) -> list[Box]:
+    """Boxes joined where two are adjacent along one dim in both tensors and equal across the others."""
+    boxes = sorted(boxes, key=lambda b: (b.b_at, b.a_at))
+    for d in range(len(boxes[0].size) if boxes else 0):
+        out: list[Box] = []
+        for b in sorted(boxes, key=lambda b: (tuple(x for k, x in enumerate(b.b_at) if k != d), b.b_at[d])):
+            p = out[-1] if out else None
+            if p is not None and _adjacent(p, b, d):
+                size = tuple(s + (b.size[d] if k == d else 0) for k, s in enumerate(p.size))
+                out[-1] = Box(p.a_at, p.b_at, size)
+            else:
+                out.append(b)
+        boxes = out
+    return sorted(boxes, key=lambda b: b.b_at)
+
+
+def _adjacent(p: Box, b: Box, d: int) -> bool:
+    others = [k for k in range(len(p.size)) if k != d]
+    return (all(p.a_at[k] == b.a_at[k] and p.b_at[k] == b.b_at[k] and p.size[k] == b.size[k] for k in others)
+            and p.a_at[d] + p.size[d] == b.a_at[d] and p.b_at[d] + p.size[d] == b.b_at[d])
+
+
+def moved_bytes(moves: list[Move]) -> int:
+    """Bytes that leave a process (in-place moves cost none)."""
+    return sum(m.nbytes for m in moves if not m.in_place)

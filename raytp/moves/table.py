@@ -1,0 +1,138 @@
+"""The placement table: every tensor of the training state, and the region of it each rank holds on a layout.
+
+The state is the model's parameters and their AdamW state (``exp_avg``,
+``exp_avg_sq``, the ``step`` count), each under one key as checkpoints name it
+(``model/<name>``, ``optim/<name>/<k>``). A ``Param`` gives a parameter's global
+shape, how TP splits it (its model's ``Sharding`` row: raytp.parallel.sharding),
+whether it is routed expert ``expert`` of ``n_experts``, whether AdamW trains it;
+``stages(pp)`` gives the names each pipeline stage holds, in the model's order (a
+tied embedding's copy on the last stage too). From these and a Layout,
+``StateTable.held`` answers for every rank which region (raytp.moves.regions) of
+which tensor it holds, by the rules the shards are built by:
+
+- a dense weight: its TP rank's ranges (``shard_ranges``, padding left out), the
+  whole of every other dim; the same on every replica;
+- a routed expert's weight, where the layout gives experts a mesh of their own:
+  held by the ranks whose EP place holds that expert, split over ETP as a dense
+  row would be over TP (whole at etp 1); elsewhere as a dense weight;
+- its AdamW moments: as the weight, or, under the distributed optimizer, the
+  local rows the rank's DP place owns in the cut of its stage's bucketed
+  parameters (raytp.parallel.zero_plan; experts cut apart, over expert-DP); the
+  step count wherever a rank keeps state of that parameter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from raytp.moves.regions import Region
+from raytp.parallel.layout import Layout
+from raytp.parallel.sharding import REPLICATED, Sharding, local_shape, shard_ranges
+from raytp.parallel.zero_plan import BUCKET_NUMEL, owned_rows, plan
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    shape: tuple[int, ...]
+    sharding: Sharding = REPLICATED
+    expert: int | None = None   # routed expert `expert` of `n_experts` (an MoE layer's), or None
+    n_experts: int = 0
+    trained: bool = True        # a router's selection bias is not: no AdamW state
+    itemsize: int = 4           # bytes per element of the weight (AdamW's state: 4)
+
+
+@dataclass(frozen=True)
+class Held:
+    """One tensor a rank holds: its key, the region, the local tensor's shape (padding included), bytes per
+    element."""
+    key: str
+    region: Region
+    shape: tuple[int, ...]
+    itemsize: int
+
+
+@dataclass
+class StateTable:
+    params: list[Param]
+    stages: Callable[[int], list[list[str]]]  # pp -> each stage's parameter names, in the model's order
+    bucket_numel: int = BUCKET_NUMEL
+    _by_name: dict = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self._by_name = {p.name: p for p in self.params}
+
+    def held(self, layout: Layout) -> list[dict[str, Held]]:
+        """For each rank of `layout`: {key: Held} of every tensor it holds."""
+        stages = self.stages(layout.pp)
+        if len(stages) != layout.pp:
+            raise ValueError(f"the table's stage cut has {len(stages)} stages, the layout {layout.pp}")
+        return [self._rank(layout, r, [self._by_name[n] for n in stages[layout.coord(r, "pp")]])
+                for r in range(layout.world_size)]
+
+    def _rank(self, layout: Layout, rank: int, params: list[Param]) -> dict[str, Held]:
+        weights = {p.name: self._weight(layout, rank, p) for p in params}
+        weights = {n: w for n, w in weights.items() if w is not None}
+        out = {f"model/{n}": Held(f"model/{n}", r, s, self._by_name[n].itemsize) for n, (r, s) in weights.items()}
+        trained = [p for p in params if p.trained and p.name in weights]
+        split = layout.experts_split
+        dense = [p for p in trained if not (split and p.expert is not None)]
+        apart = [p for p in trained if split and p.expert is not None]
+        for group, degree, place, sharded in (
+                (dense, layout.dp, layout.coord(rank, "dp"), layout.sharded_optimizer),
+                (apart, layout.degree("edp"), layout.coord(rank, "edp"), layout.sharded_experts)):
+            rows = owned_rows(plan([weights[p.name][1] for p in group], degree, self.bucket_numel), place) \
+                if sharded else None
+            for i, p in enumerate(group):
+                region, shape = weights[p.name]
+                if rows is not None:
+                    if i not in rows:
+                        continue  # none of its rows here: no AdamW state of it at all
+                    a, b = rows[i]
+                    region, shape = region.rows(a, b), (b - a,) + shape[1:] if shape else shape
+                for k in MOMENTS:
+                    out[f"optim/{p.name}/{k}"] = Held(f"optim/{p.name}/{k}", region, shape, 4)
+                out[f"optim/{p.name}/step"] = Held(f"optim/{p.name}/step", Region(()), (), 4)
+        return out
+
+    @staticmethod
+    def _weight(layout: Layout, rank: int, p: Param) -> tuple[Region, tuple[int, ...]] | None:
+        """(region, local shape) of `p`'s weight on `rank`; None if it does not hold it."""
+        s, degree, place = p.sharding, layout.tp, layout.coord(rank, "tp")
+        if p.expert is not None and layout.experts_split:
+            if layout.coord(rank, "ep") != p.expert // (p.n_experts // layout.ep):
+                return None
+            degree, place = layout.expert_tp, layout.coord(rank, "etp")
+        whole = Region.whole(p.shape)
+        if s.dim is None or degree == 1:
+            return whole, tuple(p.shape)
+        size = p.shape[s.dim]
+        ranges = [(r.start, min(r.stop, size)) for r in shard_ranges(s, size, place, degree) if r.start < size]
+        return whole.split(s.dim, tuple(ranges)), local_shape(s, tuple(p.shape), degree)
+
+
+def model_table(cfg, v: int = 1, pp_layers: list[int] | None = None, bucket_numel: int = BUCKET_NUMEL) -> StateTable:
+    """The table of a model config (raytp.models.args.ModelArgs): its parameters as the meta model lists them,
+    each split by its model's sharding row, and its stage cut (`v` chunks a stage, `pp_layers`: the job's)."""
+    import torch
+
+    from raytp.models.moe.plan import EXPERT_WEIGHT
+    from raytp.models.registry import UNTRAINED, model_class, sharding_of
+    from raytp.models.stage import holds, stage_of
+
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    n_experts = cfg.moe.n_experts if cfg.moe is not None else 0
+    params = []
+    for name, p in model.named_parameters():
+        m = EXPERT_WEIGHT.match(name)
+        expert = int(m.group(0).rstrip(".").rsplit(".", 1)[1]) if m else None  # layers.L.mlp.experts.J.
+        params.append(Param(name, tuple(p.shape), sharding_of(name, cfg), expert, n_experts,
+                            not UNTRAINED.match(name), p.element_size()))
+    parts, names = model.stage_parts(), [p.name for p in params]
+
+    def stages(pp: int) -> list[list[str]]:
+        return [[n for n in names if holds(parts, stage_of(cfg, pp, s, v, pp_layers), n)] for s in range(pp)]
+    return StateTable(params, stages, bucket_numel)
