@@ -15,15 +15,16 @@ import random
 import numpy as np
 import pytest
 import torch
+from tp_training import moe_config
 
+from raytp.models.moe.plan import ExpertPlace
 from raytp.moves.execute import export, fill
 from raytp.moves.planner import SourceKind, Unplannable, World, moved_bytes, plan_moves
 from raytp.moves.regions import overlap
-from raytp.moves.table import MOMENTS, Param, StateTable
+from raytp.moves.table import MOMENTS, Param, StateTable, model_table
 from raytp.parallel.layout import Layout
 from raytp.parallel.sharding import Sharding, shard_tensor
 from raytp.parallel.zero_plan import owned_rows, plan
-from raytp.runtime.elastic.rank_plans import holds_expert
 from raytp.tp_degrees import kv_fits
 
 def model(rng):
@@ -113,7 +114,7 @@ def shards(table, layout, full):
         for n in names:
             p = by_name[n]
             if p.expert is not None and layout.experts_split:
-                if not holds_expert(layout, r, p.expert, p.n_experts):
+                if not ExpertPlace(ep=layout.ep, ep_rank=layout.coord(r, "ep")).holds(p.expert, p.n_experts):
                     continue
                 degree, place = layout.expert_tp, layout.coord(r, "etp")
             else:
@@ -295,3 +296,32 @@ def test_zero_1_state_with_no_live_holder_comes_from_the_snapshot_or_the_checkpo
         optim = {m.source.kind for m in moves if m.dst == 1 and m.key.startswith("optim/") and not m.key.endswith("/step")}
         assert optim == {kind}  # rank 1's rows of the moments were its alone
         assert {m.source.kind for m in moves if m.dst == 1 and m.key.startswith("model/")} == {SourceKind.LIVE}
+
+
+def gained(old, new, cfg):
+    """{new rank: {expert: the old ranks its weights come from}} of a live EP change (every process kept), at
+    zero 0 (zero 1's re-cut rows: the random cases)."""
+    moves = plan_moves(model_table(cfg), old, new, World(frozenset(range(old.world_size)),
+                                                         {r: r for r in range(new.world_size)}))
+    out = {r: {} for r in range(new.world_size)}
+    for m in moves:
+        if not m.in_place:
+            assert ".experts." in m.key, m.key  # dense weights and their AdamW state stay where they are
+            if m.key.startswith("model/"):  # (a step count comes from any holder of that expert)
+                out[m.dst].setdefault(int(m.key.split(".experts.")[1].split(".")[0]), set()).add(m.source.rank)
+    return out
+
+
+def test_an_ep_change_moves_only_the_experts_each_rank_gains_from_holders_of_the_same_slice():
+    cfg = moe_config("mixtral")  # 4 experts
+    one, two = Layout(1, dp=2, ep=1), Layout(1, dp=2, ep=2)
+    assert gained(two, one, cfg) == {0: {2: {1}, 3: {1}}, 1: {0: {0}, 1: {0}}}
+    assert gained(one, two, cfg) == {0: {}, 1: {}}
+    # experts split over TP (etp 2): a slice comes from the old holder at the same TP rank
+    assert gained(Layout(2, dp=2, ep=2), Layout(2, dp=2, ep=1), cfg) == {
+        0: {2: {2}, 3: {2}}, 1: {2: {3}, 3: {3}}, 2: {0: {0}, 1: {0}}, 3: {0: {1}, 1: {1}}}
+    # DP=4 (EP=2: ranks 0, 2 hold experts 0-1, ranks 1, 3 experts 2-3; EP=4: rank r expert r): the sending is
+    # shared by the holders
+    assert gained(Layout(1, dp=4, ep=2), Layout(1, dp=4, ep=4), cfg) == {0: {}, 1: {1: {0, 2}}, 2: {2: {1, 3}}, 3: {}}
+    assert gained(Layout(1, dp=4, ep=4), Layout(1, dp=4, ep=2), cfg) == {
+        0: {1: {1}}, 1: {2: {2}, 3: {3}}, 2: {0: {0}, 1: {1}}, 3: {2: {2}}}

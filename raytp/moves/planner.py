@@ -69,9 +69,10 @@ class Unplannable(ValueError):
     """No source holds some of the new state: no live rank, snapshot or checkpoint has it."""
 
 
-def plan_moves(table: StateTable, old: Layout, new: Layout, world: World) -> list[Move]:
-    """Every move that makes the state of `new` from that of `old` in `world` (see the module doc)."""
-    before, after = table.held(old), table.held(new)
+def plan_moves(table: StateTable, old: Layout, new: Layout, world: World, state: bool = True) -> list[Move]:
+    """Every move that makes the state of `new` from that of `old` in `world` (see the module doc); the
+    weights alone without `state` (before the first update AdamW has none)."""
+    before, after = table.held(old, state), table.held(new, state)
     holders: dict[str, dict[Region, list[int]]] = {}  # key -> each distinct region held -> its holders
     for i, held in enumerate(before):
         for key, h in held.items():

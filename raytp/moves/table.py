@@ -64,18 +64,21 @@ class StateTable:
     def __post_init__(self):
         self._by_name = {p.name: p for p in self.params}
 
-    def held(self, layout: Layout) -> list[dict[str, Held]]:
-        """For each rank of `layout`: {key: Held} of every tensor it holds."""
+    def held(self, layout: Layout, state: bool = True) -> list[dict[str, Held]]:
+        """For each rank of `layout`: {key: Held} of every tensor it holds (its weights alone without `state`:
+        before the first update, AdamW has none)."""
         stages = self.stages(layout.pp)
         if len(stages) != layout.pp:
             raise ValueError(f"the table's stage cut has {len(stages)} stages, the layout {layout.pp}")
-        return [self._rank(layout, r, [self._by_name[n] for n in stages[layout.coord(r, "pp")]])
+        return [self._rank(layout, r, [self._by_name[n] for n in stages[layout.coord(r, "pp")]], state)
                 for r in range(layout.world_size)]
 
-    def _rank(self, layout: Layout, rank: int, params: list[Param]) -> dict[str, Held]:
+    def _rank(self, layout: Layout, rank: int, params: list[Param], state: bool) -> dict[str, Held]:
         weights = {p.name: self._weight(layout, rank, p) for p in params}
         weights = {n: w for n, w in weights.items() if w is not None}
         out = {f"model/{n}": Held(f"model/{n}", r, s, self._by_name[n].itemsize) for n, (r, s) in weights.items()}
+        if not state:
+            return out
         trained = [p for p in params if p.trained and p.name in weights]
         split = layout.experts_split
         dense = [p for p in trained if not (split and p.expert is not None)]

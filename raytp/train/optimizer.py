@@ -53,7 +53,6 @@ class DistributedAdamW:
                               apart_rank if sharded_apart else 0, sharded_apart, bucket_numel) if apart_params else None
         self.apart = self.experts.grads if self.experts is not None else None
         self._apart_group = None  # the group the experts were last reduced over (their gather's, under zero 1)
-        self.exported: dict = {}  # the experts' whole state as last exported for a live EP change (apart_state)
         self.recut(dp, dp_rank)
 
     def recut(self, dp: int, dp_rank: int) -> None:
@@ -258,24 +257,10 @@ class DistributedAdamW:
         lo = self._cut(i).owned.get(i, (0, 0))[0]
         state[key][start - lo:start - lo + t.shape[0]].copy_(t)
 
-    def apart_state(self, group) -> dict[str, dict[str, torch.Tensor]]:
-        """{name: AdamW state} of the parameters apart, whole: under ``apart_sharded`` this rank's rows gathered
-        over `group` (their group: every rank of it calls this), else the live state. Also kept as ``exported``:
-        a live EP change builds the next shard's state from it (raytp.runtime.worker.expert_moves)."""
-        if self.experts is None:
-            return {}
-        if self.apart_sharded:
-            whole = self.experts.whole_state(lambda i: self.inner.state.get(self.targets[i], {}), group)
-        else:
-            whole = {i: dict(self.inner.state[self.targets[i]]) for i in range(self.n_bucketed, len(self.params))
-                     if self.inner.state.get(self.targets[i])}
-        self.exported = {self.names[i]: st for i, st in whole.items()}
-        return self.exported
-
-    def take_exported(self) -> dict[str, dict[str, torch.Tensor]]:
-        """What ``apart_state`` last gave, handed over once (a gathered copy is not kept alive after)."""
-        out, self.exported = self.exported, {}
-        return out
+    def target(self, name: str) -> torch.Tensor:
+        """What AdamW updates for parameter `name`: the parameter, or the view of the rows this rank keeps
+        (zero 1)."""
+        return self.targets[self._index[name]]
 
     def clear_state(self) -> None:
         self.inner.state.clear()

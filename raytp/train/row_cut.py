@@ -11,14 +11,11 @@ Otherwise every rank keeps every row and the buckets are all-reduced.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from raytp.parallel import comm
 from raytp.parallel.zero_plan import Bucket, owned_rows, plan
 from raytp.train.grad_buckets import GradBuckets
 from raytp.train.weight_gather import WeightGather
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class RowCut:
@@ -87,33 +84,6 @@ class RowCut:
             self.gather.settle()
 
     @torch.no_grad()
-    def whole_state(self, state_of, group) -> dict[int, dict[str, torch.Tensor]]:
-        """index -> every parameter's AdamW state whole (sharded: each rank's rows of each moment all-gathered over
-        `group`, bucket by bucket; every rank of it must call this); {} before the first update anywhere.
-        `state_of(index)`: the live state of this rank's rows of parameter `index` (empty: none)."""
-        mine = [state_of(i) for i in self.owned]
-        step = next((st["step"] for st in mine if st), None)
-        steps = torch.tensor([float(step) if step is not None else 0.0], dtype=torch.float64)
-        comm.all_reduce(steps, group, op=dist.ReduceOp.MAX)
-        if steps.item() == 0:
-            return {}
-        like = self.params[0]
-        out = {self.first + i: {"step": torch.tensor(steps.item(), dtype=torch.float32),
-                                **{k: torch.zeros_like(p.data) for k in MOMENTS}} for i, p in enumerate(self.params)}
-        for k in MOMENTS:
-            for b in self.buckets:
-                flat = torch.zeros(b.numel, dtype=like.dtype, device=like.device)
-                for pc in b.ranges[self.rank]:
-                    st = state_of(self.first + pc.index)
-                    if st:
-                        flat[b.span(self.rank, pc)].copy_(st[k].reshape(-1))
-                comm.all_gather_in_place(flat, group)
-                for d, pieces in enumerate(b.ranges):
-                    for pc in pieces:
-                        t = out[self.first + pc.index][k]
-                        t[pc.start:pc.stop].copy_(flat[b.span(d, pc)].view_as(t[pc.start:pc.stop]))
-        return out
-
     def settle(self) -> None:
         if self.gather is not None:
             self.gather.settle()

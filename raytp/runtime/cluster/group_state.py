@@ -13,6 +13,7 @@ import ray
 from ray.exceptions import GetTimeoutError
 
 from raytp.config.adapters import model_args
+from raytp.moves.planner import SourceKind
 from raytp.parallel.ownership import Ownership
 from raytp.runtime.state.checkpoints import write_part_task
 
@@ -92,10 +93,25 @@ class StateCalls:
         ray.get([self.workers[r].set_shard.remote(ref, step, weights_only) for r, ref in refs.items()],
                 timeout=self.cfg.runtime.step_timeout_s)
 
-    def export_experts(self, n_experts: int) -> tuple[list, list]:
-        """Every rank cuts one bundle per global expert of what it holds of it (raytp.runtime.worker.expert_moves),
-        kept in the object store, owned here and never fetched: (refs[rank][expert], bytes[rank][expert])."""
-        return self._bundles("export_experts", n_experts)
+    def export_moves(self, moves: list) -> tuple[dict, int]:
+        """A plan's moves (raytp.moves.planner) exported by their live sources: ({destination: [refs of the
+        bundles sent to it]}, bytes), the bundles kept in the object store, owned here and never fetched."""
+        by_source: dict[int, list] = {}
+        for m in moves:
+            if m.source.kind is not SourceKind.LIVE:
+                raise ValueError(f"{m.key} of rank {m.dst} is planned from a {m.source.kind.value}: a worker "
+                                 "exports what it holds only")
+            if not m.in_place:
+                by_source.setdefault(m.source.rank, []).append(m)
+        sent: dict[int, list] = {}
+        sizes = []
+        for src, ms in sorted(by_source.items()):
+            dsts = sorted({m.dst for m in ms})
+            out = self.workers[src].export_moves.options(num_returns=len(dsts) + 1).remote(ms)
+            for dst, ref in zip(dsts, out[:len(dsts)]):
+                sent.setdefault(dst, []).append(ref)
+            sizes.append(out[len(dsts)])
+        return sent, sum(map(sum, self.fetch(sizes)))
 
     def export_rows(self, new_dp: int) -> tuple[list, list]:
         """A DP resize under zero 1: every rank cuts the AdamW rows it keeps into one bundle per DP rank of

@@ -120,7 +120,7 @@ class EpChange(Change):
         return Reservation(dict(group.pgs), None, [])
 
     def switch(self, group, pending, step: int):
-        return expert_switch.switch_ep(group, pending.new_cfg)
+        return expert_switch.switch_ep(group, pending.new_cfg, step)
 
 
 def plan_change(old: Layout, new: Layout) -> Change:

@@ -72,31 +72,3 @@ def restage_ranks(old: Layout, new: Layout) -> RankPlan:
 def ep_resize_ranks(old: Layout) -> RankPlan:
     """An expert-parallel change (the same TP, PP and DP) keeps every worker: only the experts move."""
     return RankPlan(tuple(range(old.world_size)), (), (), ())
-
-
-def holds_expert(layout: Layout, rank: int, expert: int, n_experts: int) -> bool:
-    """Whether `rank` holds (its slice of) routed expert `expert` of each expert layer of its stage: the
-    experts of its EP place (raytp.models.moe.plan.ExpertPlace), all of them without an expert mesh."""
-    if not layout.experts_split:
-        return True
-    return layout.coord(rank, "ep") == expert // (n_experts // layout.ep)
-
-
-def expert_sources(old: Layout, new: Layout, n_experts: int) -> dict[int, dict[int, int]]:
-    """An EP change: {new rank: {expert: the old rank it takes that expert from}} for every expert a rank
-    holds at `new` and did not hold at `old` (what it held it keeps). The old rank is one of the same stage
-    holding the same slice (the same TP rank where experts are split over TP; whole experts from any), this
-    rank itself where it can be, else the first: each expert's bytes move once to each rank that needs them."""
-    out: dict[int, dict[int, int]] = {}
-    for r in range(new.world_size):
-        at = new.coords(r)
-        split = new.expert_tp > 1  # a slice: the old holder's must be the same one (same TP rank, etp == tp)
-        need = {}
-        for j in range(n_experts):
-            if not holds_expert(new, r, j, n_experts) or holds_expert(old, r, j, n_experts):
-                continue
-            givers = [o for o in range(old.world_size) if old.coords(o).pp == at.pp
-                      and holds_expert(old, o, j, n_experts) and (not split or old.coords(o).tp == at.tp)]
-            need[j] = givers[0]
-        out[r] = need
-    return out

@@ -22,7 +22,7 @@ from raytp.models.moe.plan import ExpertPlace
 from raytp.models.registry import bucketed, is_expert_weight
 from raytp.models.shard import build_empty_shard, build_shard
 from raytp.models.stage import copied_name
-from raytp.runtime.worker import expert_moves, transfer
+from raytp.runtime.worker import planned_source, transfer
 from raytp.runtime.worker.background_save import BackgroundSave
 from raytp.runtime.worker.transfer import PiecesSource
 from raytp.files import checkpoint, checkpoint_experts
@@ -78,11 +78,11 @@ class HeldShard:
                                          vocab_size, set(skip), stages=stages)
         return (*bundles, transfer.replicated(self.model, self.optimizer), [transfer.bundle_bytes(b) for b in bundles])
 
-    def export_experts(self, groups, n_experts: int):
-        """For a live EP change: one bundle per global expert of what this shard holds of it, then their sizes
-        (raytp.runtime.worker.expert_moves; its experts' state gathered over expert-DP where zero 1 cut it)."""
+    def export_moves(self, moves: list):
+        """A plan's blocks this shard is the source of (raytp.moves): one bundle per destination rank, in
+        ascending order, then their sizes (raytp.runtime.worker.planned_source)."""
         self.settle()
-        return expert_moves.export_experts(self.model, self.optimizer, n_experts, groups.group("edp"))
+        return planned_source.export_moves(self.model, self.optimizer, moves)
 
     def export_rows(self, new_dp: int):
         """A DP resize under zero 1: one bundle per DP rank of `new_dp` of the AdamW rows this rank keeps that

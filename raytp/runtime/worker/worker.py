@@ -222,9 +222,9 @@ class Worker:
         """HeldShard.export_pieces; call with num_returns=new_tp * len(stages or [None]) + 2."""
         return self.shard.export_pieces(self.groups, self.cfg.model.vocab_size, new_tp, skip, stages)
 
-    def export_experts(self, n_experts: int):
-        """HeldShard.export_experts; call with num_returns=n_experts + 1."""
-        return self.shard.export_experts(self.groups, n_experts)
+    def export_moves(self, moves: list):
+        """HeldShard.export_moves; call with num_returns = its destinations + 1."""
+        return self.shard.export_moves(moves)
 
     def export_rows(self, new_dp: int):
         """HeldShard.export_rows; call with num_returns=new_dp + 1."""
