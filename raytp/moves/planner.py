@@ -65,6 +65,9 @@ class World:
     checkpoint: bool = False                 # a checkpoint of the same state is there
 
 
+WINDOW = 8  # holders weighed for each block (the least loaded of them sends it)
+
+
 class Unplannable(ValueError):
     """No source holds some of the new state: no live rank, snapshot or checkpoint has it."""
 
@@ -78,27 +81,47 @@ def plan_moves(table: StateTable, old: Layout, new: Layout, world: World, state:
         for key, h in held.items():
             holders.setdefault(key, {}).setdefault(h.region, []).append(i)
     sent: dict[int, int] = {}  # bytes each live old rank sends so far: the next block goes to the least loaded
+    cut: dict = {}  # (key, region wanted) -> its cells and their holders: the same for every replica
     out: list[Move] = []
     for j, held in enumerate(after):
+        own = world.process_of.get(j)
+        own = before[own] if own in world.alive else {}
         for key, want in held.items():
-            out += _fill(key, want, j, holders.get(key, {}), world, sent)
+            kept = own.get(key)
+            if kept is not None and kept.region == want.region:  # all of it in place: the common case, at once
+                whole = tuple(0 for _ in want.shape)
+                out.append(Move(key, Source(SourceKind.LIVE, world.process_of[j]), j, Box(whole, whole, want.region.shape),
+                                want.itemsize, True))
+                continue
+            if (key, want.region) not in cut:
+                cut[key, want.region] = _cells(want.region, holders.get(key, {}), world)
+            out += _fill(key, want, j, cut[key, want.region], world, sent)
     return out
 
 
-def _fill(key: str, want: Held, j: int, have: dict[Region, list[int]], world: World, sent: dict) -> list[Move]:
-    """The moves of one tensor of new rank `j`: cut into cells no holder's edge crosses, each from its source."""
-    cuts = edges(want.region)
+def _cells(want: Region, have: dict[Region, list[int]], world: World) -> list[tuple[Region, dict, list, list]]:
+    """`want` cut into cells no holder's edge crosses, each with {holder: its region}, its holders and its live
+    holders (ascending)."""
+    cuts = edges(want)
     for region in have:
         for d, e in enumerate(edges(region)):
             cuts[d] |= e
+    out = []
+    for cell in cells(want, cuts):
+        if cell.numel:
+            by = {i: region for region, ranks in have.items() if contains(region, cell) for i in ranks}
+            ranks = sorted(by)
+            out.append((cell, by, ranks, [i for i in ranks if i in world.alive]))
+    return out
+
+
+def _fill(key: str, want: Held, j: int, cut: list, world: World, sent: dict) -> list[Move]:
+    """The moves of one tensor of new rank `j`: each of its cells from its source."""
     chosen: dict[Source, list[Region]] = {}
     region_of: dict[int, Region] = {}
-    for cell in cells(want.region, cuts):
-        if cell.numel == 0:
-            continue
-        by = [(region, ranks) for region, ranks in have.items() if contains(region, cell)]
-        src = _source(key, j, sorted(i for _, ranks in by for i in ranks), world, sent, cell.numel * want.itemsize)
-        region_of.update({i: region for region, ranks in by for i in ranks if i == src.rank})
+    for cell, by, ranks, live in cut:
+        src = _source(key, j, ranks, live, world, sent, cell.numel * want.itemsize)
+        region_of[src.rank] = by[src.rank]
         chosen.setdefault(src, []).append(cell)
     out = []
     for src, got in chosen.items():
@@ -109,16 +132,21 @@ def _fill(key: str, want: Held, j: int, have: dict[Region, list[int]], world: Wo
     return out
 
 
-def _source(key: str, j: int, ranks: list[int], world: World, sent: dict, nbytes: int) -> Source:
-    """The source of one cell of new rank `j`, held by old `ranks` (ascending): the module doc's order."""
-    live = [i for i in ranks if i in world.alive]
+def _source(key: str, j: int, ranks: list[int], live: list[int], world: World, sent: dict, nbytes: int) -> Source:
+    """The source of one cell of new rank `j`, held by old `ranks` (`live` of them serve; ascending): the module
+    doc's order. The least loaded of up to WINDOW holders, from a place that turns with `j`: balanced sending,
+    without a scan of every holder of a tensor every rank holds."""
     mine = world.process_of.get(j)
-    if mine in live:
+    if mine is not None and mine in world.alive and mine in ranks:
         return Source(SourceKind.LIVE, mine)
     if live:
         node = world.new_nodes.get(j)
-        near = [i for i in live if node is not None and world.old_nodes.get(i) == node]
-        i = min(near or live, key=lambda r: (sent.get(r, 0), r))
+        pool = [i for i in live if world.old_nodes.get(i) == node] if node is not None else []
+        pool = pool or live
+        if len(pool) > WINDOW:
+            at = j % len(pool)
+            pool = (pool[at:] + pool[:at])[:WINDOW]
+        i = min(pool, key=lambda r: (sent.get(r, 0), r))
         sent[i] = sent.get(i, 0) + nbytes
         return Source(SourceKind.LIVE, i)
     snap = [i for i in ranks if i in world.snapshot]

@@ -14,6 +14,7 @@ both local tensors (its start in a's, its start in b's, its size).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import product
 from math import prod
 
@@ -40,12 +41,12 @@ class Region:
     def whole(cls, shape: tuple[int, ...]) -> "Region":
         return cls(tuple(((0, n),) if n else () for n in shape))
 
-    @property
+    @cached_property
     def shape(self) -> tuple[int, ...]:
         """The local tensor's shape."""
         return tuple(sum(b - a for a, b in d) for d in self.dims)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return prod(self.shape)
 

@@ -23,6 +23,7 @@ which tensor it holds, by the rules the shards are built by:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable
 
 from raytp.moves.regions import Region
@@ -86,7 +87,7 @@ class StateTable:
         for group, degree, place, sharded in (
                 (dense, layout.dp, layout.coord(rank, "dp"), layout.sharded_optimizer),
                 (apart, layout.degree("edp"), layout.coord(rank, "edp"), layout.sharded_experts)):
-            rows = owned_rows(plan([weights[p.name][1] for p in group], degree, self.bucket_numel), place) \
+            rows = _rows(tuple(weights[p.name][1] for p in group), degree, self.bucket_numel, place) \
                 if sharded else None
             for i, p in enumerate(group):
                 region, shape = weights[p.name]
@@ -103,17 +104,30 @@ class StateTable:
     @staticmethod
     def _weight(layout: Layout, rank: int, p: Param) -> tuple[Region, tuple[int, ...]] | None:
         """(region, local shape) of `p`'s weight on `rank`; None if it does not hold it."""
-        s, degree, place = p.sharding, layout.tp, layout.coord(rank, "tp")
+        degree, place = layout.tp, layout.coord(rank, "tp")
         if p.expert is not None and layout.experts_split:
             if layout.coord(rank, "ep") != p.expert // (p.n_experts // layout.ep):
                 return None
             degree, place = layout.expert_tp, layout.coord(rank, "etp")
-        whole = Region.whole(p.shape)
-        if s.dim is None or degree == 1:
-            return whole, tuple(p.shape)
-        size = p.shape[s.dim]
-        ranges = [(r.start, min(r.stop, size)) for r in shard_ranges(s, size, place, degree) if r.start < size]
-        return whole.split(s.dim, tuple(ranges)), local_shape(s, tuple(p.shape), degree)
+        return _slice(p, degree, place)
+
+
+@lru_cache(maxsize=1024)  # a plan asks the same cut for every replica: once
+def _rows(shapes: tuple, degree: int, bucket_numel: int, place: int) -> dict[int, tuple[int, int]]:
+    """The rows DP place `place` of `degree` owns of each of a shard's bucketed parameters (by position)."""
+    return owned_rows(plan(list(shapes), degree, bucket_numel), place)
+
+
+@lru_cache(maxsize=1 << 16)
+def _slice(p: Param, degree: int, place: int) -> tuple[Region, tuple[int, ...]]:
+    """(region, local shape) of TP (or ETP) place `place` of `degree`'s slice of `p`."""
+    s = p.sharding
+    whole = Region.whole(p.shape)
+    if s.dim is None or degree == 1:
+        return whole, tuple(p.shape)
+    size = p.shape[s.dim]
+    ranges = [(r.start, min(r.stop, size)) for r in shard_ranges(s, size, place, degree) if r.start < size]
+    return whole.split(s.dim, tuple(ranges)), local_shape(s, tuple(p.shape), degree)
 
 
 def model_table(cfg, v: int = 1, pp_layers: list[int] | None = None, bucket_numel: int = BUCKET_NUMEL) -> StateTable:
