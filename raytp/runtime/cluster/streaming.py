@@ -99,6 +99,11 @@ class StepStream:
                 self.streams[rank] = w.run_steps.options(num_returns="streaming").remote(
                     start, count, snapshot_every, self.seq, after, rank in report, lead[1] if lead else None)
 
+    def excuse(self, ranks) -> None:
+        """Ranks whose silence proves nothing while this call runs (tracing a profile: torch's profiler holds
+        the GIL): its heartbeat never finds them hung (raytp.runtime.cluster.health)."""
+        self.heartbeat.excused = set(ranks)
+
     def then(self, count: int, snapshot_every: int) -> "StepStream":
         """The call that follows this one on the same workers, submitted now: each rank starts it the
         moment its part of this call ends, if that part ended well (raytp.runtime.worker.calls)."""

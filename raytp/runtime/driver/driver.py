@@ -197,7 +197,7 @@ class Driver:
         else:
             n = 0  # the call behind the last one
         stream = self.calls.begin(self.group, self.step, n, self.cadence.every)
-        stream.heartbeat.excused = self.profiles.tracing(stream.start, stream.start + stream.count - 1)
+        stream.excuse(self.profiles.tracing(stream.start, stream.start + stream.count - 1))
         snap = stream.snap
         if stream.count == 1:
             self._submit_next(end)
