@@ -272,7 +272,7 @@ class FakeGroup(WorkerGroup):
         for w in self.workers:
             w.x, w.completed = x.item(), step
 
-    def write_snapshot(self, url, directory, parts):
+    def write_snapshot(self, url, directory, parts, task):  # (the task's function, in this process)
         from raytp.runtime.state.checkpoints import write_part
         return [write_part(url, directory, t, ref.value, self.layout.tp, model_args(self.cfg))
                 for t, ref in enumerate(parts)]

@@ -97,6 +97,26 @@ def test_each_layer_imports_only_those_below_it():
     assert not bad, "\n".join(bad)
 
 
+# raytp.runtime's rooms, lowest first (docs/architecture.md); its root modules (policy, records, errors,
+# estimate, ...) lie below them all and import none of them.
+ROOMS = ["cluster", "worker", "state", "elastic", "recovery", "driver", "coordinator"]
+
+
+def room(module: str) -> int:
+    """The place of `module`'s room in ROOMS; -1 for a module at raytp.runtime's root."""
+    parts = module.split(".")
+    return ROOMS.index(parts[2]) if len(parts) > 3 else -1
+
+
+def test_each_runtime_room_imports_only_those_below_it():
+    """A room imports its own modules, lower rooms' and the root's: never a room above it (TYPE_CHECKING
+    imports count: a type named from above is a dependency on it too)."""
+    runtime = [m for m in modules() if m.startswith("raytp.runtime.")]
+    bad = [f"{m} imports {n}" for m in runtime for n in imports_of(m)
+           if n.startswith("raytp.runtime.") and room(n) > room(m)]
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.slow  # over 10 s: the full suite's, not the quick tier's
 def test_every_module_imports_on_its_own():
     script = (

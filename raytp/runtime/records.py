@@ -122,3 +122,8 @@ class Outcome:
     @classmethod
     def refused(cls, error: str) -> "Outcome":
         return cls(ok=False, error=error)
+
+
+def layout_dict(lay: Layout) -> dict:
+    """A layout in events: its degrees (ep only where experts are spread)."""
+    return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, **({"ep": lay.ep} if lay.ep > 1 else {})}

@@ -15,7 +15,6 @@ from ray.exceptions import GetTimeoutError
 from raytp.config.adapters import model_args
 from raytp.moves.planner import SourceKind
 from raytp.parallel.ownership import Ownership
-from raytp.runtime.state.checkpoints import write_part_task
 
 
 @dataclass(frozen=True)
@@ -55,13 +54,13 @@ class StateCalls:
         """Every worker takes its slices of `source` (raytp.files.state_sources) as the state after `step`."""
         ray.get([w.load.remote(source, step) for w in self.workers], timeout=self.cfg.runtime.step_timeout_s)
 
-    def write_snapshot(self, url: str, directory: str, parts: list) -> list[dict]:
+    def write_snapshot(self, url: str, directory: str, parts: list, task) -> list[dict]:
         """A snapshot's parts (refs, one per owner: stage by stage, TP rank in each) written as a checkpoint's
-        files, by tasks."""
+        files, by `task`s (raytp.runtime.state.checkpoints.write_part_task: the state room's, handed down)."""
         cfg, lay = self.cfg, self.layout
         own = Ownership(lay)
         where = [lay.coords(own.owner(t)) for t in range(len(parts))]
-        return self.fetch([write_part_task.remote(url, directory, c.tp, ref, lay.tp, model_args(cfg),
+        return self.fetch([task.remote(url, directory, c.tp, ref, lay.tp, model_args(cfg),
                                                   c.pp if lay.pp > 1 else None, lay.pp,
                                                   c.dp if lay.sharded_optimizer else 0, lay.dp, lay.sharded_optimizer,
                                                   (lay, own.owner(t)) if lay.experts_split else None)

@@ -11,12 +11,7 @@ from raytp.parallel.layout import Layout
 from raytp.runtime import estimate, spread
 from raytp.runtime.driver import watches
 from raytp.train import efficiency
-from raytp.runtime.records import Healing, Moving, Resizing
-
-
-def layout_dict(lay: Layout) -> dict:
-    """A layout in events: its degrees (ep only where experts are spread)."""
-    return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, **({"ep": lay.ep} if lay.ep > 1 else {})}
+from raytp.runtime.records import Healing, Moving, Resizing, layout_dict
 
 
 def step_record(rec: dict, all_ranks: list[dict], cfg, layout: Layout) -> dict:

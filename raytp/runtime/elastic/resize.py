@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from raytp import config as config_mod
 from raytp.parallel.layout import Layout
 from raytp.runtime import policy
-from raytp.runtime.driver.reporting import layout_dict
+from raytp.runtime.records import layout_dict
 from raytp.runtime.elastic import changes, reshard, restart
 from raytp.runtime.cluster import slots
 from raytp.runtime.cluster.resources import worker_resources

@@ -52,7 +52,6 @@ from raytp.runtime.cluster.slots import unused_groups
 from raytp.files.checkpoint import CheckpointError
 
 if TYPE_CHECKING:  # the run's parts a recovery reads and asks (none imports this module)
-    from raytp.runtime.driver.metrics import RunLog
     from raytp.runtime.recovery.spares import Spares
     from raytp.runtime.state.checkpoints import Checkpoints
     from raytp.runtime.state.snapshots import OffNodeCopy, Snapshots
@@ -61,7 +60,7 @@ if TYPE_CHECKING:  # the run's parts a recovery reads and asks (none imports thi
 @dataclass(frozen=True)
 class RecoveryContext:
     """What a recovery needs of the run besides its workers."""
-    log: "RunLog"                    # the failure events
+    log: object                      # the failure events (the driver's raytp.runtime.driver.metrics.RunLog)
     say: Callable[[str], None]
     spares: "Spares"
     snapshots: "Snapshots"           # of the current layout

@@ -157,7 +157,7 @@ class Checkpoints:
         directory = f".tmp-{name}-{uuid.uuid4().hex[:8]}" if self.storage.local else name
         self.storage.makedirs(directory)
         cfg = group.cfg
-        done = group.state_calls().write_snapshot(self.storage.url, directory, parts)
+        done = group.state_calls().write_snapshot(self.storage.url, directory, parts, write_part_task)
         files = {d["file"]: d["bytes"] for d in done}
         table = {k: v for d in done if d["table"] for k, v in d["table"].items()}
         m = checkpoint.manifest(step, model_args(cfg), cfg.parallel.tp, cfg.parallel.dp, files, table, cfg.parallel.pp,
