@@ -1,4 +1,5 @@
-"""The state mover's planner and its export and fill (raytp.moves), Ray-free, over random (old layout, new layout, lost ranks) cases.
+"""The state mover's planner and its export and fill (raytp.moves), Ray-free, over random (old layout, new
+layout, lost ranks) cases.
 
 Each case builds a small model's state as numbered tensors, cuts each old rank's shard of it with the
 functions the shards are built by (``shard_tensor``, the distributed optimizer's row cut, the EP place), runs
@@ -144,7 +145,8 @@ def world(rng, old, new):
     """Random survivors, the processes new ranks run in, nodes of 4 ranks, snapshots and a checkpoint."""
     kind = rng.choice(["all", "lost", "lost", "many"])
     ranks = list(range(old.world_size))
-    lost = set() if kind == "all" else set(rng.sample(ranks, rng.randint(1, max(1, len(ranks) // (1 if kind == "many" else 2)))))
+    most = max(1, len(ranks) // (1 if kind == "many" else 2))
+    lost = set() if kind == "all" else set(rng.sample(ranks, rng.randint(1, most)))
     alive = [r for r in ranks if r not in lost]
     if rng.random() < 0.6:  # survivors keep their rank numbers where the new world has them
         process_of = {r: r for r in alive if r < new.world_size}
@@ -153,7 +155,8 @@ def world(rng, old, new):
         rng.shuffle(pool)
         process_of = dict(zip(rng.sample(range(new.world_size), min(len(pool), new.world_size)), pool))
     old_nodes = {r: f"n{r // 4}" for r in ranks}
-    new_nodes = {j: old_nodes[process_of[j]] if j in process_of else f"n{rng.randint(0, 4)}" for j in range(new.world_size)}
+    new_nodes = {j: old_nodes[process_of[j]] if j in process_of else f"n{rng.randint(0, 4)}"
+                 for j in range(new.world_size)}
     snapshot = frozenset(r for r in ranks if rng.random() < 0.7) if rng.random() < 0.6 else frozenset()
     return World(frozenset(alive), process_of, old_nodes, new_nodes, snapshot, rng.random() < 0.5)
 

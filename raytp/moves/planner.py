@@ -89,9 +89,9 @@ def plan_moves(table: StateTable, old: Layout, new: Layout, world: World, state:
         for key, want in held.items():
             kept = own.get(key)
             if kept is not None and kept.region == want.region:  # all of it in place: the common case, at once
-                whole = tuple(0 for _ in want.shape)
-                out.append(Move(key, Source(SourceKind.LIVE, world.process_of[j]), j, Box(whole, whole, want.region.shape),
-                                want.itemsize, True))
+                at = tuple(0 for _ in want.shape)
+                source = Source(SourceKind.LIVE, world.process_of[j])
+                out.append(Move(key, source, j, Box(at, at, want.region.shape), want.itemsize, True))
                 continue
             if (key, want.region) not in cut:
                 cut[key, want.region] = _cells(want.region, holders.get(key, {}), world)
