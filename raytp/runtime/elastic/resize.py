@@ -77,7 +77,7 @@ class Switched:
 def base(group) -> tuple:
     """The layout and placement groups a resize was planned against."""
     groups = [g.id.hex() for q in sorted(group.pgs) for g in group.placer.groups_of(group.pgs[q])]
-    return group.layout.tp, group.layout.dp, tuple(groups)
+    return group.layout, tuple(groups)  # the whole mesh: a change of any degree meanwhile voids the plan
 
 
 class Elastic:
