@@ -36,6 +36,9 @@ def export(tensors: Mapping[str, torch.Tensor], moves: Iterable[Move]) -> dict[i
     entries: dict[int, list] = {}
     for m in moves:
         if not m.in_place:
+            if m.key not in tensors:
+                raise KeyError(f"the plan sends {m.key} from a rank that does not hold it (its table and its shard "
+                               "disagree: AdamW state before any update?)")
             entries.setdefault(m.dst, []).append((m.key, m.box.b_at, _block(tensors[m.key], m.box.a_at, m.box.size)))
     return {dst: pack(e) for dst, e in entries.items()}
 

@@ -34,7 +34,10 @@ def switch_ep(group, new_cfg, step: int):
         raise SwitchFailed(group, e) from e
     try:
         nxt = group.successor(new_cfg, group.pgs, list(group.workers))
-        states = {r: PlannedSource(tuple(sent.get(r, ())), tuple(m for m in moves if m.dst == r)) for r in everyone}
+        mine: dict[int, list] = {r: [] for r in everyone}
+        for m in moves:
+            mine[m.dst].append(m)
+        states = {r: PlannedSource(tuple(sent.get(r, ())), tuple(mine[r])) for r in everyone}
         nxt = nxt.join(reshape=everyone, states=states)
         nxt.commit_reshape(everyone)
     except FAILURES as e:
