@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "driver_scale": lazy("bench.driver_scale:run"),
     "pipeline": lazy("bench.pipeline:run"),
     "zero": lazy("bench.zero:run"),
+    "move_plan": lazy("bench.move_plan:run"),
     "overlap": lazy("bench.overlap:run"),
     "prepare": lazy("bench.prepare:run"),
     "moe": lazy("bench.moe:run"),

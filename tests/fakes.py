@@ -15,6 +15,7 @@ from ray.exceptions import RayActorError
 from fake_state import NAME, Ref, _Id, state_of
 from fake_stream import FakeStream
 from raytp.config.adapters import model_args
+from raytp.moves.planner import SourceKind
 from raytp.runtime.errors import PlacementError
 from raytp.runtime.cluster.group import WorkerGroup
 
@@ -170,17 +171,15 @@ class FakeGroup(WorkerGroup):
 
     # -- joining
     def join(self, setup=(), reshape=(), state=None, states=None):
-        from raytp.runtime.worker.transfer import PiecesSource, RebuildSource
+        from raytp.runtime.worker.planned_source import PlannedSource
         setup, reshape = set(setup), set(reshape)
         for r, w in enumerate(self.workers):
             if not (w.alive and w.pg.placed):
                 raise RayActorError()
             w.started = True  # a join waits for the process to come up
             src = states.get(r, state) if states is not None else state
-            if isinstance(src, PiecesSource):  # the fake state is replicated: any piece is all of it
-                w.x = next((ref.value for ref in src.refs if ref is not None), w.x)
-            elif isinstance(src, RebuildSource):
-                w.x = src.refs[0].value
+            if isinstance(src, PlannedSource):  # the fake state is replicated: any block is all of it
+                w.x = src.refs[0].value if src.refs else w.x  # (none sent: a kept process keeps its own)
             elif r in setup or r in reshape:
                 w.x = src.value["model"][NAME].item() if isinstance(src, Ref) else \
                     src["model"][NAME].item() if src is not None else 0.0
@@ -231,17 +230,16 @@ class FakeGroup(WorkerGroup):
     def answered(refs, timeout_s=0.0):
         return all(r.value.up if isinstance(r.value, FakeActor) else r.done() for r in refs)
 
+    def check_up(self, actors):
+        if not all(a.alive for a in actors):
+            raise RayActorError()
+
     def ready(self, ranks, timeout_s):
         return all(self.workers[r].up for r in ranks)
 
     # -- state (the fake group is its own StateCalls)
     def state_calls(self):
         return self
-
-    def export_pieces(self, new_tp, skip=None):
-        old_tp = self.layout.tp
-        refs = [[Ref(self.workers[i].x) for _ in range(new_tp)] for i in range(old_tp)]
-        return refs, [Ref(self.workers[i].x) for i in range(old_tp)], [[8] * new_tp for _ in range(old_tp)]
 
     def commit_reshape(self, ranks):
         pass
@@ -277,15 +275,24 @@ class FakeGroup(WorkerGroup):
         return [write_part(url, directory, t, ref.value, self.layout.tp, model_args(self.cfg))
                 for t, ref in enumerate(parts)]
 
-    def copy_shards(self, donors, step, weights_only=False):
-        for r, d in donors.items():
-            self.workers[r].x, self.workers[r].completed = self.workers[d].x, step
-        return 8 * len(donors)
+    def export_moves(self, moves):
+        """The state mover's plan (raytp.runtime.state.moving): each live source sends its x to the ranks whose
+        moves read it."""
+        sent = {}
+        for m in moves:
+            if m.source.kind is SourceKind.LIVE and not m.in_place:
+                sent.setdefault(m.dst, {})[m.source.rank] = Ref(self.workers[m.source.rank].x)
+        return {d: list(v.values()) for d, v in sent.items()}, 8 * len(sent)
 
-    def load_parts(self, ranks, parts, step):
-        for r in ranks:
-            part = parts[self.layout.coords(r).tp]
-            self.workers[r].x, self.workers[r].completed = part.value["model"][NAME].item(), step
+    def take_moves(self, planned, step):
+        """Each rank takes x from what its plan reads (a snapshot part, else a bundle; else it keeps its own)."""
+        for r, src in planned.items():
+            w = self.workers[r]
+            if src.parts:
+                w.x = src.parts[0][1].value["model"][NAME].item()
+            elif src.refs:
+                w.x = src.refs[0].value
+            w.completed = step
 
     @staticmethod
     def kill_actors(actors):

@@ -304,3 +304,20 @@ class HoldsTheGilInItsExport(Worker):
             import ctypes
             ctypes.PyDLL(None).usleep(2_500_000)  # a C call made with the GIL held
         return rec
+
+
+class DiesInTakeMoves(Worker):
+    """A rank a DP change added (rank >= 2) exits as it takes its blocks of the state mover's plan (once per
+    test: `marker`, a path): the change rolls back."""
+
+    marker = ""
+
+    def __init__(self, job, rank):
+        super().__init__(job, rank)
+        self.marker_path = type(self).marker
+
+    def take_moves(self, source, completed):
+        if self.rank >= 2 and not os.path.exists(self.marker_path):
+            open(self.marker_path, "w").close()
+            os._exit(1)
+        return super().take_moves(source, completed)

@@ -18,32 +18,23 @@ def test_nobody_lost_is_an_error_of_the_job_and_too_many_losses_give_up():
     assert policy.on_failure({1: "died"}, 0, 0) == policy.GIVE_UP
 
 
-def test_restore_prefers_a_replica_holding_the_lost_shard():
-    # rank 1 (replica 0, TP rank 1) lost; rank 3 holds the same shard; survivors all at step 7.
-    plan = policy.restore_plan(TP2_DP2, [1], {0: 7, 2: 7, 3: 7}, [("snapshot", 7)])
-    assert [r.source for r in plan] == ["replica", "snapshot", "checkpoint"]
-    assert plan[0].step == 7 and plan[0].targets == (1,) and dict(plan[0].donors) == {1: 3}
+def test_restore_tries_the_live_holders_then_each_copy_of_their_step_then_everyone_rolls_back():
+    # rank 1 lost; survivors all at step 7: the live holders first (the planner says whether a survivor holds
+    # every lost byte: tests/test_move_plan.py), then the snapshot of step 7 for what they lack
+    order = policy.restore_order({0: 7, 2: 7, 3: 7}, [1], [("snapshot", 7), ("snapshot copy", 6)], 4)
+    assert [(w.source, w.step, w.alive, w.targets) for w in order] == [
+        ("replica", 7, (0, 2, 3), (1,)), ("snapshot", 7, (0, 2, 3), (1,)),
+        ("snapshot", 7, (), (0, 1, 2, 3)), ("snapshot copy", 6, (), (0, 1, 2, 3))]
 
 
-def test_no_replica_when_a_shard_has_no_survivor_or_survivors_disagree():
-    # the whole of TP rank 1 is gone (ranks 1 and 3): no donor
-    plan = policy.restore_plan(TP2_DP2, [1, 3], {0: 7, 2: 7}, [("snapshot", 7)])
-    assert [r.source for r in plan] == ["snapshot", "checkpoint"]
-    assert plan[0].targets == (1, 3), "survivors at the snapshot's step keep their state"
-    # survivors at different steps: no replica, and everyone rolls back to the snapshot
-    plan = policy.restore_plan(TP2_DP2, [1], {0: 7, 2: 8, 3: 8}, [("snapshot", 7)])
-    assert [r.source for r in plan] == ["snapshot", "checkpoint"] and plan[0].targets == (0, 1, 2, 3)
-
-
-def test_survivors_ahead_of_the_snapshot_roll_back_to_it_and_the_copy_comes_after_it():
-    lay = Layout(4, dp=1)
-    plan = policy.restore_plan(lay, [2], {0: 9, 1: 9, 3: 9}, [("snapshot", 8), ("snapshot copy", 6)])
-    assert [(r.source, r.step, r.targets) for r in plan] == [
-        ("snapshot", 8, (0, 1, 2, 3)), ("snapshot copy", 6, (0, 1, 2, 3)), ("checkpoint", None, (0, 1, 2, 3))]
-    plan = policy.restore_plan(lay, [2], {0: 8, 1: 8, 3: 8}, [("snapshot", 8)])
-    assert plan[0].targets == (2,)
-    # re-planned after a load that failed midway (completed={}): everyone loads what comes next
-    assert policy.restore_plan(lay, [2], {}, [("snapshot copy", 6)])[0].targets == (0, 1, 2, 3)
+def test_survivors_that_disagree_on_the_step_all_roll_back():
+    order = policy.restore_order({0: 7, 2: 8, 3: 8}, [1], [("snapshot", 7)], 4)
+    assert [(w.source, w.alive, w.targets) for w in order] == [("snapshot", (), (0, 1, 2, 3))]
+    # survivors ahead of every copy: only a roll back, the snapshot first, then its copy
+    order = policy.restore_order({0: 9, 1: 9, 3: 9}, [2], [("snapshot", 8), ("snapshot copy", 6)], 4)
+    assert [(w.source, w.step, w.targets) for w in order][1:] == [
+        ("snapshot", 8, (0, 1, 2, 3)), ("snapshot copy", 6, (0, 1, 2, 3))]
+    assert order[0].source == "replica"  # (which the plan refuses unless a survivor holds rank 2's bytes)
 
 
 def test_shrink_keeps_whole_replicas_that_divide_the_batch():

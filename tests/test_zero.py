@@ -12,7 +12,10 @@ import torch.distributed as dist
 from tp_training import HYPER, SEED, STEPS, assert_table_holds, corpus, gpt_config, llama_config, without_key_bias
 
 from raytp.models.moe.args import MoeArgs
-from raytp.train import zero_handover
+from raytp.moves import execute
+from raytp.moves.planner import World, plan_moves
+from raytp.moves.table import model_table
+from raytp.runtime.worker.planned_source import state_tensors, targets
 from raytp.models.registry import build_model
 from raytp.models.shard import build_shard, gather_full_state
 from raytp.models.stage import replicated_copy, stage_of
@@ -181,9 +184,11 @@ def test_the_nccl_paths_in_place_collectives_give_the_gloo_paths_result():
 
 @pytest.mark.parametrize("old_dp,new_dp", [(4, 2), (2, 4), (2, 1), (1, 3)])
 def test_a_dp_resize_recuts_the_rows_and_every_rank_ends_with_its_rows_of_the_same_state(old_dp, new_dp):
-    """Process-free: each old rank hands its rows (rows_for) to the new ranks (put_rows); each new rank then
-    keeps exactly its rows of the state the old ranks kept together."""
-    model = build_model(config("llama"))
+    """Process-free, on real optimizers: the state mover's plan (raytp.moves) of a DP change under zero 1,
+    exported by the old ranks and filled into new ones cut for the new degree: each new rank then keeps exactly
+    its rows of the state the old ranks kept together."""
+    cfg = config("llama")
+    model = build_model(cfg)
     names = [n for n, _ in model.named_parameters()]
     gen = torch.Generator().manual_seed(SEED)
     whole = {n: {"step": torch.tensor(7.0), "exp_avg": torch.randn(p.shape, generator=gen),
@@ -192,14 +197,17 @@ def test_a_dp_resize_recuts_the_rows_and_every_rank_ends_with_its_rows_of_the_sa
     for opt in old:
         for n in names:
             opt.load_param_state(n, whole[n], whole=True)
-    given = [zero_handover.rows_for(opt, new_dp) for opt in old]
+    before, after = Layout(1, dp=old_dp, zero=1), Layout(1, dp=new_dp, zero=1)
+    world = World(frozenset(range(old_dp)))  # every new rank a new process: nothing in place
+    moves = plan_moves(model_table(cfg, bucket_numel=BUCKET), before, after, world)
+    sent = [execute.export(state_tensors(model, opt), [m for m in moves if m.source.rank == r])
+            for r, opt in enumerate(old)]
     for d in range(new_dp):
         new = make_optimizer(model, HYPER, old_dp, 0, 1, bucket_numel=BUCKET)
         new.recut(new_dp, d)
         assert not new.named_state()
-        for rows in given:
-            for name, key, a, b, t in rows[d]:
-                new.put_rows(name, key, a, t)
+        mine = [m for m in moves if m.dst == d]
+        execute.fill(targets(model, new, {m.key for m in mine}), {}, mine, [b[d] for b in sent if d in b])
         state = new.named_state()
         for n in names:
             a, b = new.rows(n) or (0, len(whole[n]["exp_avg"]))

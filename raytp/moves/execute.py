@@ -8,10 +8,12 @@ it goes and its shape and dtype, each block 8-byte aligned (Ray keeps one numpy 
 no pickle of tensors). Moves in place are not exported: the destination's own
 process has those bytes.
 
-``fill(targets, own, moves, bundles)``: a destination rank writes its in-place
-moves from its own old tensors (`own`) and every block of the bundles sent to
-it into its new local tensors (`targets`: {key: tensor} of the new shapes),
-one bundle at a time.
+``fill(targets, own, moves, bundles, parts)``: a destination rank writes its
+in-place moves from its own old tensors (`own`; a block that is already where it
+goes is left as it is), every block of the bundles sent to it, and the blocks
+planned from snapshots from the snapshot parts (`parts`: (old rank, its tensors)
+pairs, one part in memory at a time) into its local tensors (`targets`: {key:
+tensor} of the new shapes), one bundle at a time.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 
-from raytp.moves.planner import Move
+from raytp.moves.planner import Move, SourceKind
 
 ALIGN = 8  # bytes: each block of a bundle starts at a multiple of it
 
@@ -66,12 +68,26 @@ def unpack(bundle: dict):
 
 
 def fill(targets: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], moves: Iterable[Move],
-         bundles: Iterable[dict]) -> None:
-    """Write this rank's in-place `moves` from `own` and every block of `bundles` into `targets`."""
+         bundles: Iterable[dict], parts: Iterable[tuple[int, Mapping[str, torch.Tensor]]] = ()) -> None:
+    """Write this rank's in-place `moves` from `own`, every block of `bundles` and its snapshot moves from
+    `parts` into `targets` (see the module doc)."""
+    moves = list(moves)
     with torch.no_grad():
         for m in moves:
             if m.in_place:
-                _block(targets[m.key], m.box.b_at, m.box.size).copy_(_block(own[m.key], m.box.a_at, m.box.size))
+                _copy(_block(targets[m.key], m.box.b_at, m.box.size), _block(own[m.key], m.box.a_at, m.box.size))
         for bundle in bundles:
             for key, at, block in unpack(bundle):
                 _block(targets[key], at, tuple(block.shape)).copy_(block)
+        for rank, tensors in parts:
+            for m in moves:
+                if m.source.kind is SourceKind.SNAPSHOT and m.source.rank == rank:
+                    _block(targets[m.key], m.box.b_at, m.box.size).copy_(_block(tensors[m.key], m.box.a_at,
+                                                                                 m.box.size))
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src, unless they are the same memory (a tensor a rank keeps as it is)."""
+    if dst.data_ptr() == src.data_ptr() and dst.stride() == src.stride() and dst.dtype == src.dtype:
+        return
+    dst.copy_(src)

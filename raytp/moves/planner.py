@@ -8,7 +8,9 @@ says, for every new rank, where each block of its state comes from:
 1. the process that becomes it, if that process held the block (nothing moves:
    a kept rank keeps what it has);
 2. else a live old rank holding it on the new rank's node, then anywhere
-   (the least loaded first, so that replicas share the sending);
+   (the least loaded first, so that replicas share the sending); a tensor a
+   live rank holds exactly as wanted, of which the rank's own process holds
+   nothing, comes whole from one (a new replica, a lost rank's replacement);
 3. else the in-memory snapshot of an old rank that held it;
 4. else the checkpoint; if there is none, ``Unplannable`` names what is gone.
 
@@ -48,6 +50,7 @@ class Move:
     box: Box          # a_at: in the source's local tensor; b_at: in the new rank's
     itemsize: int
     in_place: bool    # the source is the new rank's own process: no byte leaves it
+    kept: bool = False  # in place, the whole tensor as it was: a rank that keeps its shard has nothing to do
 
     @property
     def nbytes(self) -> int:
@@ -91,7 +94,14 @@ def plan_moves(table: StateTable, old: Layout, new: Layout, world: World, state:
             if kept is not None and kept.region == want.region:  # all of it in place: the common case, at once
                 at = tuple(0 for _ in want.shape)
                 source = Source(SourceKind.LIVE, world.process_of[j])
-                out.append(Move(key, source, j, Box(at, at, want.region.shape), want.itemsize, True))
+                out.append(Move(key, source, j, Box(at, at, want.region.shape), want.itemsize, True, True))
+                continue
+            same = holders.get(key, {}).get(want.region, ())
+            live = [i for i in same if i in world.alive] if kept is None else ()
+            if live:  # its process holds none of it and a live rank holds all of it: whole, from one
+                at = tuple(0 for _ in want.shape)
+                source = _source(key, j, same, live, world, sent, want.region.numel * want.itemsize)
+                out.append(Move(key, source, j, Box(at, at, want.region.shape), want.itemsize, False))
                 continue
             if (key, want.region) not in cut:
                 cut[key, want.region] = _cells(want.region, holders.get(key, {}), world)

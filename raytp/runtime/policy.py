@@ -42,36 +42,29 @@ def on_failure(lost: Mapping[int, str], failures_before: int, max_failures: int)
 
 @dataclass(frozen=True)
 class Restore:
-    """One way to give lost ranks their shards back."""
-    source: str                          # "replica", "snapshot", "snapshot copy", "checkpoint"
-    step: int | None                     # the step it restores; None for a checkpoint (known once read)
-    targets: tuple[int, ...]             # ranks that load (survivors too, when they must roll back)
-    donors: Mapping[int, int] = dataclasses.field(default_factory=dict)  # replica: lost rank -> survivor
+    """One way to give ranks their state back: the state mover plans it (raytp.runtime.state.moving) from the
+    live ranks `alive` and, unless `source` is "replica", the in-memory copy of that name; the plan says
+    whether it can (raytp.moves.planner.Unplannable: some lost block has no source)."""
+    source: str                          # "replica", or a copy's: "snapshot", "snapshot copy"
+    step: int                            # the step it restores
+    alive: tuple[int, ...]               # old ranks whose live state serves (none when everyone rolls back)
+    targets: tuple[int, ...]             # new ranks that take their state (every rank when everyone rolls back)
 
 
-def restore_plan(layout: Layout, lost: Sequence[int], completed: Mapping[int, int],
-                 copies: Sequence[tuple[str, int]]) -> list[Restore]:
-    """The sources to try, fastest first: a DP replica among the survivors (no step lost), then the
-    in-memory copies (`copies`: (source, step) of each, e.g. the snapshot and its off-node copy), then
-    the newest checkpoint.
-
-    `completed`: survivors -> completed steps. A replica serves only if every lost shard has a
-    survivor holding the same bytes (raytp.parallel.ownership) and all survivors are at one step. A copy at the survivors' step
-    is loaded by the new ranks only; otherwise everyone rolls back to it. After an attempt that
-    failed midway, plan again with ``completed={}``: some ranks may have loaded, so everyone loads."""
-    everyone = tuple(range(layout.world_size))
+def restore_order(completed: Mapping[int, int], todo: Sequence[int], copies: Sequence[tuple[str, int]],
+                  world_size: int) -> list[Restore]:
+    """The ways to try, fastest first, before the newest checkpoint: at the survivors' step (`completed`:
+    {old rank: completed steps} of those whose state is whole; if they disagree, none) the live holders alone,
+    then with what they lack from each copy of that step (`copies`: (source, step), e.g. the snapshot and its
+    copy on another node); only `todo` take state. Then everyone rolls back to each copy in turn."""
+    out = []
     steps = set(completed.values())
-    plan = []
-    donors = {}
-    own = Ownership(layout)
-    for r in lost:
-        donors[r] = next((s for s in own.holders(r) if s in completed), None)
-    if len(steps) == 1 and all(v is not None for v in donors.values()):
-        plan.append(Restore("replica", next(iter(steps)), tuple(sorted(lost)), donors))
-    for source, step in copies:
-        plan.append(Restore(source, step, tuple(sorted(lost)) if steps == {step} else everyone))
-    plan.append(Restore("checkpoint", None, everyone))
-    return plan
+    if len(steps) == 1:
+        at, alive, todo = steps.pop(), tuple(sorted(completed)), tuple(sorted(todo))
+        out += [Restore("replica", at, alive, todo)]
+        out += [Restore(name, at, alive, todo) for name, step in copies if step == at]
+    everyone = tuple(range(world_size))
+    return out + [Restore(name, step, (), everyone) for name, step in copies]
 
 
 @dataclass(frozen=True)

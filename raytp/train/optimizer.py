@@ -57,7 +57,7 @@ class DistributedAdamW:
 
     def recut(self, dp: int, dp_rank: int) -> None:
         """Keep the rows of DP rank `dp_rank` of `dp` from now on, with no AdamW state yet (a DP resize under
-        zero 1 fills it with ``put_rows``; at construction there is none)."""
+        zero 1 fills it by the state mover's plan; at construction there is none)."""
         self.settle()
         self.dp = None
         self.sharded = bool(self.zero) and dp > 1
@@ -242,20 +242,6 @@ class DistributedAdamW:
         """The live AdamW state dict of parameter `name` (made empty if it has none yet), to fill in place;
         of the whole parameter at zero 0, of its kept rows under zero 1."""
         return self.inner.state[self.targets[self._index[name]]]
-
-    def put_rows(self, name: str, key: str, start: int, t: torch.Tensor) -> None:
-        """Set AdamW state `key` of parameter `name` at its rows start.. from `t` (a copy; "step" whole): rows this
-        rank keeps (what raytp.train.zero_handover.rows_for gave it)."""
-        state = self.state_of(name)
-        if t.dim() == 0:
-            state[key] = t.clone()
-            return
-        target = self.targets[self._index[name]]
-        if key not in state:
-            state[key] = torch.zeros_like(target.data)
-        i = self._index[name]
-        lo = self._cut(i).owned.get(i, (0, 0))[0]
-        state[key][start - lo:start - lo + t.shape[0]].copy_(t)
 
     def target(self, name: str) -> torch.Tensor:
         """What AdamW updates for parameter `name`: the parameter, or the view of the rows this rank keeps

@@ -166,23 +166,6 @@ class WorkerGroup:
         where = ray.get([w.where.remote() for w in self.workers], timeout=timeout)
         return self._with(placement=tuple(where))
 
-    def export_pieces(self, new_tp: int, skip: Mapping[int, set] | None = None,
-                      stages: list | None = None) -> tuple[list, list, list]:
-        """Replica 0's ranks cut their shards into bundles for the new TP ranks (raytp.runtime.worker.transfer) and
-        keep them in the object store, owned here and never fetched: (refs[i][j] from owner i (its part)
-        to new TP rank j (j * len(stages) + stage, given the new layout's `stages`), refs of each owner's
-        replicated tensors, bytes[i][j]). `skip`: {i: new ranks that old rank i's own process becomes (it
-        keeps those slices)}."""
-        refs, replicated, sizes = [], [], []
-        n = new_tp * len(stages or [None])
-        calls = self.state_calls()
-        for i, w in enumerate(calls.owner_workers()):
-            out = w.export_pieces.options(num_returns=n + 2).remote(new_tp, sorted((skip or {}).get(i, ())), stages)
-            refs.append(list(out[:n]))
-            replicated.append(out[n])
-            sizes.append(out[n + 1])
-        return refs, replicated, calls.fetch(sizes)  # the sizes only: small lists of ints
-
     def commit_reshape(self, ranks: Iterable[int]) -> None:
         ray.get([self.workers[r].commit_reshape.remote() for r in ranks], timeout=self.cfg.runtime.step_timeout_s)
 

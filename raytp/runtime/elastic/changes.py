@@ -3,7 +3,8 @@
 ``plan_change(old, new)`` picks the plan (which ranks it keeps and starts: raytp.runtime.elastic.rank_plans);
 raytp.runtime.elastic.resize.Elastic carries any plan out the same way: ``reserve`` the new layout's
 placement beside the job, start the plan's early ranks there while the old layout trains on, ``switch`` at
-a step boundary (raytp.runtime.elastic.reshard moves the state worker to worker), adopt or roll back.
+a step boundary (the state mover's plan, carried out by raytp.runtime.elastic.reshard.switch, or
+raytp.runtime.elastic.replicas for a DP change), adopt or roll back.
 
 - ``DpChange``: replicas added or removed; the staying ones keep their processes.
 - ``TpChange``: TP at pp == 1; replica 0's first TP ranks keep theirs (placement grows replicas in place).
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytp.parallel.layout import Layout
-from raytp.runtime.elastic import expert_switch, rank_plans, reshard, restart
+from raytp.runtime.cluster.slots import unused_groups
+from raytp.runtime.elastic import rank_plans, replicas, reshard, restart
 from raytp.runtime.elastic.rank_plans import RankPlan
 
 
@@ -47,8 +49,21 @@ class Change:
         raise NotImplementedError
 
     def switch(self, group, pending, step: int):
-        """Switch `group` to the pending layout: (new group, bytes moved); SwitchFailed rolls back."""
-        raise NotImplementedError
+        """Switch `group` to the pending layout: (new group, bytes moved); SwitchFailed rolls back. By default
+        the processes of `ranks.kept` reshape, the early ranks were started ahead, the late ones start once
+        the old ranks in their way stop (raytp.runtime.elastic.reshard.switch); `pending.reserved`: the
+        placement as reserve_tp or reserve_stages give it (new placement, requested, unused)."""
+        old, new = group.layout, pending.new_cfg.layout
+        new_pgs, requested, unused = pending.reserved
+        kept = {r: r for r in self.ranks.kept}
+        try:
+            nxt, moved = reshard.switch(group, pending.new_cfg, step, new_pgs, kept, pending.early, self.ranks.late)
+        except reshard.SwitchFailed:
+            group.placer.release(requested)
+            raise
+        group.placer.release(list(unused) + unused_groups([group.pgs[q] for q in range(new.dp, old.dp)],
+                                                          nxt.pgs.values()))
+        return nxt, moved
 
 
 @dataclass(frozen=True)
@@ -65,7 +80,9 @@ class DpChange(Change):
         return Reservation(pgs, reserved, list(reserved.values()))
 
     def switch(self, group, pending, step: int):
-        return reshard.switch_dp(group, pending.new_cfg, step, pending.reserved, pending.early, self.ranks)
+        old, new = group.layout, pending.new_cfg.layout
+        return replicas.change_dp(group, pending.new_cfg, replicas.kept_first(old.dp, new.dp), step,
+                                  pending.reserved, pending.early)
 
 
 @dataclass(frozen=True)
@@ -78,8 +95,6 @@ class TpChange(Change):
         reserved = group.placer.reserve_tp(new_cfg, group.launcher.run, group.pgs, group.layout.dp)
         return None if reserved is None else Reservation(reserved[0], reserved, reserved[1])
 
-    def switch(self, group, pending, step: int):
-        return reshard.switch_tp(group, pending.new_cfg, pending.reserved, pending.early, self.ranks)
 
 
 @dataclass(frozen=True)
@@ -92,8 +107,6 @@ class StageChange(Change):
         reserved = group.placer.reserve_stages(new_cfg, group.launcher.run, group.pgs, old.dp, old.pp)
         return Reservation(reserved[0], reserved, reserved[1])
 
-    def switch(self, group, pending, step: int):
-        return reshard.switch_stages(group, pending.new_cfg, pending.reserved, pending.early, self.ranks)
 
 
 @dataclass(frozen=True)
@@ -108,7 +121,7 @@ class Restage(Change):
         return Reservation(pgs, pgs, list(pgs.values()))
 
     def switch(self, group, pending, step: int):
-        return restart.restart_tp(group, pending.new_cfg, pending.reserved, pending.early)
+        return restart.restart_tp(group, pending.new_cfg, step, 0, pending.reserved, pending.early)
 
 
 @dataclass(frozen=True)
@@ -120,7 +133,11 @@ class EpChange(Change):
         return Reservation(dict(group.pgs), None, [])
 
     def switch(self, group, pending, step: int):
-        return expert_switch.switch_ep(group, pending.new_cfg, step)
+        """Every process kept: each rank rebuilds its shard from its old one and the experts (and, under zero 1,
+        their AdamW rows, cut again over the new expert-DP) the plan sends it, from a holder on its node where
+        there is one."""
+        everyone = {r: r for r in range(group.layout.world_size)}
+        return reshard.switch(group, pending.new_cfg, step, group.pgs, everyone, {})
 
 
 def plan_change(old: Layout, new: Layout) -> Change:

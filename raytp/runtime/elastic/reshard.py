@@ -1,40 +1,28 @@
-"""Moving a running job's state to another layout: the switch a resize (or a grow-back) carries out.
+"""A layout change live, across processes that reshape, start or stop: the state mover's plan carried out
+(``switch``). Which processes a change keeps is raytp.runtime.elastic.rank_plans' (raytp.runtime.elastic.changes
+hands them here): a TP change keeps replica 0's first min(old, new) TP ranks, a change of the stages the stages
+present at both layouts, an EP change every process; a change that starts every worker anew is
+raytp.runtime.elastic.restart; a DP change (no process reshapes) raytp.runtime.elastic.replicas. Nothing
+touches the disk, and no new shard is seeded: each is built empty and filled.
 
-Each function takes the group at the old layout and returns the group at the
-new one with every rank holding its shard, and the bytes that moved; or raises
-``SwitchFailed`` carrying the group to go on with (the old layout, rolled back).
-
-- DP change (``switch_dp``): the staying replicas' workers keep their processes
-  and shards; removed replicas stop and their placement is released; added
-  replicas (started ahead, or now) copy their shards from replica 0, worker to
-  worker through the object store.
-- TP change (``switch_tp``): replica 0's shards are joined into the one-device
-  state (in the object store); replica 0's first min(old, new) TP ranks keep
-  their processes and reshape in place, every other rank starts anew, and
-  every worker builds its shard empty (no seeded initialisation) and takes its
-  slices. Nothing touches the disk. A failure after the state was gathered
-  restarts the old layout from it.
-- TP change where the bundles could not be had on a replica's node, and any
-  TP change at pp > 1 or to or from it: raytp.runtime.elastic.restart.
-- Change of the stages at the same TP degree (``switch_stages``): replica 0's
-  stages present at both layouts keep their processes and placement groups
-  and reshape to their new layers; the others start (ahead where they can);
-  every old owner cuts one bundle per new TP rank and stage, holding only
-  that stage's layers, so each byte moves once (a tied embedding's second
-  copy twice).
-
-A change of the expert-parallel degree alone is raytp.runtime.elastic.expert_switch.
+``switch``: every live old rank exports the blocks the plan (raytp.runtime.state.moving) sends from it, each
+byte once, from a holder on the new rank's node where there is one; the old ranks in the way of a rank that
+starts late (its name, or its bundle) stop; the new layout meets, kept processes rebuilding their shards from
+their old ones and the blocks sent to them, new ones filling empty shards; the old shards go at the commit,
+and the old ranks neither kept nor in the way stop only then. A failure rolls back to the old layout: kept
+processes take back their old shards, the stopped ones start again and take their state from the old ranks
+still alive (or, if only they held some of it, from what they exported before they stopped). Returns the new
+group and the bytes moved, or raises ``SwitchFailed`` carrying the group to go on with.
 """
 from __future__ import annotations
 
-from raytp.config.adapters import model_args
-from raytp.models.stage import stage_of
-from raytp.parallel.ownership import Ownership
-from raytp.runtime.elastic import rank_plans
+from typing import Iterable, Mapping
+
+from raytp.moves.planner import Unplannable
+from raytp.runtime.cluster.launch import actor_id, bundle_key
+from raytp.runtime.cluster.slots import bundle_of
 from raytp.runtime.errors import FAILURES
-from raytp.runtime.cluster.launch import actor_id
-from raytp.runtime.cluster.slots import unused_groups
-from raytp.runtime.worker.transfer import PiecesSource, RebuildSource
+from raytp.runtime.state import moving
 
 
 class SwitchFailed(Exception):
@@ -45,185 +33,86 @@ class SwitchFailed(Exception):
         self.group, self.cause = group, cause
 
 
-def switch_dp(group, new_cfg, step: int, reserved: dict | None = None, early: dict | None = None, plan=None):
-    """`group` at DP degree new_cfg.parallel.dp: (new group, bytes moved). `reserved`: placement of the
-    added replicas (reserved now if None); `early`: {rank: (actor, bundle)} of added ranks started ahead;
-    `plan`: the request's rank_plans.dp_resize_ranks (made here if None). Under zero 1 every rank first cuts
-    the AdamW rows it keeps into bundles for the new DP ranks (``row_bundles``); added ranks copy only the weights."""
-    old_dp, new_dp = group.layout.dp, new_cfg.parallel.dp
-    plan = plan or rank_plans.dp_resize_ranks(group.layout.replica_size, old_dp, new_dp)
-    added = list(range(old_dp, new_dp))
-    if reserved is None:
-        reserved = group.reserve(new_cfg, group.launcher.run, added,
-                                 avoid_nodes=group.placer.nodes_of(group.pgs)) if added else {}
-    early = dict(early or {})
-    pgs = {**{q: pg for q, pg in group.pgs.items() if q < new_dp}, **reserved}
-    rows = None
-    try:
-        if group.layout.zero:
-            rows = group.state_calls().export_rows(new_dp)
-        group.leave()
-        for r in plan.early:
-            if r not in early:
-                early[r] = group.start_worker(r, new_cfg, pgs)
-        workers = list(group.workers[:len(plan.kept)]) + [early[r][0] for r in plan.early]
-        nxt = group.successor(new_cfg, pgs, workers, bundles={actor_id(a): k for a, k in early.values()})
-        nxt = nxt.join(setup=plan.early)
-        own = Ownership(nxt.layout)
-        zero = rows is not None  # only the weights are copied (under zero 1 each rank owns its own rows)
-        # An added rank takes the bytes it holds from the first rank holding the same.
-        donors = {r: (own.weight_holders(r) if zero else own.holders(r))[0] for r in plan.early}
-        moved = nxt.state_calls().copy_shards(donors, step, weights_only=zero)
-        if zero:
-            nxt.state_calls().take_rows(row_bundles(group.layout, nxt.layout, rows[0]))
-            moved += sum(map(sum, rows[1]))
-    except FAILURES as e:
-        group.kill_actors(a for a, _ in early.values())
-        group.placer.release(reserved.values())
-        raise SwitchFailed(rejoined(group, rows), e) from e
-    group.kill(plan.removed)
-    group.placer.release(unused_groups([group.pgs[q] for q in range(new_dp, old_dp)], nxt.pgs.values()))
-    return nxt, moved
-
-
-def row_bundles(old, new, refs: list) -> dict[int, list]:
-    """{rank of layout `new`: the bundles of AdamW rows it takes}: from every rank of `old` at its TP rank and
-    stage, the bundle cut for its DP rank (`refs[old rank][new DP rank]`, Group.export_rows)."""
-    out = {}
-    for r in range(new.world_size):
-        at = new.coords(r)
-        out[r] = [refs[o][at.dp] for o in old.dp_group(at.tp, at.pp)]
-    return out
-
-
-def switch_tp(group, new_cfg, reserved: tuple, early: dict, plan):
-    """`group` at TP degree new_cfg.parallel.tp, keeping replica 0's first min(old, new) ranks' processes:
-    (new group, bytes moved). `reserved`: placement.reserve_tp's placement; `early`: {rank: (actor,
-    bundle)} of the ranks whose names were free, started ahead. The state moves worker to worker
-    (raytp.runtime.worker.transfer); the driver passes references only. `plan`: the request's
-    rank_plans.tp_resize_ranks."""
+def switch(group, new_cfg, step: int, new_pgs: Mapping, kept: Mapping[int, int], early: Mapping[int, tuple],
+           late: Iterable[int] = ()):
+    """`group` at `new_cfg`'s layout after `step` steps, placed in `new_pgs`: new rank j runs in old rank
+    kept[j]'s process (it reshapes), in the actor early[j] (started ahead: (actor, bundle)), or, for j in
+    `late`, in one started once the old ranks in its way are gone. (new group, bytes moved); SwitchFailed."""
     old, new = group.layout, new_cfg.layout
-    new_pgs, requested, unused = reserved
+    late = list(late)
     started = [a for a, _ in early.values()]
-    exported = reshaped = None
+    dying = _in_the_way(group, new, new_pgs, late)
     try:
-        # A kept process keeps its own slices; they are exported too only for the other DP replicas.
-        exported = group.export_pieces(new.tp, skip={r: {r} for r in plan.kept} if new.dp == 1 else None)
-        refs, _, sizes = exported
-        group.kill(plan.removed)  # their names and bundles go to the new layout; their bundles stay in the store
-        late = {r: group.start_worker(r, new_cfg, new_pgs) for r in plan.late}
-        started += [a for a, _ in late.values()]
-        news = {**late, **early}
-        workers = list(group.workers[:len(plan.kept)]) + [news[r][0] for r in sorted(news)]
-        nxt = group.successor(new_cfg, new_pgs, workers, bundles={actor_id(a): k for a, k in news.values()})
-        sources = {r: PiecesSource(tuple(None if (r in plan.kept and i == r) else refs[i][new.coords(r).tp]
-                                         for i in range(old.tp)), new_cfg.model.vocab_size)
-                   for r in range(new.world_size)}
-        reshaped = plan.kept
-        nxt = nxt.join(setup=range(len(plan.kept), new.world_size), reshape=plan.kept, states=sources)
-        nxt.commit_reshape(plan.kept)
+        if started:  # one lost while it started: the old layout goes on untouched
+            group.check_up(started)
+        moves = moving.plan(group, new_cfg, range(old.world_size), kept, step)
+        forward, moved = moving.sources(group.state_calls(), moves)
+        back = _kept_back(group, step, dying)
     except FAILURES as e:
-        group.kill_actors(started)
-        group.placer.release(requested)
-        if exported is None:  # the old layout was not touched: it goes on as it was
-            raise SwitchFailed(group, e) from e
-        raise SwitchFailed(_rolled_back(group, plan, exported, reshaped), e) from e
-    group.placer.release(list(unused) + unused_groups([group.pgs[q] for q in range(new.dp, old.dp)],
-                                                      nxt.pgs.values()))
-    moved = sum(sizes[i][new.coords(r).tp] for r in range(new.world_size) for i in range(old.tp)
-                if not (r in plan.kept and i == r))
-    return nxt, moved
-
-
-def _rolled_back(group, plan, exported, reshaped):
-    """The old layout again after a failed TP switch: the kept processes take back their old shards (or,
-    if they are gone, start anew), the removed ranks start anew and rebuild theirs from what they exported."""
-    refs, replicated, _ = exported
-    lay = group.layout
-    try:
-        if reshaped:
-            group.revert(reshaped)
-        fresh = group.started(plan.removed)
-        sources = {r: RebuildSource(tuple(refs[lay.coords(r).tp]), replicated[0]) for r in plan.removed}
-        return fresh.join(setup=plan.removed, states=sources)
-    except FAILURES:  # a kept process is lost too: everything starts anew from the exported bundles
-        group.kill(range(lay.world_size))
-        fresh = type(group).create(group.launcher, group.cfg, group.pgs)
-        sources = {r: RebuildSource(tuple(refs[lay.coords(r).tp]), replicated[0]) for r in range(lay.world_size)}
-        try:
-            return fresh.join(setup=range(lay.world_size), states=sources)
-        except FAILURES:
-            return fresh
-
-
-def switch_stages(group, new_cfg, reserved: tuple, early: dict, plan):
-    """`group` at another number of stages (the same TP degree), keeping the processes of `plan.kept`
-    (raytp.runtime.elastic.rank_plans.stage_resize_ranks; their placement groups stay): every old owner cuts its
-    shard into one bundle per new stage (raytp.runtime.worker.transfer), kept processes reshape to
-    their new stage from them and the others start (or started ahead, `early`) and fill theirs: (new
-    group, bytes moved). On a failure after the export the old layout starts again from the bundles."""
-    old, new = group.layout, new_cfg.layout
-    new_pgs, requested, unused = reserved
-    stages = new_stages(new_cfg)
-    started = [a for a, _ in early.values()]
-    try:
-        refs, replicated, sizes = group.export_pieces(new.tp, stages=stages)
-    except FAILURES as e:
-        group.kill_actors(started)
-        group.placer.release(requested)
         raise SwitchFailed(group, e) from e
-    slot = lambda r: new.coords(r).tp * len(stages) + new.coords(r).pp  # noqa: E731
-    owners = Ownership(old).parts
     try:
-        group.kill(plan.removed)  # their names and bundles go to the new layout; their bundles stay in the store
-        late = {r: group.start_worker(r, new_cfg, new_pgs) for r in plan.late}
-        started += [a for a, _ in late.values()]
-        news = {**late, **early}
-        workers = [group.workers[r] if r in plan.kept else news[r][0] for r in range(new.world_size)]
+        group.kill(dying)  # their names or bundles go to the late ranks
+        news = dict(early)
+        for j in late:
+            news[j] = group.start_worker(j, new_cfg, new_pgs)
+            started.append(news[j][0])
+        workers = [group.workers[kept[j]] if j in kept else news[j][0] for j in range(new.world_size)]
         nxt = group.successor(new_cfg, new_pgs, workers, bundles={actor_id(a): k for a, k in news.values()})
-        sources = {r: PiecesSource(tuple(refs[i][slot(r)] for i in range(owners)), new_cfg.model.vocab_size)
-                   for r in range(new.world_size)}
-        nxt = nxt.join(setup=[r for r in range(new.world_size) if r not in plan.kept], reshape=plan.kept,
-                       states=sources)
-        nxt.commit_reshape(plan.kept)
+        nxt = nxt.join(setup=[j for j in range(new.world_size) if j not in kept], reshape=kept, states=forward)
+        nxt.commit_reshape(kept)
     except FAILURES as e:
         group.kill_actors(started)
-        group.kill(range(old.world_size))
-        group.placer.release(requested)
-        raise SwitchFailed(restarted_from(group, refs, replicated), e) from e
-    group.placer.release(unused)
-    return nxt, sum(sizes[i][slot(r)] for r in range(new.world_size) for i in range(owners))
+        raise SwitchFailed(_rolled_back(group, step, sorted(kept.values()), dying, back), e) from e
+    stay = set(kept.values())
+    group.kill(r for r in range(old.world_size) if r not in stay and r not in dying)
+    return nxt, moved
 
 
-def new_stages(cfg) -> list:
-    """The Stage of each pipeline stage of `cfg`'s layout ([None] at pp == 1: the whole model)."""
-    p = cfg.parallel
-    return [stage_of(model_args(cfg), p.pp, s, p.pp_virtual, p.pp_layers) for s in range(p.pp)]
+def _in_the_way(group, new, new_pgs: Mapping, late: list[int]) -> list[int]:
+    """The old ranks that must stop before the `late` ranks start: those holding a late rank's name (its rank
+    number) or sitting in its bundle."""
+    taken = {j for j in late if j < group.layout.world_size}
+    bundles = {bundle_key(*bundle_of(new_pgs[new.coords(j).dp], new.bundle_index(j))) for j in late}
+    sits = {r for r, w in enumerate(group.workers) if group.bundles.get(actor_id(w)) in bundles}
+    return sorted(taken | sits)
 
 
-def restarted_from(group, refs, replicated):
-    """The old layout started again in its own placement from the bundles its owners exported (each old
-    rank takes back the pieces its part gave away, and its stage's replicated tensors)."""
-    lay = group.layout
-    own = Ownership(lay)
-    fresh = type(group).create(group.launcher, group.cfg, group.pgs)
-
-    def source(r: int):
-        part, at = own.part(r), lay.coords(r)
-        return RebuildSource(tuple(refs[part]), replicated[own.part(lay.rank(tp=0, pp=at.pp))])
+def _kept_back(group, step: int, dying: list[int]) -> dict | None:
+    """For a rollback, the state of the old ranks `dying` (about to stop) exported now if some of it is held by
+    none of the old ranks that stay alive ({old rank: PlannedSource}); None if those can give it later."""
+    if not dying:
+        return None
+    lay, gone = group.layout, set(dying)
+    stay = {r: r for r in range(lay.world_size) if r not in gone}
     try:
-        return fresh.join(setup=range(lay.world_size), states={r: source(r) for r in range(lay.world_size)})
+        moving.plan(group, group.cfg, stay, stay, step)
+        return None
+    except Unplannable:
+        moves = [m for m in moving.plan(group, group.cfg, range(lay.world_size), stay, step) if m.dst in gone]
+        return moving.sources(group.state_calls(), moves)[0]
+
+
+def _rolled_back(group, step: int, kept: list[int], dying: list[int], back: dict | None):
+    """The old layout again after a failed switch: the kept processes take back their old shards, the ranks
+    that stopped start again and take their state (`back`, exported before they stopped, or from the old ranks
+    still alive), every other old rank rejoins with the shard it holds. If that fails too, the group as it
+    is: its next step fails and a recovery heals it."""
+    try:
+        group.revert(kept)
+        if not dying:
+            return group.join()
+        if back is None:
+            stay = {r: r for r in range(group.layout.world_size) if r not in set(dying)}
+            moves = [m for m in moving.plan(group, group.cfg, stay, stay, step) if m.dst in set(dying)]
+            back = moving.sources(group.state_calls(), moves)[0]
+        return group.started(dying).join(setup=dying, states=back)
     except FAILURES:
-        return fresh
-
-
-def rejoined(group, rows=None):
-    """The old layout's workers, wired again (the shards they hold are untouched; under zero 1 each takes
-    back its AdamW rows from the bundles it cut, `rows`: Group.export_rows')."""
-    try:
-        group = group.join()
-        if rows is not None:
-            group.state_calls().take_rows({r: list(rows[0][r]) for r in range(group.layout.world_size)})
         return group
+
+
+def rejoined(group):
+    """The old layout's workers, wired again (the shards they hold are untouched)."""
+    try:
+        return group.join()
     except FAILURES:
         return group  # the next step fails and recovers

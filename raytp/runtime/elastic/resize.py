@@ -59,7 +59,7 @@ from raytp import config as config_mod
 from raytp.parallel.layout import Layout
 from raytp.runtime import policy
 from raytp.runtime.records import layout_dict
-from raytp.runtime.elastic import changes, reshard, restart
+from raytp.runtime.elastic import changes, replicas, reshard, restart
 from raytp.runtime.cluster import slots
 from raytp.runtime.cluster.resources import worker_resources
 from raytp.runtime.errors import FAILURES, PlacementError
@@ -136,7 +136,10 @@ class Elastic:
             got = change.reserve(group, new_cfg)
             if got is None:  # an extension landed on another node than its replica
                 self.say("more bundles could not be had on a replica's node: restarting every worker")
-                return carry_out(group, lambda: restart.restart_tp(group, new_cfg), t0, "requested", step)
+                self.restages += 1
+                ahead = self.restages
+                return carry_out(group, lambda: restart.restart_tp(group, new_cfg, step, ahead), t0, "requested",
+                                 step)
             for r in change.ranks.early:
                 early[r] = group.start_worker(r, new_cfg, got.pgs, ahead=ahead)
         except (PlacementError, *FAILURES) as e:
@@ -194,7 +197,7 @@ class Elastic:
             return Outcome.refused(str(error))
         self.say(f"no room to start TP={new.tp} x DP={new.dp} beside the job ({error}); switching inside its "
                  "own bundles")
-        return carry_out(group, lambda: restart.restart_in(group, new_cfg, carved), t0, "requested, in place", step)
+        return carry_out(group, lambda: restart.restart_in(group, new_cfg, step, carved), t0, "requested, in place", step)
 
     def due(self, group, now: bool = False) -> bool:
         """Whether the pending resize switches at this step boundary: at once if `now` or it has no new
@@ -258,7 +261,8 @@ class Elastic:
         new_cfg = policy.resized_config(group.cfg, lay.changed(dp=dp))
         reserved = {q: self.growing.pgs[q] for q in range(lay.dp, dp)}
         rest = {q: pg for q, pg in self.growing.pgs.items() if q >= dp}
-        sw = carry_out(group, lambda: reshard.switch_dp(group, new_cfg, step, reserved=reserved),
+        sw = carry_out(group, lambda: replicas.change_dp(group, new_cfg, replicas.kept_first(lay.dp, dp), step,
+                                                          reserved=reserved),
                        time.perf_counter(), "capacity returned", step)
         if sw.outcome.ok:  # at the target the next boundary withdraws the autoscaler request (policy.grow: None)
             self.growing = GrowBack(rest) if rest else None

@@ -44,11 +44,13 @@ from typing import TYPE_CHECKING, Callable
 
 from ray.exceptions import ObjectLostError, OwnerDiedError, RayTaskError
 
+from raytp.moves.planner import SourceKind, Unplannable
 from raytp.parallel.ownership import Ownership
 from raytp.runtime import policy
 from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
 from raytp.runtime.records import Healing, Resizing
 from raytp.runtime.cluster.slots import unused_groups
+from raytp.runtime.state import moving
 from raytp.files.checkpoint import CheckpointError
 
 if TYPE_CHECKING:  # the run's parts a recovery reads and asks (none imports this module)
@@ -150,12 +152,12 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0:
     if not group.ready(lost, cfg.recovery.replace_timeout_s):
         why = (f"no capacity to replace rank(s) {sorted(lost)} within "
                f"recovery.replace_timeout_s={cfg.recovery.replace_timeout_s:g}s")
-        # Under zero 1 every kept rank takes the snapshot anew (_recut_from_snapshot): a torn one too.
+        # Under zero 1 a torn rank's replica may be kept: it takes its state anew, with the lost ranks' rows.
         whole = {**completed, **torn} if lay.sharded_optimizer else completed
         shrink = policy.shrink_decision(lay, list(lost), whole, cfg.parallel.min_dp, cfg.train.batch_size)
         if shrink is None:
             give_up(ctx, group, why)
-        return _shrink(ctx, attempt, shrink, lost, t0, _unread(kept, step))
+        return _shrink(ctx, attempt, shrink, lost, completed, t0, _unread(kept, step))
     try:
         group = attempt.group = group.join(setup=lost)
     except FAILURES:
@@ -166,7 +168,8 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0:
         ctx.say("a rank was lost while the ranks met; every rank starts anew")
         group.kill(range(lay.world_size))
         raise
-    restored, source = restore(ctx, group, sorted({*lost, *torn}), completed)
+    everyone = {r: r for r in range(lay.world_size)}
+    restored, source = restore(ctx, group, group, everyone, completed, sorted({*lost, *torn}))
     if source == "snapshot" and not snap_nodes <= set(group.placer.alive_nodes()):
         source = "snapshot copy"  # a part's own node is gone: Ray served the copy kept on another node
     ahead = max(completed.values(), default=restored)
@@ -181,47 +184,59 @@ def _unread(kept: dict, step: int, stop: int | None = None) -> tuple:
     return tuple(kept[s] for s in sorted(kept) if s >= step and (stop is None or s < stop))
 
 
-def restore(ctx: RecoveryContext, group, lost: list[int], completed: dict[int, int]) -> tuple[int, str]:
-    """Give the new workers their shards (and roll back the others if needed): (step, source)."""
-    lay = group.layout
-    copies, parts = [], {}
+def restore(ctx: RecoveryContext, old, group, process_of: dict[int, int], completed: dict[int, int],
+            todo: list[int]) -> tuple[int, str]:
+    """Give ranks their state by the state mover's plan (raytp.runtime.state.moving): (step, source). `old`: the
+    group whose processes served (`completed`: {its rank: completed steps} of those whose state is whole);
+    `group`: the group joined now (the same one after a replacement, a shrunk one after a shrink);
+    `process_of`: {rank of `group`: rank of `old` whose process it is}; `todo`: ranks of `group` whose state
+    is gone. Fastest first: at the survivors' step from live holders (source "replica"), with what they lack
+    from the snapshot or its copy of that step; else everyone rolls back to the snapshot, then its copy; else
+    the newest checkpoint."""
+    copies = _copies(ctx, old.layout)
+    calls, cfg = group.state_calls(), group.cfg
+    nodes = dict(enumerate(group.nodes()))
+    for way in policy.restore_order(completed, todo, [(n, s) for n, s, _ in copies], group.layout.world_size):
+        parts = next((p for n, s, p in copies if (n, s) == (way.source, way.step)), None)
+        try:
+            moves = moving.plan(old, cfg, way.alive, process_of, way.step, nodes, snapshot=parts is not None)
+        except Unplannable:
+            continue
+        try:
+            planned, _ = moving.sources(old.state_calls(), moves, parts and moving.snapshot_parts(old.layout, parts()))
+            moving.take(calls, planned, way.step, also=way.targets)
+        except (ObjectLostError, OwnerDiedError, RayTaskError) as e:
+            ctx.say(f"{way.source} of step {way.step} unavailable ({type(e).__name__}); trying the next source")
+            continue  # a rank that took some of it takes all of it from the next source
+        return way.step, way.source if any(m.source.kind is SourceKind.SNAPSHOT for m in moves) else "replica"
+    try:
+        step, path = ctx.checkpoints.restore(group, warn=ctx.say)
+    except CheckpointError as e:
+        raise RecoveryFailed(f"no DP replica, snapshot or checkpoint holds the lost state of rank(s) {sorted(todo)}: "
+                             f"{e}")
+    return step, f"checkpoint {path}"
+
+
+def _copies(ctx: RecoveryContext, layout) -> list[tuple[str, int, Callable[[], dict]]]:
+    """(source, step, its parts {part: ref}) of the in-memory copies of the state at `layout`: the newest
+    snapshot, then its copy on another node."""
+    out = []
     snap = ctx.snapshots.latest()
     if snap is not None:
-        copies.append(("snapshot", snap[0]))
-        parts["snapshot"] = lambda: snap[1]
-    held = ctx.copy.held_step(Ownership(lay).parts)
+        out.append(("snapshot", snap[0], lambda: dict(enumerate(snap[1]))))
+    n = Ownership(layout).parts
+    held = ctx.copy.held_step(n)
     if held is not None:
-        copies.append(("snapshot copy", held))
-        parts["snapshot copy"] = lambda: ctx.copy.parts(held, Ownership(lay).parts)
-    plan = policy.restore_plan(lay, lost, completed, copies)
-    while plan:
-        r = plan.pop(0)
-        if r.source == "replica":
-            group.state_calls().copy_shards(r.donors, r.step)
-            return r.step, "replica"
-        if r.source == "checkpoint":
-            try:
-                step, path = ctx.checkpoints.restore(group, warn=ctx.say)
-            except CheckpointError as e:
-                raise RecoveryFailed(f"no DP replica, snapshot or checkpoint holds the lost shard(s) "
-                                     f"{sorted(lost)}: {e}")
-            return step, f"checkpoint {path}"
-        try:
-            group.state_calls().load_parts(r.targets, parts[r.source](), r.step)
-            return r.step, r.source
-        except (ObjectLostError, OwnerDiedError, RayTaskError) as e:
-            ctx.say(f"{r.source} of step {r.step} unavailable ({type(e).__name__}); trying the next source")
-            # Some workers may have loaded it: whatever comes next, everyone loads.
-            rest = [(c.source, c.step) for c in plan if c.source in parts]
-            plan = policy.restore_plan(lay, lost, {}, rest)
-    raise AssertionError("restore_plan always ends with the checkpoint")
+        out.append(("snapshot copy", held, lambda: ctx.copy.parts(held, n)))
+    return out
 
 
-def _shrink(ctx: RecoveryContext, attempt: _Attempt, shrink: policy.Shrink, lost: dict, t0: float,
+def _shrink(ctx: RecoveryContext, attempt: _Attempt, shrink: policy.Shrink, lost: dict, whole: dict, t0: float,
             unread: tuple) -> Recovered:
     """Go on with the whole replicas, renumbered in order; the others' workers and groups go. Under zero 1 the
-    lost ranks' AdamW rows have no replica: every kept rank takes the newest snapshot (or its copy, or the
-    checkpoint) at the new DP degree, its rows cut anew, and the job replays from there. `unread`: the
+    AdamW rows are cut again for the new DP degree: the kept ranks keep theirs, and the lost ranks' come from
+    the snapshot of their step (or its copy), else everyone rolls back to the newest (restore); the job
+    replays from there. `whole`: {rank: completed} of the ranks whose state is whole; `unread`: the
     survivors' records the driver has not read (those of steps before the one it goes on from are kept)."""
     group = attempt.group
     lay = group.layout
@@ -229,42 +244,18 @@ def _shrink(ctx: RecoveryContext, attempt: _Attempt, shrink: policy.Shrink, lost
     group.placer.release(unused_groups([group.pgs[q] for q in range(lay.dp) if q not in shrink.keep],
                                        [group.pgs[q] for q in shrink.keep]))
     new_cfg = policy.resized_config(group.cfg, lay.changed(dp=shrink.new_dp))
-    workers = [group.workers[r] for q in shrink.keep for r in lay.replica(q)]
+    new = new_cfg.layout
+    process_of = {j: o for i, q in enumerate(shrink.keep) for j, o in zip(new.replica(i), lay.replica(q))}
+    workers = [group.workers[process_of[j]] for j in range(new.world_size)]
     pgs = {i: group.pgs[q] for i, q in enumerate(shrink.keep)}
-    group = attempt.group = group.successor(new_cfg, pgs, workers).join()
-    step, source = (shrink.step, "") if not lay.sharded_optimizer else _recut_from_snapshot(ctx, group, lay)
-    resizing = Resizing(t0, t0, lay, group.layout, 0, f"lost capacity; kept replicas {list(shrink.keep)} of {lay.dp}")
+    nxt = attempt.group = group.successor(new_cfg, pgs, workers).join()
+    alive = {o: whole[o] for o in process_of.values() if o in whole}
+    step, source = restore(ctx, group, nxt, process_of, alive, [j for j, o in process_of.items() if o not in alive])
+    source = "" if source == "replica" else f" from the {source}" if "snapshot" in source else f" from {source}"
+    resizing = Resizing(t0, t0, lay, new, 0, f"lost capacity; kept replicas {list(shrink.keep)} of {lay.dp}")
     healing = Healing(t0, max(shrink.step - step, 0), f"shrink to DP={shrink.new_dp}" + source, tuple(sorted(lost)))
-    return Recovered(group, step, healing, attempt.counted, tuple(x for x in unread if x[1]["step"] < step),
+    return Recovered(nxt, step, healing, attempt.counted, tuple(x for x in unread if x[1]["step"] < step),
                      resizing=resizing)
-
-
-def _recut_from_snapshot(ctx: RecoveryContext, group, old) -> tuple[int, str]:
-    """Every rank of `group` (shrunk from layout `old` under zero 1) takes the weights and its rows of the AdamW
-    state, cut for the new DP degree, from the newest snapshot whose parts all answer, else from its copy on
-    another node, else from the checkpoint: (step, " from <source>")."""
-    own, new = Ownership(old), group.layout
-    sources = []
-    snap = ctx.snapshots.latest()
-    if snap is not None:
-        sources.append(("snapshot", snap[0], lambda: snap[1]))
-    held = ctx.copy.held_step(own.parts)
-    if held is not None:
-        sources.append(("snapshot copy", held, lambda: ctx.copy.parts(held, own.parts)))
-    for name, step, parts in sorted(sources, key=lambda s: -s[1]):
-        got = parts()
-        refs = {r: [got[own.part(o)] for o in old.dp_group(c.tp, c.pp)]
-                for r, c in ((r, new.coords(r)) for r in range(new.world_size))}
-        try:
-            group.state_calls().recut_parts(refs, old.dp, step)
-            return step, f" from the {name}"
-        except (ObjectLostError, OwnerDiedError, RayTaskError) as e:
-            ctx.say(f"{name} of step {step} unavailable ({type(e).__name__}); trying the next source")
-    try:
-        step, path = ctx.checkpoints.restore(group, warn=ctx.say)
-    except CheckpointError as e:
-        raise RecoveryFailed(f"no snapshot or checkpoint holds the lost AdamW rows: {e}")
-    return step, f" from checkpoint {path}"
 
 
 def give_up(ctx: RecoveryContext, group, reason: str) -> None:

@@ -16,9 +16,10 @@ stage there, one move at a time:
 3. Start ahead: once the group is placed there, the stage's new workers start in it (named
    ``raytp.<run>.rank<R>.moved<K>``), still while training goes on: a process start is most of a
    move's time.
-4. Move, at the next step boundary once they are up: the old workers of the stage stop, the new ones
-   meet the others in torch.distributed and copy their shards from their DP twins (a recovery's
-   "replica" source: nothing lost, bit for bit), and the old group is released. Training pauses for
+4. Move, at the next step boundary once they are up: the stage's state is exported by the state mover's
+   plan (raytp.runtime.state.moving: from a holder on the new node, else the least loaded of the stage's
+   own ranks and its DP twins), the old workers of the stage stop, the new ones meet the others in
+   torch.distributed and take their shards (nothing lost, bit for bit), and the old group is released. Training pauses for
    this only; the ``moved`` event, logged with the first step after it, says the pause as
    metrics.jsonl shows it, and a new ``survival`` event follows.
 
@@ -27,10 +28,10 @@ A failure during the move is handed to the driver as any failed step is (a recov
 Drains. A node that Ray is draining (``ray drain-node``, a spot preemption with a deadline, the autoscaler's
 scale-down: raytp.runtime.cluster.drains, read at most once a second as records arrive) is left the same way,
 ahead of any move off a twin: spread.move_off_drained picks the stage and a node with room, and at the
-boundary the stage's own ranks put their state in the object store before they stop, and the new ones take
-it (so a stage with no twin, or under zero 1, moves too). With no room an elastic job (parallel.min_dp)
-shrinks live instead: policy.drain_keep picks the replicas clear of the drained nodes, and at the boundary
-raytp.runtime.elastic.replica_drop drops the others (a ``resized`` event). A job that cannot shrink keeps its
+boundary it moves as above (its own ranks export before they stop, so a stage with no twin, or under
+zero 1, moves too). With no room an elastic job (parallel.min_dp) shrinks live instead: policy.drain_keep
+picks the replicas clear of the drained nodes, and at the boundary raytp.runtime.elastic.replicas drops the
+others (a ``resized`` event). A job that cannot shrink keeps its
 ranks there; the node's loss is then healed as a failure.
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ from raytp.runtime import policy, spread
 from raytp.runtime.errors import FAILURES
 from raytp.runtime.records import Moving, Resizing
 from raytp.runtime.cluster.slots import replaced, unused_groups
+from raytp.runtime.state import moving
 
 
 DRAIN_READ_S = 1.0  # how often the draining nodes are read (a GCS call), at most
@@ -103,7 +105,7 @@ class Respread:
         the look for one) a stage further."""
         self._progress(group)
         if self.shrink is not None:
-            return self._shrink(group)
+            return self._shrink(group, step)
         p = self.pending
         if p is None or not p.pings or not group.answered(p.pings):
             return None
@@ -183,10 +185,10 @@ class Respread:
                      "are recovered as after a failure")
         return True
 
-    def _shrink(self, group) -> Moved:
+    def _shrink(self, group, step: int) -> Moved:
         """Go on with the replicas clear of the drained nodes (no node had room for the others' ranks)."""
         from raytp.runtime.elastic.reshard import SwitchFailed
-        from raytp.runtime.elastic.replica_drop import drop_replicas
+        from raytp.runtime.elastic.replicas import change_dp
         keep, self.shrink = self.shrink, None
         lay, t0 = group.layout, time.perf_counter()
         dropped = [q for q in range(lay.dp) if q not in keep]
@@ -194,7 +196,7 @@ class Respread:
         self.say(f"no node has room for the ranks on {', '.join(nodes)}, which Ray is draining: dropping replica(s) "
                  f"{dropped}, going on at DP={len(keep)} (grows back when capacity returns)")
         try:
-            nxt, moved = drop_replicas(group, keep)
+            nxt, moved = change_dp(group, policy.resized_config(group.cfg, lay.changed(dp=len(keep))), keep, step)
         except SwitchFailed as e:
             return Moved(e.group, None, e.cause)
         reason = f"drained node {', '.join(nodes)}; kept replicas {list(keep)} of {lay.dp}"
@@ -223,12 +225,6 @@ class Respread:
     def _move(self, group, p: _Pending, step: int) -> Moved | None:
         lay, move = group.layout, p.move
         ranks = sorted(p.early)
-        plan = None
-        if not move.drain:  # off a twin's node: the twins give the state (a drained stage hands over its own)
-            plan = policy.restore_plan(lay, ranks, {r: step for r in range(lay.world_size) if r not in ranks}, [])[0]
-            if plan.source != "replica":  # could_move says a twin holds every byte; kept as the move's condition
-                self._drop(group, p)
-                return None
         t0 = time.perf_counter()
         old = group.pgs[move.dp]
         new = replaced(old, move.stage * lay.tp, lay.tp, p.pg)
@@ -237,16 +233,15 @@ class Respread:
                  + f") off node {from_node}, "
                  + ("which Ray is draining" if move.drain else "which holds their DP twins too")
                  + f", to node {move.node}")
-        try:
-            own = group.state_calls().states_of(ranks) if move.drain else None
+        stay = {r: r for r in range(lay.world_size) if r not in ranks}
+        try:  # every rank serves (the stage's own ranks export before they stop); new ones start empty
+            moves = moving.plan(group, group.cfg, range(lay.world_size), stay, step, {r: move.node for r in ranks})
+            planned, _ = moving.sources(group.state_calls(), moves)
             group.kill(ranks)
             group = group.placed_in({**group.pgs, move.dp: new}).with_workers(
                 {r: a for r, (a, _) in p.early.items()}, {r: b for r, (_, b) in p.early.items()})
             group = group.join(setup=ranks)
-            if move.drain:
-                group.state_calls().hand_over(own, step)
-            else:
-                group.state_calls().copy_shards(plan.donors, step)
+            moving.take(group.state_calls(), planned, step, also=ranks)
         except FAILURES as e:
             return Moved(group, None, e)
         group.placer.release(unused_groups([old], [new]))

@@ -1,1 +1,1 @@
-"""The worker room: the Worker actor, one per rank (worker.py), its state in and out (worker_state.py), its checkpoint writer thread (background_save.py), snapshot buffers (snapshot_buffers.py), and the pieces its shard is cut into for a reshard (transfer.py)."""
+"""The worker room: the Worker actor, one per rank (worker.py), its shard and how it moves in and out (held_shard.py; a state mover's plan on its side: planned_source.py), its streamed calls (streamed_calls.py, calls.py), its checkpoint writer thread (background_save.py), snapshot buffers (snapshot_buffers.py)."""

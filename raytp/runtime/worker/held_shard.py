@@ -1,11 +1,11 @@
 """What a worker holds, and how it comes and goes: ``HeldShard``, a rank's shard as a value of its own.
 
 A shard (weights, AdamW state and the knobs that step it) is built seeded, or empty and filled from a
-source (raytp.files.state_sources: a checkpoint, a Hugging Face directory; a live
-resize's bundles, raytp.runtime.worker.transfer), copied from a DP replica or a
-snapshot (``set_shard``), cut into bundles for a new TP layout
-(``export_pieces``), and written to a checkpoint by a thread of its own
-(``begin_save``). ``settle`` waits until nothing reads the live tensors any
+source (raytp.files.state_sources: a checkpoint, a Hugging Face directory; a
+state mover's plan, raytp.runtime.worker.planned_source: a live layout change),
+filled in place by a plan (``take_moves``: a recovery, a DP change), cut into
+bundles by a plan (``export_moves``), and written to a checkpoint by a thread of
+its own (``begin_save``). ``settle`` waits until nothing reads the live tensors any
 more (a snapshot being packed, a file being written) before they change.
 
 It reads nothing of the Worker actor (raytp.runtime.worker.worker): the rank's process groups, its job and
@@ -13,6 +13,7 @@ its snapshot buffers are handed to each call; the Worker holds one and replaces 
 """
 from __future__ import annotations
 
+import dataclasses
 
 import torch
 
@@ -22,14 +23,12 @@ from raytp.models.moe.plan import ExpertPlace
 from raytp.models.registry import bucketed, is_expert_weight
 from raytp.models.shard import build_empty_shard, build_shard
 from raytp.models.stage import copied_name
-from raytp.runtime.worker import planned_source, transfer
+from raytp.runtime.worker import planned_source
 from raytp.runtime.worker.background_save import BackgroundSave
-from raytp.runtime.worker.transfer import PiecesSource
 from raytp.files import checkpoint, checkpoint_experts
-from raytp.train.shard_state import load_shard_state, shard_state, unpack_state
+from raytp.train.shard_state import shard_state, unpack_state
 from raytp.files.state_sources import StateSource
 from raytp.parallel.layers import set_tp_overlap
-from raytp.train import zero_handover
 from raytp.train.row_cut import experts_cut
 from raytp.train.step import make_optimizer
 from raytp.files.storage import Storage
@@ -39,6 +38,7 @@ class HeldShard:
     def __init__(self, model, optimizer, hyper, device: torch.device):
         self.model, self.optimizer, self.hyper, self.device = model, optimizer, hyper, device
         self.saving: BackgroundSave | None = None  # this rank's file of the checkpoint being written
+        self.before = None  # the AdamW rows take_moves cut anew, until commit or revert
 
     @classmethod
     def build(cls, cfg, groups, device: torch.device, stage, modes: dict, source=None, own=None) -> "HeldShard":
@@ -64,19 +64,10 @@ class HeldShard:
                                    **experts_cut(groups.layout, groups.rank))
         if source is not None:
             source = StateSource(source) if isinstance(source, dict) else source
-            # A kept process copies its own slices locally where the bundles leave them out (a TP resize: None)
-            keep_own = own is not None and (getattr(source, "keeps_own", False)  # an EP change: all but experts
-                                            or isinstance(source, PiecesSource) and None in source.refs)
+            # A kept process copies its blocks in place from its old shard (a plan's, raytp.moves)
+            keep_own = own is not None and getattr(source, "keeps_own", False)
             source.fill(model, optimizer, groups.tp_rank, groups.layout.tp, **({"own": own} if keep_own else {}))
         return cls(model, optimizer, knobs, device)
-
-    def export_pieces(self, groups, vocab_size: int, new_tp: int, skip: list[int], stages: list | None = None):
-        """For a live resize: one bundle per new TP rank j (and new stage, given the new layout's `stages`)
-        of the slices of this shard that go there (none for j in `skip`: those this process keeps), then
-        the replicated tensors alone, then the bundles' sizes (raytp.runtime.worker.transfer)."""
-        bundles = transfer.export_pieces(self.model, self.optimizer, groups.tp_rank, groups.layout.tp, new_tp,
-                                         vocab_size, set(skip), stages=stages)
-        return (*bundles, transfer.replicated(self.model, self.optimizer), [transfer.bundle_bytes(b) for b in bundles])
 
     def export_moves(self, moves: list):
         """A plan's blocks this shard is the source of (raytp.moves): one bundle per destination rank, in
@@ -84,43 +75,36 @@ class HeldShard:
         self.settle()
         return planned_source.export_moves(self.model, self.optimizer, moves)
 
-    def export_rows(self, new_dp: int):
-        """A DP resize under zero 1: one bundle per DP rank of `new_dp` of the AdamW rows this rank keeps that
-        that rank will keep (raytp.train.zero_handover.rows_for), then the bundles' sizes."""
+    def take_moves(self, groups, source) -> None:
+        """Fill this shard in place by a plan (`source`: planned_source.PlannedSource): the same model at its
+        place in `groups` (a recovery, a DP change), its blocks kept or overwritten; under the distributed
+        optimizer the AdamW rows are cut again first if its DP place changed (the old rows are kept until
+        ``commit``, or taken back by ``revert``)."""
         self.settle()
-        bundles = [transfer.pack([(f"optim/{n}/{k}", a, a, t) for n, k, a, _, t in rows])
-                   for rows in zero_handover.rows_for(self.optimizer, new_dp)]
-        return (*bundles, [transfer.bundle_bytes(b) for b in bundles])
+        own = planned_source.state_tensors(self.model, self.optimizer)
+        opt, lay = self.optimizer, groups.layout
+        if lay.zero and (opt.dp, opt.dp_rank) != (lay.dp, groups.dp_rank):
+            self.before = (opt.dp, opt.dp_rank, opt.named_state())
+            opt.recut(lay.dp, groups.dp_rank)  # every row's state is written anew, kept ones too
+        else:
+            source = dataclasses.replace(source, moves=tuple(m for m in source.moves if not m.kept))
+        source.fill_from(planned_source.targets(self.model, opt, {m.key for m in source.moves}), own)
 
-    def take_rows(self, groups, refs: list) -> None:
-        """Keep the AdamW rows of this rank's DP position in `groups`' layout, filled from the bundles `refs`
-        (export_rows' of the ranks that kept them: a DP resize under zero 1, or its rollback)."""
-        import ray
-        self.settle()
-        self.optimizer.recut(groups.layout.dp, groups.dp_rank)
-        for ref in refs:
-            for key, start, _, t in transfer.unpack(ray.get(ref)):  # one bundle in memory at a time
-                _, name, k = key.split("/")
-                self.optimizer.put_rows(name, k, start, t)
+    def commit(self) -> None:
+        """The change that took_moves is part of took: the old rows go."""
+        self.before = None
 
-    def recut_parts(self, groups, refs: list, old_dp: int) -> None:
-        """Take the weights and this rank's AdamW rows at its DP position from snapshot parts of old DP ranks
-        0.. (`refs`, cut at `old_dp`: each holds the rows its rank kept): an elastic shrink under zero 1.
-        One part in memory at a time."""
-        import ray
-        self.settle()
-        self.optimizer.recut(groups.layout.dp, groups.dp_rank)
-        for d, ref in enumerate(refs):
-            part = unpack_state(ray.get(ref), views=True)
-            if d == 0:  # every replica's weights are the same
-                load_shard_state(self.model, None, part)
-            zero_handover.take_part(self.optimizer, part["optim"], old_dp, d)
+    def revert(self) -> None:
+        """The change failed: the AdamW rows cut before take_moves come back (the weights it kept)."""
+        if self.before is not None:
+            dp, dp_rank, state = self.before
+            self.optimizer.recut(dp, dp_rank)
+            for name, st in state.items():
+                self.optimizer.state_of(name).update(st)
+            self.before = None
 
-    def get_state(self, weights_only: bool = False) -> dict:
-        """The weights and AdamW state (CPU tensors), e.g. for a DP replica to copy; `weights_only`: without
-        the AdamW state (a DP replica under zero 1 keeps other rows of it)."""
-        if weights_only:
-            return {"model": shard_state(self.model, self.optimizer, copy=True)["model"], "optim": {}}
+    def get_state(self) -> dict:
+        """The weights and AdamW state (CPU tensors, copies): what a snapshot holds (bench/snapshots.py)."""
         return shard_state(self.model, self.optimizer)
 
     def load(self, groups, source) -> None:
@@ -180,16 +164,3 @@ class HeldShard:
             self.saving.copied.wait()
         if self.optimizer is not None:
             self.optimizer.settle()  # zero 1 may still be gathering the new weights
-
-    def weights_nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
-
-    def state_nbytes(self) -> int:
-        """Bytes of the weights and optimizer state."""
-        return self.weights_nbytes() + self.optimizer.state_nbytes()
-
-    def set_shard(self, state: dict, weights_only: bool = False) -> None:
-        """Take a shard_state (or a packed one) of this shard's own shape (from a DP replica or a snapshot);
-        `weights_only`: its weights, leaving the AdamW state as it is."""
-        self.settle()
-        load_shard_state(self.model, None if weights_only else self.optimizer, unpack_state(state))

@@ -218,46 +218,34 @@ class Worker:
         self._announce()
 
     # -- its state in and out (raytp.runtime.worker.held_shard) ---------------------------------
-    def export_pieces(self, new_tp: int, skip: list[int], stages: list | None = None):
-        """HeldShard.export_pieces; call with num_returns=new_tp * len(stages or [None]) + 2."""
-        return self.shard.export_pieces(self.groups, self.cfg.model.vocab_size, new_tp, skip, stages)
-
     def export_moves(self, moves: list):
         """HeldShard.export_moves; call with num_returns = its destinations + 1."""
         return self.shard.export_moves(moves)
 
-    def export_rows(self, new_dp: int):
-        """HeldShard.export_rows; call with num_returns=new_dp + 1."""
-        return self.shard.export_rows(new_dp)
-
-    def take_rows(self, refs: list) -> None:
-        self.shard.take_rows(self.groups, refs)
-
-    def recut_parts(self, refs: list, old_dp: int, completed: int) -> None:
-        """HeldShard.recut_parts, as the state after `completed` steps."""
-        self.shard.recut_parts(self.groups, refs, old_dp)
+    def take_moves(self, source, completed: int) -> None:
+        """HeldShard.take_moves (a plan's blocks into the shard it holds), as the state after `completed`
+        steps."""
+        self.shard.take_moves(self.groups, source)
         self.completed, self.torn = completed, False
 
     def commit_reshape(self) -> None:
-        """The switch took: the old shard kept by `reshape` goes."""
+        """The switch took: the old shard kept by `reshape` (or the rows by `take_moves`) goes."""
         self.previous = None
+        self.shard.commit()
         gc.collect()
 
     def revert(self) -> None:
-        """The switch failed: take back the shard `reshape` kept (its process groups come with a rejoin)."""
+        """The switch failed: take back the shard `reshape` kept, or the rows `take_moves` cut anew (its
+        process groups come with a rejoin)."""
+        self.shard.revert()
         if self.previous is not None:
             destroy_process_groups()
             self.cfg, self.rank, self.shard, _ = self.previous
             rebind_groups(self.shard.model, None)
             self.groups, self.previous = None, None
 
-    def get_state(self, weights_only: bool = False) -> dict:
-        return self.shard.get_state(weights_only)
-
-    def set_shard(self, state: dict, completed: int, weights_only: bool = False) -> None:
-        """HeldShard.set_shard, as the state after `completed` steps."""
-        self.shard.set_shard(state, weights_only)
-        self.completed, self.torn = completed, weights_only and self.torn
+    def get_state(self) -> dict:
+        return self.shard.get_state()
 
     def load(self, source, completed: int) -> None:
         """Take this rank's slices of `source` as the state after `completed` steps."""
@@ -274,12 +262,6 @@ class Worker:
     def probe_storage(self, url: str, token: str) -> str | None:
         """Whether this process reaches the checkpoint location as the driver does (None: it does)."""
         return answer_probe(Storage(url), token, self.rank)
-
-    def weights_nbytes(self) -> int:
-        return self.shard.weights_nbytes()
-
-    def state_nbytes(self) -> int:
-        return self.shard.state_nbytes()
 
     # -- besides training --------------------------------------------------------------------
     def evaluate(self, step: int) -> float:
