@@ -1,6 +1,6 @@
 """The distributed optimizer on Ray (ranks lost under zero 1, whose AdamW rows no other rank holds, restored
-from the snapshot and ending bit for bit as zero 0's unbroken run: tests/test_random_faults.py). A live DP resize 4 -> 2 -> 4 under zero 1 re-cuts the rows (each row a rank lacks moved once) and ends bit for bit as the
-same resizes at zero 0; a TP resize under zero 1 is refused with what to do instead."""
+from the snapshot and ending bit for bit as zero 0's unbroken run: tests/test_random_faults.py). Live resizes under zero 1 (DP 4 -> 2, TP 1 -> 2 -> 1, DP 2 -> 4) re-cut the rows (each row a rank lacks moved
+once) and end bit for bit as the same resizes at zero 0; one that fails midway rolls back to the old rows."""
 import dataclasses
 import io
 
@@ -19,25 +19,20 @@ def zero1(cfg):
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=1, overlap_param_gather=True))
 
 
-RESIZES = [(3, 2), (6, 4)]  # (after step, DP degree): 4 -> 2 -> 4
-RESIZE_STEPS = 9
+RESIZES = [(3, 1, 2), (5, 2, 2), (7, 1, 2), (9, 1, 4)]  # (after step, TP, DP): DP 4 -> 2, TP 1 -> 2 -> 1, DP 2 -> 4
+RESIZE_STEPS = 11
 
 
 def resized_run(cfg, run_dir, name):
-    """`cfg` through RESIZES; under zero 1 a TP resize is also asked for after the first: it is refused, and
-    (the run ending as zero 0's shows it) the job goes on untouched."""
+    """`cfg` through RESIZES."""
     d = Driver(cfg, run_dir, name, out=io.StringIO())
     try:
         d.start()
-        for step, dp in RESIZES:
+        for step, tp, dp in RESIZES:
             d.train_loop(until=step)
-            outcome = d.resize(tp=1, dp=dp)
+            outcome = d.resize(tp=tp, dp=dp)
             assert outcome.ok, outcome
-            assert (d.layout.dp, d.layout.zero) == (dp, cfg.parallel.zero)
-            if cfg.parallel.zero and step == RESIZES[0][0]:
-                refused = d.resize(tp=2, dp=dp)
-                assert not refused.ok and "not supported yet" in refused.error, refused
-                assert (d.layout.tp, d.layout.dp) == (1, dp)
+            assert (d.layout.tp, d.layout.dp, d.layout.zero) == (tp, dp, cfg.parallel.zero)
         d.train_loop()
         assert d.step == RESIZE_STEPS
     finally:
@@ -45,7 +40,7 @@ def resized_run(cfg, run_dir, name):
         d.log.close()
 
 
-def test_a_live_dp_resize_under_zero1_recuts_the_rows_and_ends_as_zero0_resized_alike(ray_local, tmp_path):
+def test_live_dp_and_tp_resizes_under_zero1_recut_the_rows_and_end_as_zero0_resized_alike(ray_local, tmp_path):
     cfg = job(1, 4, steps=RESIZE_STEPS, checkpoint={"every": RESIZE_STEPS, "keep": 1})
     resized_run(cfg, tmp_path / "z0", "z0scale")
     resized_run(zero1(cfg), tmp_path / "z1", "z1scale")
@@ -53,7 +48,9 @@ def test_a_live_dp_resize_under_zero1_recuts_the_rows_and_ends_as_zero0_resized_
     state = final_state(tmp_path / "z1", RESIZE_STEPS)
     assert_bitwise_equal(state, final_state(tmp_path / "z0", RESIZE_STEPS))
     n = sum(t.numel() for t in state["model"].values())
-    shrink, grow = [(e["new"]["dp"], e["bytes"]) for e in events(tmp_path / "z1", "resized")]
+    moved = [(e["new"]["tp"], e["new"]["dp"], e["bytes"]) for e in events(tmp_path / "z1", "resized")]
+    assert [m[:2] for m in moved] == [(tp, dp) for _, tp, dp in RESIZES]
+    shrink, grow = moved[0][1:], moved[-1][1:]
     # The state mover moves only the rows a rank lacks (AdamW: 8 bytes a row). 4 -> 2: DP rank 0 keeps the first
     # quarter of each bucket's rows in place (its old rows), DP rank 1 has none of its new ones: 3/4 of them move.
     # 2 -> 4: the weights to 2 new ranks (8n), and again all rows but rank 0's quarter.

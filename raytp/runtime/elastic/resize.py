@@ -105,10 +105,6 @@ class Elastic:
             new = self.pending.new_cfg.layout if self.pending is not None else self.awaiting.target
             return Outcome.refused(f"a resize to TP={new.tp} x PP={new.pp} x DP={new.dp} is in progress")
         t0, old = time.perf_counter() if t0 is None else t0, group.layout
-        if old.zero and (target.tp, target.pp) != (old.tp, old.pp):
-            return Outcome.refused("a live TP or stage resize under parallel.zero: 1 is not supported yet (DP "
-                                   "resizes are): stop the run and resume it at the new layout from its "
-                                   "checkpoint (any layout, zero 0 or 1, reads it)")
         why = policy.expert_resize_problem(old, target)
         if why is not None:
             return Outcome.refused(why)
@@ -158,8 +154,8 @@ class Elastic:
     def _no_room(self, group, new_cfg, change, error: PlacementError, t0: float, step: int, request_id):
         """No room beside the job now: switch inside its own bundles where the new layout fits there, else
         wait for room while the job trains on (``retry`` at each step boundary): None then."""
-        old, new = group.layout, new_cfg.layout
-        if not change.restarts_all and not old.zero and slots.carve(group.pgs, new.tp, new.dp) is not None:
+        new = new_cfg.layout
+        if not change.restarts_all and slots.carve(group.pgs, new.tp, new.dp) is not None:
             return self._in_place(group, new_cfg, error, t0, step)
         if self.told != t0:  # once per request
             self.told = t0
@@ -187,10 +183,10 @@ class Elastic:
         return None if got is None else (a.request_id, got)
 
     def _in_place(self, group, new_cfg, error: PlacementError, t0: float, step: int):
-        """No room beside the job: switch inside the bundles it holds where the new layout fits there
-        (whole states only: not under zero 1), else refuse."""
+        """No room beside the job: switch inside the bundles it holds where the new layout fits there, else
+        refuse."""
         old, new = group.layout, new_cfg.layout
-        carved = None if old.zero else slots.carve(group.pgs, new.tp, new.dp)
+        carved = slots.carve(group.pgs, new.tp, new.dp)
         if carved is None:
             self.log.event("resize_refused", old={"tp": old.tp, "dp": old.dp}, new={"tp": new.tp, "dp": new.dp},
                            error=str(error))
