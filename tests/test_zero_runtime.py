@@ -1,6 +1,7 @@
 """The distributed optimizer on Ray (ranks lost under zero 1, whose AdamW rows no other rank holds, restored
-from the snapshot and ending bit for bit as zero 0's unbroken run: tests/test_random_faults.py). Live resizes under zero 1 (DP 4 -> 2, TP 1 -> 2 -> 1, DP 2 -> 4) re-cut the rows (each row a rank lacks moved
-once) and end bit for bit as the same resizes at zero 0; one that fails midway rolls back to the old rows."""
+from the snapshot and ending bit for bit as zero 0's unbroken run: tests/test_random_faults.py). Live resizes
+under zero 1 (DP 4 -> 2, TP 1 -> 2 -> 1, DP 2 -> 4) re-cut the rows (each row a rank lacks moved once) and end
+bit for bit as the same resizes at zero 0; one that fails midway rolls back to the old rows."""
 import dataclasses
 import io
 
@@ -54,7 +55,7 @@ def test_live_dp_and_tp_resizes_under_zero1_recut_the_rows_and_end_as_zero0_resi
     # The state mover moves only the rows a rank lacks (AdamW: 8 bytes a row). 4 -> 2: DP rank 0 keeps the first
     # quarter of each bucket's rows in place (its old rows), DP rank 1 has none of its new ones: 3/4 of them move.
     # 2 -> 4: the weights to 2 new ranks (8n), and again all rows but rank 0's quarter.
-    slack = 4 * len(state["model"]) * 4 + 8 * n // 100  # a 4-byte step count per parameter and new rank; buckets' rounding
+    slack = 4 * len(state["model"]) * 4 + 8 * n // 100  # a 4-byte step count a parameter and new rank; rounding
     assert shrink[0] == 2 and abs(shrink[1] - 6 * n) <= slack, "the AdamW rows a rank lacked did not move once each"
     assert grow[0] == 4 and abs(grow[1] - 14 * n) <= slack, "weights to 2 new ranks plus the rows each lacked"
 

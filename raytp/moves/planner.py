@@ -14,9 +14,10 @@ says, for every new rank, where each block of its state comes from:
 3. else the in-memory snapshot of an old rank that held it;
 4. else the checkpoint; if there is none, ``Unplannable`` names what is gone.
 
-So a recovery is a plan whose lost ranks serve nothing, a DP grow one whose new
-replicas' processes are fresh, a TP, PP, EP or ZeRO re-cut one whose regions
-differ: one planner for all. Each ``Move`` is a box contiguous in both the
+A rank of the same layout whose own live process holds all it must gets no move
+at all (a survivor of a recovery). So a recovery is a plan whose lost ranks
+serve nothing, a DP grow one whose new replicas' processes are fresh, a TP, PP,
+EP or ZeRO re-cut one whose regions differ: one planner for all. Each ``Move`` is a box contiguous in both the
 source's local tensor (the old rank's, whichever kind serves it) and the new
 rank's; a new rank's moves cover every element of its state exactly once.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from raytp.moves.regions import Box, Region, cells, contains, edges
+from raytp.moves.regions import Box, Region, cells, contains, edges, touches
 from raytp.moves.table import Held, StateTable
 from raytp.parallel.layout import Layout
 
@@ -78,31 +79,46 @@ class Unplannable(ValueError):
 def plan_moves(table: StateTable, old: Layout, new: Layout, world: World, state: bool = True) -> list[Move]:
     """Every move that makes the state of `new` from that of `old` in `world` (see the module doc); the
     weights alone without `state` (before the first update AdamW has none)."""
-    before, after = table.held(old, state), table.held(new, state)
+    before = table.held(old, state)
+    after = before if new == old else table.held(new, state)
     holders: dict[str, dict[Region, list[int]]] = {}  # key -> each distinct region held -> its holders
+    alike: dict[int, list[int]] = {}  # ranks holding the same (one dict), ascending
     for i, held in enumerate(before):
-        for key, h in held.items():
-            holders.setdefault(key, {}).setdefault(h.region, []).append(i)
+        alike.setdefault(id(held), []).append(i)
+    for ranks in alike.values():
+        for key, h in before[ranks[0]].items():
+            holders.setdefault(key, {}).setdefault(h.region, []).extend(ranks)
+    for regions in holders.values():
+        for ranks in regions.values():
+            ranks.sort()
     sent: dict[int, int] = {}  # bytes each live old rank sends so far: the next block goes to the least loaded
     cut: dict = {}  # (key, region wanted) -> its cells and their holders: the same for every replica
+    live_of: dict = {}  # (key, region) -> the live ranks holding exactly that region
+    box_of: dict = {}  # a region's shape -> the box of all of it
     out: list[Move] = []
     for j, held in enumerate(after):
-        own = world.process_of.get(j)
-        own = before[own] if own in world.alive else {}
+        mine = world.process_of.get(j)
+        own = before[mine] if mine in world.alive else {}
+        if own is held:  # the same layout, and its process holds all it must: nothing to do
+            continue
+        node = world.new_nodes.get(j)
         for key, want in held.items():
             kept = own.get(key)
+            shape = want.region.shape
             if kept is not None and kept.region == want.region:  # all of it in place: the common case, at once
-                at = tuple(0 for _ in want.shape)
-                source = Source(SourceKind.LIVE, world.process_of[j])
-                out.append(Move(key, source, j, Box(at, at, want.region.shape), want.itemsize, True, True))
+                box = box_of.get(shape) or box_of.setdefault(shape, _whole(shape))
+                out.append(Move(key, Source(SourceKind.LIVE, mine), j, box, want.itemsize, True, True))
                 continue
-            same = holders.get(key, {}).get(want.region, ())
-            live = [i for i in same if i in world.alive] if kept is None else ()
-            if live:  # its process holds none of it and a live rank holds all of it: whole, from one
-                at = tuple(0 for _ in want.shape)
-                source = _source(key, j, same, live, world, sent, want.region.numel * want.itemsize)
-                out.append(Move(key, source, j, Box(at, at, want.region.shape), want.itemsize, False))
-                continue
+            if kept is None:
+                live = live_of.get((key, want.region))
+                if live is None:
+                    same = holders.get(key, {}).get(want.region, ())
+                    live = live_of[key, want.region] = [i for i in same if i in world.alive]
+                if live:  # its process holds none of it and a live rank holds all of it: whole, from one
+                    box = box_of.get(shape) or box_of.setdefault(shape, _whole(shape))
+                    i = _least_loaded(_pool(live, node, world), j, sent, want.region.numel * want.itemsize)
+                    out.append(Move(key, Source(SourceKind.LIVE, i), j, box, want.itemsize, False))
+                    continue
             if (key, want.region) not in cut:
                 cut[key, want.region] = _cells(want.region, holders.get(key, {}), world)
             out += _fill(key, want, j, cut[key, want.region], world, sent)
@@ -113,6 +129,7 @@ def _cells(want: Region, have: dict[Region, list[int]], world: World) -> list[tu
     """`want` cut into cells no holder's edge crosses, each with {holder: its region}, its holders and its live
     holders (ascending)."""
     cuts = edges(want)
+    have = {region: ranks for region, ranks in have.items() if touches(region, want)}  # the others hold none of it
     for region in have:
         for d, e in enumerate(edges(region)):
             cuts[d] |= e
@@ -150,15 +167,7 @@ def _source(key: str, j: int, ranks: list[int], live: list[int], world: World, s
     if mine is not None and mine in world.alive and mine in ranks:
         return Source(SourceKind.LIVE, mine)
     if live:
-        node = world.new_nodes.get(j)
-        pool = [i for i in live if world.old_nodes.get(i) == node] if node is not None else []
-        pool = pool or live
-        if len(pool) > WINDOW:
-            at = j % len(pool)
-            pool = (pool[at:] + pool[:at])[:WINDOW]
-        i = min(pool, key=lambda r: (sent.get(r, 0), r))
-        sent[i] = sent.get(i, 0) + nbytes
-        return Source(SourceKind.LIVE, i)
+        return Source(SourceKind.LIVE, _least_loaded(_pool(live, world.new_nodes.get(j), world), j, sent, nbytes))
     snap = [i for i in ranks if i in world.snapshot]
     if snap:
         return Source(SourceKind.SNAPSHOT, snap[0])
@@ -166,6 +175,31 @@ def _source(key: str, j: int, ranks: list[int], live: list[int], world: World, s
         return Source(SourceKind.CHECKPOINT, ranks[0])
     raise Unplannable(f"{key} of new rank {j}: " + (f"its old holders {ranks} are gone, with no snapshot of "
                                                     "theirs and no checkpoint" if ranks else "no old rank held it"))
+
+
+def _whole(shape: tuple[int, ...]) -> Box:
+    return Box((0,) * len(shape), (0,) * len(shape), shape)
+
+
+def _pool(live: list[int], node: str | None, world: World) -> list[int]:
+    """The live holders on `node` if there are any, else all of them."""
+    pool = [i for i in live if world.old_nodes.get(i) == node] if node is not None else []
+    return pool or live
+
+
+def _least_loaded(pool: list[int], j: int, sent: dict, nbytes: int) -> int:
+    """The holder of `pool` that has sent the least so far (the lowest rank of equals), among up to WINDOW of them
+    from a place that turns with new rank `j`; it is charged `nbytes`."""
+    if len(pool) > WINDOW:
+        at = j % len(pool)
+        pool = (pool[at:] + pool[:at])[:WINDOW]
+    best, load = pool[0], sent.get(pool[0], 0)
+    for i in pool[1:]:
+        n = sent.get(i, 0)
+        if n < load or (n == load and i < best):
+            best, load = i, n
+    sent[best] = load + nbytes
+    return best
 
 
 def _at(region: Region, cell: Region) -> tuple[int, ...]:

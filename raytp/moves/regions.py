@@ -113,6 +113,11 @@ def contains(outer: Region, inner: Region) -> bool:
     return all(any(a <= lo and hi <= b for a, b in outer.dims[d]) for d, ((lo, hi),) in enumerate(inner.dims))
 
 
+def touches(a: Region, b: Region) -> bool:
+    """Whether the two regions share any element."""
+    return all(any(lo < bh and bl < hi for lo, hi in da for bl, bh in db) for da, db in zip(a.dims, b.dims))
+
+
 def edges(region: Region) -> list[set[int]]:
     """Each dim's interval edges (the cuts that make `region` whole cells)."""
     return [{e for iv in d for e in iv} for d in region.dims]

@@ -67,12 +67,18 @@ class StateTable:
 
     def held(self, layout: Layout, state: bool = True) -> list[dict[str, Held]]:
         """For each rank of `layout`: {key: Held} of every tensor it holds (its weights alone without `state`:
-        before the first update, AdamW has none)."""
+        before the first update, AdamW has none). Ranks that hold the same share one dict (read only)."""
         stages = self.stages(layout.pp)
         if len(stages) != layout.pp:
             raise ValueError(f"the table's stage cut has {len(stages)} stages, the layout {layout.pp}")
-        return [self._rank(layout, r, [self._by_name[n] for n in stages[layout.coord(r, "pp")]], state)
-                for r in range(layout.world_size)]
+        seen: dict[tuple, dict[str, Held]] = {}  # ranks in the same place hold the same: one dict for them all
+        out = []
+        for r in range(layout.world_size):
+            at = _place(layout, r)
+            if at not in seen:
+                seen[at] = self._rank(layout, r, [self._by_name[n] for n in stages[at[0]]], state)
+            out.append(seen[at])
+        return out
 
     def _rank(self, layout: Layout, rank: int, params: list[Param], state: bool) -> dict[str, Held]:
         weights = {p.name: self._weight(layout, rank, p) for p in params}
@@ -110,6 +116,16 @@ class StateTable:
                 return None
             degree, place = layout.expert_tp, layout.coord(rank, "etp")
         return _slice(p, degree, place)
+
+
+def _place(layout: Layout, rank: int) -> tuple:
+    """What a rank's held state depends on: its stage and TP place, its EP and ETP places where experts have a mesh
+    of their own, its DP (expert-DP) place where the optimizer's rows (the experts') are cut over it."""
+    c = layout.coords(rank)
+    split = layout.experts_split
+    return (c.pp, c.tp, layout.coord(rank, "ep") if split else None, layout.coord(rank, "etp") if split else None,
+            c.dp if layout.sharded_optimizer else None,
+            layout.coord(rank, "edp") if split and layout.sharded_experts else None)
 
 
 @lru_cache(maxsize=1024)  # a plan asks the same cut for every replica: once

@@ -73,7 +73,7 @@ def take(calls, planned: Mapping[int, PlannedSource], step: int, also: Iterable[
     """The ranks whose state changes by their plans (and those in `also`, whose step count is set all the same)
     fill the shards they hold (`calls`: the new layout's StateCalls), as the state after `step`; returns
     them. A rank's blocks kept whole are skipped unless its AdamW rows are cut again (HeldShard.take_moves)."""
-    also = set(also)
-    todo = {r: src for r, src in planned.items() if r in also or not all(m.kept for m in src.moves)}
+    todo = {r: src for r, src in planned.items() if not all(m.kept for m in src.moves)}
+    todo.update({r: planned.get(r, PlannedSource((), ())) for r in also})
     calls.take_moves(todo, step)
     return sorted(todo)
