@@ -43,7 +43,7 @@ class NoCopy:
     def update(self, group, snapshots, step):
         pass
 
-    def held_step(self, tp):
+    def held_step(self, layout):
         return None
 
     def release(self):

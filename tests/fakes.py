@@ -272,7 +272,7 @@ class FakeGroup(WorkerGroup):
 
     def write_snapshot(self, url, directory, parts, task):  # (the task's function, in this process)
         from raytp.runtime.state.checkpoints import write_part
-        return [write_part(url, directory, t, ref.value, self.layout.tp, model_args(self.cfg))
+        return [write_part(url, directory, ref.value, self.layout, t, model_args(self.cfg))
                 for t, ref in enumerate(parts)]
 
     def export_moves(self, moves):

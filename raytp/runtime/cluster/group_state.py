@@ -55,15 +55,11 @@ class StateCalls:
 
     def write_snapshot(self, url: str, directory: str, parts: list, task) -> list[dict]:
         """A snapshot's parts (refs, one per owner: stage by stage, TP rank in each) written as a checkpoint's
-        files, by `task`s (raytp.runtime.state.checkpoints.write_part_task: the state room's, handed down)."""
-        cfg, lay = self.cfg, self.layout
-        own = Ownership(lay)
-        where = [lay.coords(own.owner(t)) for t in range(len(parts))]
-        return self.fetch([task.remote(url, directory, c.tp, ref, lay.tp, model_args(cfg),
-                                                  c.pp if lay.pp > 1 else None, lay.pp,
-                                                  c.dp if lay.sharded_optimizer else 0, lay.dp, lay.sharded_optimizer,
-                                                  (lay, own.owner(t)) if lay.experts_split else None)
-                           for t, (c, ref) in enumerate(zip(where, parts))], tasks=True)
+        files, by `task`s (raytp.runtime.state.checkpoints.write_part_task: the state room's, handed down),
+        each as its owner's rank of this layout writes it."""
+        lay, own = self.layout, Ownership(self.layout)
+        return self.fetch([task.remote(url, directory, ref, lay, own.owner(t), model_args(self.cfg))
+                           for t, ref in enumerate(parts)], tasks=True)
 
     def export_moves(self, moves: list) -> tuple[dict, int]:
         """A plan's moves (raytp.moves.planner) exported by their live sources: ({destination: [refs of the

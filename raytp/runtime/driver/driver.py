@@ -204,8 +204,8 @@ class Driver:
         for done in stream:
             if self.step == stream.start and stream.count > 1:
                 self._submit_next(end)  # once the call runs: its ranks are not slowed while it starts
-            for tp_rank, ref in done.snapshot.items():
-                self.changes.snapshots.add(done.step + 1, tp_rank, ref)
+            for part, ref in done.snapshot.items():
+                self.changes.snapshots.add(done.step + 1, part, ref)
             self.step = done.step + 1
             self.last = reporting.step_record(done.records[0], done.records, self.cfg, self.layout)
             self.cadence.observe(done.records[0])

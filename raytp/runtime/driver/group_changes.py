@@ -15,7 +15,6 @@ import time
 from typing import Callable
 
 from raytp.parallel.layout import Layout
-from raytp.parallel.ownership import Ownership
 from raytp.runtime.driver import reporting
 from raytp.runtime.elastic import resize
 from raytp.runtime.elastic.resize import Elastic
@@ -36,7 +35,7 @@ class GroupChanges:
         self.log, self.say, self.spares, self.copy, self.checkpoints = log, say, spares, copy, checkpoints
         self.cadence, self.calls, self.show, self.answer = cadence, calls, show, answer
         self.group = None
-        self.snapshots = Snapshots(Ownership(job.layout).parts)
+        self.snapshots = Snapshots(job.layout)
         self.failures = 0              # worker losses so far
         self.healing = None            # records.Healing, until the next completed step
         self.resizing = None           # records.Resizing, until the next completed step
@@ -49,7 +48,7 @@ class GroupChanges:
         """Switch the job to `group`: the one place the workers, their layout, config and placement change."""
         old = self.group
         if old is not None and group.layout != old.layout:
-            self.snapshots = Snapshots(Ownership(group.layout).parts)  # snapshots of another layout are of no use
+            self.snapshots = Snapshots(group.layout)  # snapshots of another layout are of no use
         self.group = group
         if group.placement and (old is None or group.placement != old.placement):
             self.log.event("placed", ranks=list(group.placement))

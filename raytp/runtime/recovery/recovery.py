@@ -224,10 +224,9 @@ def _copies(ctx: RecoveryContext, layout) -> list[tuple[str, int, Callable[[], d
     snap = ctx.snapshots.latest()
     if snap is not None:
         out.append(("snapshot", snap[0], lambda: dict(enumerate(snap[1]))))
-    n = Ownership(layout).parts
-    held = ctx.copy.held_step(n)
+    held = ctx.copy.held_step(layout)
     if held is not None:
-        out.append(("snapshot copy", held, lambda: ctx.copy.parts(held, n)))
+        out.append(("snapshot copy", held, lambda: ctx.copy.parts(held, layout)))
     return out
 
 

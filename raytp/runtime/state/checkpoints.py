@@ -168,11 +168,16 @@ class Checkpoints:
         return path
 
 
-def write_part(url: str, directory: str, tp_rank: int, packed, tp: int, model_cfg, stage: int | None = None,
-               pp: int = 1, dp_rank: int = 0, dp: int = 1, sharded: bool = False, experts=None) -> dict:
-    """TP rank `tp_rank`'s file (of pipeline stage `stage` of `pp`; of DP rank `dp_rank` of `dp` when the
-    optimizer is `sharded` over DP, whose other ranks write their AdamW rows only) of a checkpoint from its
-    packed snapshot (run as a task: write_part_task); `model_cfg`: the model's ModelArgs."""
+def write_part(url: str, directory: str, packed, layout, rank: int, model_cfg) -> dict:
+    """Rank `rank`'s file of a checkpoint from its packed snapshot (run as a task: write_part_task), as that rank
+    of `layout` writes it (raytp.runtime.worker.held_shard.HeldShard.begin_save): its TP rank's, of its stage;
+    under the distributed optimizer, a DP rank but the first writes its AdamW rows only; `model_cfg`: the
+    model's ModelArgs."""
+    at = layout.coords(rank)
+    tp_rank, tp, pp, dp, sharded = at.tp, layout.tp, layout.pp, layout.dp, layout.sharded_optimizer
+    stage = at.pp if pp > 1 else None
+    dp_rank = at.dp if sharded else 0
+    experts = (layout, rank) if layout.experts_split else None
     from raytp.train.shard_state import unpack_state
     from raytp.models.registry import model_class
     from raytp.models.stage import Stage, copied_name

@@ -97,20 +97,24 @@ class Cadence:
 
 
 class Snapshots:
-    def __init__(self, tp: int):
-        self.tp = tp
+    """The in-memory snapshots of one layout's state: each a part per owner (raytp.parallel.ownership), refs
+    kept in the object store by the ranks that packed them."""
+
+    def __init__(self, layout):
+        self.layout = layout
+        self.parts = Ownership(layout).parts
         self.by_step: dict[int, list] = {}
 
-    def add(self, step: int, tp_rank: int, ref) -> None:
-        """The state of TP rank `tp_rank` after `step` completed steps."""
-        self.by_step.setdefault(step, [None] * self.tp)[tp_rank] = ref
+    def add(self, step: int, part: int, ref) -> None:
+        """Part `part` of the state after `step` completed steps."""
+        self.by_step.setdefault(step, [None] * self.parts)[part] = ref
         newest = self.latest()
         if newest is not None:  # older snapshots are never needed again: free them
             for s in [s for s in self.by_step if s < newest[0]]:
                 del self.by_step[s]
 
     def latest(self) -> tuple[int, list] | None:
-        """(step, [ref per TP rank]) of the newest complete snapshot, if any."""
+        """(step, [ref per part]) of the newest complete snapshot, if any."""
         complete = [s for s, refs in self.by_step.items() if all(r is not None for r in refs)]
         return (max(complete), self.by_step[max(complete)]) if complete else None
 
@@ -119,22 +123,22 @@ class Keeper:
     """Holds one complete snapshot in its node's object store (a Ray actor, no CPU reserved)."""
 
     def __init__(self):
-        self.step, self.tp, self.parts = None, None, None
+        self.step, self.layout, self.parts = None, None, None
 
-    def hold(self, step: int, tp: int, refs: list) -> int:
-        """Pull snapshot `step` (a list of refs, one per TP rank) to this node and keep it."""
+    def hold(self, step: int, layout, refs: list) -> int:
+        """Pull snapshot `step` of `layout` (a list of refs, one per part) to this node and keep it."""
         parts = ray.get(refs)  # zero-copy views of this node's object store: pinned while held
-        self.step, self.tp, self.parts = step, tp, parts
+        self.step, self.layout, self.parts = step, layout, parts
         return step
 
-    def holding(self) -> tuple[int | None, int | None]:
-        """(step, tp) of the snapshot held."""
-        return self.step, self.tp
+    def holding(self) -> tuple:
+        """(step, layout) of the snapshot held."""
+        return self.step, self.layout
 
-    def part(self, step: int, tp_rank: int) -> dict:
+    def part(self, step: int, part: int) -> dict:
         if step != self.step:
             raise KeyError(f"the keeper holds step {self.step}, not {step}")
-        return self.parts[tp_rank]
+        return self.parts[part]
 
 
 _KEEPERS = itertools.count()  # a new keeper's name must not wait for the old one's to be freed
@@ -149,8 +153,8 @@ class OffNodeCopy:
         self.checked: tuple | None = None  # (placement's nodes, time) of the last placement decision
         self.keeper = None
         self.node: str | None = None
-        self.pending = None  # (step, tp, ObjectRef of the hold call in flight)
-        self.held: tuple[int, int] | None = None  # (step, tp) the keeper holds
+        self.pending = None  # (step, layout, ObjectRef of the hold call in flight)
+        self.held: tuple | None = None  # (step, layout) the keeper holds
         self.said: str | None = None  # the last placement reported as an event
 
     def update(self, group, snapshots: Snapshots, step: int) -> None:
@@ -159,7 +163,7 @@ class OffNodeCopy:
         if not self._place(group, step):
             return
         if self.pending is not None:
-            held_step, tp, ref = self.pending
+            held_step, lay, ref = self.pending
             ready, _ = ray.wait([ref], timeout=0)
             if not ready:
                 return
@@ -172,26 +176,26 @@ class OffNodeCopy:
                 return
             if self.held is None:
                 self._report(step, node=self.node, first_step=held_step)
-            self.held = (held_step, tp)
-        snap, tp = snapshots.latest(), Ownership(group.layout).parts  # tp: the parts, stage by stage
-        if snap is None or (self.held is not None and self.held == (snap[0], tp)):
+            self.held = (held_step, lay)
+        snap, lay = snapshots.latest(), snapshots.layout
+        if snap is None or (self.held is not None and self.held == (snap[0], lay)):
             return
-        self.pending = (snap[0], tp, self.keeper.hold.remote(snap[0], tp, list(snap[1])))
+        self.pending = (snap[0], lay, self.keeper.hold.remote(snap[0], lay, list(snap[1])))
 
-    def held_step(self, tp: int) -> int | None:
-        """The step of the copy the keeper holds at TP degree `tp`, if any (the keeper's word, not
-        self.held: a pull may have finished since the driver last looked)."""
+    def held_step(self, layout) -> int | None:
+        """The step of the copy of `layout`'s state the keeper holds, if any (the keeper's word, not self.held: a
+        pull may have finished since the driver last looked)."""
         if self.keeper is None:
             return None
         try:
-            step, held_tp = ray.get(self.keeper.holding.remote(), timeout=10)
+            step, held = ray.get(self.keeper.holding.remote(), timeout=10)
         except (RayActorError, ray.exceptions.GetTimeoutError):
             return None
-        return step if step is not None and held_tp == tp else None
+        return step if step is not None and held == layout else None
 
-    def parts(self, step: int, tp: int) -> dict[int, object]:
-        """{tp_rank: ref} of the copy of `step` the keeper holds."""
-        return {t: self.keeper.part.remote(step, t) for t in range(tp)}
+    def parts(self, step: int, layout) -> dict[int, object]:
+        """{part: ref} of the copy of `step` of `layout`'s state the keeper holds."""
+        return {p: self.keeper.part.remote(step, p) for p in range(Ownership(layout).parts)}
 
     def _place(self, group, step: int) -> bool:
         """Run the keeper on a node without replica 0's state; False where none is needed or exists."""
