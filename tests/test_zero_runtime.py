@@ -8,7 +8,7 @@ import io
 import pytest
 
 from faulty import DiesInTakeMoves
-from helpers import assert_bitwise_equal, events, final_state, job, losses
+from helpers import assert_bitwise_equal, events, final_state, job, losses, run
 from raytp.runtime.driver.driver import Driver
 
 pytestmark = pytest.mark.slow  # two jobs of four workers
@@ -82,12 +82,3 @@ def test_a_dp_resize_under_zero1_that_fails_midway_rolls_back_to_the_old_rows(ra
     assert losses(tmp_path / "failed") == losses(tmp_path / "plain")
     assert_bitwise_equal(final_state(tmp_path / "failed", 6), final_state(tmp_path / "plain", 6))
 
-
-def run(cfg, run_dir, name):
-    d = Driver(cfg, run_dir, name, out=io.StringIO())
-    try:
-        d.start()
-        d.train_loop()
-    finally:
-        d.release()
-        d.log.close()
