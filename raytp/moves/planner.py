@@ -95,6 +95,7 @@ def plan_moves(table: StateTable, old: Layout, new: Layout, world: World, state:
     cut: dict = {}  # (key, region wanted) -> its cells and their holders: the same for every replica
     live_of: dict = {}  # (key, region) -> the live ranks holding exactly that region
     box_of: dict = {}  # a region's shape -> the box of all of it
+    pools: dict = {}  # (id of a live_of list, node) -> the holders to weigh for a rank on that node
     out: list[Move] = []
     for j, held in enumerate(after):
         mine = world.process_of.get(j)
@@ -116,7 +117,10 @@ def plan_moves(table: StateTable, old: Layout, new: Layout, world: World, state:
                     live = live_of[key, want.region] = [i for i in same if i in world.alive]
                 if live:  # its process holds none of it and a live rank holds all of it: whole, from one
                     box = box_of.get(shape) or box_of.setdefault(shape, _whole(shape))
-                    i = _least_loaded(_pool(live, node, world), j, sent, want.region.numel * want.itemsize)
+                    pool = pools.get((id(live), node))
+                    if pool is None:
+                        pool = pools[id(live), node] = _pool(live, node, world)
+                    i = _least_loaded(pool, j, sent, want.region.numel * want.itemsize)
                     out.append(Move(key, Source(SourceKind.LIVE, i), j, box, want.itemsize, False))
                     continue
             if (key, want.region) not in cut:
