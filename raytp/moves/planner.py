@@ -81,19 +81,26 @@ def plan_moves(table: StateTable, old: Layout, new: Layout, world: World, state:
     weights alone without `state` (before the first update AdamW has none)."""
     before = table.held(old, state)
     after = before if new == old else table.held(new, state)
-    holders: dict[str, dict[Region, list[int]]] = {}  # key -> each distinct region held -> its holders
     alike: dict[int, list[int]] = {}  # ranks holding the same (one dict), ascending
     for i, held in enumerate(before):
         alike.setdefault(id(held), []).append(i)
-    for ranks in alike.values():
+    groups = list(alike.values())
+    by: dict[str, dict[Region, list[int]]] = {}  # key -> each distinct region held -> the groups holding it
+    for g, ranks in enumerate(groups):
         for key, h in before[ranks[0]].items():
-            holders.setdefault(key, {}).setdefault(h.region, []).extend(ranks)
-    for regions in holders.values():
-        for ranks in regions.values():
-            ranks.sort()
+            by.setdefault(key, {}).setdefault(h.region, []).append(g)
+    # key -> region -> its holders, ascending: one tuple for each distinct set (a replicated tensor's: all ranks)
+    holders: dict[str, dict[Region, tuple[int, ...]]] = {}
+    interned: dict[tuple, tuple] = {}
+    for key, regions in by.items():
+        for region, gs in regions.items():
+            sig = tuple(gs)
+            if sig not in interned:
+                interned[sig] = tuple(sorted(r for g in gs for r in groups[g]))
+            holders.setdefault(key, {})[region] = interned[sig]
     sent: dict[int, int] = {}  # bytes each live old rank sends so far: the next block goes to the least loaded
     cut: dict = {}  # (key, region wanted) -> its cells and their holders: the same for every replica
-    live_of: dict = {}  # (key, region) -> the live ranks holding exactly that region
+    live_of: dict = {}  # id of a holders tuple -> its live ranks
     box_of: dict = {}  # a region's shape -> the box of all of it
     pools: dict = {}  # (id of a live_of list, node) -> the holders to weigh for a rank on that node
     out: list[Move] = []
@@ -111,10 +118,10 @@ def plan_moves(table: StateTable, old: Layout, new: Layout, world: World, state:
                 out.append(Move(key, Source(SourceKind.LIVE, mine), j, box, want.itemsize, True, True))
                 continue
             if kept is None:
-                live = live_of.get((key, want.region))
+                same = holders.get(key, {}).get(want.region, ())
+                live = live_of.get(id(same))
                 if live is None:
-                    same = holders.get(key, {}).get(want.region, ())
-                    live = live_of[key, want.region] = [i for i in same if i in world.alive]
+                    live = live_of[id(same)] = [i for i in same if i in world.alive]
                 if live:  # its process holds none of it and a live rank holds all of it: whole, from one
                     box = box_of.get(shape) or box_of.setdefault(shape, _whole(shape))
                     pool = pools.get((id(live), node))
@@ -129,7 +136,7 @@ def plan_moves(table: StateTable, old: Layout, new: Layout, world: World, state:
     return out
 
 
-def _cells(want: Region, have: dict[Region, list[int]], world: World) -> list[tuple[Region, dict, list, list]]:
+def _cells(want: Region, have: dict[Region, tuple[int, ...]], world: World) -> list[tuple[Region, dict, list, list]]:
     """`want` cut into cells no holder's edge crosses, each with {holder: its region}, its holders and its live
     holders (ascending)."""
     cuts = edges(want)
