@@ -18,10 +18,11 @@
    placement-group bundle (Ray re-places a lost node's bundles once capacity
    returns). No capacity within ``recovery.replace_timeout_s``: an elastic job
    shrinks to its whole replicas (``parallel.min_dp``), any other fails.
-4. Restore, fastest source first (raytp.runtime.policy.restore_plan): a DP
-   replica of the lost shard among the survivors (no step lost); else the
-   newest in-memory snapshot (everyone rolls back to it if the survivors are
-   ahead); else its copy on another node (raytp.runtime.state.snapshots); else the
+4. Restore by the state mover's plan (raytp.runtime.state.moving), fastest way
+   first (raytp.runtime.policy.restore_order): the lost bytes from live holders
+   among the survivors (no step lost), with what they lack from the snapshot of
+   the survivors' step or its copy on another node (raytp.runtime.state.snapshots);
+   else everyone rolls back to the newest snapshot, then its copy; else the
    newest checkpoint. Data and dropout are functions of the step, so the
    replay is exact. A survivor's state is that of the steps it completed: a
    step changes it only after its last collective (raytp.train.step), except
