@@ -19,7 +19,7 @@ LAYERS = {
     "raytp.parallel": {"raytp.seeds"},
     "raytp.models": {"raytp.seeds", "raytp.initialization", "raytp.parallel", "raytp.tp_degrees"},
     "raytp.train": {"raytp.models", "raytp.parallel", "raytp.seeds", "raytp.eager_adamw"},
-    "raytp.files": {"raytp.models", "raytp.parallel", "raytp.train"},
+    "raytp.files": {"raytp.models", "raytp.parallel", "raytp.train", "raytp.moves"},  # checkpoints read the table
     "raytp.moves": {"raytp.models", "raytp.parallel"},
     "raytp.data": {"raytp.seeds", "raytp.files"},
     "raytp.config": {"raytp.names", "raytp.models", "raytp.parallel", "raytp.train", "raytp.tp_degrees"},

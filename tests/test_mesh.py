@@ -4,9 +4,8 @@ import itertools
 import pytest
 
 from raytp.parallel.layout import Layout
-from raytp.parallel.ownership import Ownership
-from raytp.parallel.placements import (REPLICATE, ROWS, Shard, TensorPlacement, dense_state, dense_state_placements,
-                                       dense_weight, dense_weight_placements, expert_placement)
+from raytp.moves.owners import Owners
+from raytp.parallel.placements import REPLICATE, ROWS, Shard, TensorPlacement, dense_weight, expert_placement
 
 
 def test_expert_axes_fold_over_dp_with_etp_equal_to_tp():
@@ -87,17 +86,50 @@ def test_a_tensor_split_over_two_axes():
         assert sorted((lay.coord(r, "ep"), lay.coord(r, "etp")) for r in writers) == sorted(pieces)
 
 
-def test_ownership_of_a_state_with_experts_is_the_intersection_of_its_placements():
+def _same_bytes(lay: Layout, placements, rank: int) -> list[int]:
+    """The reference rule: the ranks holding the same bytes of every placement as `rank` (the intersection of
+    each placement's holders, TensorPlacement.holders)."""
+    return sorted(set.intersection(*(set(p.holders(lay, rank)) for p in placements)))
+
+
+def _state_placements(lay: Layout) -> list:
+    """Every distinct placement of a model's state on `lay`, written out from the mesh's axes (dense weights split
+    or not along TP, replicated over DP; their AdamW rows cut over DP under zero 1; experts over EP and ETP,
+    replicated over expert-DP, their rows cut over expert-DP under zero 1)."""
+    rows = Shard(ROWS) if lay.sharded_optimizer else REPLICATE
+    out = [dense_weight(0), dense_weight(None), TensorPlacement.of(tp=Shard(0), dp=rows),
+           TensorPlacement.of(tp=REPLICATE, dp=rows)]
+    if lay.experts_split:
+        etp = Shard(0) if lay.expert_tp > 1 else REPLICATE
+        out += [expert_placement(0 if lay.expert_tp > 1 else None),
+                TensorPlacement.of(etp=etp, ep=Shard(0), edp=Shard(ROWS) if lay.sharded_experts else REPLICATE)]
+    return out
+
+
+@pytest.mark.parametrize("tp, pp, dp, ep, etp, zero", [
+    (2, 2, 4, 2, 2, 0), (2, 2, 4, 2, 2, 1), (2, 1, 4, 4, 1, 0), (2, 1, 2, 1, 1, 1), (4, 1, 2, 2, 4, 0),
+    (1, 3, 4, 2, None, 0), (1, 2, 4, 4, None, 1), (2, 2, 3, 1, None, 0)])
+def test_owners_read_from_the_table_are_the_intersection_of_the_placements(tp, pp, dp, ep, etp, zero):
+    """raytp.moves.owners (the table's places) answers as the placements' own holder rule does."""
+    lay = Layout(tp, pp=pp, dp=dp, ep=ep, etp=etp, zero=zero)
+    own, state = Owners(lay), _state_placements(lay)
+    weights = state[:2] + state[4:5]
+    for r in range(lay.world_size):
+        assert own.holders(r) == _same_bytes(lay, state, r)
+        assert own.weight_holders(r) == _same_bytes(lay, weights, r)
+        assert own.writes_experts(r) == (_same_bytes(lay, state[4:5] if lay.experts_split else weights, r)[0] == r)
+    assert own.owners() == sorted({_same_bytes(lay, state, r)[0] for r in range(lay.world_size)})
+
+
+def test_ownership_of_a_state_with_experts_narrows_to_the_replicas_holding_the_same_experts():
     lay = Layout(2, pp=2, dp=4, ep=2, etp=2)
-    dense = Ownership(lay, weights=dense_weight_placements(), state=dense_state_placements(lay))
-    assert dense.holders(11) == [3, 7, 11, 15] and dense.parts == lay.replica_size
-    assert Ownership(lay).holders(11) == [3, 11]  # a layout with an expert mesh: its experts by default
-    moe = Ownership(lay, weights=(dense_weight(0), dense_weight(None), expert_placement(2)))
+    own = Owners(lay)
     # Rank 7 holds rank 11's dense shards but other experts: only rank 3 can stand in for 11.
-    assert moe.holders(11) == [3, 11] and moe.owns(3) and not moe.owns(11)
-    assert moe.parts == lay.world_size // 2 and moe.part(11) == moe.part(3)
+    assert own.holders(11) == [3, 11] and own.owns(3) and not own.owns(11)
+    assert own.parts == lay.world_size // 2 and own.part(11) == own.part(3)
+    assert own.weight_holders(11) == [3, 11]
     # Rank 7 (replica 1) is the first to hold its experts: it writes them; rank 11's are rank 3's.
-    assert moe.writes_weights(3) and moe.writes_weights(7) and not moe.writes_weights(11)
+    assert own.writes_experts(3) and own.writes_experts(7) and not own.writes_experts(11)
 
 
 @pytest.mark.parametrize("tp, pp, dp, zero", [(2, 1, 3, 0), (2, 2, 2, 0), (1, 2, 3, 1), (2, 1, 2, 1), (4, 1, 1, 1)])
@@ -105,7 +137,7 @@ def test_dense_placements_give_the_ownership_rule(tp, pp, dp, zero):
     """The table's dense rows say what the one-axis rule said: replica 0 owns (zero 0), or every rank its own
     rows (zero 1 with dp > 1); replica 0 writes the weights."""
     lay = Layout(tp, pp=pp, dp=dp, zero=zero)
-    own = Ownership(lay)
+    own = Owners(lay)
     sharded = zero == 1 and dp > 1
     assert own.owners() == (list(range(lay.world_size)) if sharded else lay.replica(0))
     for r in range(lay.world_size):
@@ -113,7 +145,6 @@ def test_dense_placements_give_the_ownership_rule(tp, pp, dp, zero):
         assert own.holders(r) == ([r] if sharded else lay.dp_group(c.tp, c.pp))
         assert own.part(r) == (r if sharded else c.pp * tp + c.tp)
         assert own.writes_weights(r) == (c.dp == 0)
-    assert dense_state(0, lay).on("dp") == (Shard(ROWS) if sharded else REPLICATE)
     assert TensorPlacement.of(tp=Shard(0), dp=REPLICATE) == dense_weight(0)
     assert list(itertools.chain(*lay.groups("dp"))) == [r for g in lay.dp_groups() for r in g]
 

@@ -24,7 +24,7 @@ from raytp.files.checkpoint import tensor_table, zero_table
 from raytp.files.checkpoint_blocks import MOMENTS, blocks_of
 from raytp.models.registry import bucketed, is_expert_weight
 from raytp.parallel.layout import Layout
-from raytp.parallel.ownership import expert_placement_of
+from raytp.moves.owners import Owners
 from raytp.parallel.sharding import Sharding
 
 
@@ -40,7 +40,7 @@ def share(tensors: dict, layout: Layout, rank: int, vocab_size: int, stage: int 
     c = layout.coords(rank)
     dense = {k: v for k, v in tensors.items() if not is_expert_key(k)
              and (c.dp == 0 or (layout.sharded_optimizer and k.startswith("optim/")))}
-    writes, cut = expert_placement_of(layout).writes(layout, rank), layout.sharded_experts
+    writes, cut = Owners(layout).writes_experts(rank), layout.sharded_experts
     experts = {k: v for k, v in tensors.items() if is_expert_key(k) and (writes or (cut and k.startswith("optim/")))}
     listed = {k: v for k, v in dense.items() if k.startswith("model/") or not layout.sharded_optimizer}
     table = tensor_table(listed, layout.tp, vocab_size, stage) if listed and c.tp == 0 else None

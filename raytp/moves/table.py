@@ -74,7 +74,7 @@ class StateTable:
         seen: dict[tuple, dict[str, Held]] = {}  # ranks in the same place hold the same: one dict for them all
         out = []
         for r in range(layout.world_size):
-            at = _place(layout, r)
+            at = place(layout, r)
             if at not in seen:
                 seen[at] = self._rank(layout, r, [self._by_name[n] for n in stages[at[0]]], state)
             out.append(seen[at])
@@ -118,7 +118,7 @@ class StateTable:
         return _slice(p, degree, place)
 
 
-def _place(layout: Layout, rank: int) -> tuple:
+def place(layout: Layout, rank: int) -> tuple:
     """What a rank's held state depends on: its stage and TP place, its EP and ETP places where experts have a mesh
     of their own, its DP (expert-DP) place where the optimizer's rows (the experts') are cut over it."""
     c = layout.coords(rank)

@@ -14,7 +14,6 @@ import socket
 import torch.distributed as dist
 
 from raytp.parallel.layout import Layout
-from raytp.parallel.ownership import Ownership
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
@@ -69,11 +68,6 @@ class ProcessGroups:
     @property
     def pp_rank(self) -> int:
         return self.layout.coords(self.rank).pp
-
-    @property
-    def owns_state(self) -> bool:
-        """Whether this rank is an owner of the state (raytp.parallel.ownership): it snapshots and writes."""
-        return Ownership(self.layout).owns(self.rank)
 
 
 def group_kinds(layout: Layout) -> list[tuple[str, list[list[int]]]]:

@@ -83,32 +83,8 @@ def dense_weight(split_dim: int | None) -> TensorPlacement:
     return TensorPlacement.of(tp=REPLICATE if split_dim is None else Shard(split_dim), dp=REPLICATE)
 
 
-def dense_state(split_dim: int | None, layout: Layout) -> TensorPlacement:
-    """A dense parameter's AdamW state: as its weight, but split over DP by rows under the distributed
-    optimizer (zero 1 with more than one replica)."""
-    tp = REPLICATE if split_dim is None else Shard(split_dim)
-    return TensorPlacement.of(tp=tp, dp=Shard(ROWS) if layout.sharded_optimizer else REPLICATE)
-
-
 def expert_placement(split_dim: int | None, expert_dim: int = 0) -> TensorPlacement:
     """An expert's weight: its experts split over EP along `expert_dim`, each expert split over ETP on
     `split_dim` (None: whole in each ETP rank), replicated over expert-DP."""
     return TensorPlacement.of(etp=REPLICATE if split_dim is None else Shard(split_dim), ep=Shard(expert_dim),
                               edp=REPLICATE)
-
-
-def expert_state(split_dim: int | None, layout: Layout) -> TensorPlacement:
-    """An expert's AdamW state: as its weight, but split over expert-DP by rows under the distributed optimizer
-    (``layout.sharded_experts``)."""
-    return TensorPlacement.of(etp=REPLICATE if split_dim is None else Shard(split_dim), ep=Shard(0),
-                              edp=Shard(ROWS) if layout.sharded_experts else REPLICATE)
-
-
-def dense_weight_placements() -> tuple[TensorPlacement, ...]:
-    """The distinct placements of a dense model's weights."""
-    return dense_weight(0), dense_weight(None)
-
-
-def dense_state_placements(layout: Layout) -> tuple[TensorPlacement, ...]:
-    """The distinct placements of a dense model's AdamW state on `layout`."""
-    return tuple(dict.fromkeys([dense_state(0, layout), dense_state(None, layout)]))

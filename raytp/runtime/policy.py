@@ -16,7 +16,7 @@ from typing import Collection, Hashable, Mapping, Sequence
 
 from raytp import config as config_mod
 from raytp.parallel.layout import Layout
-from raytp.parallel.ownership import Ownership
+from raytp.moves.owners import Owners
 
 # -- failures ----------------------------------------------------------------------------------
 
@@ -243,7 +243,7 @@ def replica_elsewhere(layout: Layout, nodes: Sequence[str | None]) -> bool:
     """Whether some DP replica runs wholly on nodes that replica 0 does not use."""
     if len(nodes) < layout.world_size:
         return False
-    zero = {nodes[r] for r in Ownership(layout).owners()}
+    zero = {nodes[r] for r in Owners(layout).owners()}
     return any(not ({nodes[r] for r in layout.replica(q)} & zero) for q in range(1, layout.dp))
 
 
@@ -255,7 +255,7 @@ def keeper_node(layout: Layout, nodes: Sequence[str | None], alive: Sequence[str
     keeper's node now. None is needed where another DP replica lives on another node (it is the
     copy); none is possible where no other node is alive. The current keeper stays where it is;
     a new one goes to the driver's node when that node holds none of replica 0's shards."""
-    state_nodes = {nodes[r] for r in Ownership(layout).owners() if r < len(nodes)}
+    state_nodes = {nodes[r] for r in Owners(layout).owners() if r < len(nodes)}
     if any(n not in state_nodes for n in nodes):
         return None, "DP replicas on other nodes hold the same shards"
     others = [n for n in alive if n not in state_nodes]

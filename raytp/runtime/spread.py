@@ -2,7 +2,7 @@
 aim each replica's placement groups, and which copy to move once a node has room.
 
 A shard survives its node's loss without a checkpoint when a rank on another node holds the same bytes
-(raytp.parallel.ownership: its DP replicas) or the snapshots' off-node copy lives elsewhere. Placement aims
+(raytp.moves.owners: its DP replicas) or the snapshots' off-node copy lives elsewhere. Placement aims
 the copies of each stage at nodes of their own (``spread_targets``); Ray's target is soft, so a copy can
 land beside its twin on a full cluster, and ``move_off_twin`` says which one to move, and where, once a
 node has room. Nothing here imports Ray (tests/test_spread.py).
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Collection, Mapping, Sequence
 
 from raytp.parallel.layout import Layout
-from raytp.parallel.ownership import Ownership
+from raytp.moves.owners import Owners
 
 
 def copy_key(layout: Layout, dp: int, stage: int) -> tuple:
@@ -57,9 +57,9 @@ def off_their_twins(landed: Sequence[tuple[tuple, str | None, str | None]]) -> l
 def node_losses(layout: Layout, nodes: Sequence[str | None], copy_node: str | None = None) -> dict[str, bool]:
     """For each node that holds ranks (`nodes`: each rank's node): whether the job survives its loss
     without a checkpoint: every rank on it holds bytes that a rank on another node holds too
-    (Ownership.holders: its DP replicas), or the off-node copy of the snapshots (`copy_node`, None
+    (Owners.holders: its DP replicas), or the off-node copy of the snapshots (`copy_node`, None
     without one) lives on another node."""
-    out = _losses(Ownership(layout).first_holders(), nodes)
+    out = _losses(Owners(layout).first_holders(), nodes)
     if copy_node is not None:
         out = {node: ok or copy_node != node for node, ok in out.items()}
     return out
@@ -110,7 +110,7 @@ def move_off_twin(layout: Layout, nodes: Sequence[str | None], free: Mapping[str
     loaded target node."""
     if len(nodes) < layout.world_size or None in nodes:
         return None
-    first = Ownership(layout).first_holders()
+    first = Owners(layout).first_holders()
     bad = _needing_checkpoint(first, nodes)
     if not bad:
         return None

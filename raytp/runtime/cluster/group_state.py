@@ -13,7 +13,7 @@ import ray
 
 from raytp.config.adapters import model_args
 from raytp.moves.planner import SourceKind
-from raytp.parallel.ownership import Ownership
+from raytp.moves.owners import Owners
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,8 @@ class StateCalls:
         return self.cfg.layout
 
     def owner_workers(self) -> list:
-        """The workers that own the state (raytp.parallel.ownership), part 0 first."""
-        return [self.workers[r] for r in Ownership(self.layout).owners()]
+        """The workers that own the state (raytp.moves.owners), part 0 first."""
+        return [self.workers[r] for r in Owners(self.layout).owners()]
 
     def fetch(self, refs, tasks: bool = False) -> list:
         """The (small) objects behind `refs`, in this process: what writers report, not tensors. `tasks`: the
@@ -57,7 +57,7 @@ class StateCalls:
         """A snapshot's parts (refs, one per owner: stage by stage, TP rank in each) written as a checkpoint's
         files, by `task`s (raytp.runtime.state.checkpoints.write_part_task: the state room's, handed down),
         each as its owner's rank of this layout writes it."""
-        lay, own = self.layout, Ownership(self.layout)
+        lay, own = self.layout, Owners(self.layout)
         return self.fetch([task.remote(url, directory, ref, lay, own.owner(t), model_args(self.cfg))
                            for t, ref in enumerate(parts)], tasks=True)
 

@@ -2,7 +2,7 @@
 
 Each worker's ``run_steps`` is a Ray streaming generator: it yields each
 step's record as it completes and, every ``snapshot_every`` steps on the
-ranks owning the state (raytp.parallel.ownership), its packed state right
+ranks owning the state (raytp.moves.owners), its packed state right
 after it, yielded just before that step's record: a step's records read from
 every rank prove its snapshot parts whole. The objects are owned by the
 driver (so a snapshot outlives its worker) but stay where they were made: the
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import ray
 
 from raytp.parallel.layout import Layout
-from raytp.parallel.ownership import Ownership
+from raytp.moves.owners import Owners
 from raytp.runtime.cluster.health import Heartbeat
 from raytp.runtime.errors import StepDeadline, WorkerAborted
 
@@ -51,7 +51,7 @@ class StepRecords:
     """What one step of a streamed call brought: each rank's record, and the owners' snapshot parts."""
     step: int
     records: list[dict]  # the reporting ranks' (reporting_ranks), rank 0's first
-    snapshot: dict[int, object]  # part (raytp.parallel.ownership) -> ObjectRef of its packed state after this step
+    snapshot: dict[int, object]  # part (raytp.moves.owners) -> ObjectRef of its packed state after this step
 
 
 _numbers = itertools.count(1)  # of the calls this process submits: a worker runs them in this order
@@ -66,7 +66,7 @@ def reporting_ranks(layout: Layout) -> list[int]:
 def direct_ranks(layout: Layout) -> list[int]:
     """The ranks a call is submitted to by the driver itself, never relayed (raytp.runtime.cluster.relay):
     the reporting ranks, and the owners of the state (the driver owns their snapshot parts)."""
-    return sorted(set(reporting_ranks(layout)) | set(Ownership(layout).owners()))
+    return sorted(set(reporting_ranks(layout)) | set(Owners(layout).owners()))
 
 
 class StepStream:
@@ -84,7 +84,7 @@ class StepStream:
         self.start, self.count, self.snap = start, count, snapshot_every
         self.after, self.relay = after, relay or {}
         self.seq = next(_numbers)
-        self.reporters, self.owners = reporting_ranks(layout), Ownership(layout).owners()
+        self.reporters, self.owners = reporting_ranks(layout), Owners(layout).owners()
         relayed = {p for peers, _ in self.relay.values() for p in peers}
         report = set(self.reporters)
         snapshots = bool(snapshot_every) and any((s + 1) % snapshot_every == 0 for s in range(start, start + count))

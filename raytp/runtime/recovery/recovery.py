@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Callable
 from ray.exceptions import ObjectLostError, OwnerDiedError, RayTaskError
 
 from raytp.moves.planner import SourceKind, Unplannable
-from raytp.parallel.ownership import Ownership
+from raytp.moves.owners import Owners
 from raytp.runtime import policy
 from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
 from raytp.runtime.records import Healing, Resizing
@@ -140,7 +140,7 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0:
         give_up(ctx, group, f"{attempt.failures} worker losses exceed recovery.max_failures="
                             f"{cfg.recovery.max_failures}")
 
-    own = Ownership(lay)  # where the snapshot parts of the lost ranks' state were made
+    own = Owners(lay)  # where the snapshot parts of the lost ranks' state were made
     snap_nodes = {group.placement[o].get("node_id") for o in {own.owner(own.part(r)) for r in lost}
                   if o < len(group.placement)}
     group.kill(lost)  # also frees the actors' names for the replacements

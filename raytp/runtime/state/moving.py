@@ -17,7 +17,7 @@ from typing import Iterable, Mapping
 from raytp.config.adapters import model_args
 from raytp.moves.planner import Move, SourceKind, World, plan_moves
 from raytp.moves.table import StateTable, model_table
-from raytp.parallel.ownership import Ownership
+from raytp.moves.owners import Owners
 from raytp.runtime.worker.planned_source import PlannedSource
 
 
@@ -41,15 +41,15 @@ def plan(group, new_cfg, alive: Iterable[int], process_of: Mapping[int, int], st
     old_nodes = dict(enumerate(group.nodes()))
     nodes = {j: old_nodes.get(o) for j, o in process_of.items()}
     nodes.update({j: n for j, n in (new_nodes or {}).items() if n is not None})
-    owners = frozenset(Ownership(group.layout).owners()) if snapshot else frozenset()
+    owners = frozenset(Owners(group.layout).owners()) if snapshot else frozenset()
     world = World(frozenset(alive), dict(process_of), old_nodes, nodes, owners)
     # before the first update AdamW has no state: the weights alone move
     return plan_moves(table(new_cfg), group.layout, new_cfg.layout, world, state=step > 0)
 
 
 def snapshot_parts(layout, parts: Mapping[int, object]) -> dict[int, object]:
-    """{old rank: ref of its packed state} of a snapshot's `parts` ({part: ref}, raytp.parallel.ownership)."""
-    own = Ownership(layout)
+    """{old rank: ref of its packed state} of a snapshot's `parts` ({part: ref}, raytp.moves.owners)."""
+    own = Owners(layout)
     return {own.owner(p): ref for p, ref in parts.items()}
 
 

@@ -29,7 +29,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytp import names
-from raytp.parallel.ownership import Ownership
+from raytp.moves.owners import Owners
 from raytp.runtime import policy
 from raytp.runtime.cluster import placement
 
@@ -97,12 +97,12 @@ class Cadence:
 
 
 class Snapshots:
-    """The in-memory snapshots of one layout's state: each a part per owner (raytp.parallel.ownership), refs
+    """The in-memory snapshots of one layout's state: each a part per owner (raytp.moves.owners), refs
     kept in the object store by the ranks that packed them."""
 
     def __init__(self, layout):
         self.layout = layout
-        self.parts = Ownership(layout).parts
+        self.parts = Owners(layout).parts
         self.by_step: dict[int, list] = {}
 
     def add(self, step: int, part: int, ref) -> None:
@@ -195,7 +195,7 @@ class OffNodeCopy:
 
     def parts(self, step: int, layout) -> dict[int, object]:
         """{part: ref} of the copy of `step` of `layout`'s state the keeper holds."""
-        return {p: self.keeper.part.remote(step, p) for p in range(Ownership(layout).parts)}
+        return {p: self.keeper.part.remote(step, p) for p in range(Owners(layout).parts)}
 
     def _place(self, group, step: int) -> bool:
         """Run the keeper on a node without replica 0's state; False where none is needed or exists."""

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from raytp.config.adapters import model_args, hyper
-from raytp.parallel.ownership import Ownership
+from raytp.moves.owners import Owners
 from raytp.models.moe.plan import ExpertPlace
 from raytp.models.registry import bucketed, is_expert_weight
 from raytp.models.shard import build_empty_shard, build_shard
@@ -117,13 +117,13 @@ class HeldShard:
         """Start writing this rank's file of a checkpoint into `directory` of storage `url`, in the background
         (raytp.runtime.worker.background_save): from the snapshot of step `completed` if one is packed in
         `snap_bufs` (training never waits for it), else from the live tensors. The first ranks holding each
-        weight write it (raytp.parallel.ownership); under the distributed optimizer every rank writes the
+        weight write it (raytp.moves.owners); under the distributed optimizer every rank writes the
         AdamW state of its rows. TP rank 0 (of each stage, of replica 0) returns its tensor table."""
         self.settle()
         g = groups
         held = snap_bufs.hold(completed)
         stage = g.pp_rank if g.layout.pp > 1 else None  # its files and table entries name the stage
-        weights = Ownership(g.layout).writes_weights(g.rank)
+        weights = Owners(g.layout).writes_weights(g.rank)
         copy = copied_name(self.model.stage_parts(), getattr(self.model, "stage", None))
         kw = {"tp": g.layout.tp, "stage": stage, "dp_rank": g.dp_rank if g.layout.sharded_optimizer else 0}
         if held is not None:

@@ -19,6 +19,7 @@ from raytp.config import from_dict
 from raytp.config.adapters import model_args
 from raytp.parallel.groups import destroy_process_groups, init_process_groups, listening_store
 from raytp.parallel.layout import Layout
+from raytp.moves.owners import Owners
 from raytp.models.shard import rebind_groups
 from raytp.models.stage import stage_of
 from raytp.runtime.cluster import relay as relay_calls
@@ -176,8 +177,8 @@ class Worker:
                                  lambda: self._step(step, before_update=lambda: self.shard.settle(last)))
 
     def _snapshot_state(self):
-        """The live state to snapshot, on a rank that owns the state (raytp.parallel.ownership); else None."""
-        return live_state(self.shard.model, self.shard.optimizer) if self.groups.owns_state else None
+        """The live state to snapshot, on a rank that owns the state (raytp.moves.owners); else None."""
+        return live_state(self.shard.model, self.shard.optimizer) if Owners(self.groups.layout).owns(self.groups.rank) else None
 
     def ping(self) -> int:
         return self.rank
