@@ -61,24 +61,36 @@ class StateTable:
     stages: Callable[[int], list[list[str]]]  # pp -> each stage's parameter names, in the model's order
     bucket_numel: int = BUCKET_NUMEL
     _by_name: dict = field(init=False, repr=False)
+    _cuts: dict = field(init=False, repr=False)
 
     def __post_init__(self):
-        self._by_name = {p.name: p for p in self.params}
+        self._by_name, self._cuts = {p.name: p for p in self.params}, {}
+
+    def stage_params(self, pp: int) -> list[list[Param]]:
+        """Each of `pp` stages' parameters, in the model's order (the cut worked out once per pp)."""
+        if pp not in self._cuts:
+            stages = self.stages(pp)
+            if len(stages) != pp:
+                raise ValueError(f"the table's stage cut has {len(stages)} stages, the layout {pp}")
+            self._cuts[pp] = [[self._by_name[n] for n in names] for names in stages]
+        return self._cuts[pp]
 
     def held(self, layout: Layout, state: bool = True) -> list[dict[str, Held]]:
         """For each rank of `layout`: {key: Held} of every tensor it holds (its weights alone without `state`:
         before the first update, AdamW has none). Ranks that hold the same share one dict (read only)."""
-        stages = self.stages(layout.pp)
-        if len(stages) != layout.pp:
-            raise ValueError(f"the table's stage cut has {len(stages)} stages, the layout {layout.pp}")
+        stages = self.stage_params(layout.pp)
         seen: dict[tuple, dict[str, Held]] = {}  # ranks in the same place hold the same: one dict for them all
         out = []
         for r in range(layout.world_size):
             at = place(layout, r)
             if at not in seen:
-                seen[at] = self._rank(layout, r, [self._by_name[n] for n in stages[at[0]]], state)
+                seen[at] = self._rank(layout, r, stages[at[0]], state)
             out.append(seen[at])
         return out
+
+    def held_by(self, layout: Layout, rank: int, state: bool = True) -> dict[str, Held]:
+        """{key: Held} of every tensor `rank` of `layout` holds (one rank's row of ``held``)."""
+        return self._rank(layout, rank, self.stage_params(layout.pp)[layout.coords(rank).pp], state)
 
     def _rank(self, layout: Layout, rank: int, params: list[Param], state: bool) -> dict[str, Held]:
         weights = {p.name: self._weight(layout, rank, p) for p in params}
@@ -146,9 +158,12 @@ def _slice(p: Param, degree: int, place: int) -> tuple[Region, tuple[int, ...]]:
     return whole.split(s.dim, tuple(ranges)), local_shape(s, tuple(p.shape), degree)
 
 
-def model_table(cfg, v: int = 1, pp_layers: list[int] | None = None, bucket_numel: int = BUCKET_NUMEL) -> StateTable:
+@lru_cache(maxsize=16)
+def model_table(cfg, v: int = 1, pp_layers: tuple[int, ...] | None = None,
+                bucket_numel: int = BUCKET_NUMEL) -> StateTable:
     """The table of a model config (raytp.models.args.ModelArgs): its parameters as the meta model lists them,
-    each split by its model's sharding row, and its stage cut (`v` chunks a stage, `pp_layers`: the job's)."""
+    each split by its model's sharding row, and its stage cut (`v` chunks a stage, `pp_layers`: the job's;
+    hashable, as a tuple). Built once per distinct arguments."""
     import torch
 
     from raytp.models.moe.plan import EXPERT_WEIGHT
@@ -164,8 +179,12 @@ def model_table(cfg, v: int = 1, pp_layers: list[int] | None = None, bucket_nume
         expert = int(m.group(0).rstrip(".").rsplit(".", 1)[1]) if m else None  # layers.L.mlp.experts.J.
         params.append(Param(name, tuple(p.shape), sharding_of(name, cfg), expert, n_experts,
                             not UNTRAINED.match(name), p.element_size()))
-    parts, names = model.stage_parts(), [p.name for p in params]
+    parts, by_key = model.stage_parts(), {}
+    for p in params:  # a block's parameters under one key (its stage holds all or none of them), in order
+        head, _, rest = p.name.partition(".")
+        by_key.setdefault(f"{head}.{rest.partition('.')[0]}" if head == parts["blocks"] else p.name, []).append(p.name)
 
     def stages(pp: int) -> list[list[str]]:
-        return [[n for n in names if holds(parts, stage_of(cfg, pp, s, v, pp_layers), n)] for s in range(pp)]
+        cut = [stage_of(cfg, pp, s, v, pp_layers) for s in range(pp)]
+        return [[n for k, names in by_key.items() if holds(parts, stage, k) for n in names] for stage in cut]
     return StateTable(params, stages, bucket_numel)

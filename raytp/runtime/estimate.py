@@ -11,7 +11,6 @@ the GPU's.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -77,50 +76,31 @@ def estimate(cfg) -> WorkerMemory:
     return max((_stage_memory(cfg, s) for s in range(cfg.parallel.pp)), key=lambda w: w.on_device)
 
 
-@functools.lru_cache(maxsize=8)
-def _local_sizes(model_cfg, tp: int, ep: int = 1, etp: int | None = None, experts: bool | None = None
-                 ) -> dict[str, int]:
-    """Elements of each parameter's TP shard (global names; a block's summed under ``h.3``/``layers.3``),
-    of the whole model built on the meta device; a routed expert's counted as its 1/ep share (whole per rank
-    at etp 1). `experts`: True, the routed experts' only; False, all but theirs; None, all."""
-    import torch
-
-    from raytp.models.registry import build_model, is_expert_weight, sharding_of
-    from raytp.parallel.sharding import local_shape
-    with torch.device("meta"):
-        model = build_model(model_cfg)
-    blocks = model.stage_parts()["blocks"]
-    out: dict[str, int] = {}
-    for n, p in model.named_parameters():
-        head, _, rest = n.partition(".")
-        key = f"{head}.{rest.partition('.')[0]}" if head == blocks else n  # a block's parameters as one
-        if experts is not None and experts != is_expert_weight(n):
-            continue
-        if is_expert_weight(n):
-            share = math.prod(local_shape(sharding_of(n, model_cfg), tuple(p.shape), tp if etp in (None, tp) else 1))
-            out[key] = out.get(key, 0) + share / ep
-            continue
-        out[key] = out.get(key, 0) + math.prod(local_shape(sharding_of(n, model_cfg), tuple(p.shape), tp))
-    return out
+def _stage_weights(cfg, pp_rank: int) -> tuple[int, int]:
+    """(elements of the weights a worker of stage `pp_rank` holds, of them its routed experts' where experts have
+    a mesh of their own), as the placement table (raytp.moves.table) gives them to the stage's first rank: each
+    tensor's TP (ETP) shard, padding included; the experts of its EP place."""
+    from raytp.config.adapters import model_args
+    from raytp.models.registry import is_expert_weight
+    from raytp.moves.table import model_table
+    par, lay = cfg.parallel, cfg.layout
+    held = model_table(model_args(cfg), par.pp_virtual, par.pp_layers).held_by(lay, lay.rank(pp=pp_rank), False)
+    local = sum(math.prod(h.shape) for h in held.values())
+    routed = sum(math.prod(h.shape) for k, h in held.items() if is_expert_weight(k.partition("/")[2]))
+    return local, routed if lay.experts_split else 0
 
 
 def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
     """The memory of a worker of stage `pp_rank`: its layers' state, and the activations of the micro-batches
     1F1B keeps in flight there (pp - pp_rank of them at most; all of its model at pp == 1)."""
     from raytp.config.adapters import model_args
-    from raytp.models.registry import model_class
-    from raytp.models.stage import holds, stage_of
+    from raytp.models.stage import stage_of
     from raytp.parallel.sharding import padded_vocab
     m, par, model_cfg = cfg.model, cfg.parallel, model_args(cfg)
     tp = par.tp
     stage = stage_of(model_cfg, par.pp, pp_rank, par.pp_virtual, par.pp_layers)
-    parts = model_class(model_cfg).stage_parts()
-    def held(experts):
-        sizes = _local_sizes(model_cfg, tp, par.ep, par.etp, experts)
-        return int(sum(n for name, n in sizes.items() if holds(parts, stage, name)))
-    split = par.ep > 1 or par.etp not in (None, tp)  # experts on a mesh of their own: outside the DP rows
-    routed = held(True) if split else 0
-    local = held(None)
+    local, routed = _stage_weights(cfg, pp_rank)  # experts on a mesh of their own: outside the DP rows
+    split = cfg.layout.experts_split
     s, b, h = m.block_size, cfg.micro_batch, m.n_embd
     layers = len(stage.layers) if stage else m.n_layer
     in_flight = min(par.pp - pp_rank, cfg.local_batch_size // cfg.micro_batch) if stage else 1

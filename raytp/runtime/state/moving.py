@@ -11,7 +11,6 @@ EP change) or fills the shard it holds (``take``: a recovery, a DP change, a mov
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Iterable, Mapping
 
 from raytp.config.adapters import model_args
@@ -21,15 +20,10 @@ from raytp.moves.owners import Owners
 from raytp.runtime.worker.planned_source import PlannedSource
 
 
-@lru_cache(maxsize=16)
-def _table(args, pp_virtual: int, pp_layers) -> StateTable:
-    return model_table(args, pp_virtual, pp_layers)
-
-
 def table(cfg) -> StateTable:
     """The placement table of `cfg`'s model (raytp.moves.table)."""
     p = cfg.parallel
-    return _table(model_args(cfg), p.pp_virtual, p.pp_layers)
+    return model_table(model_args(cfg), p.pp_virtual, p.pp_layers)
 
 
 def plan(group, new_cfg, alive: Iterable[int], process_of: Mapping[int, int], step: int,
