@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from raytp.moves.table import place
+from raytp.moves.table import places
 from raytp.parallel.layout import Layout
 
 
@@ -96,11 +96,11 @@ def _grouped(keys: list[tuple]) -> tuple[tuple[int, ...], ...]:
 
 @lru_cache(maxsize=64)
 def _rule(layout: Layout) -> _Rule:
-    places = [place(layout, r) for r in range(layout.world_size)]
-    holders = _grouped(places)
-    weights = _grouped([p[:4] for p in places])  # the place without its DP (expert-DP) cut of the rows
+    places_ = places(layout)
+    holders = _grouped(list(places_))
+    weights = _grouped([p[:4] for p in places_])  # the place without its DP (expert-DP) cut of the rows
     split = layout.experts_split
-    experts = _grouped([(p[0], p[2], p[3]) if split else p[:4] for p in places])
+    experts = _grouped([(p[0], p[2], p[3]) if split else p[:4] for p in places_])
     owners = tuple(r for r in range(layout.world_size) if holders[r][0] == r)
     return _Rule(holders, weights, tuple(experts[r][0] == r for r in range(layout.world_size)), owners,
                  {r: i for i, r in enumerate(owners)})

@@ -81,23 +81,7 @@ def plan_moves(table: StateTable, old: Layout, new: Layout, world: World, state:
     weights alone without `state` (before the first update AdamW has none)."""
     before = table.held(old, state)
     after = before if new == old else table.held(new, state)
-    alike: dict[int, list[int]] = {}  # ranks holding the same (one dict), ascending
-    for i, held in enumerate(before):
-        alike.setdefault(id(held), []).append(i)
-    groups = list(alike.values())
-    by: dict[str, dict[Region, list[int]]] = {}  # key -> each distinct region held -> the groups holding it
-    for g, ranks in enumerate(groups):
-        for key, h in before[ranks[0]].items():
-            by.setdefault(key, {}).setdefault(h.region, []).append(g)
-    # key -> region -> its holders, ascending: one tuple for each distinct set (a replicated tensor's: all ranks)
-    holders: dict[str, dict[Region, tuple[int, ...]]] = {}
-    interned: dict[tuple, tuple] = {}
-    for key, regions in by.items():
-        for region, gs in regions.items():
-            sig = tuple(gs)
-            if sig not in interned:
-                interned[sig] = tuple(sorted(r for g in gs for r in groups[g]))
-            holders.setdefault(key, {})[region] = interned[sig]
+    holders = table.holders(old, state)
     sent: dict[int, int] = {}  # bytes each live old rank sends so far: the next block goes to the least loaded
     cut: dict = {}  # (key, region wanted) -> its cells and their holders: the same for every replica
     live_of: dict = {}  # id of a holders tuple -> its live ranks

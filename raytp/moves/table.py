@@ -62,9 +62,10 @@ class StateTable:
     bucket_numel: int = BUCKET_NUMEL
     _by_name: dict = field(init=False, repr=False)
     _cuts: dict = field(init=False, repr=False)
+    _held: dict = field(init=False, repr=False)
 
     def __post_init__(self):
-        self._by_name, self._cuts = {p.name: p for p in self.params}, {}
+        self._by_name, self._cuts, self._held = {p.name: p for p in self.params}, {}, {}
 
     def stage_params(self, pp: int) -> list[list[Param]]:
         """Each of `pp` stages' parameters, in the model's order (the cut worked out once per pp)."""
@@ -77,16 +78,49 @@ class StateTable:
 
     def held(self, layout: Layout, state: bool = True) -> list[dict[str, Held]]:
         """For each rank of `layout`: {key: Held} of every tensor it holds (its weights alone without `state`:
-        before the first update, AdamW has none). Ranks that hold the same share one dict (read only)."""
+        before the first update, AdamW has none). Ranks that hold the same share one dict (read only). The
+        last few layouts' answers are kept: a change plans from the old layout and to the new one again and
+        again (every recovery at the same layout)."""
+        if (layout, state) in self._held:
+            return self._held[layout, state]
         stages = self.stage_params(layout.pp)
         seen: dict[tuple, dict[str, Held]] = {}  # ranks in the same place hold the same: one dict for them all
         out = []
-        for r in range(layout.world_size):
-            at = place(layout, r)
+        for r, at in enumerate(places(layout)):
             if at not in seen:
                 seen[at] = self._rank(layout, r, stages[at[0]], state)
             out.append(seen[at])
-        return out
+        return self._keep((layout, state), out)
+
+    def _keep(self, key: tuple, value):
+        if len(self._held) >= 16:  # the last few layouts' answers
+            self._held.pop(next(iter(self._held)))
+        self._held[key] = value
+        return value
+
+    def holders(self, layout: Layout, state: bool = True) -> dict[str, dict[Region, tuple[int, ...]]]:
+        """{key: {each distinct region of it held on `layout`: the ranks holding it, ascending}} (one tuple for each
+        distinct set of ranks: a replicated tensor's is the same tuple for all its keys); kept as ``held`` is."""
+        if (layout, state, "holders") in self._held:
+            return self._held[layout, state, "holders"]
+        before = self.held(layout, state)
+        alike: dict[int, list[int]] = {}  # ranks holding the same (one dict), ascending
+        for i, held in enumerate(before):
+            alike.setdefault(id(held), []).append(i)
+        groups = list(alike.values())
+        by: dict[str, dict[Region, list[int]]] = {}  # key -> each distinct region held -> the groups holding it
+        for g, ranks in enumerate(groups):
+            for key, h in before[ranks[0]].items():
+                by.setdefault(key, {}).setdefault(h.region, []).append(g)
+        out: dict[str, dict[Region, tuple[int, ...]]] = {}
+        interned: dict[tuple, tuple] = {}
+        for key, regions in by.items():
+            for region, gs in regions.items():
+                sig = tuple(gs)
+                if sig not in interned:
+                    interned[sig] = tuple(sorted(r for g in gs for r in groups[g]))
+                out.setdefault(key, {})[region] = interned[sig]
+        return self._keep((layout, state, "holders"), out)
 
     def held_by(self, layout: Layout, rank: int, state: bool = True) -> dict[str, Held]:
         """{key: Held} of every tensor `rank` of `layout` holds (one rank's row of ``held``)."""
@@ -128,6 +162,12 @@ class StateTable:
                 return None
             degree, place = layout.expert_tp, layout.coord(rank, "etp")
         return _slice(p, degree, place)
+
+
+@lru_cache(maxsize=32)
+def places(layout: Layout) -> tuple[tuple, ...]:
+    """Every rank's ``place``, rank 0 first."""
+    return tuple(place(layout, r) for r in range(layout.world_size))
 
 
 def place(layout: Layout, rank: int) -> tuple:
