@@ -27,15 +27,16 @@ def test_expert_axes_fold_over_tp_first_with_etp_one():
     assert lay.group(11, "etp") == [11]
 
 
-@pytest.mark.parametrize("tp, pp, dp, ep, etp", [(1, 1, 4, 2, 1), (2, 1, 2, 2, 2), (2, 2, 4, 4, 1),
-                                                 (4, 2, 2, 2, 4), (2, 3, 3, 3, 2), (1, 2, 1, 1, 1)])
-def test_every_axis_round_trips_and_its_groups_partition_each_stage(tp, pp, dp, ep, etp):
-    lay = Layout(tp, pp=pp, dp=dp, ep=ep, etp=etp)
+@pytest.mark.parametrize("tp, pp, dp, ep, etp, cp", [(1, 1, 4, 2, 1, 1), (2, 1, 2, 2, 2, 1), (2, 2, 4, 4, 1, 1),
+                                                     (4, 2, 2, 2, 4, 1), (2, 3, 3, 3, 2, 1), (1, 2, 1, 1, 1, 1),
+                                                     (2, 2, 2, 4, 1, 2), (1, 1, 2, 4, 1, 4), (2, 2, 1, 2, 2, 2)])
+def test_every_axis_round_trips_and_its_groups_partition_each_stage(tp, pp, dp, ep, etp, cp):
+    lay = Layout(tp, pp=pp, dp=dp, ep=ep, etp=etp, cp=cp)
     for r in range(lay.world_size):
         at = {a: lay.coord(r, a) for a in ("etp", "ep", "edp", "pp")}
         assert lay.rank_at(**at) == r
-        assert lay.rank_at(**{a: lay.coord(r, a) for a in ("tp", "pp", "dp")}) == r
-    for axes in ("tp", "pp", "dp", "etp", "ep", "edp", ("ep", "etp"), ("etp", "ep", "edp")):
+        assert lay.rank_at(**{a: lay.coord(r, a) for a in ("tp", "cp", "pp", "dp")}) == r
+    for axes in ("tp", "cp", "pp", "dp", ("dp", "cp"), "etp", "ep", "edp", ("ep", "etp"), ("etp", "ep", "edp")):
         names = (axes,) if isinstance(axes, str) else axes
         size = 1
         for a in names:
@@ -45,12 +46,31 @@ def test_every_axis_round_trips_and_its_groups_partition_each_stage(tp, pp, dp, 
         assert all(len(g) == size for g in groups)
         for g in groups:  # a group is the sub-mesh through any of its members, along the named axes only
             assert all(lay.group(r, axes) == g for r in g)
-            mesh = ("tp", "pp", "dp") if names[0] in ("tp", "pp", "dp") else ("etp", "ep", "edp", "pp")
+            mesh = ("tp", "cp", "pp", "dp") if names[0] in ("tp", "cp", "pp", "dp") else ("etp", "ep", "edp", "pp")
             same_mesh = [a for a in mesh if a not in names]
             assert len({tuple(lay.coord(r, a) for a in same_mesh) for r in g}) == 1
-    # An expert group never leaves its stage; the expert mesh of a stage is exactly its dp x tp ranks.
+    # An expert group never leaves its stage; the expert mesh of a stage is exactly its dp x cp x tp ranks.
     for g in lay.groups(("etp", "ep", "edp")):
-        assert len({lay.coords(r).pp for r in g}) == 1 and len(g) == dp * tp
+        assert len({lay.coords(r).pp for r in g}) == 1 and len(g) == dp * cp * tp
+
+
+def test_the_cp_axis_lies_between_tp_and_the_stages():
+    """Megatron's order, TP innermost: a TP group is contiguous, a stage's CP ranks follow each other within its
+    placement's bundles, a replica is contiguous; at cp 1 the ranks are the TP x PP x DP mesh's."""
+    lay = Layout(2, cp=2, pp=2, dp=2)
+    assert lay.world_size == 16 and lay.replica_size == 8 and str(lay) == "TP=2 x CP=2 x PP=2 x DP=2"
+    c = lay.coords(3)
+    assert (c.tp, c.cp, c.pp, c.dp) == (1, 1, 0, 0) and lay.rank(tp=1, cp=1, pp=1, dp=1) == 15
+    assert lay.group(0, "tp") == [0, 1] and lay.group(0, "cp") == [0, 2] and lay.group(0, "pp") == [0, 4]
+    assert lay.group(0, "dp") == [0, 8] and lay.group(5, ("dp", "cp")) == [5, 7, 13, 15]
+    assert lay.replica(1) == list(range(8, 16))
+    assert [lay.bundle_index(r) for r in lay.replica(1)] == list(range(8))
+    assert lay.embedding_groups() == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert lay.degree("edp") == 4 and Layout(2, cp=2, dp=2, ep=8, etp=1).degree("edp") == 1
+    with pytest.raises(ValueError, match="must divide dp x cp x tp"):
+        Layout(2, cp=2, ep=8)
+    with pytest.raises(ValueError, match="positive integer"):
+        Layout(2, cp=0)
 
 
 @pytest.mark.parametrize("bad, match", [(dict(tp=2, dp=1, ep=4), "must divide"), (dict(tp=4, dp=2, etp=2), "1 or tp"),
@@ -65,7 +85,7 @@ def test_axes_of_the_two_meshes_do_not_mix():
     with pytest.raises(ValueError, match="mix"):
         lay.group(0, ("tp", "ep"))
     with pytest.raises(ValueError, match="no mesh axis"):
-        lay.group(0, "cp")
+        lay.group(0, "xp")
 
 
 def test_a_tensor_split_over_two_axes():
