@@ -69,6 +69,9 @@ def test_the_cp_axis_lies_between_tp_and_the_stages():
     assert lay.degree("edp") == 4 and Layout(2, cp=2, dp=2, ep=8, etp=1).degree("edp") == 1
     with pytest.raises(ValueError, match="must divide dp x cp x tp"):
         Layout(2, cp=2, ep=8)
+    # Dense gradients are summed over DP x CP, and zero 1 cuts the AdamW rows over the same ranks.
+    assert lay.grad_degree == 4 and [lay.grad_place(r) for r in (0, 2, 8, 10)] == [0, 1, 2, 3]
+    assert Layout(2, cp=2, zero=1).sharded_optimizer and not Layout(2, cp=1, zero=1).sharded_optimizer
     with pytest.raises(ValueError, match="positive integer"):
         Layout(2, cp=0)
 

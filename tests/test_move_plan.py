@@ -70,22 +70,18 @@ def model(rng):
 def layouts(facts):
     """Every layout of up to 8 ranks the model allows."""
     out = []
-    for tp in (1, 2, 4):
-        if facts["n_head"] % tp or facts["f"] % tp or not kv_fits(facts["kv"], tp):
+    experts = facts["experts"]
+    for tp, pp, dp, cp, zero, ep, etp in itertools.product(
+            (1, 2, 4), range(1, min(facts["n_layer"], 2) + 1), (1, 2, 3, 4), (1, 2), (0, 1),
+            (1, 2, 4) if experts else (1,), (None, 1) if experts else (None,)):
+        if facts["n_head"] % tp or facts["f"] % tp or not kv_fits(facts["kv"], tp) or tp * pp * dp * cp > 8:
             continue
-        for pp in range(1, min(facts["n_layer"], 2) + 1):
-            for dp in (1, 2, 3, 4):
-                if tp * pp * dp > 8:
-                    continue
-                for zero in (0, 1):
-                    for ep in ((1, 2, 4) if facts["experts"] else (1,)):
-                        for etp in ((None, 1) if facts["experts"] else (None,)):
-                            if ep > max(facts["experts"], 1) or (facts["experts"] and facts["experts"] % ep):
-                                continue
-                            try:
-                                out.append(Layout(tp, pp=pp, dp=dp, zero=zero, ep=ep, etp=etp))
-                            except ValueError:
-                                pass
+        if ep > max(experts, 1) or (experts and experts % ep):
+            continue
+        try:
+            out.append(Layout(tp, pp=pp, dp=dp, zero=zero, ep=ep, etp=etp, cp=cp))
+        except ValueError:
+            pass
     return out
 
 
@@ -125,7 +121,8 @@ def shards(table, layout, full):
         trained = [by_name[n] for n in names if by_name[n].trained and n in weights]
         split = layout.experts_split
         for group, degree, place, sharded in (
-                ([p for p in trained if not (split and p.expert is not None)], layout.dp, c.dp, layout.sharded_optimizer),
+                ([p for p in trained if not (split and p.expert is not None)], layout.dp * layout.cp,
+                 c.dp * layout.cp + c.cp, layout.sharded_optimizer),  # rows over DP x CP (Megatron's cut)
                 ([p for p in trained if split and p.expert is not None], layout.degree("edp"), layout.coord(r, "edp"),
                  layout.sharded_experts)):
             shapes = [tuple(local[f"model/{p.name}"].shape) for p in group]
@@ -255,7 +252,8 @@ def check(table, old, new, w, full):
 
 @pytest.mark.parametrize("block, cases", [(0, 40)] + [pytest.param(b, 120, marks=pytest.mark.slow) for b in (1, 2, 3, 4)])
 def test_random_layout_changes_and_recoveries_rebuild_the_state_exactly_once(block, cases):
-    """520 cases in all (40 in the quick tier): tp 1, 2, 4; pp 1, 2; dp 1-4; zero 0, 1; ep 1, 2, 4; etp 1 or tp."""
+    """520 cases in all (40 in the quick tier): tp 1, 2, 4; cp 1, 2; pp 1, 2; dp 1-4; zero 0, 1; ep 1, 2, 4; etp 1
+    or tp."""
     rng = random.Random(f"moves-{block}")
     seen = set()
     for _ in range(cases):
@@ -268,7 +266,9 @@ def test_random_layout_changes_and_recoveries_rebuild_the_state_exactly_once(blo
         seen |= {"zero 1 re-cut"} if old != new and (old.sharded_optimizer or new.sharded_optimizer) else set()
         seen |= {"ep change"} if old.ep != new.ep else set()
         seen |= {"pp change"} if old.pp != new.pp else set()
-    assert seen == {"live", "snapshot", "checkpoint", "refused", "zero 1 re-cut", "ep change", "pp change"}
+        seen |= {"cp change"} if old.cp != new.cp else set()
+    assert seen == {"live", "snapshot", "checkpoint", "refused", "zero 1 re-cut", "ep change", "pp change",
+                    "cp change"}
 
 
 def test_a_dp_grow_at_zero_0_moves_only_the_new_replicas_bytes():

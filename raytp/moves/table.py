@@ -16,7 +16,7 @@ which tensor it holds, by the rules the shards are built by:
   held by the ranks whose EP place holds that expert, split over ETP as a dense
   row would be over TP (whole at etp 1); elsewhere as a dense weight;
 - its AdamW moments: as the weight, or, under the distributed optimizer, the
-  local rows the rank's DP place owns in the cut of its stage's bucketed
+  local rows the rank's DP x CP place owns in the cut of its stage's bucketed
   parameters (raytp.parallel.zero_plan; experts cut apart, over expert-DP); the
   step count wherever a rank keeps state of that parameter.
 """
@@ -137,7 +137,7 @@ class StateTable:
         dense = [p for p in trained if not (split and p.expert is not None)]
         apart = [p for p in trained if split and p.expert is not None]
         for group, degree, place, sharded in (
-                (dense, layout.dp, layout.coord(rank, "dp"), layout.sharded_optimizer),
+                (dense, layout.grad_degree, layout.grad_place(rank), layout.sharded_optimizer),
                 (apart, layout.degree("edp"), layout.coord(rank, "edp"), layout.sharded_experts)):
             rows = _rows(tuple(weights[p.name][1] for p in group), degree, self.bucket_numel, place) \
                 if sharded else None
@@ -172,11 +172,11 @@ def places(layout: Layout) -> tuple[tuple, ...]:
 
 def place(layout: Layout, rank: int) -> tuple:
     """What a rank's held state depends on: its stage and TP place, its EP and ETP places where experts have a mesh
-    of their own, its DP (expert-DP) place where the optimizer's rows (the experts') are cut over it."""
+    of their own, its DP x CP (expert-DP) place where the optimizer's rows (the experts') are cut over it."""
     c = layout.coords(rank)
     split = layout.experts_split
     return (c.pp, c.tp, layout.coord(rank, "ep") if split else None, layout.coord(rank, "etp") if split else None,
-            c.dp if layout.sharded_optimizer else None,
+            layout.grad_place(rank) if layout.sharded_optimizer else None,
             layout.coord(rank, "edp") if split and layout.sharded_experts else None)
 
 

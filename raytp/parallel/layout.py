@@ -83,8 +83,20 @@ class Layout:
 
     @property
     def sharded_optimizer(self) -> bool:
-        """Whether each DP rank keeps its own part of the AdamW state (zero 1 with more than one replica)."""
-        return self.zero == 1 and self.dp > 1
+        """Whether each DP (x CP) rank keeps its own part of the AdamW state (zero 1 with more than one rank to cut
+        it over: ``grad_degree``)."""
+        return self.zero == 1 and self.grad_degree > 1
+
+    @property
+    def grad_degree(self) -> int:
+        """How many ranks sum each dense gradient, the ranks the distributed optimizer cuts its rows over: DP x CP
+        (CP ranks hold the same weights and each computes with its part of every sequence)."""
+        return self.dp * self.cp
+
+    def grad_place(self, rank: int) -> int:
+        """`rank`'s place among the ``grad_degree`` ranks summing its gradients (its group along dp and cp)."""
+        c = self.coords(rank)
+        return c.dp * self.cp + c.cp
 
     @property
     def sharded_experts(self) -> bool:
