@@ -56,6 +56,17 @@ class ProcessGroups:
     dp = property(lambda self: self.named["dp"], doc="this rank's DP group")
     pp = property(lambda self: self.named["pp"], doc="its replica's stages at its TP rank")
     emb = property(lambda self: self.named["emb"], doc="its first and last stage (tied embedding copies)")
+    cp = property(lambda self: self.named.get("cp"), doc="its context-parallel group (its sequences' other parts)")
+
+    @property
+    def grad(self):
+        """The group summing this rank's dense gradients, whose ranks the distributed optimizer cuts its rows over:
+        DP x CP (its DP group at cp 1)."""
+        return self.named["grad"] if self.layout.cp > 1 else self.named["dp"]
+
+    @property
+    def grad_rank(self) -> int:
+        return self.layout.grad_place(self.rank)
 
     @property
     def tp_rank(self) -> int:
@@ -72,8 +83,11 @@ class ProcessGroups:
 
 def group_kinds(layout: Layout) -> list[tuple[str, list[list[int]]]]:
     """The sub-meshes a layout's ranks communicate over, by name, in the order every rank creates them:
-    TP, DP, PP, the tied embedding's stages at pp > 1, and the expert mesh's axes where ep or etp split it."""
+    TP, DP, PP, at cp > 1 CP and DP x CP (``grad``), the tied embedding's stages at pp > 1, and the expert mesh's
+    axes where ep or etp split it."""
     kinds = [(axis, layout.groups(axis)) for axis in ("tp", "dp", "pp")]
+    if layout.cp > 1:  # its part of every sequence, and the ranks its dense gradients are summed over
+        kinds += [("cp", layout.groups("cp")), ("grad", layout.groups(("dp", "cp")))]
     if layout.pp > 1:
         kinds.append(("emb", layout.embedding_groups()))
     if layout.experts_split:
