@@ -105,8 +105,8 @@ def test_round_trip_through_dict_and_yaml():
     assert from_dict(yaml.safe_load(yaml.safe_dump(d))) == cfg
     assert d["parallel"] == {"tp": 2, "pp": 1, "dp": 2, "pp_schedule": "1f1b", "pp_virtual": 1, "pp_layers": None,
                              "sequence_parallel": False, "zero": 0, "overlap_grad_reduce": True,
-                             "tp_overlap": True, "overlap_param_gather": False, "ep": 1, "etp": None, "min_dp": None,
-                             "max_dp": None}
+                             "tp_overlap": True, "overlap_param_gather": False, "ep": 1, "etp": None, "cp": 1,
+                             "cp_attention": "ring", "min_dp": None, "max_dp": None}
     assert d["profile"] == {"steps": [3, 4], "ranks": [0, 3], "memory": False}
 
 

@@ -67,14 +67,31 @@ def _experts_problem(v) -> str | None:
         return f"etp={etp_} must be 1 or parallel.tp={tp}"
     if moe.n_experts % ep:
         return f"ep={ep} does not divide model.moe.n_experts={moe.n_experts}"
-    if (dp * tp) % (ep * etp_):
-        return (f"ep={ep} x etp={etp_} must divide parallel.dp x parallel.tp = {dp * tp} (experts are folded over "
-                "the ranks of each stage)")
+    cp = v["parallel.cp"]
+    if (dp * cp * tp) % (ep * etp_):
+        return (f"ep={ep} x etp={etp_} must divide parallel.dp x parallel.cp x parallel.tp = {dp * cp * tp} (experts "
+                "are folded over the ranks of each stage)")
     if v["parallel.min_dp"] is not None:
         return "ep or etp 1 with parallel.min_dp (an elastic shrink) is not built yet"
     if v["parallel.max_dp"] not in (None, dp):
         return "ep or etp 1 with parallel.max_dp (a live DP growth) is not built yet"
     return None
+
+
+def _cp_problem(v) -> str | None:
+    """What is wrong with parallel.cp / parallel.cp_attention (None: nothing)."""
+    from raytp.parallel import context, ulysses
+    cp, tp = v["parallel.cp"], v["parallel.tp"]
+    if cp == 1:
+        return None
+    why = context.refusal(v["model.block_size"], cp, tp, v["parallel.sequence_parallel"])
+    if why is None and v["parallel.cp_attention"] == "ulysses":
+        heads, kv, _, _ = _shape(v)
+        why = ulysses.refusal(heads // tp, max(kv // tp, 1), cp)
+    if why is None:
+        why = (f"cp={cp}: context parallelism's attention and sequence cut are built (raytp.parallel.ring_attention, "
+               "ulysses), not yet a training run's; use cp 1")
+    return why
 
 
 def _micro_batches(v) -> int:
@@ -155,9 +172,14 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
     (("parallel.tp", "model.moe"),
      lambda v: v["model.moe"] is None or _moe_tp_problem(v) is None,
      lambda v: _moe_tp_problem(v)),
-    (("parallel.ep", "parallel.etp", "parallel.tp", "parallel.dp", "model.moe", "parallel.min_dp", "parallel.max_dp"),
+    (("parallel.ep", "parallel.etp", "parallel.tp", "parallel.dp", "model.moe", "parallel.min_dp", "parallel.max_dp",
+      "parallel.cp"),
      lambda v: _experts_problem(v) is None,
      lambda v: _experts_problem(v)),
+    (("parallel.cp", "parallel.cp_attention", "parallel.tp", "parallel.sequence_parallel", "model.block_size",
+      *_MODEL),
+     lambda v: _cp_problem(v) is None,
+     lambda v: _cp_problem(v)),
     # Sequence parallelism splits each sequence into tp equal pieces.
     (("parallel.sequence_parallel", "parallel.tp", "model.block_size"),
      lambda v: not v["parallel.sequence_parallel"]

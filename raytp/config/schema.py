@@ -99,6 +99,12 @@ class ParallelConfig:
                     "ranks, folded over the dp x tp ranks of each stage; tokens reach them by all-to-all", POSITIVE)
     etp: Optional[int] = _f(None, "tensor-parallel degree inside an expert: 1 (whole experts, each TP rank routing "
                                   "its share of the tokens) or tp; null = tp", POSITIVE)
+    cp: int = _f(1, "context-parallel degree: each sequence cut over cp ranks (2 x cp chunks, each rank an early and "
+                    "a late one, for the causal mask's balance), the weights replicated over them, dense gradients "
+                    "summed over dp x cp", POSITIVE)
+    cp_attention: str = _f("ring", "attention over the cp ranks: ring (keys and values passed round the group) or "
+                                   "ulysses (all-to-all to a share of the heads: query and KV heads per TP rank "
+                                   "must divide by cp)", ("ring", "ulysses"))
     min_dp: Optional[int] = _f(
         None, "elastic floor: when lost workers cannot be replaced, shrink to as few as this many "
               "replicas instead of failing, and grow back to dp when capacity returns; null = never shrink",

@@ -34,6 +34,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Iterable
 
 DENSE_AXES = ("tp", "cp", "pp", "dp")  # fastest first
+SCALED = ("tp", "cp", "pp", "dp", "ep")  # the degrees a job sets and `raytp scale` changes
 EXPERT_AXES = ("etp", "ep", "edp")   # inside a stage, fastest first, folded over dp x tp
 AXES = DENSE_AXES + EXPERT_AXES
 
@@ -76,6 +77,10 @@ class Layout:
         """The layout a job's ``parallel`` section asks for (raytp.config.schema.Parallel)."""
         return cls(parallel.tp, pp=parallel.pp, dp=parallel.dp, zero=parallel.zero,
                    ep=getattr(parallel, "ep", 1), etp=getattr(parallel, "etp", None), cp=getattr(parallel, "cp", 1))
+
+    def degrees(self) -> dict[str, int]:
+        """Every degree a job sets and a scale request changes (``SCALED``), by name."""
+        return {a: getattr(self, a) for a in SCALED}
 
     def changed(self, **degrees: int | None) -> "Layout":
         """This layout with the named degrees changed (a None leaves one as it is); validated as any."""

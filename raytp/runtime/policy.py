@@ -164,8 +164,8 @@ def resized_config(cfg: config_mod.JobConfig, target: Layout) -> config_mod.JobC
     micro = math.gcd(cfg.micro_batch, local)
     stages = {} if target.pp == cfg.parallel.pp else {"pp": target.pp, "pp_layers": None}
     new = dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, tp=target.tp, dp=dp, zero=target.zero, ep=target.ep,
-                                          etp=target.etp, max_dp=_ceiling(cfg.parallel.max_dp, dp), **stages),
+        cfg, parallel=dataclasses.replace(cfg.parallel, **{**target.degrees(), **stages}, zero=target.zero,
+                                          etp=target.etp, max_dp=_ceiling(cfg.parallel.max_dp, dp)),
         train=dataclasses.replace(cfg.train, micro_batch_size=micro))
     config_mod.validate(new, "scale request")
     return new

@@ -125,5 +125,5 @@ class Outcome:
 
 
 def layout_dict(lay: Layout) -> dict:
-    """A layout in events: its degrees (ep only where experts are spread)."""
-    return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, **({"ep": lay.ep} if lay.ep > 1 else {})}
+    """A layout in events: its degrees (tp, pp and dp always; any other only where it is above 1)."""
+    return {a: d for a, d in lay.degrees().items() if a in ("tp", "pp", "dp") or d > 1}

@@ -281,10 +281,10 @@ class Driver:
     def pending_resize(self):
         return self.changes.elastic.pending
 
-    def resize(self, *, tp: int | None = None, dp: int | None = None, pp: int | None = None,
-               ep: int | None = None) -> Outcome:
-        """Move to the layout with these degrees now (GroupChanges.resize_now; tests, benchmarks)."""
-        return self.changes.resize_now(self.step, self.cfg.runtime.placement_timeout_s, tp=tp, dp=dp, pp=pp, ep=ep)
+    def resize(self, **degrees: int | None) -> Outcome:
+        """Move to the layout with these degrees (raytp.parallel.layout.SCALED, by name; None: kept) now
+        (GroupChanges.resize_now; tests, benchmarks)."""
+        return self.changes.resize_now(self.step, self.cfg.runtime.placement_timeout_s, **degrees)
 
     def request_resize(self, target: Layout, request_id: int | None = None) -> Outcome | None:
         return self.changes.request(target, self.step, request_id)

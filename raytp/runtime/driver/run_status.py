@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raytp.parallel.layout import Layout
+from raytp.parallel.layout import SCALED, Layout
 from raytp.runtime.records import Outcome, StopRequest
 
 
@@ -32,16 +32,13 @@ class StopAsked:
 
 @dataclass(frozen=True)
 class ScaleAsked:
-    """`raytp scale`: the degrees to change (None: kept)."""
+    """`raytp scale`: the degrees to change, by name (raytp.parallel.layout.SCALED; those not named are kept)."""
     id: int
-    tp: int | None
-    dp: int | None
-    pp: int | None = None
-    ep: int | None = None
+    degrees: tuple[tuple[str, int], ...] = ()
 
     def target(self, layout: Layout) -> Layout:
         """The layout asked for, from `layout` (ValueError for degrees no layout has)."""
-        return layout.changed(tp=self.tp, dp=self.dp, pp=self.pp, ep=self.ep)
+        return layout.changed(**dict(self.degrees))
 
 
 @dataclass(frozen=True)
@@ -68,7 +65,7 @@ def parse(req: dict) -> Request:
     if kind == "stop":
         return StopAsked(rid)
     if kind == "scale":
-        return ScaleAsked(rid, req.get("tp"), req.get("dp"), req.get("pp"), req.get("ep"))
+        return ScaleAsked(rid, tuple((a, req[a]) for a in SCALED if req.get(a) is not None))
     if kind == "profile":
         ranks = req.get("ranks")
         return ProfileAsked(rid, req["steps"], None if ranks is None else tuple(ranks), req.get("memory", False))
