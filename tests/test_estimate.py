@@ -181,3 +181,14 @@ def test_zero1_cuts_the_experts_state_over_expert_dp():
     assert z1 == math.ceil(8 * (local - routed) / 8) + math.ceil(8 * routed / 2)
     ep8 = with_parallel(ep4, ep=8, zero=1)  # one rank per expert slice: nothing to cut it over
     assert not ep8.layout.sharded_experts and ep8.layout.degree("edp") == 1
+
+
+def test_context_parallelism_divides_a_ranks_activations_not_its_state():
+    """Each CP rank holds 1/cp of every sequence's tokens and the whole of its TP slice of the weights."""
+    import dataclasses
+    base = from_dict({"model": {"n_layer": 4, "n_embd": 256, "n_head": 8, "block_size": 1024},
+                      "train": {"batch_size": 8}, "runtime": {"device": "cuda"}, "recovery": {"snapshot_every": 0}})
+    one = estimate(base)
+    four = estimate(dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, cp=4)))
+    assert (four.weights, four.grads, four.optimizer) == (one.weights, one.grads, one.optimizer)
+    assert four.activations < 0.3 * one.activations

@@ -101,7 +101,7 @@ def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
     stage = stage_of(model_cfg, par.pp, pp_rank, par.pp_virtual, par.pp_layers)
     local, routed = _stage_weights(cfg, pp_rank)  # experts on a mesh of their own: outside the DP rows
     split = cfg.layout.experts_split
-    s, b, h = m.block_size, cfg.micro_batch, m.n_embd
+    s, b, h = m.block_size // par.cp, cfg.micro_batch, m.n_embd  # the tokens a rank holds of each sequence
     layers = len(stage.layers) if stage else m.n_layer
     in_flight = min(par.pp - pp_rank, cfg.local_batch_size // cfg.micro_batch) if stage else 1
     ids = list(stage.layers) if stage else list(range(m.n_layer))
