@@ -57,7 +57,7 @@ class HeldShard:
             setattr(model, k, v)
         set_tp_overlap(model, cfg.parallel.tp_overlap)
         knobs = hyper(cfg)
-        optimizer = make_optimizer(model, knobs, groups.layout.dp, groups.dp_rank, groups.layout.zero,
+        optimizer = make_optimizer(model, knobs, groups.layout.grad_degree, groups.grad_rank, groups.layout.zero,
                                    overlap=cfg.parallel.overlap_grad_reduce,
                                    overlap_gather=cfg.parallel.overlap_param_gather,
                                    apart=is_expert_weight if groups.layout.experts_split else None,
@@ -83,9 +83,9 @@ class HeldShard:
         self.settle()
         own = planned_source.state_tensors(self.model, self.optimizer)
         opt, lay = self.optimizer, groups.layout
-        if lay.zero and (opt.dp, opt.dp_rank) != (lay.dp, groups.dp_rank):
+        if lay.zero and (opt.dp, opt.dp_rank) != (lay.grad_degree, groups.grad_rank):
             self.before = (opt.dp, opt.dp_rank, opt.named_state())
-            opt.recut(lay.dp, groups.dp_rank)  # every row's state is written anew, kept ones too
+            opt.recut(lay.grad_degree, groups.grad_rank)  # every row's state is written anew, kept ones too
         else:
             source = dataclasses.replace(source, moves=tuple(m for m in source.moves if not m.kept))
         source.fill_from(planned_source.targets(self.model, opt, {m.key for m in source.moves}), own)
