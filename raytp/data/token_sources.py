@@ -117,8 +117,14 @@ def _split(tokens: np.ndarray, doc_ends: np.ndarray, val_fraction: float | None,
 
 
 def _describe(name: str, m: mf.Manifest) -> str:
-    return (f"prepared dataset {name} ({m.tokens:,} tokens, {m.documents:,} documents in {len(m.shards)} "
+    what = (f"prepared dataset {name} ({m.tokens:,} tokens, {m.documents:,} documents in {len(m.shards)} "
             f"shards, vocabulary {m.vocab_size:,})")
+    if m.conversations is not None:  # the start line says what is trained on and what was left out, by reason
+        c = m.conversations
+        bad = ", ".join(f"{n:,} {k.replace('_', ' ')}" for k, n in c["bad"].items() if n)
+        what += (f", conversations: {c['trained_tokens']:,} tokens trained on, {sum(c['bad'].values()):,} of "
+                 f"{c['rows']:,} rows left out" + (f" ({bad})" if bad else ""))
+    return what
 
 
 def read_manifest(path: Path, name: str) -> mf.Manifest:
