@@ -46,7 +46,7 @@ class Corpus:
 
     @property
     def conversations(self) -> bool:
-        return bool(self.documents)
+        return self.counts is not None
 
     def packed(self, split: str, source: int, block_size: int, seed: int) -> packing.Packing:
         """The packing of a conversations split's source into rows (made once per block size and seed)."""
@@ -107,23 +107,25 @@ def load_corpus(source: str, val_fraction: float = 0.1, tokenizer: str | None = 
 def _documents(names: list[str], opened: list, vals: list) -> tuple[dict, dict | None]:
     """Conversations' boundaries and masks by split, and their manifests' counts summed; ({}, None) for text.
     Conversations and text are not blended (ValueError naming them)."""
-    conv = [s.documents is not None for s in opened + vals]
+    conv = [s.conversations is not None for s in opened + vals]
     if not any(conv):
         return {}, None
     if not all(conv):
         raise ValueError(f"data: {', '.join(names)}: conversations and text in one job; train on one or the other")
+    counts = {"rows": 0, "trained_tokens": 0, "bad": {}}
+    for s in opened:
+        c = s.conversations
+        counts["rows"] += c["rows"]
+        counts["trained_tokens"] += c["trained_tokens"]
+        for k, n in c["bad"].items():
+            counts["bad"][k] = counts["bad"].get(k, 0) + n
+    if any(s.documents is None for s in opened + vals):  # peeked at (a dataset at a URL): counts only
+        return {"train": [], "val": []}, counts
     train = [(s.documents.train_ends, s.documents.train_mask) for s in opened]
     if vals:
         val = [(vals[0].documents.train_ends, vals[0].documents.train_mask)]
     else:
         val = [(s.documents.val_ends, s.documents.val_mask) for s in opened] if opened[0].val is not None else []
-    counts = {"rows": 0, "trained_tokens": 0, "bad": {}}
-    for s in opened:
-        c = s.documents.counts
-        counts["rows"] += c["rows"]
-        counts["trained_tokens"] += c["trained_tokens"]
-        for k, n in c["bad"].items():
-            counts["bad"][k] = counts["bad"].get(k, 0) + n
     return {"train": train, "val": val}, counts
 
 
@@ -186,6 +188,22 @@ def _packed_batch(corpus: Corpus, split: str, seed: int, samples: np.ndarray, bl
         for o, part in zip(out, packing.rows(p, streams[d], corpus.documents[split][d][1], which, block_size)):
             o[sel] = part
     return tuple(torch.from_numpy(o) for o in out)
+
+
+def packing_line(corpus: Corpus, seed: int, block_size: int) -> str:
+    """What the packing of a conversations corpus's training split makes of it (for the start line):
+    rows, and the conversations longer than a row, cut or left out; ValueError under data.too_long: refuse."""
+    if not corpus.conversations or not corpus.documents.get("train"):
+        return ""
+    plans = [corpus.packed("train", d, block_size, seed) for d in range(len(corpus.train))]
+    rows, long, short = (sum(getattr(p, k) for p in plans) for k in ("rows", "too_long", "short"))
+    if corpus.too_long == "refuse" and long:
+        raise ValueError(f"data.too_long: refuse, and {long:,} conversations are longer than model.block_size + 1 "
+                         f"= {block_size + 1} tokens; raise block_size, or truncate or drop them (data.too_long)")
+    how = "packed" if corpus.packing else "one per row"
+    fate = "dropped" if corpus.too_long == "drop" else "truncated"
+    return (f"; {how} into {rows:,} rows of {block_size}, {long:,} conversations longer than a row ({fate})"
+            + (f", {short:,} of one token left out" if short else ""))
 
 
 def job_corpus(data, progress: bool = False, peek: bool = False) -> Corpus:

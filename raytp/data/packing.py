@@ -22,7 +22,7 @@ from raytp.data.sampling import permute
 from raytp.seeds import derive_seed
 
 OPEN = 256  # rows first-fit looks back over
-TOO_LONG = ("truncate", "drop")
+TOO_LONG = ("truncate", "drop", "refuse")  # refuse: packed as truncate (a job with any is refused first)
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,8 @@ class Packing:
     starts: np.ndarray     # each placed document's first token in the stream, in row order
     lengths: np.ndarray    # tokens of it read (truncated: block + 1)
     row_starts: np.ndarray  # index into starts where each row's documents begin (len rows + 1)
-    truncated: int         # documents longer than a row, cut
-    dropped: int           # ... or left out (too_long="drop"); and those of one token (nothing to predict)
+    too_long: int          # documents longer than a row: cut, or left out (too_long="drop")
+    short: int             # documents of one token, left out (nothing to predict)
 
     @property
     def rows(self) -> int:
@@ -48,7 +48,6 @@ def plan(doc_ends: np.ndarray, block: int, seed: int, pack: bool = True, too_lon
     need = ends - begins - 1  # positions each fills
     long = need > block
     keep = (need >= 1) & ~(long & (too_long == "drop"))
-    dropped = int((~keep).sum())
     need = np.minimum(need, block)
     order = permute(np.arange(len(ends)), len(ends), derive_seed(seed, 7)) if len(ends) else ends
     order = order[keep[order]]
@@ -60,7 +59,7 @@ def plan(doc_ends: np.ndarray, block: int, seed: int, pack: bool = True, too_lon
     docs = order[by_row]
     counts = np.bincount(row_of, minlength=int(row_of.max()) + 1 if len(row_of) else 0)
     row_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return Packing(begins[docs], need[docs] + 1, row_starts, int((long & keep).sum()), dropped)
+    return Packing(begins[docs], need[docs] + 1, row_starts, int(long.sum()), int((need < 1).sum()))
 
 
 def _first_fit(need: np.ndarray, block: int) -> np.ndarray:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from raytp.data import manifest as mf
+from raytp.data.conversation_split import Documents, Splitter
 from raytp.data.fetch import is_url, local_dataset, remote_manifest
 from raytp.data.indexed import largest_id, open_tokens, read_index
 from raytp.data.stream import Stream, held_per_file, hold_out, tail
@@ -36,17 +37,6 @@ TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
 
 
 @dataclass
-class Documents:
-    """A dataset of conversations' documents: each split's document end offsets (in its stream) and trained
-    mask (a Stream of uint8 beside the tokens), and what its manifest counted."""
-    train_ends: np.ndarray
-    val_ends: np.ndarray | None
-    train_mask: Stream
-    val_mask: Stream | None
-    counts: dict  # the manifest's "conversations"
-
-
-@dataclass
 class Source:
     train: Stream | None   # None: only looked at (`peek`), not opened
     val: Stream | None     # the held-out documents; everything is `train` when nothing was held out
@@ -54,7 +44,8 @@ class Source:
     eod_id: int | None     # the end-of-document id, when the source knows it
     description: str
     tokenizer: str | None = None  # the sha256 of the tokenizer a prepared dataset was made with
-    documents: Documents | None = None  # conversations: their boundaries and trained masks
+    documents: Documents | None = None  # conversations: their boundaries and trained masks (None: peeked at)
+    conversations: dict | None = None   # conversations: the manifest's counts (rows, trained_tokens, bad)
 
 
 def open_source(name: str, val_fraction: float | None, tokenizer: str | None = None, dtype: str | None = None,
@@ -64,7 +55,8 @@ def open_source(name: str, val_fraction: float | None, tokenizer: str | None = N
     if is_url(name):
         if peek:
             m = remote_manifest(name)
-            return Source(None, None, m.vocab_size, m.eod_id, _describe(name, m), m.tokenizer.get("sha256"))
+            return Source(None, None, m.vocab_size, m.eod_id, _describe(name, m), m.tokenizer.get("sha256"),
+                          None, m.conversations)
         return _prepared(local_dataset(name, progress), val_fraction, name)
     path = Path(name.removeprefix("file://")).expanduser()
     if name != "builtin" and not path.exists():
@@ -135,8 +127,8 @@ def _prepared(path: Path, val_fraction: float | None, name: str) -> Source:
     m = read_manifest(path, name)
     _open_files_for(len(m.shards), name)
     held = None if val_fraction is None else held_per_file([s.documents for s in m.shards], val_fraction)
-    conv = m.conversations is not None
-    train, val, parts = [], [], {"train": ([], [], 0), "val": ([], [], 0)}  # (mask pieces, doc ends, offset)
+    conv = Splitter() if m.conversations is not None else None
+    train, val = [], []
     for i, shard in enumerate(m.shards):
         tokens, ends = _shard(path, shard, name)
         if held is not None:
@@ -148,31 +140,11 @@ def _prepared(path: Path, val_fraction: float | None, name: str) -> Source:
             t, v = [(0, len(tokens))], []
         train += [tokens[a:b] for a, b in t]
         val += [tokens[a:b] for a, b in v]
-        if conv:
-            mask = _mask(path, shard, len(tokens), name)
-            for split, ranges in (("train", t), ("val", v)):
-                pieces, doc_ends, at = parts[split]
-                for a, b in ranges:
-                    pieces.append(mask[a:b])
-                    doc_ends.append(ends[(ends > a) & (ends <= b)] - a + at)
-                    at += b - a
-                parts[split] = (pieces, doc_ends, at)
-    docs = None
-    if conv:
-        (tm, te, _), (vm, ve, _) = parts["train"], parts["val"]
-        cat = lambda e: np.concatenate(e) if e else np.zeros(0, dtype=np.int64)  # noqa: E731
-        docs = Documents(cat(te), cat(ve) if val_fraction is not None else None, Stream(tm),
-                         Stream(vm) if val_fraction is not None else None, m.conversations)
+        if conv is not None:
+            conv.add(path, shard, len(tokens), ends, t, v, name)
+    docs = None if conv is None else conv.documents(val_fraction is not None)
     return Source(Stream(train), Stream(val) if val_fraction is not None else None, m.vocab_size, m.eod_id,
-                  _describe(name, m), m.tokenizer.get("sha256"), docs)
-
-
-def _mask(path: Path, shard: mf.Shard, tokens: int, name: str) -> np.ndarray:
-    """A conversations shard's trained mask (memory-mapped), one uint8 per token."""
-    p = path / f"{shard.prefix}.mask"
-    if not p.exists() or p.stat().st_size != tokens:
-        raise ValueError(f"{name}: {p.name} is missing or not one byte per token of {shard.prefix}")
-    return np.memmap(p, dtype=np.uint8, mode="r") if tokens else np.zeros(0, dtype=np.uint8)
+                  _describe(name, m), m.tokenizer.get("sha256"), docs, m.conversations)
 
 
 def _shard(path: Path, shard: mf.Shard, name: str) -> tuple[np.ndarray, np.ndarray]:
