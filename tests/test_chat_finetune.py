@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from chat_data import conversations, tokenizer_dir, write_jsonl
 
 from raytp.data import packing
+from raytp.data.chat_demo import conversations, tokenizer_dir, write_jsonl
 from raytp.data.corpus import batch, load_corpus
 from raytp.data.prepare import prepare_local
 

@@ -148,9 +148,14 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Append `tokens` sampled tokens to idx (B, T); temperature 0 is greedy."""
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 stop: int | None = None) -> torch.Tensor:
+        """Append `tokens` sampled tokens to idx (B, T); temperature 0 is greedy; `stop`: sooner, once every
+        row has sampled this id (an end of turn)."""
+        done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         for _ in range(tokens):
+            if stop is not None and bool(done.all()):
+                break
             logits = self(idx[:, -self.cfg.block_size:])[:, -1, :]  # (B, V)
             if temperature == 0.0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
@@ -161,4 +166,6 @@ class CausalLM(nn.Module):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 nxt = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
+            if stop is not None:
+                done |= nxt[:, 0] == stop
         return idx

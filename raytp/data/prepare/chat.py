@@ -160,3 +160,16 @@ def encode(tok, rows: list[dict]) -> tuple[list[tuple[np.ndarray, np.ndarray]], 
             mask[(starts >= a) & (starts < b)] = 1
         out.append((np.asarray(e.ids, dtype=np.int64), mask))
     return out, bad
+
+
+def prompt_ids(tok, prompt: str) -> tuple[list[int], int | None]:
+    """A user turn rendered with the generation prompt, as ids, and the end-of-turn id generation stops at
+    (the last special token of an assistant turn the template renders; None if it renders none)."""
+    msgs = [{"role": "user", "content": prompt}]
+    text = _render(tok, msgs, True)
+    r = spans(tok, msgs + [{"role": "assistant", "content": "ok"}], specials_of(tok))
+    eot = None
+    if not isinstance(r, str):
+        whole, [(a, b)] = r
+        eot = tok.convert_tokens_to_ids(next(s for s in specials_of(tok) if whole[:b].endswith(s)))
+    return tok.backend_tokenizer.encode(text, add_special_tokens=False).ids, eot
