@@ -207,3 +207,35 @@ def test_a_finetune_trains_alike_at_one_device_tp2_pp2_and_dp2_zero1(chat_set):
             assert tokens == ref_tokens, (tp, pp, dp)
             rel = np.abs(np.array(losses) - ref) / np.abs(ref)
             assert rel.max() < 1e-5, ((tp, pp, dp, zero), rel.max())
+
+
+def test_rows_the_template_cannot_render_are_counted_and_a_job_may_refuse_them(tmp_path):
+    """A template named on the command line that raises on some rows (a system turn): those rows are left out
+    and counted as template_error; data.bad_rows: refuse refuses the dataset, naming them."""
+    import subprocess
+    import sys
+    from raytp.config import from_dict
+    from raytp.data.chat_demo import QWEN3
+    from raytp.data.corpus import job_corpus
+    tok = tokenizer_dir(tmp_path / "tok")
+    strict = tmp_path / "strict.jinja"
+    strict.write_text("{%- if messages[0].role == 'system' %}{{ raise_exception('no system turns') }}{%- endif %}"
+                      + QWEN3)
+    rows = conversations(40, seed=3)
+    systems = sum(1 for r in rows if r.get("messages", [{}])[0].get("role") == "system")
+    assert systems > 0
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    m = prepare_local([src], tok, str(tmp_path / "out"), chat_template=str(strict))
+    assert m.conversations["bad"] == {"template_error": systems} and m.documents == len(rows) - systems
+    data = {"source": str(tmp_path / "out"), "bad_rows": "refuse"}
+    with pytest.raises(ValueError, match="template_error"):
+        job_corpus(from_dict({"data": data}).data)
+    assert job_corpus(from_dict({"data": {**data, "bad_rows": "skip"}}).data).counts["bad"] == {
+        "template_error": systems}
+    bare = tmp_path / "bare"  # a tokenizer without a template: one error line, status 2, nothing written
+    bare.mkdir()
+    (bare / "tokenizer.json").write_text((tmp_path / "tok" / "tokenizer.json").read_text())
+    p = subprocess.run([sys.executable, "-m", "raytp.cli", "prepare", src, "--tokenizer", str(bare), "--out",
+                        str(tmp_path / "never")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().startswith("error:") and "--chat-template" in p.stderr
+    assert not (tmp_path / "never").exists()

@@ -52,7 +52,7 @@ def test_prepare_train_export_and_transformers_answers(ray_local, tmp_path):
     ours = load_model(tmp_path / "model.pt").eval()
     tok_json = (Path(model) / "tokenizer.json").read_text()
     spec = json.loads(embedded_tokenizer(tmp_path / "model.pt", "chat"))
-    ids, eot = chat.prompt_ids(chat.renderer(tok_json, "test", spec), msgs[0]["content"])
+    ids, eot = chat.prompt_ids(chat.renderer(tok_json, spec), msgs[0]["content"])
     assert ids == prompt["input_ids"][0].tolist() and eot == theirs.generation_config.eos_token_id
     mine = ours.generate(torch.tensor([ids]), 12, temperature=0.0, stop=eot)[0].tolist()
     assert mine == out[:len(mine)] and len(mine) > len(ids)  # greedy: raytp's file answers as the export does

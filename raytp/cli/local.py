@@ -144,5 +144,5 @@ def _chat_prompt(model_file, tokenizer, tok, prompt: str) -> tuple[list[int], in
     if spec is None:
         fail(f"--chat: no chat template in {tokenizer or model_file} (a tokenizer_config.json chat_template or "
              "a chat_template.jinja beside the tokenizer)", 2)
-    renderer = chat_mod.renderer(tok.to_str(), "sample", spec)
+    renderer = chat_mod.renderer(tok.to_str(), spec)
     return chat_mod.prompt_ids(renderer, prompt)

@@ -9,9 +9,10 @@ tokenizer built from the same tokenizer.json and special tokens, so the text, an
 
 Trained on: each assistant turn's content and its end-of-turn token. Turn k's span is found without any
 ``{% generation %}`` block: the conversation up to the turn rendered with the generation prompt is a prefix
-P of the whole rendering F, and the turn starts where P ends; the up-to-and-including rendering of the turn,
-past P, ends with the template's end-of-turn token (its last special token), and the span ends with the
-first such token in F from there. A token is trained on when its first character lies in a span.
+P of the whole rendering F, and the turn starts where P ends; it ends with the first end-of-turn token in F
+from there (the template's: the last special token an assistant turn renders with, past its generation
+prompt). A token is trained on when its first character lies in a span. Conversations are rendered in
+batches (transformers renders each alone), the prefixes of a batch in one call.
 
 A row that is not a conversation, has a role outside ROLES, no assistant turn, or that the template cannot
 render (or renders with no end-of-turn) is not trained on: `encode` says why (BAD_REASONS), and the
@@ -19,6 +20,7 @@ manifest counts it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -72,8 +74,9 @@ def chat_spec(tok_path: Path, template: str) -> dict:
     return {"template": template, "special": special}
 
 
-def renderer(tok_json: str, key: str, spec: dict):
-    """A transformers tokenizer of `tok_json` with the spec's special tokens and template (cached by `key`)."""
+def renderer(tok_json: str, spec: dict):
+    """A transformers tokenizer of `tok_json` with the spec's special tokens and template (one per process)."""
+    key = hashlib.sha256((tok_json + json.dumps(spec, sort_keys=True)).encode()).hexdigest()
     if key not in _TOKENIZERS:
         from tokenizers import Tokenizer
         from transformers import PreTrainedTokenizerFast
@@ -107,29 +110,53 @@ def _render(tok, msgs: list, gen: bool) -> str:
     return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
 
 
-def spans(tok, msgs: list, specials: list[str]) -> tuple[str, list[tuple[int, int]]] | str:
-    """The whole rendering and each assistant turn's trained character span [start, end); or a reason."""
+def _render_all(tok, convs: list[list], gen: bool) -> list[str | None]:
+    """Each conversation rendered (None where the template fails): one batched call, as transformers renders
+    a batch (each conversation alone), or one call each when some conversation fails."""
+    if not convs:
+        return []
     try:
-        whole = _render(tok, msgs, False)
-        out = []
-        for k, m in enumerate(msgs):
-            if m["role"] != "assistant":
-                continue
-            prefix = _render(tok, msgs[:k], True) if k else ""
-            turn = whole if k == len(msgs) - 1 else _render(tok, msgs[:k + 1], False)
-            if not whole.startswith(prefix) or not turn.startswith(prefix):
-                return "template_error"
-            tail = turn[len(prefix):]
-            eot = max(specials, key=lambda s: (tail.rfind(s), len(s)), default=None)
-            if eot is None or tail.rfind(eot) < 0:
-                return "template_error"
-            end = whole.find(eot, len(prefix))
-            if end < 0:
-                return "template_error"
-            out.append((len(prefix), end + len(eot)))
+        return list(tok.apply_chat_template(convs, tokenize=False, add_generation_prompt=gen))
     except Exception:  # noqa: BLE001 - jinja raises many kinds (the template's raise_exception among them)
-        return "template_error"
-    return whole, out
+        out = []
+        for c in convs:
+            try:
+                out.append(_render(tok, c, gen))
+            except Exception:  # noqa: BLE001
+                out.append(None)
+        return out
+
+
+_EOT: dict[int, str | None] = {}
+
+
+def end_of_turn(tok) -> str | None:
+    """The template's end of an assistant turn: the last special token an assistant turn renders with, past
+    the generation prompt (None if the template renders none, or cannot render a turn)."""
+    if id(tok) not in _EOT:
+        user = [{"role": "user", "content": "x"}]
+        try:
+            prefix, turn = _render(tok, user, True), _render(tok, user + [{"role": "assistant", "content": "y"}], False)
+        except Exception:  # noqa: BLE001
+            prefix, turn = None, ""
+        tail = turn[len(prefix):] if prefix is not None and turn.startswith(prefix) else ""
+        found = [(tail.rfind(s), len(s), s) for s in specials_of(tok) if s in tail]
+        _EOT[id(tok)] = max(found)[2] if found else None
+    return _EOT[id(tok)]
+
+
+def spans(whole: str, prefixes: list[str | None], eot: str | None) -> list[tuple[int, int]] | str:
+    """Each assistant turn's trained character span [start, end) of the whole rendering, from the renderings
+    up to each turn with the generation prompt; or the reason there is none (template_error)."""
+    out = []
+    for prefix in prefixes:
+        if eot is None or prefix is None or not whole.startswith(prefix):
+            return "template_error"
+        end = whole.find(eot, len(prefix))
+        if end < 0:
+            return "template_error"
+        out.append((len(prefix), end + len(eot)))
+    return out
 
 
 def specials_of(tok) -> list[str]:
@@ -140,15 +167,22 @@ def specials_of(tok) -> list[str]:
 
 def encode(tok, rows: list[dict]) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[str]]:
     """The ids and trained-mask (uint8) of each good row, and the reasons of the bad ones."""
-    specials = specials_of(tok)
-    good, bad = [], []
+    convs, bad = [], []
     for row in rows:
         msgs = messages_of(row)
-        r = msgs if isinstance(msgs, str) else spans(tok, msgs, specials)
-        if isinstance(r, str):
-            bad.append(r)
+        (bad if isinstance(msgs, str) else convs).append(msgs)
+    turns = [[k for k, m in enumerate(c) if m["role"] == "assistant"] for c in convs]
+    wholes = _render_all(tok, convs, False)
+    asked = [c[:k] for c, ks in zip(convs, turns) for k in ks if k]  # a first-message turn: the prefix is ""
+    done = iter(_render_all(tok, asked, True))
+    eot, good = end_of_turn(tok), []
+    for whole, ks in zip(wholes, turns):
+        prefixes = [next(done) if k else "" for k in ks]
+        sp = "template_error" if whole is None else spans(whole, prefixes, eot)
+        if isinstance(sp, str):
+            bad.append(sp)
         else:
-            good.append(r)
+            good.append((whole, sp))
     if not good:
         return [], bad
     encs = tok.backend_tokenizer.encode_batch([w for w, _ in good], add_special_tokens=False)
@@ -164,12 +198,8 @@ def encode(tok, rows: list[dict]) -> tuple[list[tuple[np.ndarray, np.ndarray]], 
 
 def prompt_ids(tok, prompt: str) -> tuple[list[int], int | None]:
     """A user turn rendered with the generation prompt, as ids, and the end-of-turn id generation stops at
-    (the last special token of an assistant turn the template renders; None if it renders none)."""
-    msgs = [{"role": "user", "content": prompt}]
-    text = _render(tok, msgs, True)
-    r = spans(tok, msgs + [{"role": "assistant", "content": "ok"}], specials_of(tok))
-    eot = None
-    if not isinstance(r, str):
-        whole, [(a, b)] = r
-        eot = tok.convert_tokens_to_ids(next(s for s in specials_of(tok) if whole[:b].endswith(s)))
-    return tok.backend_tokenizer.encode(text, add_special_tokens=False).ids, eot
+    (None if the template renders none)."""
+    text = _render(tok, [{"role": "user", "content": prompt}], True)
+    eot = end_of_turn(tok)
+    return (tok.backend_tokenizer.encode(text, add_special_tokens=False).ids,
+            None if eot is None else tok.convert_tokens_to_ids(eot))

@@ -104,7 +104,7 @@ def _write_conversations(index: int, pieces, files, tok_json: str, tok_sha: str,
     """A shard of conversations: each good row's ids (its rendering, which ends its own turns: no end-of-
     document id is added) in the .bin, one document each, and its trained mask (uint8, 1 = trained on) in
     ``.mask``; the bad rows counted by reason."""
-    tok = chat.renderer(tok_json, tok_sha + chat_spec["sha256"], chat_spec)
+    tok = chat.renderer(tok_json, chat_spec)
     sizes, bad, trained = [], Counter(), 0
     with _written(store, prefix(index) + ".bin") as fb, _written(store, prefix(index) + MASK) as fm:
         for rows in _rows(files, pieces, key):
