@@ -150,10 +150,10 @@ B_BLOCK, B_BATCH, B_M = 96, 8, 2  # B_M: micro-batches of a pipeline stage
 
 
 def _finetune_layouts(rank, world, init, data, runs):
-    """Each run (tp, pp, dp, zero, micro-batches per rank) -> (losses, loss_tokens, trained tokens per
-    micro-batch) of 20 steps."""
+    """Each run (arch, tp, pp, dp, zero, micro-batches per rank, sequence parallel) -> (losses, loss_tokens,
+    trained tokens per micro-batch) of 20 steps."""
     import dataclasses
-    from tp_training import HYPER, STEPS, SEED, llama_config
+    from tp_training import HYPER, STEPS, SEED, gpt_config, llama_config
     from raytp.models.registry import build_model
     from raytp.models.shard import build_shard
     from raytp.models.stage import stage_of
@@ -164,19 +164,20 @@ def _finetune_layouts(rank, world, init, data, runs):
     from raytp.train.step import train_step
     if world > 1:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    cfg = dataclasses.replace(llama_config(), vocab_size=320, block_size=B_BLOCK)
     corpus = load_corpus(data, None)
     out = []
-    for tp, pp, dp, zero, m in runs:
+    for arch, tp, pp, dp, zero, m, sp in runs:
+        cfg = dataclasses.replace(llama_config() if arch == "llama" else gpt_config(), vocab_size=320,
+                                  block_size=B_BLOCK)
         if world == 1:
             groups, model = ProcessGroups(Layout(1), 0, None, None), build_model(cfg, SEED)
             stage = None
         else:
             groups = build_groups(Layout(tp, pp=pp, dp=dp, zero=zero), rank)
             stage = stage_of(cfg, pp, groups.pp_rank) if pp > 1 else None
-            model = build_shard(cfg, SEED, groups.tp, False, stage=stage)
+            model = build_shard(cfg, SEED, groups.tp, sp, stage=stage)
         opt = make_optimizer(model, HYPER, dp, groups.dp_rank, zero)
-        pipe = PipelineSchedule("1f1b", stage, False) if pp > 1 else None
+        pipe = PipelineSchedule("1f1b", stage, sp) if pp > 1 else None
         losses, tokens, per_mb = [], [], []
         for step in range(STEPS):
             x, y, d = batch(corpus, "train", SEED, step, groups.dp_rank, dp, B_BATCH, B_BLOCK)
@@ -193,20 +194,24 @@ def _finetune_layouts(rank, world, init, data, runs):
 
 @pytest.mark.slow
 def test_a_finetune_trains_alike_at_one_device_tp2_pp2_and_dp2_zero1(chat_set):
-    """20 steps of masked, packed fine-tuning: TP=2, PP=2 (1F1B, two micro-batches) and DP=2 x zero 1 give one
-    device's (one micro-batch of the 8 rows) losses within 1e-5 relative, and every layout counts the same
-    trained tokens per step, though micro-batches hold uneven counts of them (a mean per micro-batch would
-    not give one device's loss)."""
+    """20 steps of masked, packed fine-tuning of a Llama: TP=2, PP=2 (1F1B, two micro-batches) and DP=2 x
+    zero 1 give one device's (one micro-batch of the 8 rows) losses within 1e-5 relative, and every layout
+    counts the same trained tokens per step, though micro-batches hold uneven counts of them (a mean per
+    micro-batch would not give one device's loss); a GPT-2 (learned positions, restarting at each
+    conversation: each TP rank looks up its slice of them) at TP=2 with sequence parallelism too."""
     from raytp.parallel.spawn import run_ranks
     data = str(chat_set["qwen3"][1])
-    (ref, ref_tokens, _), = run_ranks(1, _finetune_layouts, data, [(1, 1, 1, 0, 1)])[0]
-    runs = [(2, 1, 1, 0, 1), (1, 2, 1, 0, B_M), (1, 1, 2, 1, 1)]
+    refs = run_ranks(1, _finetune_layouts, data, [("llama", 1, 1, 1, 0, 1, False), ("gpt2", 1, 1, 1, 0, 1, False)])[0]
+    ref = {"llama": refs[0], "gpt2": refs[1]}
+    runs = [("llama", 2, 1, 1, 0, 1, False), ("llama", 1, 2, 1, 0, B_M, False), ("llama", 1, 1, 2, 1, 1, False),
+            ("gpt2", 2, 1, 1, 0, 1, True)]
     for rank_out in run_ranks(2, _finetune_layouts, data, runs, timeout_s=600):
         assert all(len(set(c)) > 1 for c in rank_out[1][2])  # PP's two micro-batches: uneven trained tokens
-        for (tp, pp, dp, zero, _), (losses, tokens, _) in zip(runs, rank_out):
-            assert tokens == ref_tokens, (tp, pp, dp)
-            rel = np.abs(np.array(losses) - ref) / np.abs(ref)
-            assert rel.max() < 1e-5, ((tp, pp, dp, zero), rel.max())
+        for run, (losses, tokens, _) in zip(runs, rank_out):
+            want, want_tokens, _ = ref[run[0]]
+            assert tokens == want_tokens, run
+            rel = np.abs(np.array(losses) - want) / np.abs(want)
+            assert rel.max() < 1e-5, (run, rel.max())
 
 
 def test_rows_the_template_cannot_render_are_counted_and_a_job_may_refuse_them(tmp_path):
