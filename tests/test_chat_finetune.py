@@ -72,6 +72,27 @@ def test_prepare_renders_as_transformers_and_trains_only_the_assistant_turns(cha
     assert at == len(ids)
 
 
+def test_parquet_conversations_prepare_as_their_json_lines_do(chat_set, tmp_path):
+    """The same rows as Parquet (a `messages` column of structs; `prompt`/`completion` strings in a file of
+    their own) give the JSON lines' ids and masks, recognised by their columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    tok_dir, out, rows = chat_set["qwen3"]
+    chats = [r for r in rows if "messages" in r]
+    pairs = [r for r in rows if "prompt" in r]
+    pq.write_table(pa.Table.from_pylist(chats), tmp_path / "a.parquet")
+    pq.write_table(pa.Table.from_pylist(pairs), tmp_path / "b.parquet")
+    write_jsonl(tmp_path / "a.jsonl", chats)
+    write_jsonl(tmp_path / "b.jsonl", pairs)
+    got = prepare_local([tmp_path / "a.parquet", tmp_path / "b.parquet"], tok_dir, str(tmp_path / "pq"))
+    want = prepare_local([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tok_dir, str(tmp_path / "js"))
+    assert got.documents == want.documents == len(rows) and got.conversations["bad"] == {}
+    for suffix, dtype in ((".bin", np.uint16), (".mask", np.uint8)):
+        a, b = ([np.fromfile(tmp_path / d / f"{s.prefix}{suffix}", dtype=dtype) for s in m.shards]
+                for d, m in (("pq", got), ("js", want)))
+        assert np.array_equal(np.concatenate(a), np.concatenate(b))
+
+
 def test_packing_places_whole_documents_first_fit_and_counts_the_long_ones():
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 34, 300)  # 0..32 positions: each fits a row of 32
