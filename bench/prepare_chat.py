@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 CPUS = 2
-ROWS, QUICK_ROWS = 40000, 2000
+ROWS, QUICK_ROWS = 20000, 2000
 ROUNDS = 3
 
 
