@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "llama_tp": lazy("bench.llama_tp:run"),
     "driver_scale": lazy("bench.driver_scale:run"),
     "pipeline": lazy("bench.pipeline:run"),
+    "prepare_chat": lazy("bench.prepare_chat:run"),
     "zero": lazy("bench.zero:run"),
     "move_plan": lazy("bench.move_plan:run"),
     "overlap": lazy("bench.overlap:run"),

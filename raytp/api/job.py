@@ -83,11 +83,12 @@ def run_name_and_dir(job: JobSpec, cfg: JobConfig, run_dir: str | os.PathLike | 
 def check_data(cfg: JobConfig) -> str:
     """The data sources exist, their token ids fit the model's vocabulary, and a document mask knows its id;
     returns what the data is (for the start line)."""
-    from raytp.data.corpus import document_eod, job_corpus, vocabulary_fits
+    from raytp.data.corpus import document_eod, job_corpus, packing_line, vocabulary_fits
     try:
         corpus = job_corpus(cfg.data, progress=True, peek=True)
         document_eod(cfg.data, corpus)
         vocabulary_fits(corpus, cfg.data, cfg.model.vocab_size)
+        packed = packing_line(corpus, cfg.train.seed, cfg.model.block_size)  # conversations: rows, too long
     except ValueError as e:
         raise BadJob(str(e)) from None
     for split, streams in (("training", corpus.train), ("validation", corpus.val)):
@@ -97,7 +98,7 @@ def check_data(cfg: JobConfig) -> str:
                              f"fewer than model.block_size+1 = {cfg.model.block_size + 1}; give more data "
                              "or a smaller block_size" + (" or a larger data.val_fraction" if split == "validation"
                                                           and not cfg.data.val_source else ""))
-    return corpus.description
+    return corpus.description + packed
 
 
 def check_storage(cfg: JobConfig, run_dir: Path, run: str) -> None:

@@ -87,7 +87,9 @@ def export(source, out, fmt, tokenizer, dtype, max_shard_size):
 @click.option("--seed", default=0, show_default=True)
 @click.option("--tokenizer", default=None, type=click.Path(exists=True),
               help="tokenizer.json (or a directory holding one); default: the one the file carries, else bytes.")
-def sample(model_file, prompt, tokens, temperature, top_k, seed, tokenizer):
+@click.option("--chat", is_flag=True, help="The prompt is a user turn: rendered with the chat template (the "
+              "tokenizer's, or the one the file carries) and answered until the end of the turn.")
+def sample(model_file, prompt, tokens, temperature, top_k, seed, tokenizer, chat):
     """Generate text from MODEL_FILE (written by `raytp export`), encoded and decoded with its tokenizer."""
     import torch
     from raytp.models.files import load_model
@@ -106,8 +108,41 @@ def sample(model_file, prompt, tokens, temperature, top_k, seed, tokenizer):
     if tok is None and model.cfg.vocab_size > 256:
         fail(f"{model_file}: vocabulary of {model.cfg.vocab_size} is not byte level and the file carries no "
              "tokenizer; pass --tokenizer", 1)
-    ids = tok.encode(prompt, add_special_tokens=False).ids if tok is not None else list(prompt.encode())
+    stop = None
+    if chat:
+        ids, stop = _chat_prompt(model_file, tokenizer, tok, prompt)
+    else:
+        ids = tok.encode(prompt, add_special_tokens=False).ids if tok is not None else list(prompt.encode())
     g = torch.Generator().manual_seed(seed)
     out = model.generate(torch.tensor([ids], dtype=torch.long), tokens, temperature=temperature, top_k=top_k,
-                         generator=g)[0].tolist()
+                         generator=g, stop=stop)[0].tolist()
+    if chat:  # the answer alone, up to its end of turn
+        out = out[len(ids):]
+        out = out[:out.index(stop)] if stop in out else out
     click.echo(tok.decode(out) if tok is not None else bytes(out).decode("utf-8", errors="replace"))
+
+
+def _chat_prompt(model_file, tokenizer, tok, prompt: str) -> tuple[list[int], int | None]:
+    """sample --chat: the prompt as a user turn and the end-of-turn id; one error line if there is no
+    template (status 2)."""
+    import json as json_mod
+    from raytp.data.prepare import chat as chat_mod
+    from raytp.data.tokens import tokenizer_file
+    from raytp.files.export import embedded_tokenizer
+    if tok is None:
+        fail(f"--chat: {model_file} carries no tokenizer; pass --tokenizer (a directory with a chat template)", 2)
+    spec = None
+    try:
+        if tokenizer is not None:
+            path = tokenizer_file(tokenizer, "--tokenizer")
+            template, _ = chat_mod.find_template(path)
+            spec = chat_mod.chat_spec(path, template) if template is not None else None
+        elif (text := embedded_tokenizer(model_file, "chat")) is not None:
+            spec = json_mod.loads(text)
+    except ValueError as e:
+        fail(str(e), 2)
+    if spec is None:
+        fail(f"--chat: no chat template in {tokenizer or model_file} (a tokenizer_config.json chat_template or "
+             "a chat_template.jinja beside the tokenizer)", 2)
+    renderer = chat_mod.renderer(tok.to_str(), spec)
+    return chat_mod.prompt_ids(renderer, prompt)

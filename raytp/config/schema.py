@@ -166,6 +166,14 @@ class DataConfig:
                                     "sequence do not see each other)")
     eod_id: Optional[int] = _f(None, "the end-of-document token id, for data.document_mask; null = the "
                                      "prepared dataset's (or the tokenizer's)", NONNEG)
+    packing: bool = _f(True, "conversations (a prepared dataset of them): whole conversations first-fit into "
+                             "each row, attention and positions restarting at each; false = one per row, padded")
+    too_long: str = _f("truncate", "conversations: one longer than model.block_size + 1 tokens is cut to it "
+                                   "(truncate) or left out (drop), either counted on the start line; or the job "
+                                   "is refused before it starts (refuse)", ("truncate", "drop", "refuse"))
+    bad_rows: str = _f("skip", "conversations: rows prepare left out (no assistant turn, an unknown role, a "
+                               "template that does not render) are counted and skipped (skip), or the dataset "
+                               "is refused before the run starts (refuse)", ("skip", "refuse"))
 
 
 @dataclass(frozen=True)

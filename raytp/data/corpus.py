@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from raytp.data import packing
 from raytp.data.sampling import blend, step_samples, window_count, windows
 from raytp.data.token_sources import open_source
 from raytp.data.stream import Stream
@@ -32,15 +33,38 @@ class Corpus:
     weights: tuple = field(default=())  # data.mix's, one per training source
     eod_id: int | None = None
     names: tuple = field(default=())    # the training sources' names, as the job gives them
+    documents: dict = field(default_factory=dict)  # conversations: split -> [(doc ends, mask Stream)] per source
+    packing: bool = True                # conversations packed first-fit (data.packing), else one per row
+    too_long: str = "truncate"          # data.too_long
+    counts: dict | None = None          # conversations: the manifests' counts (rows, trained, bad)
 
     def __post_init__(self):
         self.train, self.val = _streams(self.train), _streams(self.val)
         if len(self.train) > 1 and len(self.weights) != len(self.train):
             raise ValueError("a blend of sources needs one weight per source")
+        self._plans: dict = {}
 
-    def windows(self, split: str, block_size: int) -> list[int]:
-        """Windows of `block_size` in each source of a split: an epoch of the split."""
-        return [window_count(len(s), block_size) for s in (self.train if split == "train" else self.val)]
+    @property
+    def conversations(self) -> bool:
+        return self.counts is not None
+
+    def packed(self, split: str, source: int, block_size: int, seed: int) -> packing.Packing:
+        """The packing of a conversations split's source into rows (made once per block size and seed)."""
+        key = (split, source, block_size, seed)
+        if key not in self._plans:
+            ends = self.documents[split][source][0]
+            self._plans[key] = packing.plan(ends, block_size, derive_seed(seed, SPLITS[split]), self.packing,
+                                            self.too_long)
+        return self._plans[key]
+
+    def windows(self, split: str, block_size: int, seed: int | None = None) -> list[int]:
+        """Windows of `block_size` in each source of a split: an epoch of the split (conversations: its
+        packed rows, of `seed`, else of the last seed its batches were made with)."""
+        streams = self.train if split == "train" else self.val
+        if self.conversations:
+            seed = seed if seed is not None else next((k[3] for k in reversed(self._plans)), 0)
+            return [self.packed(split, d, block_size, seed).rows for d in range(len(streams))]
+        return [window_count(len(s), block_size) for s in streams]
 
 
 def _streams(x) -> list:
@@ -70,13 +94,39 @@ def load_corpus(source: str, val_fraction: float = 0.1, tokenizer: str | None = 
     else:
         val, vals = [s.val for s in opened], []
     _one_tokenizer(names + ([val_source] if val_source else []), opened + vals)
+    documents, counts = _documents(names, opened, vals)
     vocab, eods = max(s.vocab_size for s in opened + vals), {s.eod_id for s in opened + vals}
     what = "; ".join(f"{mix[n]:g} x {s.description}" if mix else s.description for n, s in zip(names, opened))
     if val_source:
         what += f"; validation: {vals[0].description}"
     weights = tuple(float(mix[n]) for n in names) if mix else ()
     return Corpus([s.train for s in opened], val, vocab, what, weights, eods.pop() if len(eods) == 1 else None,
-                  tuple(names))
+                  tuple(names), documents, counts=counts)
+
+
+def _documents(names: list[str], opened: list, vals: list) -> tuple[dict, dict | None]:
+    """Conversations' boundaries and masks by split, and their manifests' counts summed; ({}, None) for text.
+    Conversations and text are not blended (ValueError naming them)."""
+    conv = [s.conversations is not None for s in opened + vals]
+    if not any(conv):
+        return {}, None
+    if not all(conv):
+        raise ValueError(f"data: {', '.join(names)}: conversations and text in one job; train on one or the other")
+    counts = {"rows": 0, "trained_tokens": 0, "bad": {}}
+    for s in opened:
+        c = s.conversations
+        counts["rows"] += c["rows"]
+        counts["trained_tokens"] += c["trained_tokens"]
+        for k, n in c["bad"].items():
+            counts["bad"][k] = counts["bad"].get(k, 0) + n
+    if any(s.documents is None for s in opened + vals):  # peeked at (a dataset at a URL): counts only
+        return {"train": [], "val": []}, counts
+    train = [(s.documents.train_ends, s.documents.train_mask) for s in opened]
+    if vals:
+        val = [(vals[0].documents.train_ends, vals[0].documents.train_mask)]
+    else:
+        val = [(s.documents.val_ends, s.documents.val_mask) for s in opened] if opened[0].val is not None else []
+    return {"train": train, "val": val}, counts
 
 
 def _one_tokenizer(names: list[str], sources: list) -> None:
@@ -100,9 +150,12 @@ def _key(mix, name: str) -> str:
 
 
 def batch(corpus: Corpus, split: str, seed: int, step: int, dp_rank: int, dp: int,
-          batch_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, y) of shape (batch_size/dp, block_size): DP rank `dp_rank`'s rows of the global batch."""
+          batch_size: int, block_size: int) -> tuple[torch.Tensor, ...]:
+    """(x, y) of shape (batch_size/dp, block_size): DP rank `dp_rank`'s rows of the global batch; of
+    conversations (x, y, documents): packed rows (raytp.data.packing), y -1 where not trained on."""
     streams = corpus.train if split == "train" else corpus.val
+    if corpus.conversations:
+        return _packed_batch(corpus, split, seed, step_samples(step, batch_size, dp_rank, dp), block_size)
     samples = step_samples(step, batch_size, dp_rank, dp)
     if len(streams) > 1:  # a blend (its validation too, held out of each source, unless data.val_source)
         source, index = blend(samples, list(corpus.weights))
@@ -121,10 +174,48 @@ def batch(corpus: Corpus, split: str, seed: int, step: int, dp_rank: int, dp: in
     return torch.from_numpy(np.ascontiguousarray(rows[:, :-1])), torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
 
 
+def _packed_batch(corpus: Corpus, split: str, seed: int, samples: np.ndarray, block_size: int) -> tuple:
+    streams = corpus.train if split == "train" else corpus.val
+    source, index = blend(samples, list(corpus.weights)) if len(streams) > 1 else (np.zeros_like(samples), samples)
+    out = [np.empty((len(samples), block_size), dtype=np.int64) for _ in range(3)]
+    for d in np.unique(source).tolist():
+        sel = np.flatnonzero(source == d)
+        p = corpus.packed(split, d, block_size, seed)
+        if p.rows == 0:
+            raise ValueError(f"the {split} split of {corpus.names[d] if corpus.names else 'the data'} holds no "
+                             "conversation of two tokens or more")
+        which = windows(index[sel], p.rows, derive_seed(seed, SPLITS[split]), d)
+        for o, part in zip(out, packing.rows(p, streams[d], corpus.documents[split][d][1], which, block_size)):
+            o[sel] = part
+    return tuple(torch.from_numpy(o) for o in out)
+
+
+def packing_line(corpus: Corpus, seed: int, block_size: int) -> str:
+    """What the packing of a conversations corpus's training split makes of it (for the start line):
+    rows, and the conversations longer than a row, cut or left out; ValueError under data.too_long: refuse."""
+    if not corpus.conversations or not corpus.documents.get("train"):
+        return ""
+    plans = [corpus.packed("train", d, block_size, seed) for d in range(len(corpus.train))]
+    rows, long, short = (sum(getattr(p, k) for p in plans) for k in ("rows", "too_long", "short"))
+    if corpus.too_long == "refuse" and long:
+        raise ValueError(f"data.too_long: refuse, and {long:,} conversations are longer than model.block_size + 1 "
+                         f"= {block_size + 1} tokens; raise block_size, or truncate or drop them (data.too_long)")
+    how = "packed" if corpus.packing else "one per row"
+    fate = "dropped" if corpus.too_long == "drop" else "truncated"
+    return (f"; {how} into {rows:,} rows of {block_size}, {long:,} conversations longer than a row ({fate})"
+            + (f", {short:,} of one token left out" if short else ""))
+
+
 def job_corpus(data, progress: bool = False, peek: bool = False) -> Corpus:
     """The corpus of a job's `data` section (raytp.config.schema.DataConfig)."""
-    return load_corpus(data.source, data.val_fraction, data.tokenizer, progress, data.dtype,
-                       dict(data.mix) if data.mix else None, data.val_source, peek)
+    c = load_corpus(data.source, data.val_fraction, data.tokenizer, progress, data.dtype,
+                    dict(data.mix) if data.mix else None, data.val_source, peek)
+    c.packing, c.too_long = data.packing, data.too_long
+    if c.counts is not None and data.bad_rows == "refuse" and sum(c.counts["bad"].values()):
+        raise ValueError(f"data.bad_rows: refuse, and the conversations hold bad rows "
+                         f"({', '.join(f'{n} {k}' for k, n in c.counts['bad'].items())}); fix them, or skip them "
+                         "(data.bad_rows: skip)")
+    return c
 
 
 def document_eod(data, corpus: Corpus) -> int | None:

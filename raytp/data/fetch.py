@@ -81,7 +81,8 @@ def _copy_shards(store: Storage, m: mf.Manifest, root: Path, progress: bool) -> 
     if need > free:
         raise ValueError(f"the node has {free / 2**30:,.1f} GiB free at {root}, the dataset needs "
                          f"{need / 2**30:,.1f} GiB (set RAYTP_CACHE to a larger disk)")
-    files = [f"{s.prefix}{suffix}" for s in m.shards for suffix in (".idx", ".bin")]
+    suffixes = (".idx", ".bin", ".mask") if m.conversations is not None else (".idx", ".bin")  # .mask: trained
+    files = [f"{s.prefix}{suffix}" for s in m.shards for suffix in suffixes]
 
     def copy(rel: str) -> None:
         dest = root / rel

@@ -13,6 +13,15 @@ is not a dataset (a killed prepare never looks finished). The shards' order is t
 
 Ids are uint16 below a vocabulary of 65,536, else int32: Megatron's index has no uint32 code, and int32
 holds every vocabulary there is.
+
+A dataset of conversations (raytp.data.prepare.chat) adds, beside each shard, ``shard-00000.mask`` (one
+uint8 per token: 1 where the token is trained on, an assistant turn's content and its end of turn), each
+conversation one document with no end-of-document id added, each shard its ``"trained"`` tokens, and
+
+     "conversations": {"rows": r, "trained_tokens": t, "bad": {"no_assistant_turn": n, ...},
+                       "chat_template": {"sha256": ..., "source": ...}}
+
+(rows: the conversations read, the bad ones included; bad: those not trained on, by reason).
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ class Shard:
     prefix: str     # the shard's .bin/.idx without the suffix, relative to the dataset
     documents: int
     tokens: int
+    trained: int | None = None  # conversations: tokens trained on (its .mask's ones)
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,7 @@ class Manifest:
     dtype: str
     shards: tuple[Shard, ...]
     sources: tuple[str, ...] = field(default=())
+    conversations: dict | None = None  # rows, trained_tokens, bad (by reason), chat_template
 
     @property
     def documents(self) -> int:
@@ -57,8 +68,10 @@ class Manifest:
 
     def to_json(self) -> str:
         d = {"format": FORMAT, "version": VERSION, "tokenizer": self.tokenizer, "dtype": self.dtype,
-             "shards": [asdict(s) for s in self.shards], "documents": self.documents, "tokens": self.tokens,
-             "sources": list(self.sources)}
+             "shards": [{k: v for k, v in asdict(s).items() if v is not None} for s in self.shards],
+             "documents": self.documents, "tokens": self.tokens, "sources": list(self.sources)}
+        if self.conversations is not None:
+            d["conversations"] = self.conversations
         return json.dumps(d, indent=1)
 
 
@@ -78,11 +91,15 @@ def parse(text: str, where: str) -> Manifest:
     if d.get("version") != VERSION:
         raise ValueError(f"{where}: manifest version {d.get('version')}; this raytp reads version {VERSION}")
     try:
-        shards = tuple(Shard(str(s["prefix"]), int(s["documents"]), int(s["tokens"])) for s in d["shards"])
+        shards = tuple(Shard(str(s["prefix"]), int(s["documents"]), int(s["tokens"]),
+                             None if s.get("trained") is None else int(s["trained"])) for s in d["shards"])
         tok = dict(d["tokenizer"])
         for key in ("vocab_size", "eod_id"):
             int(tok[key])
-        m = Manifest(tok, str(d["dtype"]), shards, tuple(d.get("sources", ())))
+        conv = d.get("conversations")
+        if conv is not None and (not isinstance(conv, dict) or any(s.trained is None for s in shards)):
+            raise ValueError("conversations without each shard's trained tokens")
+        m = Manifest(tok, str(d["dtype"]), shards, tuple(d.get("sources", ())), conv)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from None
     if m.dtype not in DTYPES:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from raytp.data import manifest as mf
+from raytp.data.conversation_split import Documents, Splitter
 from raytp.data.fetch import is_url, local_dataset, remote_manifest
 from raytp.data.indexed import largest_id, open_tokens, read_index
 from raytp.data.stream import Stream, held_per_file, hold_out, tail
@@ -43,6 +44,8 @@ class Source:
     eod_id: int | None     # the end-of-document id, when the source knows it
     description: str
     tokenizer: str | None = None  # the sha256 of the tokenizer a prepared dataset was made with
+    documents: Documents | None = None  # conversations: their boundaries and trained masks (None: peeked at)
+    conversations: dict | None = None   # conversations: the manifest's counts (rows, trained_tokens, bad)
 
 
 def open_source(name: str, val_fraction: float | None, tokenizer: str | None = None, dtype: str | None = None,
@@ -52,7 +55,8 @@ def open_source(name: str, val_fraction: float | None, tokenizer: str | None = N
     if is_url(name):
         if peek:
             m = remote_manifest(name)
-            return Source(None, None, m.vocab_size, m.eod_id, _describe(name, m), m.tokenizer.get("sha256"))
+            return Source(None, None, m.vocab_size, m.eod_id, _describe(name, m), m.tokenizer.get("sha256"),
+                          None, m.conversations)
         return _prepared(local_dataset(name, progress), val_fraction, name)
     path = Path(name.removeprefix("file://")).expanduser()
     if name != "builtin" and not path.exists():
@@ -105,8 +109,14 @@ def _split(tokens: np.ndarray, doc_ends: np.ndarray, val_fraction: float | None,
 
 
 def _describe(name: str, m: mf.Manifest) -> str:
-    return (f"prepared dataset {name} ({m.tokens:,} tokens, {m.documents:,} documents in {len(m.shards)} "
+    what = (f"prepared dataset {name} ({m.tokens:,} tokens, {m.documents:,} documents in {len(m.shards)} "
             f"shards, vocabulary {m.vocab_size:,})")
+    if m.conversations is not None:  # the start line says what is trained on and what was left out, by reason
+        c = m.conversations
+        bad = ", ".join(f"{n:,} {k.replace('_', ' ')}" for k, n in c["bad"].items() if n)
+        what += (f", conversations: {c['trained_tokens']:,} tokens trained on, {sum(c['bad'].values()):,} of "
+                 f"{c['rows']:,} rows left out" + (f" ({bad})" if bad else ""))
+    return what
 
 
 def read_manifest(path: Path, name: str) -> mf.Manifest:
@@ -117,20 +127,24 @@ def _prepared(path: Path, val_fraction: float | None, name: str) -> Source:
     m = read_manifest(path, name)
     _open_files_for(len(m.shards), name)
     held = None if val_fraction is None else held_per_file([s.documents for s in m.shards], val_fraction)
+    conv = Splitter() if m.conversations is not None else None
     train, val = [], []
     for i, shard in enumerate(m.shards):
         tokens, ends = _shard(path, shard, name)
         if held is not None:
             t, v = hold_out(ends, held[i])
-        elif val_fraction is not None and i == len(m.shards) - 1:  # too few documents: the last tokens
+        elif val_fraction is not None and i == len(m.shards) - 1 and not conv:  # too few documents: the tail
             cut = max(len(tokens) - (m.tokens - tail(m.tokens, val_fraction)), 1)
             t, v = [(0, cut)], [(cut, len(tokens))]
         else:
             t, v = [(0, len(tokens))], []
         train += [tokens[a:b] for a, b in t]
         val += [tokens[a:b] for a, b in v]
+        if conv is not None:
+            conv.add(path, shard, len(tokens), ends, t, v, name)
+    docs = None if conv is None else conv.documents(val_fraction is not None)
     return Source(Stream(train), Stream(val) if val_fraction is not None else None, m.vocab_size, m.eod_id,
-                  _describe(name, m), m.tokenizer.get("sha256"))
+                  _describe(name, m), m.tokenizer.get("sha256"), docs, m.conversations)
 
 
 def _shard(path: Path, shard: mf.Shard, name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -28,7 +28,7 @@ from raytp.files import hf, hf_tokenizer, safetensors_io
 
 # What an hf export writes: an --out directory holding only these is a previous export, replaced whole.
 EXPORT_FILE = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map)\.json"
-                         r"|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+                         r"|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|chat_template\.jinja")
 
 
 def unmap_large_frees() -> None:
@@ -64,6 +64,10 @@ def write_model(ckpt, out: Path, tokenizer: Path | None = None) -> int:
     meta = {"format": MODEL_FORMAT, "config": json.dumps(ckpt.manifest["model"])}
     if tokenizer is not None:
         meta["tokenizer"] = Path(tokenizer).read_text()
+        from raytp.data.prepare import chat
+        template, _ = chat.find_template(Path(tokenizer))
+        if template is not None:  # `raytp sample --chat` renders it (and its special tokens)
+            meta["chat"] = json.dumps(chat.chat_spec(Path(tokenizer), template))
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -187,11 +191,12 @@ def _whole(ckpt, key: str, spec: dict | None):
     return (stored[:, i:i + 64].t() for i in range(0, stored.shape[1], 64))
 
 
-def embedded_tokenizer(model_file) -> str | None:
-    """The tokenizer.json text a raytp model file carries, if any."""
+def embedded_tokenizer(model_file, what: str = "tokenizer") -> str | None:
+    """The tokenizer.json text a raytp model file carries, if any (`what` "chat": its chat template and
+    special tokens, as JSON)."""
     with open(model_file, "rb") as f:
         if f.read(9)[8:9] != b"{":
             return None  # a format-1 torch file: byte level
     from safetensors import safe_open
     with safe_open(str(model_file), framework="pt") as f:
-        return (f.metadata() or {}).get("tokenizer")
+        return (f.metadata() or {}).get(what)

@@ -2,7 +2,8 @@
 AutoTokenizer, vLLM and lm-eval find what they look for.
 
 Beside tokenizer.json an export holds tokenizer_config.json and
-special_tokens_map.json. What the user's directories say wins: those files,
+special_tokens_map.json (and the chat template: in tokenizer_config.json, or the
+chat_template.jinja beside them, copied). What the user's directories say wins: those files,
 where they sit beside the exported tokenizer.json (or in the model.init_from
 directory, when it holds the same tokenizer.json), are copied as they are, and
 the bos/eos/pad ids of the init_from directory's config.json are the model's
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+CHAT_TEMPLATE = "chat_template.jinja"  # a conversation model's chat template (else in tokenizer_config.json)
 NAMES = {  # role -> the names common tokenizers give it, the likeliest first
     "bos_token": ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "<|endoftext|>"),
     "eos_token": ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>"),
@@ -73,10 +75,13 @@ def tokenizer_files(tokenizer: Path, init_from: Path | None, max_length: int) ->
     JSON."""
     text = Path(tokenizer).read_bytes()
     side: dict[str, bytes] = {}
+    template = None  # the chat template transformers 5 writes beside them, copied as it is
     for src in (Path(tokenizer).parent, init_from):
         if src is not None and (src / "tokenizer.json").is_file() and (src / "tokenizer.json").read_bytes() == text:
             side = {n: (src / n).read_bytes() for n in SIDE_FILES if (src / n).is_file()}
-            if side:
+            if (src / CHAT_TEMPLATE).is_file():
+                template = (src / CHAT_TEMPLATE).read_bytes()
+            if side or template is not None:
                 break
     parsed = {n: _json(b, str(src / n)) for n, b in side.items()}
     tok = _json(text, str(tokenizer))
@@ -85,6 +90,8 @@ def tokenizer_files(tokenizer: Path, init_from: Path | None, max_length: int) ->
     files = {"tokenizer.json": text}
     files.update({n: (json.dumps(made[n], indent=2) + "\n").encode() for n in SIDE_FILES if n not in side})
     files.update(side)
+    if template is not None:
+        files[CHAT_TEMPLATE] = template
     return files, tokens
 
 

@@ -15,16 +15,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from raytp.initialization import InitRule, no_init, values
+from raytp.models import documents as docs
 from raytp.models.args import ModelArgs
 
 MODEL_FORMAT, MODEL_FORMAT_V1 = "raytp-model/2", "raytp-model/1"  # 2: safetensors; 1: a torch pickle
 
 
 class LMLoss(nn.Module):
-    """Mean cross entropy over all tokens, in float32 (bf16 logits are upcast); targets of -1 are ignored."""
+    """Mean cross entropy over all tokens, in float32 (bf16 logits are upcast); targets of -1 are ignored.
+    `summed`: their sum instead (raytp.train.token_loss divides it by the global batch's trained tokens)."""
 
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor, summed: bool = False) -> torch.Tensor:
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                               reduction="sum" if summed else "mean")
 
 
 def set_dropout_key(model: nn.Module, key: int | None, sites: list[nn.Module] | None = None) -> None:
@@ -83,17 +86,20 @@ class CausalLM(nn.Module):
             return checkpoint(block, *args, use_reentrant=False)
         return block(*args)
 
-    def document_mask(self, idx: torch.Tensor) -> torch.Tensor | None:
-        """Which keys each query may attend to, (B, 1, T, T) bool: the earlier positions of its own document,
-        a document ending at (and including) each `document_eod` token of idx; None (causal attention over
-        the whole sequence) when documents are not masked. Every pipeline stage has idx, so each makes it."""
+    def document_ids(self, idx: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Each position's document id (B, T) (raytp.models.documents): `documents` when the batch carries them
+        (packed conversations), else those ended by `document_eod` tokens (data.document_mask), else None
+        (causal attention over the whole sequence). Every pipeline stage has idx, so each makes them."""
+        if documents is not None:
+            return documents
         if self.document_eod is None:
             return None
-        ends = idx == self.document_eod
-        doc = torch.cumsum(ends, dim=1) - ends.long()  # (B, T): a document's index within its row
-        T = idx.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
-        return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+        return docs.from_eod(idx, self.document_eod)
+
+    def position_ids(self, documents: torch.Tensor | None) -> torch.Tensor | None:
+        """Positions restarting at each document the batch carries (None: 0..T-1 in every row, as they are
+        under data.document_mask's end tokens)."""
+        return None if documents is None else docs.positions(documents)
 
     def block_dict(self) -> nn.ModuleDict:
         """The transformer blocks, keyed by their global layer index (a pipeline stage holds some)."""
@@ -142,9 +148,14 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Append `tokens` sampled tokens to idx (B, T); temperature 0 is greedy."""
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 stop: int | None = None) -> torch.Tensor:
+        """Append `tokens` sampled tokens to idx (B, T); temperature 0 is greedy; `stop`: sooner, once every
+        row has sampled this id (an end of turn)."""
+        done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         for _ in range(tokens):
+            if stop is not None and bool(done.all()):
+                break
             logits = self(idx[:, -self.cfg.block_size:])[:, -1, :]  # (B, V)
             if temperature == 0.0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
@@ -155,4 +166,6 @@ class CausalLM(nn.Module):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 nxt = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
+            if stop is not None:
+                done |= nxt[:, 0] == stop
         return idx

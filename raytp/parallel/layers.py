@@ -171,7 +171,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class SequenceShardedPositionEmbedding(nn.Embedding):
-    """Under SP, returns only this rank's slice of positions 0..T-1 (the residual stream is sharded by T)."""
+    """Under SP, returns only this rank's slice of the positions (the residual stream is sharded by T)."""
     group_axis = "tp"  # the mesh axis of its group (raytp.models.shard.rebind_groups)
 
     def __init__(self, weight: torch.Tensor, group):
@@ -179,8 +179,11 @@ class SequenceShardedPositionEmbedding(nn.Embedding):
         self.group = group
         _mark_sequence_parallel(self.weight)
 
-    def forward(self, T: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, T: int, positions: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        """(T/p, C), or of `positions` (B, T) this rank's slice of them, (B, T/p, C)."""
         n, r = comm.group_size(self.group), comm.group_rank(self.group)
+        if positions is not None:
+            return F.embedding(positions[:, r * T // n:(r + 1) * T // n], self.weight)
         pos = torch.arange(r * T // n, (r + 1) * T // n, device=self.weight.device)
         return F.embedding(pos, self.weight)  # (T/p, C)
 
@@ -195,7 +198,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, start, vocab_size, group):
+    def forward(ctx, logits, targets, start, vocab_size, group, summed=False):
         N, Vl = logits.shape
         logits = logits.float()
         if start + Vl > vocab_size:  # padded columns: never any mass
@@ -212,7 +215,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sums = torch.stack([exp.sum(dim=-1), target_logit])  # (2, N): one all-reduce for both
         comm.all_reduce(sums, group)
         loss = (sums[0].log() - sums[1]).masked_fill(~valid, 0.0)
-        count = valid.sum().clamp(min=1)
+        count = torch.ones((), dtype=torch.long, device=loss.device) if summed else valid.sum().clamp(min=1)
         ctx.save_for_backward(exp.div_(sums[0].unsqueeze(1)), local_t, mine, valid, count)
         return loss.sum() / count
 
@@ -222,7 +225,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         g = softmax  # d loss_n / d z = softmax - onehot(target)
         g[torch.arange(g.shape[0], device=g.device)[mine], local_t[mine]] -= 1.0
         g *= (valid.unsqueeze(1).to(g.dtype) * grad / count)
-        return g, None, None, None, None
+        return g, None, None, None, None, None
 
 
 class VocabParallelCrossEntropy(nn.Module):
@@ -233,12 +236,13 @@ class VocabParallelCrossEntropy(nn.Module):
         super().__init__()
         self.start, self.vocab_size, self.group = start, vocab_size, group
 
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.start, self.vocab_size, self.group)
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor, summed: bool = False) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.start, self.vocab_size, self.group, summed)
 
 
-def vocab_parallel_cross_entropy(logits, targets, start: int, vocab_size: int, group) -> torch.Tensor:
-    """Mean cross entropy of (..., V/p) vocab-sharded logits against (...) targets; -1 is ignored. In float32
-    whatever the logits' dtype (bf16 logits are upcast inside; the loss is never rounded to bf16)."""
+def vocab_parallel_cross_entropy(logits, targets, start: int, vocab_size: int, group,
+                                 summed: bool = False) -> torch.Tensor:
+    """Mean cross entropy of (..., V/p) vocab-sharded logits against (...) targets; -1 is ignored (`summed`:
+    the sum). In float32 whatever the logits' dtype (bf16 logits are upcast inside; never rounded to bf16)."""
     return _VocabParallelCrossEntropy.apply(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), start, vocab_size, group)
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), start, vocab_size, group, summed)

@@ -15,18 +15,20 @@ import torch
 from raytp.models.base import set_dropout_key
 from raytp.parallel.groups import ProcessGroups
 from raytp.seeds import derive_seed
+from raytp.train import token_loss
 from raytp.train.hyper import Hyper, compute_precision
 
 
 def accumulate(model: torch.nn.Module, micro_batches, groups: ProcessGroups, step: int, h: Hyper) -> torch.Tensor:
     """Gradient accumulation: forward and backward of each micro-batch [(x, y), ...] in turn. Dropout masks
-    are keyed by (seed, step, global micro-batch index), so they are the same at any layout."""
+    are keyed by (seed, step, global micro-batch index), so they are the same at any layout. Micro-batches of
+    packed documents weigh by their trained tokens (raytp.train.token_loss)."""
     n = len(micro_batches)
     loss_sum = torch.zeros((), device=next(model.parameters()).device)
-    for i, (x, y) in enumerate(micro_batches):
+    for i, mb in enumerate(micro_batches):
         set_dropout_key(model, derive_seed(h.seed, step, groups.dp_rank * n + i))
-        with compute_precision(h, x.device):
-            loss = model(x, y)
-        (loss / n).backward()
+        with compute_precision(h, mb[0].device):
+            loss = token_loss.forward(model, mb)
+        token_loss.scaled(loss, mb, n).backward()
         loss_sum += loss.detach()
-    return loss_sum / n
+    return token_loss.rank_loss(loss_sum, micro_batches[0], n)

@@ -29,6 +29,7 @@ from raytp.parallel.groups import ProcessGroups
 from raytp.parallel.pipeline.p2p import Expected, StageLink, tag_of
 from raytp.parallel.pipeline.pp_schedule import Action, schedule as schedule_table
 from raytp.seeds import derive_seed
+from raytp.train import token_loss
 from raytp.train.hyper import Hyper, compute_precision
 
 
@@ -50,25 +51,25 @@ class PipelineSchedule:
         p, m, stage = lay.pp, len(micro_batches), groups.pp_rank
         n_chunks = len(self.chunks)
         row = schedule_table(self.name, p, m, self.virtual)[stage]
-        shapes = [hidden_shape(model, x, lay.tp, self.sp) for x, _ in micro_batches]
+        shapes = [hidden_shape(model, mb[0], lay.tp, self.sp) for mb in micro_batches]
         device = next(model.parameters()).device
         link = StageLink(groups, self.sp, expected_messages(row, shapes, p, n_chunks), _dtype(model), device)
         held: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output) until its backward
         loss_sum = torch.zeros((), device=device)
         sites = dropout_sites(model)
         for a in row:
-            x, y = micro_batches[a.mb]
+            mb = micro_batches[a.mb]
             set_dropout_key(model, derive_seed(h.seed, step, groups.dp_rank * m + a.mb), sites)  # F and B alike
             last = a.chunk == n_chunks - 1
             if a.kind == "F":
                 hidden = None
                 if a.chunk > 0:
                     hidden = link.recv(tag_of("F", a.mb, a.chunk - 1, n_chunks)).requires_grad_()
-                with compute_precision(h, x.device):
-                    out = model(x, y if last else None, hidden=hidden, layers=self.chunks[a.chunk])
+                with compute_precision(h, mb[0].device):
+                    out = token_loss.forward(model, _targets(mb, last), hidden=hidden, layers=self.chunks[a.chunk])
                 if last:
                     loss_sum += out.detach()
-                    out = out / m
+                    out = token_loss.scaled(out, mb, m)
                 else:
                     link.send(out, (a.chunk + 1) % p, tag_of("F", a.mb, a.chunk, n_chunks))
                 held[(a.mb, a.chunk)] = (hidden, out)
@@ -82,7 +83,12 @@ class PipelineSchedule:
                     link.send(hidden.grad, (a.chunk - 1) % p, tag_of("B", a.mb, a.chunk, n_chunks))
         link.finish()
         self.sent_bytes = link.sent_bytes
-        return loss_sum / m  # 0 off the last stage: raytp.train.step sums the loss over the stages
+        return token_loss.rank_loss(loss_sum, micro_batches[0], m)  # 0 off the last stage: summed over them
+
+
+def _targets(mb, last: bool) -> tuple:
+    """The micro-batch as a chunk runs it: its targets only on the last chunk (which computes the loss)."""
+    return mb if last else (mb[0], None, *mb[2:])
 
 
 def _dtype(model) -> torch.dtype:
@@ -117,15 +123,16 @@ def pipeline_forward(model: torch.nn.Module, micro_batches, groups: ProcessGroup
     lay, chunks = groups.layout, stage.all_chunks
     p, here, n_chunks = lay.pp, groups.pp_rank, len(chunks)
     row = [Action("F", mb, c) for mb in range(len(micro_batches)) for c in range(here, n_chunks, p)]
-    shapes = [hidden_shape(model, x, lay.tp, sequence_parallel) for x, _ in micro_batches]
+    shapes = [hidden_shape(model, mb[0], lay.tp, sequence_parallel) for mb in micro_batches]
     link = StageLink(groups, sequence_parallel, expected_messages(row, shapes, p, n_chunks), _dtype(model),
                      next(model.parameters()).device)
     outs = []
     for a in row:
-        x, y = micro_batches[a.mb]
+        mb = micro_batches[a.mb]
         hidden = link.recv(tag_of("F", a.mb, a.chunk - 1, n_chunks)) if a.chunk > 0 else None
-        with compute_precision(h or Hyper(), x.device):
-            out = model(x, y if a.chunk == n_chunks - 1 else None, hidden=hidden, layers=chunks[a.chunk])
+        with compute_precision(h or Hyper(), mb[0].device):
+            out = token_loss.forward(model, _targets(mb, a.chunk == n_chunks - 1), hidden=hidden,
+                                     layers=chunks[a.chunk])
         if a.chunk == n_chunks - 1:
             outs.append(out)
         else:
@@ -136,9 +143,11 @@ def pipeline_forward(model: torch.nn.Module, micro_batches, groups: ProcessGroup
 
 def pipeline_eval(model: torch.nn.Module, micro_batches, groups: ProcessGroups, stage: Stage,
                   sequence_parallel: bool, h: Hyper | None = None) -> torch.Tensor:
-    """This stage's sum of the losses of `micro_batches` (0 off the last stage)."""
+    """This stage's sum of the losses of `micro_batches` (0 off the last stage; of weighted micro-batches,
+    raytp.train.token_loss, their weighted sum)."""
     outs = pipeline_forward(model, micro_batches, groups, stage, sequence_parallel, h)
-    return sum((o.float() for o in outs), torch.zeros((), device=next(model.parameters()).device))
+    outs = [token_loss.scaled(o.float(), mb, 1) for o, mb in zip(outs, micro_batches)]
+    return sum(outs, torch.zeros((), device=next(model.parameters()).device))
 
 
 def sum_over_stages(t: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:

@@ -44,6 +44,7 @@ from raytp.parallel.groups import ProcessGroups
 from raytp.train.hyper import Hyper, compute_precision, lr_at
 from raytp.train.optimizer import DistributedAdamW, make_optimizer  # noqa: F401 (make_optimizer: callers' import)
 from raytp.train.stage_runner import pipeline_eval, sum_over_stages
+from raytp.train import token_loss
 from raytp.train.schedule import accumulate
 
 
@@ -129,9 +130,10 @@ def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups, optimizer: D
 
 @dataclass
 class StepResult:
-    loss: float        # mean loss over the global batch
+    loss: float        # mean loss over the global batch (over its trained tokens, of packed documents)
     grad_norm: float   # before clipping
     lr: float
+    loss_tokens: int | None = None  # the global batch's trained tokens (None: every target, pretraining)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches, groups: ProcessGroups,
@@ -147,8 +149,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     if (groups.dp is not None or edp is not None) and getattr(optimizer, "overlap", False):
         tied = [model.input_embedding().weight] if groups.emb is not None and model.cfg.tied else []
         optimizer.arm(groups.dp, len(micro_batches), hold=tied, apart_group=edp)  # a tied copy waits (its sum)
+    micro_batches, tokens = token_loss.weighted(micro_batches, groups)  # packed documents: by trained tokens
     local_loss = (schedule or accumulate)(model, micro_batches, groups, step, h)
-    return finish_step(model, optimizer, groups, step, h, local_loss, before_update)
+    r = finish_step(model, optimizer, groups, step, h, local_loss, before_update)
+    r.loss_tokens = tokens
+    return r
 
 
 def finish_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups, step: int,
@@ -194,12 +199,18 @@ def eval_loss(model: torch.nn.Module, micro_batches, groups: ProcessGroups, h: H
     """Mean loss over this rank's batches, averaged over DP (in the precision of `h`, if given).
     `pipeline`: the PipelineSchedule of a pipeline stage (raytp.train.stage_runner): its forwards only."""
     model.eval()
+    micro_batches, tokens = token_loss.weighted(micro_batches, groups)
+    n = len(micro_batches) if tokens is None else 1  # weighted ones sum to the rank's share
     if pipeline is not None:
         total = pipeline_eval(model, micro_batches, groups, pipeline.stage, pipeline.sp, h).reshape(1)
-        total = sum_over_stages(total, groups) / len(micro_batches)
-    else:
+        total = sum_over_stages(total, groups) / n
+    elif tokens is None:
         with compute_precision(h or Hyper(), micro_batches[0][0].device):
             total = torch.stack([model(x, y).float() for x, y in micro_batches]).mean().reshape(1)
+    else:
+        with compute_precision(h or Hyper(), micro_batches[0][0].device):
+            total = torch.stack([token_loss.scaled(token_loss.forward(model, mb).float(), mb, 1)
+                                 for mb in micro_batches]).sum().reshape(1)
     if groups.dp is not None:
         comm.all_reduce(total, groups.dp)
         total /= groups.layout.dp

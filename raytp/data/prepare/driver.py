@@ -16,6 +16,8 @@ numbers. Each task still streams its pieces (byte ranges, row groups) and never 
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import sys
@@ -25,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
-from raytp.data import manifest as manifest_mod
-from raytp.data.prepare import inputs, outdir, plan, read, shard, tokenizer as tokenizer_mod
+from raytp.data import manifest as manifest_mod, tokens
+from raytp.data.prepare import chat, inputs, outdir, plan, read, shard, tokenizer as tokenizer_mod
 from raytp.files.storage import Storage
 
 CHECK_THREADS = 16
@@ -44,10 +46,16 @@ class Prepared:
         return self.manifest.tokens / self.seconds if self.seconds else 0.0
 
 
-def _check_all(files, key: str) -> dict[int, tuple[int, ...]]:
+def _check_all(files, key: str) -> tuple[dict[int, tuple[int, ...]], str]:
+    """Each Parquet file's row groups, and what the files' rows are (one kind for all: ValueError if not)."""
     with ThreadPoolExecutor(min(CHECK_THREADS, len(files))) as pool:
-        row_groups = list(pool.map(lambda f: read.check_head(f, key), files))
-    return {i: rg for i, rg in enumerate(row_groups) if rg}
+        heads = list(pool.map(lambda f: read.check_head(f, key), files))
+    kinds = {k for _, k in heads}
+    if len(kinds) > 1:
+        conv = next(f.url for f, (_, k) in zip(files, heads) if k == read.CONVERSATIONS)
+        text = next(f.url for f, (_, k) in zip(files, heads) if k == read.TEXT)
+        raise ValueError(f"{conv} holds conversations and {text} texts; prepare them as two datasets")
+    return {i: rg for i, (rg, _) in enumerate(heads) if rg}, kinds.pop()
 
 
 QUIET = ("ray.data._internal.progress", "ray.data._internal.execution.streaming_executor")
@@ -84,7 +92,7 @@ def _encode_rows(batch: dict, shards: list, common: dict) -> dict:
     """A Ray Data batch of shard indices -> their counts (and the node that encoded them)."""
     import ray
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one CPU per task: the cluster's CPUs are the parallelism
-    rows = {"index": [], "documents": [], "tokens": [], "node": [], "error": []}
+    rows = {"index": [], "documents": [], "tokens": [], "trained": [], "bad": [], "node": [], "error": []}
     node = ray.get_runtime_context().get_node_id()
     for i in batch["index"]:
         i = int(i)
@@ -94,6 +102,8 @@ def _encode_rows(batch: dict, shards: list, common: dict) -> dict:
             r, error = {"index": i, "documents": 0, "tokens": 0}, str(e)
         for k in ("index", "documents", "tokens"):
             rows[k].append(r[k])
+        rows["trained"].append(r.get("trained", -1))
+        rows["bad"].append(json.dumps(r.get("bad", {})))
         rows["node"].append(node)
         rows["error"].append(error)
     return rows
@@ -101,7 +111,9 @@ def _encode_rows(batch: dict, shards: list, common: dict) -> dict:
 
 def _local_rows(shards: list, common: dict):
     for i, pieces in enumerate(shards):
-        yield {**shard.write_shard(i, pieces, **common), "node": "local", "error": ""}
+        r = shard.write_shard(i, pieces, **common)
+        yield {**r, "trained": r.get("trained", -1), "bad": json.dumps(r.get("bad", {})), "node": "local",
+               "error": ""}
 
 
 @contextmanager
@@ -123,27 +135,44 @@ def connected(address: str | None):
         ray.shutdown()
 
 
+def _chat_spec(tokenizer: str, named: str | None) -> dict:
+    """The chat template conversations are rendered with, and its special tokens; ValueError if none."""
+    path = tokens.tokenizer_file(tokenizer, "--tokenizer")
+    template, where = chat.find_template(path, named)
+    if template is None:
+        raise ValueError(f"--tokenizer: {path.parent} has no chat template (no chat_template.jinja, no "
+                         "chat_template in tokenizer_config.json) for these conversations; name one with "
+                         "--chat-template FILE (data.chat_template)")
+    spec = chat.chat_spec(path, template)
+    spec["sha256"] = hashlib.sha256(template.encode()).hexdigest()
+    spec["source"] = where
+    return spec
+
+
 def run(sources: list[str], tokenizer: str, out: str, text_key: str = "text", eod: str | None = None,
         shard_tokens: int | None = None, overwrite: bool = False, progress: bool = True,
-        address: str | None = None, local: bool = False) -> Prepared:
+        address: str | None = None, local: bool = False, chat_template: str | None = None) -> Prepared:
     """Prepare `sources` into a dataset at `out` (see raytp.data.prepare); ValueError (one line naming the
-    file, key or option) for bad input, before anything is written where that can be checked."""
+    file, key or option) for bad input, before anything is written where that can be checked. Files of
+    conversations (known by their rows) are rendered with the tokenizer's chat template, or `chat_template`."""
     tok = tokenizer_mod.resolve(tokenizer, eod)
     sources = [str(s) for s in sources]
     files = inputs.expand_all(sources)
     if not any(f.size for f in files):
         raise ValueError(f"{', '.join(sources)}: an empty source (its files hold no bytes)")
     shard_tokens = shard_tokens or plan.shard_size(files)
-    shards = plan.plan(files, shard_tokens, _check_all(files, text_key))
+    row_groups, kind = _check_all(files, text_key)
+    shards = plan.plan(files, shard_tokens, row_groups)
+    spec = _chat_spec(tokenizer, chat_template) if kind == read.CONVERSATIONS else None
     store = Storage(out)
-    fp = plan.fingerprint(files, tok.sha256, tok.eod_id, text_key, shard_tokens)
+    fp = plan.fingerprint(files, tok.sha256, tok.eod_id, text_key, shard_tokens, spec and spec["sha256"])
     if outdir.open_out(store, fp, sources, overwrite) == outdir.DONE:
         return Prepared(outdir.existing(store), fresh=False, seconds=0.0)
     dtype = manifest_mod.dtype_for(tok.vocab_size)
     common = {"files": files, "tok_json": tok.json, "tok_sha": tok.sha256, "eod_id": tok.eod_id,
-            "dtype": dtype, "out": store.url, "key": text_key}
+            "dtype": dtype, "out": store.url, "key": text_key, "chat_spec": spec}
     from tqdm import tqdm
-    counts, nodes = {}, Counter()
+    counts, nodes, bad = {}, Counter(), Counter()
     with nullcontext() if local else connected(address):
         start = time.perf_counter()
         bar = tqdm(unit="tok", unit_scale=True, desc="[raytp] prepare", file=sys.stderr, disable=not progress,
@@ -153,7 +182,9 @@ def run(sources: list[str], tokenizer: str, out: str, text_key: str = "text", eo
             for row in rows:
                 if row["error"]:
                     raise ValueError(row["error"])
-                counts[int(row["index"])] = (int(row["documents"]), int(row["tokens"]))
+                counts[int(row["index"])] = (int(row["documents"]), int(row["tokens"]),
+                                             None if int(row["trained"]) < 0 else int(row["trained"]))
+                bad.update(json.loads(row["bad"]))
                 nodes[row["node"]] += int(row["tokens"])
                 bar.update(int(row["tokens"]))
                 bar.set_postfix_str(f"shards {len(counts)}/{len(shards)}", refresh=False)
@@ -163,11 +194,15 @@ def run(sources: list[str], tokenizer: str, out: str, text_key: str = "text", eo
         seconds = time.perf_counter() - start
     for i in range(len(shards)):
         if counts[i][0] == 0:  # a range of a file where no line starts: not a shard (a reader cannot map it)
-            store.remove(shard.prefix(i) + ".bin")
-            store.remove(shard.prefix(i) + ".idx")
-    m = manifest_mod.Manifest(tok.manifest_entry(), dtype,
-                              tuple(manifest_mod.Shard(shard.prefix(i), *counts[i])
-                                    for i in range(len(shards)) if counts[i][0]), tuple(sources))
+            for suffix in (".bin", ".idx", shard.MASK):
+                store.remove(shard.prefix(i) + suffix)
+    kept = tuple(manifest_mod.Shard(shard.prefix(i), *counts[i]) for i in range(len(shards)) if counts[i][0])
+    conv = None
+    if spec is not None:
+        conv = {"rows": sum(s.documents for s in kept) + sum(bad.values()),
+                "trained_tokens": sum(s.trained for s in kept), "bad": dict(sorted(bad.items())),
+                "chat_template": {"sha256": spec["sha256"], "source": spec["source"]}}
+    m = manifest_mod.Manifest(tok.manifest_entry(), dtype, kept, tuple(sources), conv)
     if not m.shards:
         raise ValueError(f"{', '.join(sources)}: an empty source (no documents in its files)")
     outdir.finish(store, m)

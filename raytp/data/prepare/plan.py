@@ -79,9 +79,13 @@ def plan(files: list[File], shard_tokens: int, row_groups: dict[int, tuple[int, 
     return shards
 
 
-def fingerprint(files: list[File], tokenizer_sha: str, eod_id: int, text_key: str, shard_tokens: int) -> str:
+def fingerprint(files: list[File], tokenizer_sha: str, eod_id: int, text_key: str, shard_tokens: int,
+                chat_template_sha: str | None = None) -> str:
     """What a prepared dataset was made from: its files (names, sizes, versions), the tokenizer, the
-    end-of-document id, the text key and the shard size. Equal fingerprints, equal datasets."""
+    end-of-document id, the text key, the shard size (and conversations' chat template). Equal fingerprints,
+    equal datasets."""
     what = {"files": [asdict(f) for f in files], "tokenizer": tokenizer_sha, "eod": eod_id, "text_key": text_key,
             "shard_tokens": shard_tokens}
+    if chat_template_sha is not None:
+        what["chat_template"] = chat_template_sha
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()

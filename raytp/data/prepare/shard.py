@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections import Counter
 from contextlib import contextmanager
 
 import numpy as np
 
 from raytp.data.indexed import index_bytes
-from raytp.data.prepare import read
+from raytp.data.prepare import chat, read
 from raytp.data.prepare.plan import Piece
 from raytp.data.prepare.inputs import File
 from raytp.files.storage import Storage
 
 BATCH_CHARS = 1 << 20   # text per encode_batch call: large enough to amortize the call, small in memory
 TMP = ".tmp-"           # the prefix of a shard file being written (filesystems)
+BATCH_ROWS = 256        # conversations rendered and encoded per encode_batch call
+MASK = ".mask"          # a conversations shard's trained mask, one uint8 per token
 _TOKENIZERS: dict[str, object] = {}  # sha256 -> Tokenizer, built once per process
 
 
@@ -84,12 +87,49 @@ def encode(tok, texts: list[str], eod_id: int, dtype) -> tuple[np.ndarray, list[
     return ids, sizes
 
 
+def _rows(files: list[File], pieces: tuple[Piece, ...], key: str):
+    batch = []
+    for piece in pieces:
+        for row in read.documents(files[piece.file], piece, key, read.CONVERSATIONS):
+            batch.append(row)
+            if len(batch) >= BATCH_ROWS:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def _write_conversations(index: int, pieces, files, tok_json: str, tok_sha: str, dtype: str, store: Storage,
+                         key: str, chat_spec: dict) -> dict:
+    """A shard of conversations: each good row's ids (its rendering, which ends its own turns: no end-of-
+    document id is added) in the .bin, one document each, and its trained mask (uint8, 1 = trained on) in
+    ``.mask``; the bad rows counted by reason."""
+    tok = chat.renderer(tok_json, chat_spec)
+    sizes, bad, trained = [], Counter(), 0
+    with _written(store, prefix(index) + ".bin") as fb, _written(store, prefix(index) + MASK) as fm:
+        for rows in _rows(files, pieces, key):
+            good, reasons = chat.encode(tok, rows)
+            bad.update(reasons)
+            for ids, mask in good:
+                fb.write(ids.astype(dtype).tobytes())
+                fm.write(mask.tobytes())
+                sizes.append(len(ids))
+                trained += int(mask.sum())
+    with _written(store, prefix(index) + ".idx") as f:
+        f.write(index_bytes(np.asarray(sizes, dtype=np.int64), np.dtype(dtype)))
+    return {"index": index, "documents": len(sizes), "tokens": int(sum(sizes)), "trained": trained,
+            "bad": dict(bad)}
+
+
 def write_shard(index: int, pieces: tuple[Piece, ...], files: list[File], tok_json: str, tok_sha: str,
-                eod_id: int, dtype: str, out: str, key: str) -> dict:
+                eod_id: int, dtype: str, out: str, key: str, chat_spec: dict | None = None) -> dict:
     """Encode shard `index` (its pieces of `files`) and write it to the dataset at `out`; its documents and
-    tokens. ValueError naming the file (and line) of bad input."""
-    tok = _tokenizer(tok_json, tok_sha)
+    tokens (of conversations, `chat_spec` given: also its trained tokens and bad rows by reason). ValueError
+    naming the file (and line) of bad input."""
     store = Storage(out)
+    if chat_spec is not None:
+        return _write_conversations(index, pieces, files, tok_json, tok_sha, dtype, store, key, chat_spec)
+    tok = _tokenizer(tok_json, tok_sha)
     sizes: list[int] = []
     with _written(store, prefix(index) + ".bin") as f:
         for texts in _batches(files, pieces, key):

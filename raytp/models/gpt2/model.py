@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from raytp.initialization import InitRule
 from raytp.models.args import ModelArgs
 from raytp.models.base import CausalLM, LMLoss
+from raytp.models.documents import attention_mask
 from raytp.seeds import derive_seed
 
 
@@ -95,9 +96,9 @@ class CausalSelfAttention(nn.Module):
             keep[:, h] = torch.rand((B, T, T), generator=g, device=att.device) >= self.p
         return att * keep.to(att.dtype) / (1.0 - self.p)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`mask`: which keys each query sees, (B, 1, T, T) bool (raytp.models.base.document_mask); None =
-        causal."""
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """`documents`: each position's document id (B, T), attention kept within each
+        (raytp.models.documents); None = causal."""
         qkv = self.c_attn(x)  # (B, T, 3*nh*hs); nh = local heads, T = full length even if x is a slice of it
         B, T, _ = qkv.shape
         q, k, v = qkv.chunk(3, dim=-1)
@@ -107,13 +108,14 @@ class CausalSelfAttention(nn.Module):
         if self.training and self.p > 0.0:
             # Explicit attention so the dropout mask is ours (keyed), not SDPA's.
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, T, T)
-            seen = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if mask is None else mask
+            seen = (torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if documents is None
+                    else attention_mask(documents))
             att = att.masked_fill(~seen, float("-inf")).softmax(dim=-1)
             y = self.attention_dropout(att) @ v
-        elif mask is None:
+        elif documents is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(documents))
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, nh*hs)
         return self.resid_dropout(self.c_proj(y))
 
@@ -138,16 +140,17 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=1e-5)
         self.mlp = MLP(cfg, layer)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), mask)
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), documents)
         return x + self.mlp(self.ln_2(x))
 
 
 class PositionEmbedding(nn.Embedding):
-    """Looks up positions 0..T-1; the TP plan swaps it for a sequence-sharded one."""
+    """Looks up positions 0..T-1 (T, C), or `positions` (B, T) -> (B, T, C); the TP plan swaps it for a
+    sequence-sharded one."""
 
-    def forward(self, T: int) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(torch.arange(T, device=self.weight.device))  # (T, C)
+    def forward(self, T: int, positions: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(torch.arange(T, device=self.weight.device) if positions is None else positions)
 
 
 def init_rule(name: str, cfg: ModelArgs) -> InitRule:
@@ -197,18 +200,22 @@ class GPT(CausalLM):
     init_rule = staticmethod(init_rule)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, hidden: torch.Tensor | None = None,
-                layers=None):
+                layers=None, documents: torch.Tensor | None = None):
         """idx (B, T) token ids -> logits (B, T, V), or the mean loss when targets are given. A pipeline
         stage (raytp.models.stage) passes the residual stream it received as `hidden` and the layers to
-        run as `layers`; it gets the residual stream back unless those layers end the model."""
+        run as `layers`; it gets the residual stream back unless those layers end the model. `documents`:
+        packed documents' ids (B, T) (raytp.models.documents): attention within each, positions restarting."""
         T = self.check_length(idx)
-        x = self.drop(self.wte(idx) + self.wpe(T)) if hidden is None else hidden  # (B, T, C)
-        mask = self.document_mask(idx)
+        if hidden is None:  # (B, T, C)
+            x = self.drop(self.wte(idx) + self.wpe(T, self.position_ids(documents)))
+        else:
+            x = hidden
+        ids = self.document_ids(idx, documents)
         for block in self.blocks(layers):
-            x = self.run_block(block, x, mask)
+            x = self.run_block(block, x, ids)
         if not self.ends_model(layers):
             return x
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         if targets is None:
             return logits
-        return self.criterion(logits, targets)
+        return self.criterion(logits, targets) if documents is None else self.criterion(logits, targets, True)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from raytp.initialization import InitRule
 from raytp.models.args import ModelArgs, RopeScaling
 from raytp.models.base import CausalLM, LMLoss
+from raytp.models.documents import attention_mask
 from raytp.models.moe.layer import MoE
 
 
@@ -62,12 +63,18 @@ def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None, de
     return torch.where(between, (1 - s) * stretched / scaling.factor + s * stretched, stretched)
 
 
-def rotary(T: int, head_dim: int, theta: float, device,
-           scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (T, head_dim) of positions 0..T-1 (the two halves of head_dim rotate together)."""
-    freqs = torch.outer(torch.arange(T, device=device).float(), inv_freq(head_dim, theta, scaling, device))
+def rotary(T: int, head_dim: int, theta: float, device, scaling: RopeScaling | None = None,
+           positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, head_dim) of positions 0..T-1 (the two halves of head_dim rotate together); of
+    `positions` (B, T) instead, (B, 1, T, head_dim): documents packed in a row each start at 0
+    (raytp.models.documents.positions)."""
+    f = inv_freq(head_dim, theta, scaling, device)
+    if positions is None:
+        freqs = torch.outer(torch.arange(T, device=device).float(), f)
+    else:
+        freqs = positions.float()[..., None] * f  # (B, T, head_dim / 2)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    return (emb.cos(), emb.sin()) if positions is None else (emb.cos()[:, None], emb.sin()[:, None])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -88,7 +95,8 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(hd, cfg.norm_eps), RMSNorm(hd, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """`documents`: each position's document id (B, T) (raytp.models.documents); None = causal."""
         x = self.tp_in(x)  # (B, T, C), the full sequence even under sequence parallelism
         B, T, _ = x.shape
         q, k, v = (proj(x).view(B, T, -1, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
@@ -99,8 +107,8 @@ class Attention(nn.Module):
         group = q.shape[1] // k.shape[1]  # query heads per KV head
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = (F.scaled_dot_product_attention(q, k, v, is_causal=True) if mask is None else
-             F.scaled_dot_product_attention(q, k, v, attn_mask=mask))  # mask: raytp.models.base.document_mask
+        y = (F.scaled_dot_product_attention(q, k, v, is_causal=True) if documents is None else
+             F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(documents)))
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -126,8 +134,8 @@ class Block(nn.Module):
         self.mlp = MoE(cfg.n_embd, cfg.moe) if cfg.moe is not None and cfg.moe.is_moe(layer) else SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -171,16 +179,20 @@ class Llama(CausalLM):
         return InitRule("normal", 0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, hidden: torch.Tensor | None = None,
-                layers=None):
+                layers=None, documents: torch.Tensor | None = None):
         """idx (B, T) token ids -> logits (B, T, V), or the mean loss when targets are given (`hidden`,
-        `layers`: a pipeline stage's, see raytp.models.gpt2.model.GPT.forward)."""
+        `layers`: a pipeline stage's, see raytp.models.gpt2.model.GPT.forward; `documents`: packed documents'
+        ids (B, T), raytp.models.documents: attention within each, rotary positions restarting at each)."""
         T = self.check_length(idx)
-        cos, sin = rotary(T, self.cfg.head_width, self.cfg.rope_theta, idx.device, self.cfg.rope_scaling)
+        cos, sin = rotary(T, self.cfg.head_width, self.cfg.rope_theta, idx.device, self.cfg.rope_scaling,
+                          self.position_ids(documents))
         x = self.embed_tokens(idx) if hidden is None else hidden  # (B, T, C); (B, T/tp, C) under SP
-        mask = self.document_mask(idx)
+        ids = self.document_ids(idx, documents)
         for block in self.blocks(layers):
-            x = self.run_block(block, x, cos, sin, mask)
+            x = self.run_block(block, x, cos, sin, ids)
         if not self.ends_model(layers):
             return x
         logits = self.lm_head(self.norm(x))
-        return logits if targets is None else self.criterion(logits, targets)
+        if targets is None:
+            return logits
+        return self.criterion(logits, targets) if documents is None else self.criterion(logits, targets, True)

@@ -29,6 +29,8 @@ def step_record(rec: dict, all_ranks: list[dict], cfg, layout: Layout) -> dict:
     if rec.get("comm_hidden_s") is not None:  # TP entries' collectives behind compute (parallel.tp_overlap)
         out["comm_hidden_s"] = rec["comm_hidden_s"]
     out.update(efficiency.step_figures(model_args(cfg), out["tokens_per_s"], layout.world_size, rec.get("peak_tflops")))
+    if rec.get("loss_tokens") is not None:  # the targets the loss is over (conversations: the trained ones)
+        out["loss_tokens"] = rec["loss_tokens"]
     if rec.get("epoch") is not None:
         out["epoch"] = round(rec["epoch"], 6)  # epochs of the training data read (raytp.data.corpus.epochs_read)
     straggler = watches.slowest(rec.get("rank_compute_s") or [])

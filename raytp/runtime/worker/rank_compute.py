@@ -28,12 +28,11 @@ from raytp.train.step import eval_loss, train_step
 
 def micro_batches(cfg, corpus, groups, device: torch.device, split: str, step: int) -> list:
     """This rank's micro-batches of `split` at `step`, on `device`, checked against the vocabulary."""
-    x, y = batch(corpus, split, cfg.train.seed, step, groups.dp_rank, groups.layout.dp, cfg.train.batch_size,
-                 cfg.model.block_size)
-    check_ids(x, y, cfg.model.vocab_size, split, step)
-    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    parts = batch(corpus, split, cfg.train.seed, step, groups.dp_rank, groups.layout.dp, cfg.train.batch_size,
+                  cfg.model.block_size)  # (x, y), or of conversations (x, y, documents)
+    check_ids(parts[0], parts[1], cfg.model.vocab_size, split, step)
     n = cfg.micro_batch
-    return list(zip(x.split(n), y.split(n)))
+    return list(zip(*(t.to(device, non_blocking=True).split(n) for t in parts)))
 
 
 def train_record(cfg, corpus, shard, groups, pipeline, device: torch.device, step: int, before_update=None,
@@ -67,7 +66,9 @@ def train_record(cfg, corpus, shard, groups, pipeline, device: torch.device, ste
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     gathered["comm_s"] += comm.STATS.take()[0]  # zero 1's gather of the new weights
-    return {"step": step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "step_time_s": elapsed,
+    tokens = r.loss_tokens if r.loss_tokens is not None else cfg.train.batch_size * cfg.model.block_size
+    return {"step": step, "loss": r.loss, "loss_tokens": tokens, "lr": r.lr, "grad_norm": r.grad_norm,
+            "step_time_s": elapsed,
             "comm_hidden_s": comm.STATS.take_hidden(), "data_s": data_s,
             "epoch": epochs_read(corpus, (step + 1) * cfg.train.batch_size, cfg.model.block_size),
             **peak_memory(device), **gathered}

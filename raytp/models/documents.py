@@ -1,0 +1,50 @@
+"""Documents packed in one sequence: the one representation raytp carries them in, and what is made of it.
+
+A packed batch carries, beside its tokens (B, T), each position's document id (B, T), an integer equal
+along a document and different from its neighbours' (a document is one contiguous run of a row). Nothing
+else travels: a pipeline stage, a TP rank, an activation-checkpointed block, (later) a context-parallel
+rank each build from the ids what they need, here:
+
+- ``positions``: each token's position within its document (rope and learned positions restart there);
+- ``attention_mask``: which keys each query sees, its own document's earlier positions, (B, 1, T, T) bool,
+  built inside attention's forward from the ids, never carried between layers or stages;
+- ``from_eod``: the ids of ``data.document_mask``'s documents, each ended by (and including) an
+  end-of-document token.
+
+Pure functions of tensors, no state: the same ids give the same positions and mask on every rank.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def from_eod(idx: torch.Tensor, eod: int) -> torch.Tensor:
+    """Document ids (B, T) of token ids whose documents each end at (and include) an `eod` token."""
+    ends = idx == eod
+    return torch.cumsum(ends, dim=1) - ends.long()
+
+
+def starts(ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: where a document starts (a row's first position, and where the id changes)."""
+    first = torch.ones_like(ids[:, :1], dtype=torch.bool)
+    return torch.cat([first, ids[:, 1:] != ids[:, :-1]], dim=1)
+
+
+def positions(ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) int64: each token's position within its document (0 at its first token)."""
+    T = ids.shape[1]
+    at = torch.arange(T, device=ids.device).expand_as(ids)
+    first = torch.where(starts(ids), at, torch.zeros_like(at))
+    return at - torch.cummax(first, dim=1).values
+
+
+def attention_mask(ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool: query i sees key j when j <= i and both are of one document."""
+    T = ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+    return ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+
+
+def trained_tokens(targets: torch.Tensor) -> torch.Tensor:
+    """How many targets are trained on (the ignored ones are negative): a 0-d int64."""
+    return (targets >= 0).sum()
