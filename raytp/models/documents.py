@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from raytp.parallel import context
+
 
 def from_eod(idx: torch.Tensor, eod: int) -> torch.Tensor:
     """Document ids (B, T) of token ids whose documents each end at (and include) an `eod` token."""
@@ -48,3 +50,16 @@ def attention_mask(ids: torch.Tensor) -> torch.Tensor:
 def trained_tokens(targets: torch.Tensor) -> torch.Tensor:
     """How many targets are trained on (the ignored ones are negative): a 0-d int64."""
     return (targets >= 0).sum()
+
+
+def context_share(x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None, cp: int, rank: int,
+                  eod: int | None = None) -> tuple:
+    """CP rank `rank`'s part of a batch (raytp.parallel.context): (x, y, document ids or None, None, positions),
+    each (B, T / cp), a micro-batch's order (raytp.train.token_loss.parts). The ids are the batch's, or those
+    `eod` tokens end (data.document_mask), and the positions restart at each document; both are worked out on
+    the whole sequence before it is cut (a document may start on another rank)."""
+    if documents is None and eod is not None:
+        documents = from_eod(x, eod)
+    pos = torch.arange(x.shape[1], device=x.device).expand_as(x) if documents is None else positions(documents)
+    cut = [None if t is None else context.shard(t, cp, rank, dim=1) for t in (x, y, documents)]
+    return cut[0], cut[1], cut[2], None, context.shard(pos, cp, rank, dim=1)

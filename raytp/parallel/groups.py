@@ -44,7 +44,7 @@ class ProcessGroups:
 
     def __init__(self, layout: Layout, rank: int, tp=None, dp=None, pp=None, emb=None, **others):
         self.layout, self.rank = layout, rank
-        self.named = {"tp": tp, "dp": dp, "pp": pp, "emb": emb, **others}
+        self.named = {"tp": tp, "dp": dp, "pp": pp, "emb": emb, "cp": None, **others}
 
     def group(self, name: str):
         """The group of the sub-mesh `name` this rank is in (None: one rank, or not built)."""
@@ -56,13 +56,17 @@ class ProcessGroups:
     dp = property(lambda self: self.named["dp"], doc="this rank's DP group")
     pp = property(lambda self: self.named["pp"], doc="its replica's stages at its TP rank")
     emb = property(lambda self: self.named["emb"], doc="its first and last stage (tied embedding copies)")
-    cp = property(lambda self: self.named.get("cp"), doc="its context-parallel group (its sequences' other parts)")
+    cp = property(lambda self: self.named["cp"], doc="its context-parallel group (its sequences' other parts)")
 
     @property
     def grad(self):
         """The group summing this rank's dense gradients, whose ranks the distributed optimizer cuts its rows over:
         DP x CP (its DP group at cp 1)."""
         return self.named["grad"] if self.layout.cp > 1 else self.named["dp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.layout.coords(self.rank).cp
 
     @property
     def grad_rank(self) -> int:

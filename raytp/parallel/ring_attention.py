@@ -51,6 +51,7 @@ def _exchange(group, send: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]
     """Start sending `send` to the next rank of the ring and receiving as much from the previous one:
     (requests to wait on, the buffers being filled)."""
     me, size = _rank_and_size(group)
+    send = [t.contiguous() for t in send]
     recv = [torch.empty_like(t) for t in send]
     ops = [dist.P2POp(dist.isend, t, _peer(group, (me + 1) % size), group) for t in send]
     ops += [dist.P2POp(dist.irecv, t, _peer(group, (me - 1) % size), group) for t in recv]

@@ -30,6 +30,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
     """Causal attention of this CP rank's tokens, `q` (B, H, T_local, d), `k`, `v` (B, H_kv, T_local, d), over the
     whole sequence held by `group` (None: the world); `docs`: (B, T_local) document ids or None."""
     cp = dist.get_world_size(group)
+    why = refusal(q.shape[1], k.shape[1], cp)
+    if why is not None:
+        raise ValueError(why)
     q, k, v = (_ToHeads.apply(t, group) for t in (q, k, v))
     group_size = q.shape[1] // k.shape[1]
     if group_size > 1:

@@ -95,8 +95,8 @@ def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups, optimizer: D
     # rows of some kinds only), split ones first, so the sums meet in one order everywhere.
     by_axes = {k: [] for k in sorted({("tp",), ()} | {split(n) for n, _ in model.named_parameters()},
                                      key=lambda axes: (-len(axes), axes))}
-    over_dp = optimizer is not None and groups.dp is not None
-    grads = optimizer.owned_grads() if over_dp else ((n, p, p.grad) for n, p in model.named_parameters())
+    over_grad = optimizer is not None and groups.grad is not None
+    grads = optimizer.owned_grads() if over_grad else ((n, p, p.grad) for n, p in model.named_parameters())
     for name, p, g in grads:
         if g is not None and not replicated_copy(model, name):
             sq = g.float().pow(2).sum()
@@ -106,9 +106,9 @@ def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups, optimizer: D
                 by_axes[split(name)].append(sq)
     device = next(model.parameters()).device
     sums = [torch.stack(v).sum() if v else torch.zeros((), device=device) for v in by_axes.values()]
-    if over_dp:
+    if over_grad:
         both = torch.stack(sums)
-        comm.all_reduce(both, groups.dp)
+        comm.all_reduce(both, groups.grad)
         sums = list(both.unbind())
         # experts: whole on each expert-DP replica (not summed over DP), or each rank's rows summed over expert-DP
         part = sums if not optimizer.apart_sharded else [torch.zeros((), device=device) for _ in sums]
@@ -144,11 +144,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     model.train()
     set_aux_scale(model, 1.0 / len(micro_batches))  # MoE auxiliary losses weigh as each micro-batch's loss
     optimizer.zero_grad(set_to_none=False)  # the same buffers every step: no allocator churn
-    optimizer.follow(groups.layout.dp, groups.dp_rank)
+    optimizer.follow(groups.layout.grad_degree, groups.grad_rank)
     edp = groups.group("edp") if groups.layout.experts_split else None  # experts' gradients: over expert-DP
-    if (groups.dp is not None or edp is not None) and getattr(optimizer, "overlap", False):
+    if (groups.grad is not None or edp is not None) and getattr(optimizer, "overlap", False):
         tied = [model.input_embedding().weight] if groups.emb is not None and model.cfg.tied else []
-        optimizer.arm(groups.dp, len(micro_batches), hold=tied, apart_group=edp)  # a tied copy waits (its sum)
+        optimizer.arm(groups.grad, len(micro_batches), hold=tied, apart_group=edp)  # a tied copy waits (its sum)
     micro_batches, tokens = token_loss.weighted(micro_batches, groups)  # packed documents: by trained tokens
     local_loss = (schedule or accumulate)(model, micro_batches, groups, step, h)
     r = finish_step(model, optimizer, groups, step, h, local_loss, before_update)
@@ -169,13 +169,13 @@ def finish_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups
     if groups.emb is not None and model.cfg.tied:  # the first and the last stage's copies of the embedding
         comm.all_reduce(model.input_embedding().weight.grad, groups.emb)
     mean_loss = sum_over_stages(local_loss.detach().reshape(1), groups)  # the last stage's, on every stage
-    optimizer.follow(groups.layout.dp, groups.dp_rank)
-    if groups.dp is not None:  # the loss, then the gradients in buckets (reduce-scattered under zero 1)
-        comm.all_reduce(mean_loss, groups.dp)
-        mean_loss /= groups.layout.dp
-        optimizer.reduce_gradients(groups.dp, 1.0 / groups.layout.dp)
+    optimizer.follow(groups.layout.grad_degree, groups.grad_rank)
+    if groups.grad is not None:  # the loss, then the gradients in buckets (reduce-scattered under zero 1)
+        comm.all_reduce(mean_loss, groups.grad)
+        mean_loss /= groups.layout.grad_degree
+        optimizer.reduce_gradients(groups.grad, 1.0 / groups.layout.grad_degree)
     if groups.layout.experts_split:  # experts over their own mesh: summed over expert-DP, DP's mean scale
-        optimizer.reduce_apart(groups.group("edp"), 1.0 / groups.layout.dp)
+        optimizer.reduce_apart(groups.group("edp"), 1.0 / groups.layout.grad_degree)
     if groups.tp is not None:  # after the DP sum (Megatron's order), so DP buckets need not wait for it
         _sum_over_tp(list(optimizer.update_grads()), groups.tp)
 
@@ -189,7 +189,7 @@ def finish_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups
     if before_update is not None:
         before_update()
     move_biases()  # the state changes from here on only: a failed collective before it left the step undone
-    optimizer.step(groups.dp)  # under zero 1 also gives every replica the new weights
+    optimizer.step(groups.grad)  # under zero 1 also gives every replica the new weights
     return StepResult(float(mean_loss), float(norm), lr)
 
 
@@ -211,8 +211,8 @@ def eval_loss(model: torch.nn.Module, micro_batches, groups: ProcessGroups, h: H
         with compute_precision(h or Hyper(), micro_batches[0][0].device):
             total = torch.stack([token_loss.scaled(token_loss.forward(model, mb).float(), mb, 1)
                                  for mb in micro_batches]).sum().reshape(1)
-    if groups.dp is not None:
-        comm.all_reduce(total, groups.dp)
-        total /= groups.layout.dp
+    if groups.grad is not None:
+        comm.all_reduce(total, groups.grad)
+        total /= groups.layout.grad_degree
     model.train()
     return float(total)

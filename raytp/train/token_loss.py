@@ -4,9 +4,11 @@ global batch (every micro-batch, pipeline stage and DP replica), so that no layo
 A micro-batch is ``(x, y)`` (pretraining: every target counts, each micro-batch's mean loss weighs 1/n, as it
 always has, to the bit) or ``(x, y, documents)``: packed documents' ids (raytp.models.documents), targets of
 -1 not trained on (a conversation's prompts, padding). With documents the model returns the *sum* of its
-trained tokens' losses; ``weighted`` counts them over the global batch (one all-reduce of one number over DP,
-the same on every stage and TP rank, which all hold the targets) and gives each micro-batch the weight
-``dp / count``: the DP mean the step takes of the loss and the gradients then makes them sum / count.
+trained tokens' losses; ``weighted`` counts them over the global batch (one all-reduce of one number over the
+ranks that sum the gradients, DP x CP, the same on every stage and TP rank, which all hold the targets) and
+gives each micro-batch the weight ``dp x cp / count``: the mean the step takes of the loss and the gradients
+over those ranks then makes them sum / count. A CP rank's micro-batch also carries its tokens' positions in
+the whole sequence (fifth: ``(x, y, documents or None, None, positions)``).
 """
 from __future__ import annotations
 
@@ -17,10 +19,10 @@ from raytp.parallel import comm
 
 
 def parts(mb) -> tuple:
-    """(x, y, documents or None, weight or None) of a micro-batch as the schedules get it."""
+    """(x, y, documents or None, weight or None, positions or None) of a micro-batch as the schedules get it."""
     x, y, *rest = mb
-    rest = rest + [None] * (2 - len(rest))
-    return x, y, rest[0], rest[1]
+    rest = rest + [None] * (3 - len(rest))
+    return x, y, rest[0], rest[1], rest[2]
 
 
 def weighted(micro_batches, groups) -> tuple[list, int | None]:
@@ -30,17 +32,19 @@ def weighted(micro_batches, groups) -> tuple[list, int | None]:
         return micro_batches, None
     counts = [trained_tokens(parts(mb)[1]) for mb in micro_batches]
     total = torch.stack(counts).sum().to(torch.float64).reshape(1)
-    if groups.dp is not None:
-        comm.all_reduce(total, groups.dp)
+    if groups.grad is not None:
+        comm.all_reduce(total, groups.grad)
     tokens = int(total.item())
-    scale = groups.layout.dp / max(tokens, 1)
-    return [(*parts(mb)[:3], scale) for mb in micro_batches], tokens
+    scale = groups.layout.grad_degree / max(tokens, 1)
+    return [(*parts(mb)[:3], scale, parts(mb)[4]) for mb in micro_batches], tokens
 
 
 def forward(model, mb, **kw) -> torch.Tensor:
     """The model's output for one micro-batch (its loss when it ends the model and has targets: the mean, or
     with documents the sum over trained tokens). `kw`: a pipeline stage's hidden and layers."""
-    x, y, documents, _ = parts(mb)
+    x, y, documents, _, positions = parts(mb)
+    if positions is not None:
+        kw["positions"] = positions
     return model(x, y, **kw) if documents is None else model(x, y, documents=documents, **kw)
 
 

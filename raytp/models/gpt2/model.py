@@ -31,6 +31,7 @@ from raytp.initialization import InitRule
 from raytp.models.args import ModelArgs
 from raytp.models.base import CausalLM, LMLoss
 from raytp.models.documents import attention_mask
+from raytp.parallel.context_attention import ContextAttention
 from raytp.seeds import derive_seed
 
 
@@ -84,6 +85,7 @@ class CausalSelfAttention(nn.Module):
         self.key: int | None = None
         self.head_offset = 0  # global index of this shard's first head (set by the TP plan)
         self.resid_dropout = KeyedDropout(cfg.dropout, self.site + 1)
+        self.context = ContextAttention()  # its sequences' other parts on a CP group, if bound to one
 
     def attention_dropout(self, att: torch.Tensor) -> torch.Tensor:
         if self.key is None:
@@ -105,7 +107,9 @@ class CausalSelfAttention(nn.Module):
         q = q.reshape(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.reshape(B, T, -1, self.head_dim).transpose(1, 2)
         v = v.reshape(B, T, -1, self.head_dim).transpose(1, 2)
-        if self.training and self.p > 0.0:
+        if self.context.group is not None:  # this rank holds a part of each sequence (no attention dropout)
+            y = self.context(q, k, v, documents)
+        elif self.training and self.p > 0.0:
             # Explicit attention so the dropout mask is ours (keyed), not SDPA's.
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, T, T)
             seen = (torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if documents is None
@@ -200,14 +204,16 @@ class GPT(CausalLM):
     init_rule = staticmethod(init_rule)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, hidden: torch.Tensor | None = None,
-                layers=None, documents: torch.Tensor | None = None):
+                layers=None, documents: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         """idx (B, T) token ids -> logits (B, T, V), or the mean loss when targets are given. A pipeline
         stage (raytp.models.stage) passes the residual stream it received as `hidden` and the layers to
         run as `layers`; it gets the residual stream back unless those layers end the model. `documents`:
-        packed documents' ids (B, T) (raytp.models.documents): attention within each, positions restarting."""
+        packed documents' ids (B, T) (raytp.models.documents): attention within each, positions restarting.
+        `positions` (B, T): each token's position where not 0..T-1 (a CP rank's part of each sequence)."""
         T = self.check_length(idx)
         if hidden is None:  # (B, T, C)
-            x = self.drop(self.wte(idx) + self.wpe(T, self.position_ids(documents)))
+            x = self.drop(self.wte(idx) + self.wpe(T, positions if positions is not None else
+                                                  self.position_ids(documents)))
         else:
             x = hidden
         ids = self.document_ids(idx, documents)

@@ -30,6 +30,7 @@ from raytp.models.args import ModelArgs, RopeScaling
 from raytp.models.base import CausalLM, LMLoss
 from raytp.models.documents import attention_mask
 from raytp.models.moe.layer import MoE
+from raytp.parallel.context_attention import ContextAttention
 
 
 class RMSNorm(nn.Module):
@@ -93,6 +94,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
         if cfg.qk_norm:  # Qwen3: an RMSNorm over each head of q and of k, before the rotation
             self.q_norm, self.k_norm = RMSNorm(hd, cfg.norm_eps), RMSNorm(hd, cfg.norm_eps)
+        self.context = ContextAttention()  # its sequences' other parts on a CP group, if bound to one
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,6 +106,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd); local heads
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.context.group is not None:  # this rank holds a part of each sequence (context parallelism)
+            return self.o_proj(self.context(q, k, v, documents).transpose(1, 2).reshape(B, T, -1))
         group = q.shape[1] // k.shape[1]  # query heads per KV head
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -179,13 +183,14 @@ class Llama(CausalLM):
         return InitRule("normal", 0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, hidden: torch.Tensor | None = None,
-                layers=None, documents: torch.Tensor | None = None):
+                layers=None, documents: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         """idx (B, T) token ids -> logits (B, T, V), or the mean loss when targets are given (`hidden`,
         `layers`: a pipeline stage's, see raytp.models.gpt2.model.GPT.forward; `documents`: packed documents'
-        ids (B, T), raytp.models.documents: attention within each, rotary positions restarting at each)."""
+        ids (B, T), raytp.models.documents: attention within each, rotary positions restarting at each;
+        `positions` (B, T): each token's position where not 0..T-1, a CP rank's part of each sequence)."""
         T = self.check_length(idx)
         cos, sin = rotary(T, self.cfg.head_width, self.cfg.rope_theta, idx.device, self.cfg.rope_scaling,
-                          self.position_ids(documents))
+                          positions if positions is not None else self.position_ids(documents))
         x = self.embed_tokens(idx) if hidden is None else hidden  # (B, T, C); (B, T/tp, C) under SP
         ids = self.document_ids(idx, documents)
         for block in self.blocks(layers):

@@ -22,6 +22,7 @@ from raytp.moves.owners import Owners
 from raytp.models.moe.plan import ExpertPlace
 from raytp.models.registry import bucketed, is_expert_weight
 from raytp.models.shard import build_empty_shard, build_shard
+from raytp.parallel import context_attention
 from raytp.models.stage import copied_name
 from raytp.runtime.worker import planned_source
 from raytp.runtime.worker.background_save import BackgroundSave
@@ -56,6 +57,7 @@ class HeldShard:
         for k, v in modes.items():
             setattr(model, k, v)
         set_tp_overlap(model, cfg.parallel.tp_overlap)
+        context_attention.bind(model, groups, cfg.parallel.cp_attention)
         knobs = hyper(cfg)
         optimizer = make_optimizer(model, knobs, groups.layout.grad_degree, groups.grad_rank, groups.layout.zero,
                                    overlap=cfg.parallel.overlap_grad_reduce,

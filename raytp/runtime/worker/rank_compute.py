@@ -18,6 +18,7 @@ import time
 import torch
 
 from raytp.data.corpus import batch, check_ids, epochs_read
+from raytp.models.documents import context_share
 from raytp.parallel import comm
 from raytp.train.efficiency import peak_memory
 from raytp.train.expert_load import expert_figures
@@ -26,13 +27,18 @@ from raytp.train.stage_runner import pipeline_forward
 from raytp.train.step import eval_loss, train_step
 
 
-def micro_batches(cfg, corpus, groups, device: torch.device, split: str, step: int) -> list:
-    """This rank's micro-batches of `split` at `step`, on `device`, checked against the vocabulary."""
+def micro_batches(cfg, corpus, groups, device: torch.device, split: str, step: int, eod: int | None = None) -> list:
+    """This rank's micro-batches of `split` at `step`, on `device`, checked against the vocabulary; at cp > 1
+    its part of each sequence (raytp.parallel.context), with its tokens' positions and document ids (those
+    `eod` ends, data.document_mask's, found in the whole sequence first)."""
     parts = batch(corpus, split, cfg.train.seed, step, groups.dp_rank, groups.layout.dp, cfg.train.batch_size,
                   cfg.model.block_size)  # (x, y), or of conversations (x, y, documents)
     check_ids(parts[0], parts[1], cfg.model.vocab_size, split, step)
+    if groups.layout.cp > 1:
+        parts = context_share(*parts, groups.layout.cp, groups.cp_rank, eod)
     n = cfg.micro_batch
-    return list(zip(*(t.to(device, non_blocking=True).split(n) for t in parts)))
+    count = -(-parts[0].shape[0] // n)
+    return list(zip(*([None] * count if t is None else t.to(device, non_blocking=True).split(n) for t in parts)))
 
 
 def train_record(cfg, corpus, shard, groups, pipeline, device: torch.device, step: int, before_update=None,
@@ -40,7 +46,8 @@ def train_record(cfg, corpus, shard, groups, pipeline, device: torch.device, ste
     """Run optimizer step `step` on `shard` (raytp.runtime.worker.held_shard.HeldShard) in `groups`; its
     record: loss, learning rate, gradient norm, times (whole, communication exposed and hidden behind compute,
     data), every rank's compute
-    time, epochs read, peak memory, and what the expert layers did (raytp.train.expert_load). `batches_of(split, step)`: the micro-batches (default: micro_batches')."""
+    time, epochs read, peak memory, and what the expert layers did (raytp.train.expert_load).
+    `batches_of(split, step)`: the micro-batches (default: micro_batches')."""
     comm.STATS.take(), comm.STATS.take_hidden()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -136,7 +136,8 @@ class Worker:
 
     # -- training ------------------------------------------------------------------
     def _micro_batches(self, split: str, step: int) -> list:
-        return rank_compute.micro_batches(self.cfg, self.corpus, self.groups, self.device, split, step)
+        return rank_compute.micro_batches(self.cfg, self.corpus, self.groups, self.device, split, step,
+                                          self.document_eod)
 
     def _step(self, step: int, before_update=None) -> dict:
         def updating() -> None:
