@@ -80,3 +80,16 @@ def test_cp_attention_equals_one_device_forward_and_backward(kind, cp, heads, do
     for i, name in enumerate(("out", "dq", "dk", "dv")):
         whole = context.unshard([r[i] for r in got], dim=2)
         assert torch.allclose(whole, want[i], atol=2e-6, rtol=1e-5), (name, (whole - want[i]).abs().max())
+
+
+@pytest.mark.parametrize("parallel, model, says", [
+    ({"cp": 3}, {}, "must divide by 2 x cp = 6"),
+    ({"cp": 2, "tp": 2, "sequence_parallel": True}, {"block_size": 36}, "2 x cp x tp = 8"),
+    ({"cp": 2, "cp_attention": "ulysses", "tp": 2}, {"n_head": 4, "n_kv_head": 2, "arch": "llama"}, "KV heads (1)"),
+    ({"cp": 2}, {}, "not yet through the runtime")])
+def test_a_job_at_cp_above_1_is_refused_by_name_before_anything_starts(parallel, model, says):
+    from raytp.config import from_dict
+    from raytp.config.values import ConfigError
+    with pytest.raises(ConfigError, match="parallel.cp") as e:
+        from_dict({"model": {"n_layer": 2, "n_head": 4, "block_size": 64, **model}, "parallel": parallel})
+    assert says in str(e.value)

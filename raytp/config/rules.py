@@ -89,8 +89,8 @@ def _cp_problem(v) -> str | None:
         heads, kv, _, _ = _shape(v)
         why = ulysses.refusal(heads // tp, max(kv // tp, 1), cp)
     if why is None:
-        why = (f"cp={cp}: context parallelism's attention and sequence cut are built (raytp.parallel.ring_attention, "
-               "ulysses), not yet a training run's; use cp 1")
+        why = (f"cp={cp}: not yet through the runtime (a stage's placement group holds its TP ranks, not TP x CP); "
+               "context parallelism's attention, sequence cut and training step are built and tested in-process")
     return why
 
 
