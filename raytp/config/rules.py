@@ -89,8 +89,14 @@ def _cp_problem(v) -> str | None:
         heads, kv, _, _ = _shape(v)
         why = ulysses.refusal(heads // tp, max(kv // tp, 1), cp)
     if why is None:
-        why = (f"cp={cp}: not yet through the runtime (a stage's placement group holds its TP ranks, not TP x CP); "
-               "context parallelism's attention, sequence cut and training step are built and tested in-process")
+        later = [what for what, on in (("parallel.pp > 1", v["parallel.pp"] > 1),
+                                       ("parallel.zero 1", v["parallel.zero"]),
+                                       ("model.moe", v["model.moe"] is not None),
+                                       ("an elastic min_dp or max_dp", v["parallel.min_dp"] or v["parallel.max_dp"]))
+                 if on]
+        if later:
+            why = (f"cp={cp} with {' and '.join(later)} is not built yet (context parallelism trains at pp 1, zero 0, "
+                   "dense, a fixed dp)")
     return why
 
 
@@ -177,7 +183,7 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
      lambda v: _experts_problem(v) is None,
      lambda v: _experts_problem(v)),
     (("parallel.cp", "parallel.cp_attention", "parallel.tp", "parallel.sequence_parallel", "model.block_size",
-      *_MODEL),
+      "parallel.pp", "parallel.zero", "model.moe", "parallel.min_dp", "parallel.max_dp", *_MODEL),
      lambda v: _cp_problem(v) is None,
      lambda v: _cp_problem(v)),
     # Sequence parallelism splits each sequence into tp equal pieces.

@@ -119,6 +119,11 @@ class Layout:
         return self.tp * self.cp * self.pp
 
     @property
+    def stage_ranks(self) -> int:
+        """Ranks of one stage of one replica (TP x CP): one placement group's bundles, on one node."""
+        return self.tp * self.cp
+
+    @property
     def stage_size(self) -> int:
         """Ranks of one pipeline stage over all replicas (what the expert mesh folds over)."""
         return self.dp * self.cp * self.tp

@@ -206,7 +206,7 @@ def eval_loss(model: torch.nn.Module, micro_batches, groups: ProcessGroups, h: H
         total = sum_over_stages(total, groups) / n
     elif tokens is None:
         with compute_precision(h or Hyper(), micro_batches[0][0].device):
-            total = torch.stack([model(x, y).float() for x, y in micro_batches]).mean().reshape(1)
+            total = torch.stack([token_loss.forward(model, mb).float() for mb in micro_batches]).mean().reshape(1)
     else:
         with compute_precision(h or Hyper(), micro_batches[0][0].device):
             total = torch.stack([token_loss.scaled(token_loss.forward(model, mb).float(), mb, 1)

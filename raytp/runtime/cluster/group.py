@@ -87,8 +87,8 @@ class WorkerGroup:
     @classmethod
     def reserve(cls, cfg, run: str, dp_ranks: list[int], avoid_nodes=frozenset()) -> dict:
         """Placement for replicas `dp_ranks` of `cfg`, waited for (PlacementError if it cannot be had)."""
-        return cls.placer.reserve_replicas(cfg, run, cfg.parallel.tp, dp_ranks, cfg.runtime.placement_timeout_s,
-                                           avoid_nodes=avoid_nodes)
+        return cls.placer.reserve_replicas(cfg, run, cfg.layout.stage_ranks, dp_ranks,
+                                           cfg.runtime.placement_timeout_s, avoid_nodes=avoid_nodes)
 
     @property
     def layout(self) -> Layout:

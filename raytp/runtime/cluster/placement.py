@@ -1,6 +1,7 @@
 """Placement groups: one per DP replica (per stage of it at pp > 1), one bundle per rank, packed on one node.
 
-Each replica (one TP group) gets its own placement group of ``tp`` bundles of
+Each replica (one TP group, with its CP ranks: ``Layout.stage_ranks``) gets its own placement group of ``tp``
+bundles of
 ``{GPU: 1, CPU: n}`` (``{CPU: n}`` on cpu) with strategy STRICT_PACK, so a TP
 group's frequent all-reduces stay on one node's links. Replicas are asked for
 on different nodes (a soft target: Ray falls back to any node that fits), so
@@ -71,7 +72,7 @@ def _request(cfg: JobConfig, run: str, tp: int, dp_ranks: list[int], avoid_nodes
 def request_stage(cfg: JobConfig, run: str, dp_rank: int, stage: int, target: str) -> PlacementGroup:
     """A group for one stage of replica `dp_rank` (its `tp` bundles), aimed at node `target`; not waited for
     (check it with extension_placed: Ray's target is soft)."""
-    return _group(cfg, run, cfg.parallel.tp, dp_rank, stage, target)
+    return _group(cfg, run, cfg.layout.stage_ranks, dp_rank, stage, target)
 
 
 def _group(cfg: JobConfig, run: str, tp: int, dp_rank: int, stage: int, target: str | None) -> PlacementGroup:
@@ -213,7 +214,7 @@ def reserve_tp(cfg: JobConfig, run: str, pgs: dict, old_dp: int):
     node (nothing is left reserved then). A replica that has the bundles already is trimmed; one
     that lacks some gets an extension group aimed at its node; added replicas get groups of their
     own. Raises PlacementError (leaving nothing behind) if the capacity is not there in time."""
-    tp, dp = cfg.parallel.tp, cfg.parallel.dp
+    tp, dp = cfg.layout.stage_ranks, cfg.parallel.dp
     out, unused, ext = {}, [], {}
     for q in range(min(dp, old_dp)):
         have = size_of(pgs[q])
@@ -242,7 +243,7 @@ def wait_placed(cfg: JobConfig, requested: list) -> None:
         if len(ready) < len(requested):
             release(requested)
             raise PlacementError(f"could not place the workers within {timeout:g}s: "
-                                 + explain_shortfall(cfg, cfg.parallel.tp, cfg.parallel.dp))
+                                 + explain_shortfall(cfg, cfg.layout.stage_ranks, cfg.parallel.dp))
 
 
 def reserve_stages(cfg: JobConfig, run: str, pgs: dict, old_dp: int, old_pp: int):
@@ -251,7 +252,7 @@ def reserve_stages(cfg: JobConfig, run: str, pgs: dict, old_dp: int, old_pp: int
     old group; other stages get groups of their own. (dp_rank -> placement, groups requested, groups no
     longer used once it is done). Raises PlacementError (leaving nothing behind) if the capacity is not
     there in time."""
-    tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp
+    tp, pp, dp = cfg.layout.stage_ranks, cfg.parallel.pp, cfg.parallel.dp
 
     def old_stages(q: int) -> list:  # replica q's placement, stage by stage (runs of tp bundles)
         replica = pgs[q]

@@ -246,7 +246,7 @@ class Elastic:
             return None
         if what == policy.GROW_REQUEST:
             self.growing = GrowBack(group.placer.request_replicas(
-                group.cfg, group.launcher.run, lay.tp, list(range(lay.dp, self.target_dp)),
+                group.cfg, group.launcher.run, lay.stage_ranks, list(range(lay.dp, self.target_dp)),
                 avoid_nodes=group.placer.nodes_of(group.pgs)))
             group.placer.ask_capacity([worker_resources(group.cfg)] * (lay.replica_size * self.target_dp))
             self.asked = True

@@ -35,7 +35,8 @@ def micro_batches(cfg, corpus, groups, device: torch.device, split: str, step: i
                   cfg.model.block_size)  # (x, y), or of conversations (x, y, documents)
     check_ids(parts[0], parts[1], cfg.model.vocab_size, split, step)
     if groups.layout.cp > 1:
-        parts = context_share(*parts, groups.layout.cp, groups.cp_rank, eod)
+        parts = context_share(parts[0], parts[1], parts[2] if len(parts) > 2 else None, groups.layout.cp,
+                              groups.cp_rank, eod)
     n = cfg.micro_batch
     count = -(-parts[0].shape[0] // n)
     return list(zip(*([None] * count if t is None else t.to(device, non_blocking=True).split(n) for t in parts)))
