@@ -6,14 +6,12 @@ called ``raytp.<R>.<role>``.
 """
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
 NAMESPACE = "raytp"
 PREFIX = "raytp."
 JOB_PREFIX = "raytp-"  # the Ray job of a submitted run R is raytp-R
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def worker(run: str, rank: int) -> str:
@@ -81,9 +79,8 @@ def default_run_name(job_file: str | Path) -> str:
     return f"{Path(job_file).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def check_run_name(run: str) -> str | None:
-    """What is wrong with `run` as an actor name, Ray job id and directory name; None if nothing."""
-    if RUN_NAME.fullmatch(run):
-        return None
-    return (f"run name {run!r} is not valid: use letters, digits, '.', '_' and '-', "
-            "starting with a letter or digit")
+def check_run_name(run: str, what: str = "run name") -> str | None:
+    """What is wrong with `run` as an actor name, Ray job id and directory name; None if nothing (every
+    entry point asks this: --name, the job's name, a run dir's last component, submit)."""
+    from raytp.files.trust import check_name
+    return check_name(run, what)
