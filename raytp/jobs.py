@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from raytp import names
-from raytp.files.trust import Untrusted, load_yaml
+from raytp.trust import Untrusted, load_yaml
 from raytp.head import Head, Unreachable
 
 __all__ = ["Head", "NoSuchRun", "Unreachable"]  # and the functions below

@@ -6,12 +6,15 @@ called ``raytp.<R>.<role>``.
 """
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
 NAMESPACE = "raytp"
 PREFIX = "raytp."
 JOB_PREFIX = "raytp-"  # the Ray job of a submitted run R is raytp-R
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+MAX_RUN_NAME = 128
 
 
 def worker(run: str, rank: int) -> str:
@@ -82,5 +85,8 @@ def default_run_name(job_file: str | Path) -> str:
 def check_run_name(run: str, what: str = "run name") -> str | None:
     """What is wrong with `run` as an actor name, Ray job id and directory name; None if nothing (every
     entry point asks this: --name, the job's name, a run dir's last component, submit)."""
-    from raytp.files.trust import check_name
-    return check_name(run, what)
+    if isinstance(run, str) and RUN_NAME.fullmatch(run) and len(run) <= MAX_RUN_NAME:
+        return None
+    shown = repr(run) if len(repr(run)) <= 60 else repr(run)[:57] + "..."
+    return (f"{what} {shown} is not valid: use at most {MAX_RUN_NAME} ASCII letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit")

@@ -75,7 +75,7 @@ def run_name_and_dir(job: JobSpec, cfg: JobConfig, run_dir: str | os.PathLike | 
     """RUN is the last component of the run dir unless `name` (or the job's name) is given; the default
     run dir is runs/<name>, the default name <job file stem, or "job">-<local time>. Every name is checked
     as `submit` and the job's `name` key check theirs, before anything is written (BadJob)."""
-    from raytp.files.trust import Untrusted, check_path
+    from raytp.trust import Untrusted, check_path
     if run_dir:
         try:
             check_path(run_dir, "--run-dir")
@@ -186,7 +186,7 @@ def plan(job: JobSpec, overrides: Overrides, run_dir, name: str | None, resume: 
     check_owned(cfg, path, run, resume)
     try:  # a size no model of this world has is refused before anything is built (the estimate builds one)
         from raytp.config.adapters import model_args
-        from raytp.files.trust import check_model_size
+        from raytp.trust import check_model_size
         check_model_size(model_args(cfg), "model")
     except ValueError as e:
         raise BadJob(str(e)) from None

@@ -59,6 +59,7 @@ def export(source, out, fmt, tokenizer, init_from, dtype, max_shard_size, overwr
     """Write the model of SOURCE (a run dir, a checkpoint dir, or a URL of either) as one raytp file or a
     Hugging Face directory, tensor by tensor."""
     from raytp.files import checkpoint, export as export_mod
+    from raytp.files.checkpoint_manifest import check_model_tensors
     from raytp.data import tokens as tok_mod
     try:
         tok = tok_mod.tokenizer_file(tokenizer, "--tokenizer") if tokenizer else None
@@ -71,6 +72,8 @@ def export(source, out, fmt, tokenizer, init_from, dtype, max_shard_size, overwr
         for line in export_mod.unshipped(source, tokenizer, init_from):
             click.echo(f"[raytp] note: {line}", err=True)
         ckpt = checkpoint.find(source, warn=lambda m: click.echo(f"[raytp] warning: {m}", err=True))
+        if "tensors" in ckpt.manifest:  # every entry at its model's shape: no byte of another tensor exported
+            check_model_tensors(ckpt.manifest, ckpt.where)
         if fmt == "hf":
             from raytp.files.hf import DEFAULT_SHARD_SIZE
             export_mod.write_hf(ckpt, Path(out), dtype, max_shard_size or DEFAULT_SHARD_SIZE, tok,

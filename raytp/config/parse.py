@@ -1,4 +1,4 @@
-"""Reading a job: a YAML file (safe_load, aliases expanded under a budget: raytp.files.trust), `--set`
+"""Reading a job: a YAML file (safe_load, aliases expanded under a budget: raytp.trust), `--set`
 overrides on top, one validated JobConfig.
 
 Precedence is override > file > default. All problems are collected and raised
@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from raytp.config.rules import check
-from raytp.files.trust import Untrusted, load_yaml
+from raytp.trust import Untrusted, load_yaml
 from raytp.config.schema import LEAVES, SECTIONS, JobConfig
 from raytp.config.values import ConfigError, IntList, at, literal, show, type_name, unwrap
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from raytp.files import trust
+from raytp import trust
 
 FORMAT = "raytp-prepared"
 VERSION = 1

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from raytp.files.trust import inside
+from raytp.trust import inside
 from raytp.data import manifest as mf
 from raytp.data.fetch import is_url, local_dataset, remote_manifest
 from raytp.data.indexed import largest_id, open_tokens, read_index

@@ -39,6 +39,7 @@ from raytp.parallel.reshard_plan import pieces
 from raytp.parallel.zero_plan import BUCKET_NUMEL
 from raytp.parallel.sharding import Sharding, local_shape
 from raytp.files import checkpoint_blocks, checkpoint_manifest, safetensors_io
+from raytp.files.checkpoint_manifest import check_model_tensors
 from raytp.files.checkpoint_format import (FORMAT, FORMAT_V1, MANIFEST, STEP_DIR, CheckpointError,  # noqa: F401
                                            check_files, check_model, list_checkpoints, manifest, read_manifest, shard_file,
                                            step_dir, step_of)
@@ -165,9 +166,8 @@ class Checkpoint:
         self._held: dict[str, dict] = {}  # file -> {key: (dtype, stored shape)}, set by validate
 
     def validate(self) -> "Checkpoint":
-        """Every file there at its size, every entry a parameter of the model at its shape (no byte read)."""
+        """Every file there at its size, the entries' blocks whole, every file named (no byte read)."""
         check_files(self.storage, self.dir, self.manifest, self.where)
-        checkpoint_manifest.check_model_tensors(self.manifest, self.where)
         checkpoint_manifest.check_blocks(self.manifest, self.where)
         self._held = checkpoint_manifest.holdings(self.manifest)
         unlisted = sorted(set(self._held) - set(self.manifest["files"]))
@@ -263,6 +263,8 @@ def load_into(ckpt, model, optimizer, rank: int, tp: int) -> None:
     """Give a shard (built empty) its slices of the checkpoint's weights and, if it has any, AdamW state (a
     parameter the shard holds whole though TP splits its kind, an expert at etp 1, reads all of it)."""
     keys = set(ckpt.keys())
+    if "tensors" in ckpt.manifest:  # every entry at the shape of this model's parameter, before a byte is read
+        check_model_tensors(ckpt.manifest, ckpt.where, model.cfg)
     at = (rank, tp)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -291,14 +293,16 @@ def find(location: str, cfg: ModelArgs | None = None, warn=None, run_id: str | N
     """The checkpoint at `location` (a checkpoint dir: one holding a manifest, whatever its name; a
     checkpoints dir or a run dir; a path or URL), or the newest whole one under it; a broken newest one is
     reported through `warn` and skipped, as is one another run wrote when `run_id` names this run's (one
-    without a run id, written before them, is taken). Its model shape is checked against `cfg` if given, and
-    every file's header against its manifest. Raises CheckpointError."""
+    without a run id, written before them, is taken). Its model shape is checked against `cfg` if given
+    (and every entry against the model's parameters), every file's header against its manifest. Raises
+    CheckpointError."""
     location = str(location).rstrip("/")
     head, _, last = location.rpartition("/")
     if STEP_DIR.fullmatch(last) or Storage(head or ".").exists(last, MANIFEST):
         found = open_checkpoint(Storage(head or "."), last)
         if cfg is not None:
             check_model(found.manifest, cfg, found.where)
+            check_model_tensors(found.manifest, found.where)
         return found.check_all()
     for root in (f"{location}/checkpoints", location):
         storage = Storage(root)
@@ -309,6 +313,7 @@ def find(location: str, cfg: ModelArgs | None = None, warn=None, run_id: str | N
                     raise CheckpointError(f"written by another run ({found.manifest['run_id']})")
                 if cfg is not None:
                     check_model(found.manifest, cfg, found.where)
+                    check_model_tensors(found.manifest, found.where)
                 return found.check_all()
             except CheckpointError as e:
                 if warn:

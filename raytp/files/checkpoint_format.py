@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict
 
 from raytp.models.args import ModelArgs
-from raytp.files import trust
+from raytp import trust
 from raytp.files.storage import Storage
 
 FORMAT, FORMAT_V1 = "raytp-checkpoint/2", "raytp-checkpoint/1"

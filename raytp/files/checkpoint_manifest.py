@@ -2,7 +2,7 @@
 
 A checkpoint directory may be shared with others who can write it, so its manifest is input, not truth.
 ``check_manifest`` refuses one whose fields have the wrong types or ranges, whose file names are not plain
-names of the directory, or whose model is too large to build (raytp.files.trust); ``check_model_tensors``
+names of the directory, or whose model is too large to build (raytp.trust); ``check_model_tensors``
 holds every ``model/`` and ``optim/`` entry to the shape the manifest's own model gives that parameter;
 ``holdings`` says, from the entries, which file holds which tensor at which stored shape, so that a
 reader checks each file's safetensors header against it (dtype and shape, every byte accounted for)
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 
-from raytp.files import trust
+from raytp import trust
 from raytp.files.checkpoint_format import FORMAT, CheckpointError, shard_file
 from raytp.models.args import ModelArgs
 from raytp.parallel.sharding import Sharding, local_shape
@@ -110,11 +110,12 @@ def _model_shapes(cfg: ModelArgs) -> dict[str, tuple[int, ...]]:
         return {n: tuple(p.shape) for n, p in build_model(cfg).named_parameters()}
 
 
-def check_model_tensors(m: dict, where: str) -> None:
-    """Every entry of a format-2 manifest is a parameter of its model (or its AdamW state) at that parameter's
-    shape, and every parameter has its weights; else CheckpointError naming the first that is not."""
+def check_model_tensors(m: dict, where: str, cfg: ModelArgs | None = None) -> None:
+    """Every entry of a format-2 manifest is a parameter of its model (`cfg`, else the manifest's own) or its
+    AdamW state, at that parameter's shape, and every parameter has its weights; else CheckpointError naming
+    the first that is not."""
     try:
-        expected = _model_shapes(ModelArgs(**m["model"]))
+        expected = _model_shapes(cfg if cfg is not None else ModelArgs(**m["model"]))
     except (TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{where}/manifest.json: model: {str(e)[:300]}") from None
     for key, spec in m["tensors"].items():

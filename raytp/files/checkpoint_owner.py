@@ -15,7 +15,7 @@ import json
 import uuid
 from pathlib import Path
 
-from raytp.files import trust
+from raytp import trust
 from raytp.files.checkpoint_format import MANIFEST, STEP_DIR, list_checkpoints
 from raytp.files.storage import Storage
 

@@ -24,7 +24,8 @@ import torch
 
 from raytp.models.args import ModelArgs
 from raytp.models.base import MODEL_FORMAT
-from raytp.files import hf, hf_tokenizer, safetensors_io, trust
+from raytp import trust
+from raytp.files import hf, hf_tokenizer, safetensors_io
 
 # What an hf export writes: an --out directory holding only these is a previous export, replaced whole.
 EXPORT_FILE = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map)\.json"

@@ -22,7 +22,7 @@ from raytp.models.args import ModelArgs
 from raytp.models.registry import build_model, sharding_of, spec, spec_for_hf
 from raytp.parallel.sharding import shard_ranges
 from raytp.parallel.zero_plan import consecutive
-from raytp.files import trust
+from raytp import trust
 from raytp.files.safetensors_io import FormatError, Reader, write
 from raytp.files.storage import Storage
 

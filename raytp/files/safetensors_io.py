@@ -5,7 +5,7 @@ header length N, N bytes of JSON ``{name: {"dtype", "shape", "data_offsets":
 [begin, end]}, "__metadata__": {str: str}}``, then the raw little-endian data.
 No pickle anywhere. Writing needs only each tensor's dtype and shape up front,
 so a file is streamed one tensor at a time (the writer never holds more than
-one); reading parses the header once, holds it to the format (raytp.files.trust.check_header: every tensor's
+one); reading parses the header once, holds it to the format (raytp.trust.check_header: every tensor's
 bytes dtype x shape long, inside the data section, no gap, no overlap) and fetches only the rows asked
 for, inside the tensor's own bytes: one ranged read for a run of rows, one per row for a block of columns.
 """
@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from raytp.files import trust
+from raytp import trust
 
 DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",

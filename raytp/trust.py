@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a file or run name: no separator, no leading '.' or '-'
-MAX_NAME, MAX_PATH = 128, 4096  # characters of a run name; of a path (Linux's PATH_MAX)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a file name: no separator, no leading '.' or '-'
+MAX_PATH = 4096  # characters of a path (Linux's PATH_MAX)
 # Bytes per element of each safetensors dtype raytp reads (the format's names); anything else is refused.
 ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 MAX_DIMS = 8
@@ -29,16 +29,6 @@ class Untrusted(ValueError):
 
 
 # -- names and paths --------------------------------------------------------------------------------
-def check_name(name: Any, what: str) -> str | None:
-    """What is wrong with `name` as a run's name (an actor name, a Ray job id and a directory); None if
-    nothing."""
-    if not isinstance(name, str) or not NAME.fullmatch(name) or len(name) > MAX_NAME:
-        shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:57] + "..."
-        return (f"{what} {shown} is not valid: use at most {MAX_NAME} ASCII letters, digits, '.', '_' and '-', "
-                "starting with a letter or digit")
-    return None
-
-
 def check_path(path: Any, what: str) -> None:
     """A path the user gave that the system can hold: Untrusted for one too long or with a NUL."""
     text = str(path)
