@@ -191,6 +191,9 @@ class Checkpoint:
                 reader = safetensors_io.Reader(self.storage, f"{self.dir}/{name}", self.manifest["files"][name])
             except (safetensors_io.FormatError, OSError, KeyError) as e:
                 raise CheckpointError(f"{self.where}/{name}: cannot be read ({e})") from None
+            if reader.metadata.get("format") != FORMAT:  # raytp's files only: their tensors in written order
+                raise CheckpointError(f"{self.where}/{name}: cannot be read (not a raytp checkpoint file: format "
+                                      f"{str(reader.metadata.get('format'))[:40]!r})")
             for key, (dtype, shape) in self._held.get(name, {}).items():
                 have = reader.tensors.get(key)
                 if have is None or have["dtype"] != dtype or tuple(have["shape"]) != tuple(shape):

@@ -93,6 +93,8 @@ def _entry_problem(key, spec, lay: dict) -> str | None:
             return f"{k} {spec[k]!r} is not an integer >= 0"
     if "tp" in spec and spec["tp"] not in (1, lay["tp"]):
         return f"tp {spec['tp']!r} is neither 1 nor the layout's {lay['tp']}"
+    if "tp_file" in spec and dim is not None and spec.get("tp") != 1:
+        return "tp_file names the one file of a tensor held whole (tp: 1) only"
     blocks = spec.get("blocks")
     if blocks is not None and (not isinstance(blocks, list) or not blocks or not all(
             isinstance(b, list) and len(b) in (3, 4) and all(_int(x) for x in b) and b[1] <= b[2] for b in blocks)):
@@ -112,23 +114,29 @@ def _model_shapes(cfg: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 def check_model_tensors(m: dict, where: str, cfg: ModelArgs | None = None) -> None:
     """Every entry of a format-2 manifest is a parameter of its model (`cfg`, else the manifest's own) or its
-    AdamW state, at that parameter's shape, and every parameter has its weights; else CheckpointError naming
-    the first that is not."""
+    AdamW state, at that parameter's shape and split as the model's table splits it (a flipped `transposed`
+    of a square matrix would read its transpose), and every parameter has its weights; else CheckpointError
+    naming the first that is not."""
+    from raytp.models.registry import sharding_of
     try:
-        expected = _model_shapes(cfg if cfg is not None else ModelArgs(**m["model"]))
+        cfg = cfg if cfg is not None else ModelArgs(**m["model"])
+        expected = _model_shapes(cfg)
     except (TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{where}/manifest.json: model: {str(e)[:300]}") from None
     for key, spec in m["tensors"].items():
         section, name, *state = key.split("/")
         want = expected.get(name)
-        if want is not None and section == "optim" and state == ["step"]:
-            want = ()
         ok = (section == "model" and not state) or (section == "optim" and len(state) == 1
                                                     and state[0] in OPTIM_STATES)
-        if want is None or not ok or tuple(spec["shape"]) != want:
-            raise CheckpointError(f"{where}/manifest.json: tensors: {key}: "
-                                  + (f"shape {spec['shape']}, the model's is {list(want)}" if want is not None and ok
-                                     else "not a parameter of its model (or its AdamW state)"))
+        if want is None or not ok:
+            raise CheckpointError(f"{where}/manifest.json: tensors: {key}: not a parameter of its model (or its "
+                                  "AdamW state)")
+        s = Sharding() if state == ["step"] else sharding_of(name, cfg)
+        want = () if state == ["step"] else want
+        split = (spec["dim"], spec["parts"], spec["pad"], spec.get("heads", 0), spec["transposed"])
+        if tuple(spec["shape"]) != want or split != (s.dim, s.parts, s.pad, s.heads, s.dim == 1 and len(want) == 2):
+            raise CheckpointError(f"{where}/manifest.json: tensors: {key}: shape {spec['shape']} split {split[:4]}; "
+                                  f"the model's is {list(want)} split {(s.dim, s.parts, s.pad, s.heads)}")
     missing = [n for n in expected if f"model/{n}" not in m["tensors"]]
     if missing:
         raise CheckpointError(f"{where}/manifest.json: holds no model/{missing[0]}"
