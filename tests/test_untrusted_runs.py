@@ -101,7 +101,8 @@ def test_a_run_name_that_is_not_one_is_refused_and_nothing_is_written(tmp_path, 
     job = small_job(tmp_path / "job.yaml")
     code, out = cli("train", job, "--name", name)
     assert code == 2 and one_error(out) and "is not valid" in out, out
-    assert list((tmp_path / "cwd").iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "job.yaml"]
+    assert list((tmp_path / "cwd").iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "job.yaml"]
 
 
 @pytest.mark.parametrize("run_dir, says", [("my run", "pass --name"), ("d" * 5000, "cannot be used"),
