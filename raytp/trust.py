@@ -79,7 +79,7 @@ def check_header(tensors: Any, data_bytes: int | None, in_order: bool = False) -
         if not isinstance(v, dict) or set(v) != {"dtype", "shape", "data_offsets"}:
             raise Untrusted(f"{str(name)[:80]!r}: a header entry needs exactly dtype, shape and data_offsets")
         dtype, shape, offsets = v["dtype"], v["shape"], v["data_offsets"]
-        if dtype not in ITEM_BYTES:
+        if not isinstance(dtype, str) or dtype not in ITEM_BYTES:
             raise Untrusted(f"{name}: dtype {str(dtype)[:20]!r} is not one raytp reads ({', '.join(ITEM_BYTES)})")
         if not _ints(shape) or len(shape) > MAX_DIMS:
             raise Untrusted(f"{name}: shape {str(shape)[:80]} is not a list of at most {MAX_DIMS} integers >= 0")

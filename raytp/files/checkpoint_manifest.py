@@ -49,6 +49,8 @@ def check_manifest(m: dict, where: str) -> dict:
     files = m.get("files")
     if not isinstance(files, dict) or not files or not all(_int(v) for v in files.values()):
         bad("files is not a mapping of file names to sizes")
+    if lay["tp"] * lay.get("pp", 1) > len(files) or lay["dp"] > 1 << 20 or lay.get("zero", 0) > 1:
+        bad(f"layout {lay} does not fit its {len(files)} files (each TP rank of each stage writes one)")
     try:
         for name in files:
             trust.plain_name(name, "files")
@@ -71,8 +73,8 @@ def _entry_problem(key, spec, lay: dict) -> str | None:
     """What is wrong with one entry of a manifest's tensor table; None if nothing."""
     if not isinstance(key, str) or key.split("/")[0] not in ("model", "optim"):
         return "keys are model/<name> or optim/<name>/<state>"
-    if not isinstance(spec, dict):
-        return "not a mapping"
+    if not isinstance(spec, dict) or not {"dim", "parts", "pad", "shape", "dtype", "transposed"} <= set(spec):
+        return "not a mapping of dim, parts, pad, shape, dtype and transposed"
     shape = spec.get("shape")
     if not isinstance(shape, list) or not all(_int(x) for x in shape) or len(shape) > trust.MAX_DIMS:
         return f"shape {str(shape)[:60]} is not a list of integers >= 0"
@@ -84,6 +86,9 @@ def _entry_problem(key, spec, lay: dict) -> str | None:
     if not _int(spec.get("parts"), 1) or not isinstance(spec.get("pad"), bool) \
             or not isinstance(spec.get("transposed"), bool) or not _int(spec.get("heads", 0)):
         return "parts, pad, transposed or heads of the wrong type"
+    if spec["parts"] > 64 or (dim is not None and (spec["parts"] > max(shape[dim], 1)
+                                                   or spec.get("heads", 0) > max(shape[dim], 1))):
+        return f"parts {spec['parts']} or heads {spec.get('heads', 0)} more than the tensor has rows"
     if spec["transposed"] and (dim != 1 or len(shape) != 2):
         return "transposed is for a matrix split along dim 1 only"
     if spec.get("stage") is not None and not (_int(spec["stage"]) and spec["stage"] < lay.get("pp", 1)):
@@ -103,13 +108,13 @@ def _entry_problem(key, spec, lay: dict) -> str | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _model_shapes(cfg: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every parameter of a model of `cfg` and its shape (built on the meta device: no memory)."""
+def _model_table(cfg: ModelArgs) -> dict[str, tuple[tuple[int, ...], Sharding]]:
+    """Every parameter of a model of `cfg`: its shape (built on the meta device: no memory) and its split."""
     import torch
 
-    from raytp.models.registry import build_model
+    from raytp.models.registry import build_model, sharding_of
     with torch.device("meta"):
-        return {n: tuple(p.shape) for n, p in build_model(cfg).named_parameters()}
+        return {n: (tuple(p.shape), sharding_of(n, cfg)) for n, p in build_model(cfg).named_parameters()}
 
 
 def check_model_tensors(m: dict, where: str, cfg: ModelArgs | None = None) -> None:
@@ -117,26 +122,29 @@ def check_model_tensors(m: dict, where: str, cfg: ModelArgs | None = None) -> No
     AdamW state, at that parameter's shape and split as the model's table splits it (a flipped `transposed`
     of a square matrix would read its transpose), and every parameter has its weights; else CheckpointError
     naming the first that is not."""
-    from raytp.models.registry import sharding_of
     try:
         cfg = cfg if cfg is not None else ModelArgs(**m["model"])
-        expected = _model_shapes(cfg)
+        expected = _model_table(cfg)
     except (TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{where}/manifest.json: model: {str(e)[:300]}") from None
     for key, spec in m["tensors"].items():
         section, name, *state = key.split("/")
-        want = expected.get(name)
+        want, s = expected.get(name, (None, None))
         ok = (section == "model" and not state) or (section == "optim" and len(state) == 1
                                                     and state[0] in OPTIM_STATES)
         if want is None or not ok:
             raise CheckpointError(f"{where}/manifest.json: tensors: {key}: not a parameter of its model (or its "
                                   "AdamW state)")
-        s = Sharding() if state == ["step"] else sharding_of(name, cfg)
-        want = () if state == ["step"] else want
+        s, want = (Sharding(), ()) if state == ["step"] else (s, want)
         split = (spec["dim"], spec["parts"], spec["pad"], spec.get("heads", 0), spec["transposed"])
         if tuple(spec["shape"]) != want or split != (s.dim, s.parts, s.pad, s.heads, s.dim == 1 and len(want) == 2):
             raise CheckpointError(f"{where}/manifest.json: tensors: {key}: shape {spec['shape']} split {split[:4]}; "
                                   f"the model's is {list(want)} split {(s.dim, s.parts, s.pad, s.heads)}")
+    for name in {key.split("/")[1] for key in m["tensors"] if key.startswith("optim/")}:
+        have = [k for k in OPTIM_STATES if f"optim/{name}/{k}" in m["tensors"]]
+        if len(have) != len(OPTIM_STATES):  # AdamW keeps all three of a parameter or none
+            raise CheckpointError(f"{where}/manifest.json: tensors: optim/{name}: holds {', '.join(have)} of "
+                                  f"{', '.join(OPTIM_STATES)}")
     missing = [n for n in expected if f"model/{n}" not in m["tensors"]]
     if missing:
         raise CheckpointError(f"{where}/manifest.json: holds no model/{missing[0]}"

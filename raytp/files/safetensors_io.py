@@ -87,7 +87,7 @@ class Reader:
             raise FormatError(f"header is not valid JSON ({e})") from None
         if not isinstance(meta, dict):
             raise FormatError("header is not a JSON object")
-        self.metadata = meta.pop("__metadata__", {}) or {}
+        self.metadata = meta.pop("__metadata__", {})
         if not isinstance(self.metadata, dict) or not all(isinstance(v, str) for v in self.metadata.values()):
             raise FormatError("__metadata__ is not a mapping of strings")
         self.data_start = 8 + n
