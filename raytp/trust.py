@@ -166,8 +166,15 @@ def approx_params(cfg) -> int:
 def check_model_size(cfg, where: str) -> None:
     """Refuse (Untrusted) a model too large to be built, before anything is: past MAX_LAYERS layers or
     about MAX_PARAMS parameters."""
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+        v = getattr(cfg, key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise Untrusted(f"{where}: {key} {str(v)[:40]!r} is not an integer > 0")
     if cfg.n_layer > MAX_LAYERS:
         raise Untrusted(f"{where}: n_layer {cfg.n_layer:,} is past the {MAX_LAYERS:,} layers raytp builds")
-    n = approx_params(cfg)
+    try:
+        n = approx_params(cfg)
+    except (ArithmeticError, TypeError, ValueError) as e:
+        raise Untrusted(f"{where}: not the numbers of a model ({e})") from None
     if n > MAX_PARAMS:
         raise Untrusted(f"{where}: a model of about {n:.3g} parameters is past the {MAX_PARAMS:.0e} raytp builds")
