@@ -183,6 +183,7 @@ def plan(job: JobSpec, overrides: Overrides, run_dir, name: str | None, resume: 
         raise BadJob(str(e)) from None
     except ConfigError as e:
         raise BadJob("\n".join(e.problems)) from None
+    check_fresh(path, resume)  # a run there already: its own message first
     check_owned(cfg, path, run, resume)
     try:  # a size no model of this world has is refused before anything is built (the estimate builds one)
         from raytp.config.adapters import model_args
