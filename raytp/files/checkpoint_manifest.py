@@ -167,7 +167,8 @@ def holdings(m: dict) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
                     out.setdefault(file, {})[key] = (spec["dtype"], at)  # one block of a tensor a file
                 continue
             at = local[::-1] if spec["transposed"] else local
-            out.setdefault(shard_file(spec.get("tp_file", src), stage, spec.get("dp", 0)), {})[key] = (spec["dtype"], at)
+            file = shard_file(spec.get("tp_file", src), stage, spec.get("dp", 0))
+            out.setdefault(file, {})[key] = (spec["dtype"], at)
     return out
 
 

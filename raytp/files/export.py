@@ -134,8 +134,8 @@ def _beside_weights(cfg: ModelArgs, dtype: torch.dtype, tokenizer: Path | None,
 
 
 def _check_out(out: Path) -> None:
-    """An hf export replaces `out` whole (a previous export): refuse a file, or a directory holding anything an export does not
-    write (whatever --out names, nothing else is ever deleted)."""
+    """An hf export replaces `out` whole (a previous export): refuse a file, or a directory holding anything an
+    export does not write (whatever --out names, nothing else is ever deleted)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file; give a directory (--format hf writes one)")
     others = sorted(p.name for p in out.iterdir() if not EXPORT_FILE.fullmatch(p.name)) if out.is_dir() else []

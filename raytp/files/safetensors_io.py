@@ -130,7 +130,8 @@ class Reader:
     def block(self, name: str, rows: range, cols: range) -> torch.Tensor:
         """A block of a matrix: whole rows in one read, a block of columns one read per row."""
         dtype, shape, at = self.info(name)
-        if len(shape) != 2 or not (0 <= rows.start <= rows.stop <= shape[0] and 0 <= cols.start <= cols.stop <= shape[1]):
+        if len(shape) != 2 or not (0 <= rows.start <= rows.stop <= shape[0]
+                                   and 0 <= cols.start <= cols.stop <= shape[1]):
             raise FormatError(f"{name}: block {rows} x {cols} asked of a tensor of shape {shape}")
         if cols.start == 0 and cols.stop == shape[1]:
             return self.rows(name, rows.start, len(rows))
