@@ -67,6 +67,23 @@ def test_runs_sharing_a_checkpoint_dir_prune_and_restore_only_their_own(tmp_path
     assert checkpoint.list_checkpoints(Storage(shared)) == ["step-00000005", "step-00000030", "step-00000040"]
 
 
+def test_a_checkpoint_written_before_run_ids_still_resumes_and_is_never_pruned(tmp_path):
+    import torch
+    cfg, full, shards = small_state(tp=1)
+    save_shards(tmp_path, 10, shards, cfg, run_id="old")
+    m = json.loads((tmp_path / "step-00000010" / "manifest.json").read_text())
+    del m["run_id"]  # as every manifest before run ids
+    (tmp_path / "step-00000010" / "manifest.json").write_text(json.dumps(m))
+    found = checkpoint.find(str(tmp_path), cfg, run_id="new")  # a bare --resume of a run that lost its run_id
+    assert found.step == 10 and torch.equal(found.read("model/wte.weight", 0, 1), full["model"]["wte.weight"])
+    assert Checkpoints(str(tmp_path), 1, Events(), "new").newest().step == 10
+    before = tree(tmp_path / "step-00000010")
+    for step in (20, 30):
+        save_shards(tmp_path, step, shards, cfg, keep=1, run_id="new")
+    assert checkpoint.list_checkpoints(Storage(tmp_path)) == ["step-00000010", "step-00000030"]
+    assert tree(tmp_path / "step-00000010") == before
+
+
 def test_a_run_dir_holding_another_runs_files_is_refused_before_anything_starts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     job = small_job(tmp_path / "job.yaml")
