@@ -19,8 +19,10 @@ a Storage (raytp.files.storage):
 
 Each worker writes its own file (``write_shard``), all at once; a resume at any
 layout has each worker read only the byte ranges of its new slices
-(``Checkpoint.read``, through raytp.parallel.reshard_plan). A truncated,
-corrupt or missing file is refused by name. Format-1 checkpoints (one
+(``Checkpoint.read``, through raytp.parallel.reshard_plan). A checkpoint is
+untrusted input: its manifest and every file's header are held to what raytp
+writes before a row is read (raytp.files.checkpoint_manifest), and a truncated,
+corrupt, missing or inconsistent file is refused by name. Format-1 checkpoints (one
 ``torch.save`` pickle per rank, read with ``weights_only=True``) still load, whole.
 
 Exact resumption needs nothing more: data and dropout are pure functions of
@@ -191,15 +193,8 @@ class Checkpoint:
                 reader = safetensors_io.Reader(self.storage, f"{self.dir}/{name}", self.manifest["files"][name])
             except (safetensors_io.FormatError, OSError, KeyError) as e:
                 raise CheckpointError(f"{self.where}/{name}: cannot be read ({e})") from None
-            if reader.metadata.get("format") != FORMAT:  # raytp's files only: their tensors in written order
-                raise CheckpointError(f"{self.where}/{name}: cannot be read (not a raytp checkpoint file: format "
-                                      f"{str(reader.metadata.get('format'))[:40]!r})")
-            for key, (dtype, shape) in self._held.get(name, {}).items():
-                have = reader.tensors.get(key)
-                if have is None or have["dtype"] != dtype or tuple(have["shape"]) != tuple(shape):
-                    found = f"{have['dtype']} {have['shape']}" if have else "nothing"
-                    raise CheckpointError(f"{self.where}/{name}: {key}: holds {found}, the manifest says {dtype} "
-                                          f"{list(shape)}")
+            checkpoint_manifest.check_file(reader.metadata, reader.tensors, self._held.get(name, {}),
+                                           f"{self.where}/{name}")
             self._readers[name] = reader
         return self._readers[name]
 

@@ -172,6 +172,19 @@ def holdings(m: dict) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
     return out
 
 
+def check_file(metadata: dict, tensors: dict, held: dict, where: str) -> None:
+    """A checkpoint file's header (`metadata`, `tensors`) against what the manifest places in it (`held`, one
+    file's holdings): raytp's format tag (its tensors in written order), every tensor at its dtype and shape."""
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: cannot be read (not a raytp checkpoint file: format "
+                              f"{str(metadata.get('format'))[:40]!r})")
+    for key, (dtype, shape) in held.items():
+        have = tensors.get(key)
+        if have is None or have["dtype"] != dtype or tuple(have["shape"]) != tuple(shape):
+            found = f"{have['dtype']} {have['shape']}" if have else "nothing"
+            raise CheckpointError(f"{where}: {key}: holds {found}, the manifest says {dtype} {list(shape)}")
+
+
 def check_blocks(m: dict, where: str) -> None:
     """The blocks of every entry that has them tile the rows of its TP slice, in order, with no gap."""
     tp = m["layout"]["tp"]
