@@ -143,8 +143,8 @@ def check_owned(cfg: JobConfig, path: Path, run: str, resume: str | None) -> Non
     from raytp.files.storage import Storage, checkpoint_location
     if resume is not None:
         return
-    old = path / "config.yaml"
-    if old.is_file() and old.read_bytes() != yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode():
+    old, ours = path / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode()
+    if old.is_file() and _head(old, len(ours) + 1) != ours:
         raise BadJob(f"run directory {path} holds another run's files (its config.yaml is another job's); pass "
                      "--resume to continue that run, or another --run-dir/--name")
     location = checkpoint_location(cfg, path, run)
@@ -156,6 +156,12 @@ def check_owned(cfg: JobConfig, path: Path, run: str, resume: str | None) -> Non
         raise BadJob(f"checkpoint location {location} holds checkpoints this run did not write "
                      f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); pass --resume to continue "
                      "from them, or give this run a location of its own (checkpoint.dir, --run-dir)")
+
+
+def _head(path: Path, n: int) -> bytes:
+    """At most the first `n` bytes of a file (one in a run dir may be anything)."""
+    with open(path, "rb") as f:
+        return f.read(n)
 
 
 def run_id_for(path: Path, resume: str | None, init_state) -> str:
