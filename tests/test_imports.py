@@ -18,7 +18,7 @@ LAYERS = {
     "raytp.eager_adamw": set(),
     "raytp.initialization": {"raytp.seeds"},
     "raytp.parallel": {"raytp.seeds"},
-    "raytp.models": {"raytp.seeds", "raytp.initialization", "raytp.parallel", "raytp.tp_degrees"},
+    "raytp.models": {"raytp.trust", "raytp.seeds", "raytp.initialization", "raytp.parallel", "raytp.tp_degrees"},
     "raytp.train": {"raytp.models", "raytp.parallel", "raytp.seeds", "raytp.eager_adamw"},
     "raytp.files": {"raytp.trust", "raytp.models", "raytp.parallel", "raytp.train"},
     "raytp.moves": {"raytp.models", "raytp.parallel"},

@@ -158,6 +158,23 @@ def test_a_huge_model_in_init_from_or_a_manifest_is_refused_before_it_is_built(t
     assert time.perf_counter() - t0 < 10 and not (tmp_path / "r").exists()
 
 
+def test_a_model_file_saying_n_layer_1e9_is_refused_before_it_is_built(tmp_path):
+    import struct
+    _, _, ckpt = checkpointed_run(tmp_path / "run", tp=1)
+    assert cli("export", ckpt, "--out", tmp_path / "m.safetensors")[0] == 0
+    raw = (tmp_path / "m.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    head = json.loads(raw[8:8 + n])
+    head["__metadata__"]["config"] = json.dumps({**json.loads(head["__metadata__"]["config"]), "n_layer": 10 ** 9})
+    text = json.dumps(head).encode()
+    text += b" " * (-len(text) % 8)
+    (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    t0 = time.perf_counter()
+    code, out = cli("sample", tmp_path / "m.safetensors", "--tokens", "1")
+    assert code == 1 and one_error(out) and "n_layer 1,000,000,000 is past" in out, out
+    assert time.perf_counter() - t0 < 10
+
+
 def test_an_untouched_checkpoint_still_exports_exactly(tmp_path):
     """The checks refuse what is wrong, not what is right: every tensor of the export is the state's."""
     from raytp.models.files import load_model
