@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from raytp import names
+from raytp.trust import Untrusted, load_yaml
 from raytp.head import Head, Unreachable
 
 __all__ = ["Head", "NoSuchRun", "Unreachable"]  # and the functions below
@@ -152,8 +153,8 @@ def read_runtime_env(text: str) -> dict:
     that is not a mapping, sets raytp's own `working_dir`, or has env_vars that are not strings."""
     path = Path(text)
     try:
-        env = yaml.safe_load(path.read_text()) if path.is_file() else json.loads(text)
-    except (OSError, yaml.YAMLError, json.JSONDecodeError) as e:
+        env = load_yaml(path.read_text(), str(path)) if path.is_file() else json.loads(text)
+    except (OSError, yaml.YAMLError, json.JSONDecodeError, Untrusted) as e:
         raise ValueError(f"neither a readable YAML/JSON file nor inline JSON ({type(e).__name__}: {e})") from None
     if not isinstance(env, dict):
         raise ValueError(f"must be a mapping of runtime env fields, got {type(env).__name__}")

@@ -14,6 +14,7 @@ NAMESPACE = "raytp"
 PREFIX = "raytp."
 JOB_PREFIX = "raytp-"  # the Ray job of a submitted run R is raytp-R
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+MAX_RUN_NAME = 128
 
 
 def worker(run: str, rank: int) -> str:
@@ -81,9 +82,11 @@ def default_run_name(job_file: str | Path) -> str:
     return f"{Path(job_file).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def check_run_name(run: str) -> str | None:
-    """What is wrong with `run` as an actor name, Ray job id and directory name; None if nothing."""
-    if RUN_NAME.fullmatch(run):
+def check_run_name(run: str, what: str = "run name") -> str | None:
+    """What is wrong with `run` as an actor name, Ray job id and directory name; None if nothing (every
+    entry point asks this: --name, the job's name, a run dir's last component, submit)."""
+    if isinstance(run, str) and RUN_NAME.fullmatch(run) and len(run) <= MAX_RUN_NAME:
         return None
-    return (f"run name {run!r} is not valid: use letters, digits, '.', '_' and '-', "
+    shown = repr(run) if len(repr(run)) <= 60 else repr(run)[:57] + "..."
+    return (f"{what} {shown} is not valid: use at most {MAX_RUN_NAME} ASCII letters, digits, '.', '_' and '-', "
             "starting with a letter or digit")

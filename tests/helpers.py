@@ -249,10 +249,10 @@ class ShardsGroup:
         return list(refs)
 
 
-def save_shards(root, step, shards, model_cfg, dp=1, keep=3):
-    """Save per-rank shard states as the driver and its workers do; the checkpoint's path."""
+def save_shards(root, step, shards, model_cfg, dp=1, keep=3, run_id="test-run"):
+    """Save per-rank shard states as the driver and its workers do, as run `run_id`; the checkpoint's path."""
     from raytp.runtime.state.checkpoints import Checkpoints
-    ckpts = Checkpoints(str(root), keep, Events())
+    ckpts = Checkpoints(str(root), keep, Events(), run_id)
     group = ShardsGroup(shards, model_cfg, dp)
     ckpts.begin(group, step)
     return ckpts.finish(group)

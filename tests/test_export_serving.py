@@ -30,6 +30,12 @@ VOCAB, T, EOT = 320, 32, "<|endoftext|>"
 PROMPT = "def "
 
 
+def shipped(run_dir):
+    """The tokenizer the run dir's config.yaml names, named on the command line (a run dir's paths are not
+    followed: only what the command names is shipped)."""
+    return ["--tokenizer", str(run_dir.parent / "tok")]
+
+
 def cli(*args):
     """`raytp ARGS` in this process; the result, which must have succeeded."""
     r = CliRunner().invoke(main, list(args))
@@ -107,10 +113,10 @@ print(json.dumps({"ids": out.tolist(), "text": tok.decode(out), "dtype": str(mod
 
 @pytest.mark.slow  # over 10 s (generation in two processes); the quick tier keeps the other exports
 def test_bf16_export_generates_what_raytp_sample_prints_with_no_raytp(run_dir, tmp_path):
-    cli("export", str(run_dir), "--out", str(tmp_path / "m.safetensors"))
+    cli("export", str(run_dir), *shipped(run_dir), "--out", str(tmp_path / "m.safetensors"))
     sampled = cli("sample", str(tmp_path / "m.safetensors"), "--prompt", PROMPT, "--tokens", "24",
                   "--temperature", "0").stdout.rstrip("\n")
-    cli("export", str(run_dir), "--format", "hf", "--dtype", "bf16", "--out", str(tmp_path / "hf"))
+    cli("export", str(run_dir), *shipped(run_dir), "--format", "hf", "--dtype", "bf16", "--out", str(tmp_path / "hf"))
     p = subprocess.run([sys.executable, "-c", WITHOUT_RAYTP, str(tmp_path / "hf"), PROMPT, "24"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -125,7 +131,7 @@ def test_bf16_export_generates_what_raytp_sample_prints_with_no_raytp(run_dir, t
 
 
 def test_files_are_what_serving_reads(run_dir, tmp_path):
-    cli("export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf"))
+    cli("export", str(run_dir), *shipped(run_dir), "--format", "hf", "--out", str(tmp_path / "hf"))
     out = tmp_path / "hf"
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
@@ -140,8 +146,8 @@ def test_files_are_what_serving_reads(run_dir, tmp_path):
 
 
 def test_sharded_bf16_export_loads_the_same_weights(run_dir, tmp_path):
-    cli("export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "one"))
-    cli("export", str(run_dir), "--format", "hf", "--dtype", "bf16", "--max-shard-size", "60KB",
+    cli("export", str(run_dir), *shipped(run_dir), "--format", "hf", "--out", str(tmp_path / "one"))
+    cli("export", str(run_dir), *shipped(run_dir), "--format", "hf", "--dtype", "bf16", "--max-shard-size", "60KB",
         "--out", str(tmp_path / "sharded"))
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
@@ -175,7 +181,8 @@ def test_tokenizer_files_and_ids_are_copied_from_the_init_from_directory(run_dir
     shutil.copytree(run_dir, run)
     (run / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(init)},
                                                      "model": {"init_from": str(init)}}))
-    cli("export", str(run), "--format", "hf", "--out", str(tmp_path / "hf"))
+    cli("export", str(run), "--tokenizer", str(init), "--init-from", str(init), "--format", "hf", "--out",
+        str(tmp_path / "hf"))
     out = tmp_path / "hf"
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (init / name).read_bytes(), name
@@ -188,7 +195,7 @@ def test_tokenizer_files_and_ids_are_copied_from_the_init_from_directory(run_dir
 
 def test_a_failed_export_leaves_the_previous_one_whole_and_nothing_else(run_dir, tmp_path):
     out = tmp_path / "hf"
-    cli("export", str(run_dir), "--format", "hf", "--out", str(out))
+    cli("export", str(run_dir), *shipped(run_dir), "--format", "hf", "--out", str(out))
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     broken = tmp_path / "broken"
     shutil.copytree(checkpoint.find(str(run_dir)).where, broken)

@@ -89,7 +89,7 @@ def test_llama_trains_on_bpe_tokens_and_samples_text(ray_local, text_and_tokeniz
     close(d)
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert sum(losses[-5:]) / 5 < losses[0] - 1.0, str([round(x, 3) for x in losses])  # one step is noisy
-    raytp_cli("export", str(run_dir), "--out", str(tmp_path / "m.safetensors"))  # tokenizer from config.yaml
+    raytp_cli("export", str(run_dir), "--tokenizer", str(tok_file), "--out", str(tmp_path / "m.safetensors"))
     out = subprocess.run([sys.executable, "-m", "raytp.cli", "sample", str(tmp_path / "m.safetensors"),
                           "--prompt", "def ", "--tokens", "30", "--temperature", "0"],
                          capture_output=True, text=True, timeout=120)

@@ -22,12 +22,14 @@ Overrides = Union[Mapping[str, Any], Sequence[str], None]
 
 @dataclass(frozen=True)
 class Plan:
-    """A job ready to start: its config, name, run directory, starting state and memory estimate."""
+    """A job ready to start: its config, name, run directory, starting state and memory estimate, and the
+    run's id (its mark on the checkpoints it writes: raytp.files.checkpoint_owner)."""
     cfg: JobConfig
     run: str
     run_dir: Path
     init_state: tuple | None
     memory: Any  # raytp.runtime.estimate.WorkerMemory
+    run_id: str = ""
 
 
 def override_lines(overrides: Overrides) -> list[str]:
@@ -71,13 +73,25 @@ def load_job(job: JobSpec, overrides: Overrides, say: Callable[[str], None]) -> 
 def run_name_and_dir(job: JobSpec, cfg: JobConfig, run_dir: str | os.PathLike | None,
                      name: str | None) -> tuple[str, Path]:
     """RUN is the last component of the run dir unless `name` (or the job's name) is given; the default
-    run dir is runs/<name>, the default name <job file stem, or "job">-<local time>."""
+    run dir is runs/<name>, the default name <job file stem, or "job">-<local time>. Every name is checked
+    as `submit` and the job's `name` key check theirs, before anything is written (BadJob)."""
+    from raytp.trust import Untrusted, check_path
     if run_dir:
+        try:
+            check_path(run_dir, "--run-dir")
+        except Untrusted as e:
+            raise BadJob(str(e)) from None
         path = Path(run_dir).expanduser()
-        return name or path.resolve().name, path
-    stem = job if isinstance(job, (str, os.PathLike)) else "job"
-    name = name or cfg.name or names.default_run_name(stem)
-    return name, Path("runs") / name
+        run = name or path.resolve().name
+        what = "--name" if name else f"--run-dir {str(run_dir)[:80]}: its last component, the run name,"
+    else:
+        stem = job if isinstance(job, (str, os.PathLike)) else "job"
+        run = name or cfg.name or names.default_run_name(stem)
+        what, path = ("--name" if name else "run name"), Path("runs") / run
+    problem = names.check_run_name(run, what)
+    if problem:
+        raise BadJob(problem + ("; pass --name" if what.startswith("--run-dir") else ""))
+    return run, path
 
 
 def check_data(cfg: JobConfig) -> str:
@@ -121,6 +135,47 @@ def check_fresh(path: Path, resume: str | None) -> None:
                      "or another --run-dir/--name")
 
 
+def check_owned(cfg: JobConfig, path: Path, run: str, resume: str | None) -> None:
+    """A fresh run writes over nobody's files: its run dir holds no other run's (a config.yaml of another
+    job, checkpoints) and its checkpoint location no checkpoint of another run (BadJob); a resumed run
+    continues what is there, and prunes only what it marked."""
+    import yaml
+    from raytp.files.checkpoint_owner import foreign
+    from raytp.files.storage import Storage, checkpoint_location
+    if resume is not None:
+        return
+    old, ours = path / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode()
+    if old.is_file() and _head(old, len(ours) + 1) != ours:
+        raise BadJob(f"run directory {path} holds another run's files (its config.yaml is another job's); pass "
+                     "--resume to continue that run, or another --run-dir/--name")
+    location = checkpoint_location(cfg, path, run)
+    try:
+        others = foreign(Storage(location), None)
+    except Exception:  # noqa: BLE001 - unreachable, no credentials: check_storage says why
+        return
+    if others:
+        raise BadJob(f"checkpoint location {location} holds checkpoints this run did not write "
+                     f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); pass --resume to continue "
+                     "from them, or give this run a location of its own (checkpoint.dir, --run-dir)")
+
+
+def _head(path: Path, n: int) -> bytes:
+    """At most the first `n` bytes of a file (one in a run dir may be anything)."""
+    with open(path, "rb") as f:
+        return f.read(n)
+
+
+def run_id_for(path: Path, resume: str | None, init_state) -> str:
+    """The run's id: its run dir's, when it resumes; else that of the checkpoint a bare --resume continues;
+    else a new one."""
+    from raytp.files.checkpoint_owner import new_run_id, read_run_id
+    own = read_run_id(path) if resume is not None else None
+    if own is None and resume == "latest" and init_state is not None:
+        marked = getattr(init_state[1], "manifest", {}).get("run_id")
+        own = marked if isinstance(marked, str) else None
+    return own or new_run_id()
+
+
 def plan(job: JobSpec, overrides: Overrides, run_dir, name: str | None, resume: str | None, embedded: bool,
          say: Callable[[str], None]) -> Plan:
     """Every check that needs no Ray, in the command line's order; `embedded`: every worker will run on
@@ -135,6 +190,14 @@ def plan(job: JobSpec, overrides: Overrides, run_dir, name: str | None, resume: 
         raise BadJob(str(e)) from None
     except ConfigError as e:
         raise BadJob("\n".join(e.problems)) from None
+    check_fresh(path, resume)  # a run there already: its own message first
+    check_owned(cfg, path, run, resume)
+    try:  # a size no model of this world has is refused before anything is built (the estimate builds one)
+        from raytp.config.adapters import model_args
+        from raytp.trust import check_model_size
+        check_model_size(model_args(cfg), "model")
+    except ValueError as e:
+        raise BadJob(str(e)) from None
     say(f"[raytp] data: {check_data(cfg)}")  # against the model the job trains (model.init_from's shape)
     from raytp.runtime import estimate
     memory = estimate.estimate(cfg)
@@ -143,4 +206,4 @@ def plan(job: JobSpec, overrides: Overrides, run_dir, name: str | None, resume: 
         if problem:
             raise BadJob(problem)
     check_storage(cfg, path, run)
-    return Plan(cfg, run, path, init_state, memory)
+    return Plan(cfg, run, path, init_state, memory, run_id_for(path, resume, init_state))

@@ -95,9 +95,11 @@ def _train_coordinated(plan, address, resume, t0: float, out, say) -> Result:
 def _begin(plan, say) -> None:
     """The run directory with the job as it runs (config.yaml), and the run's first line."""
     import yaml
+    from raytp.files.checkpoint_owner import keep_run_id
     cfg, path = plan.cfg, plan.run_dir
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    keep_run_id(path, plan.run_id)
     say(f"[raytp] run {plan.run}  dir {path}  layout {cfg.layout}  "
         f"device {cfg.runtime.device}  memory {plan.memory.line()}")
 

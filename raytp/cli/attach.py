@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from raytp.cli.base import ended_line, fail, failed, main
+from raytp.cli.base import check_request, ended_line, fail, failed, main
 from raytp.cli.cluster import ADDRESS_HELP, _cluster_errors, _head
 
 
@@ -21,6 +21,7 @@ def attach(run, address):
     directory's driver.log. Ctrl-C leaves the run training (`raytp stop RUN` stops it); SIGTERM stops it at its
     next step boundary with a checkpoint, as for the client that started it."""
     from raytp.api import errors, follow
+    check_request(run)
     _head(address).connect()
     with follow.sigterm_flag() as asked:  # after ray.init, which sets its own SIGTERM handler
         try:

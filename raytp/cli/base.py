@@ -13,6 +13,7 @@ import sys
 import click
 
 from raytp import config as config_mod
+from raytp.names import check_run_name
 from raytp.api import job as api_job
 from raytp.api.errors import BadJob, message_of
 
@@ -57,6 +58,20 @@ def failed(e: BaseException, code: int = EXIT_FAILED):
         traceback.print_exception(e)
     own = type(e).__module__.startswith("raytp")  # raytp's own errors say what is wrong and where
     fail(message_of(e) + ("" if own or DEBUG["on"] else "  (raytp --debug shows the traceback)"), code)
+
+
+def check_request(run: str | None, timeout: float | None = None, **counts) -> None:
+    """A request's arguments before the cluster is asked (exit 2 and one line): RUN a valid run name, a
+    --timeout of seconds > 0, every count given (--tp 2: tp=2) at least 1; 0 is not "unchanged"."""
+    import math
+    problem = check_run_name(run, "RUN") if run is not None else None
+    if problem:
+        fail(problem)
+    if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
+        fail(f"--timeout {timeout:g}: must be a number of seconds > 0")
+    for flag, n in counts.items():
+        if n is not None and n < 1:
+            fail(f"--{flag} {n}: must be at least 1 (leave out what does not change)")
 
 
 def ended_line(state: str, steps: int, seconds: float, loss, val_loss, run_dir) -> str:

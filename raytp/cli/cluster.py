@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from raytp import names
-from raytp.cli.base import fail, load_job, main
+from raytp.cli.base import check_request, fail, load_job, main
 
 ADDRESS_HELP = ("Ray cluster: its dashboard (http://HEAD:8265) or its GCS (HEAD:6379); default "
                 "RAY_ADDRESS, else the cluster `ray start` made on this machine.")
@@ -109,6 +109,7 @@ def status(run, address, ranks, storage):
 
     A submitted run also shows its Ray job's status (PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED),
     after it ended too."""
+    check_request(run)  # a name, never a path: --storage reads <storage>/<RUN>
     if storage:
         from raytp.runtime.driver.mirror import describe_stored
         if not run:
@@ -134,6 +135,7 @@ def status(run, address, ranks, storage):
 @_cluster_errors
 def logs(run, follow, address, storage):
     """The output of submitted run RUN (its Ray job's driver log: progress, events, errors)."""
+    check_request(run)
     if storage:
         from raytp.runtime.driver.mirror import read_log
         try:
@@ -173,6 +175,7 @@ def stop(run, address, timeout):
     so Ray records it as STOPPED; without a control actor to ask, that is the only way."""
     import ray
     from raytp import jobs
+    check_request(run, timeout)
     head = _head(address)
     job = jobs.job_if_reachable(head, run)
     running = job is not None and not job.status.is_terminal()
@@ -225,6 +228,7 @@ def scale(run, workers, tp, pp, dp, ep, address, timeout):
         fail("give --workers N, or any of --tp N, --pp N, --dp N, or --ep N")
     if workers is not None and (tp is not None or pp is not None or dp is not None or ep is not None):
         fail("--workers keeps TP and PP and sets DP; give either it or --tp/--pp/--dp/--ep")
+    check_request(run, timeout, workers=workers, tp=tp, pp=pp, dp=dp, ep=ep)
     _head(address).connect()
     ctl = find_control(run)
     if ctl is None:
@@ -236,7 +240,8 @@ def scale(run, workers, tp, pp, dp, ep, address, timeout):
             fail(f"--workers {workers} is not a multiple of the run's replica size (TP x PP = {replica}); "
                   f"valid: {', '.join(str(replica * k) for k in range(1, 5))}, ...")
         tp, dp = st["tp"], workers // replica
-    tp, pp, dp = tp or st["tp"], pp or st.get("pp", 1), dp or st["dp"]
+    tp, pp, dp = (tp if tp is not None else st["tp"], pp if pp is not None else st.get("pp", 1),
+                  dp if dp is not None else st["dp"])
     rid = ray.get(ctl.request.remote("scale", tp=tp, pp=pp, dp=dp, ep=ep), timeout=30)
     outcome = await_outcome(ctl, rid, timeout, "scale")
     if not outcome.get("ok"):
@@ -266,6 +271,7 @@ def profile(run, steps, ranks, memory, address, timeout):
         wanted = sorted({int(r) for r in ranks.split(",")})
     except ValueError:
         fail(f"--ranks {ranks}: expected rank numbers separated by commas, e.g. 0,1")
+    check_request(run, timeout)
     _head(address).connect()
     ctl = find_control(run)
     if ctl is None:

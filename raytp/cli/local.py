@@ -44,32 +44,42 @@ def train(job, sets, address, run_dir, name, resume):
 @click.option("--format", "fmt", type=click.Choice(["raytp", "hf"]), default="raytp", show_default=True,
               help="raytp: one file raytp.models.files.load_model reads; hf: a GPT-2 or Llama directory for transformers.")
 @click.option("--tokenizer", default=None, type=click.Path(exists=True),
-              help="tokenizer.json (or a directory holding one) to ship with the model; default: the run's "
-                   "data.tokenizer when SOURCE is a run dir.")
+              help="tokenizer.json (or a directory holding one) to ship with the model; only what is named here is "
+                   "shipped (a run dir's data.tokenizer is named, not read).")
+@click.option("--init-from", "init_from", default=None, type=click.Path(exists=True, file_okay=False),
+              help="hf: the Hugging Face directory the run started from (its model.init_from): its special ids, "
+                   "generation_config.json and tokenizer side files are shipped.")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
               help="hf: the weights' dtype (training keeps fp32 masters: fp32 is exact, bf16 half the size).")
 @click.option("--max-shard-size", default=None, metavar="SIZE",
               help="hf: files of at most SIZE (5GB, 500MB, 1GiB, bytes) with model.safetensors.index.json "
                    "past it; default 5GB.")
-def export(source, out, fmt, tokenizer, dtype, max_shard_size):
+@click.option("--overwrite", is_flag=True, help="raytp: replace an existing --out file (never a directory).")
+def export(source, out, fmt, tokenizer, init_from, dtype, max_shard_size, overwrite):
     """Write the model of SOURCE (a run dir, a checkpoint dir, or a URL of either) as one raytp file or a
     Hugging Face directory, tensor by tensor."""
     from raytp.files import checkpoint, export as export_mod
-    from raytp.data.tokens import tokenizer_file
+    from raytp.files.checkpoint_manifest import check_model_tensors
+    from raytp.data import tokens as tok_mod
     try:
-        run_tok, init_from = export_mod.run_sources(source)
-        tok = tokenizer_file(tokenizer, "--tokenizer") if tokenizer else None
-        if tok is None and run_tok:
-            tok = tokenizer_file(run_tok)
-        if fmt == "raytp" and (dtype != "fp32" or max_shard_size):
-            raise ValueError("--dtype and --max-shard-size: only with --format hf (a raytp file is fp32, one file)")
+        tok = tok_mod.tokenizer_file(tokenizer, "--tokenizer") if tokenizer else None
+        if tok is not None:
+            tok_mod.load(str(tok), "--tokenizer")  # a tokenizer, whole, before its text is shipped
+        if fmt == "raytp" and (dtype != "fp32" or max_shard_size or init_from):
+            raise ValueError("--dtype, --max-shard-size and --init-from: only with --format hf (a raytp file is fp32, "
+                             "one file)")
+        export_mod.check_out(Path(out), fmt, overwrite)
+        for line in export_mod.unshipped(source, tokenizer, init_from):
+            click.echo(f"[raytp] note: {line}", err=True)
         ckpt = checkpoint.find(source, warn=lambda m: click.echo(f"[raytp] warning: {m}", err=True))
+        if "tensors" in ckpt.manifest:  # every entry at its model's shape: no byte of another tensor exported
+            check_model_tensors(ckpt.manifest, ckpt.where)
         if fmt == "hf":
             from raytp.files.hf import DEFAULT_SHARD_SIZE
             export_mod.write_hf(ckpt, Path(out), dtype, max_shard_size or DEFAULT_SHARD_SIZE, tok,
-                                init_from and Path(init_from).expanduser())
+                                Path(init_from) if init_from else None)
         else:
-            export_mod.write_model(ckpt, Path(out), tok)
+            export_mod.write_model(ckpt, Path(out), tok, overwrite)
     except checkpoint.CheckpointError as e:
         fail(e, 1)
     except ValueError as e:

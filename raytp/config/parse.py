@@ -1,4 +1,5 @@
-"""Reading a job: a YAML file (safe_load), `--set` overrides on top, one validated JobConfig.
+"""Reading a job: a YAML file (safe_load, aliases expanded under a budget: raytp.trust), `--set`
+overrides on top, one validated JobConfig.
 
 Precedence is override > file > default. All problems are collected and raised
 together as one ConfigError, one line each, naming the file (or `--set`), the
@@ -14,6 +15,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from raytp.config.rules import check
+from raytp.trust import Untrusted, load_yaml
 from raytp.config.schema import LEAVES, SECTIONS, JobConfig
 from raytp.config.values import ConfigError, IntList, at, literal, show, type_name, unwrap
 
@@ -72,7 +74,11 @@ def load(path: Any, overrides: Iterable[str] = ()) -> JobConfig:
     source = str(path)
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            data = load_yaml(fh, source)
+    except Untrusted as e:
+        raise ConfigError([str(e)]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{source}: not UTF-8 text ({e.reason} at byte {e.start})"]) from None
     except OSError as e:
         raise ConfigError([f"{source}: cannot read: {e.strerror or e}"]) from None
     except yaml.YAMLError as e:
@@ -114,8 +120,8 @@ def from_dict(d: Any, source: str = "<dict>",
             problems.append(_unknown("--set", key))
         else:
             try:
-                given[key] = (yaml.safe_load(text), "--set", text)
-            except yaml.YAMLError:
+                given[key] = (load_yaml(text, f"--set {key}"), "--set", text)
+            except (yaml.YAMLError, Untrusted):
                 problems.append(f"--set {key}: cannot parse value {text!r}")
 
     # A value of the wrong type keeps its default and is kept out of the

@@ -10,7 +10,7 @@ from raytp.config.values import ConfigError, Range, at, show
 from raytp.models.args import ModelArgs
 from raytp.models.arch import ARCHES
 from raytp.models.facts import divisors as _divisors
-from raytp.names import RUN_NAME
+from raytp.names import check_run_name
 from raytp.parallel.layout import Layout
 from raytp.tp_degrees import tp_degrees
 
@@ -245,8 +245,8 @@ _RULES: list[tuple[tuple[str, ...], Any, Any]] = [
      lambda v: f"replaces data.source ({v['data.source']}): give one of the two (a source may be named in "
                "data.mix itself)"),
     (("name",),
-     lambda v: v["name"] is None or RUN_NAME.fullmatch(v["name"]),
-     lambda v: f"{v['name']!r} is not a valid run name; use letters, digits, "
+     lambda v: v["name"] is None or check_run_name(v["name"]) is None,
+     lambda v: f"{v['name']!r} is not a valid run name; use at most 128 letters, digits, "
                "'_', '-', '.', starting with a letter or digit"),
 ]
 
@@ -275,7 +275,7 @@ def check(cfg: JobConfig, where, bad: set[str], shape_known: bool = True) -> lis
         if isinstance(valid, Range) and v[key] not in valid:
             msg = f"{show(v[key])} is out of range; must be {valid}"
         elif isinstance(valid, tuple) and v[key] not in valid:
-            msg = f"{v[key]!r} is not valid; valid: {', '.join(valid)}"
+            msg = f"{v[key]!r} is not valid; valid: {', '.join(map(str, valid))}"
         else:
             continue
         problems.append(f"{at(where(key), key)}: {msg}")

@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from raytp import trust
+
 FORMAT = "raytp-prepared"
 VERSION = 1
 NAME = "manifest.json"
@@ -84,7 +86,7 @@ def parse(text: str, where: str) -> Manifest:
     """A manifest from its JSON; ValueError naming `where` and what is wrong."""
     try:
         d = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"{where}: not JSON ({e})") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise ValueError(f"{where}: not a raytp prepared dataset's manifest (no \"format\": \"{FORMAT}\")")
@@ -106,4 +108,8 @@ def parse(text: str, where: str) -> Manifest:
         raise ValueError(f"{where}: dtype {m.dtype!r}, expected one of {', '.join(DTYPES)}")
     if not shards:
         raise ValueError(f"{where}: the dataset has no shards (an empty source?)")
+    for s in shards:  # a name of the dataset's files, never a path out of it (read here and by fetch)
+        trust.relative(s.prefix, f"{where}: shards: prefix")
+        if s.documents < 0 or s.tokens < 0:
+            raise ValueError(f"{where}: shards: {s.prefix}: negative counts")
     return m

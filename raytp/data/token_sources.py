@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from raytp.trust import inside
 from raytp.data import manifest as mf
 from raytp.data.conversation_split import Documents, Splitter
 from raytp.data.fetch import is_url, local_dataset, remote_manifest
@@ -120,7 +121,7 @@ def _describe(name: str, m: mf.Manifest) -> str:
 
 
 def read_manifest(path: Path, name: str) -> mf.Manifest:
-    return mf.parse((path / mf.NAME).read_text(encoding="utf-8"), f"{name}/{mf.NAME}")
+    return mf.parse(inside(path, mf.NAME, name).read_text(encoding="utf-8"), f"{name}/{mf.NAME}")
 
 
 def _prepared(path: Path, val_fraction: float | None, name: str) -> Source:
@@ -149,7 +150,8 @@ def _prepared(path: Path, val_fraction: float | None, name: str) -> Source:
 
 def _shard(path: Path, shard: mf.Shard, name: str) -> tuple[np.ndarray, np.ndarray]:
     """A shard's ids (memory-mapped) and its documents' end offsets, checked against the manifest."""
-    bin_path, idx_path = path / f"{shard.prefix}.bin", path / f"{shard.prefix}.idx"
+    where = f"{name}/{mf.NAME}: shards"  # the manifest's names lead to files of the dataset only
+    bin_path, idx_path = (inside(path, f"{shard.prefix}{suffix}", where) for suffix in (".bin", ".idx"))
     for p in (bin_path, idx_path):
         if not p.exists():
             raise ValueError(f"{name}: {p.name} is missing (the manifest lists {shard.prefix})")

@@ -19,8 +19,10 @@ a Storage (raytp.files.storage):
 
 Each worker writes its own file (``write_shard``), all at once; a resume at any
 layout has each worker read only the byte ranges of its new slices
-(``Checkpoint.read``, through raytp.parallel.reshard_plan). A truncated,
-corrupt or missing file is refused by name. Format-1 checkpoints (one
+(``Checkpoint.read``, through raytp.parallel.reshard_plan). A checkpoint is
+untrusted input: its manifest and every file's header are held to what raytp
+writes before a row is read (raytp.files.checkpoint_manifest), and a truncated,
+corrupt, missing or inconsistent file is refused by name. Format-1 checkpoints (one
 ``torch.save`` pickle per rank, read with ``weights_only=True``) still load, whole.
 
 Exact resumption needs nothing more: data and dropout are pure functions of
@@ -38,10 +40,12 @@ from raytp.models.stage import replicated_copy
 from raytp.parallel.reshard_plan import pieces
 from raytp.parallel.zero_plan import BUCKET_NUMEL
 from raytp.parallel.sharding import Sharding, local_shape
-from raytp.files import checkpoint_blocks, safetensors_io
+from raytp.files import checkpoint_blocks, checkpoint_manifest, safetensors_io
+from raytp.files.checkpoint_manifest import check_model_tensors
 from raytp.files.checkpoint_format import (FORMAT, FORMAT_V1, MANIFEST, STEP_DIR, CheckpointError,  # noqa: F401
                                            check_files, check_model, list_checkpoints, manifest, read_manifest, shard_file,
                                            step_dir, step_of)
+from raytp.files.checkpoint_owner import prune  # noqa: F401 - a run prunes only its own checkpoints
 from raytp.files.checkpoint_v1 import LegacyCheckpoint
 from raytp.files.storage import Storage
 
@@ -161,21 +165,37 @@ class Checkpoint:
         self.where = f"{storage.url.rstrip('/')}/{directory}"
         self.step, self.tp = self.manifest["step"], self.manifest["layout"]["tp"]
         self._readers: dict[str, safetensors_io.Reader] = {}
+        self._held: dict[str, dict] = {}  # file -> {key: (dtype, stored shape)}, set by validate
 
     def validate(self) -> "Checkpoint":
+        """Every file there at its size, the entries' blocks whole, every file named (no byte read)."""
         check_files(self.storage, self.dir, self.manifest, self.where)
+        checkpoint_manifest.check_blocks(self.manifest, self.where)
+        self._held = checkpoint_manifest.holdings(self.manifest)
+        unlisted = sorted(set(self._held) - set(self.manifest["files"]))
+        if unlisted:
+            raise CheckpointError(f"{self.where}/{MANIFEST}: tensors are in {unlisted[0]}, which files does not list")
+        return self
+
+    def check_all(self) -> "Checkpoint":
+        """Every file's header held to the manifest (what a reader of any layout reads is checked first)."""
+        for name in self._held:
+            self._reader(name)
         return self
 
     def keys(self) -> list[str]:
         return list(self.manifest["tensors"])
 
     def _reader(self, name: str) -> safetensors_io.Reader:
+        """The file's reader, its header first held to the format and to every entry the manifest puts there."""
         if name not in self._readers:
             try:
-                self._readers[name] = safetensors_io.Reader(self.storage, f"{self.dir}/{name}",
-                                                            self.manifest["files"][name])
-            except (safetensors_io.FormatError, OSError) as e:
+                reader = safetensors_io.Reader(self.storage, f"{self.dir}/{name}", self.manifest["files"][name])
+            except (safetensors_io.FormatError, OSError, KeyError) as e:
                 raise CheckpointError(f"{self.where}/{name}: cannot be read ({e})") from None
+            checkpoint_manifest.check_file(reader.metadata, reader.tensors, self._held.get(name, {}),
+                                           f"{self.where}/{name}")
+            self._readers[name] = reader
         return self._readers[name]
 
     def read(self, key: str, rank: int, tp: int, out: torch.Tensor | None = None, stored: bool = False) -> torch.Tensor:
@@ -230,7 +250,8 @@ class Checkpoint:
 
 def open_checkpoint(storage: Storage, directory: str, manifest_: dict | None = None):
     """The checkpoint in `directory` (validated), of either format."""
-    m = manifest_ or read_manifest(storage, directory)
+    m = checkpoint_manifest.check_manifest(manifest_ or read_manifest(storage, directory),
+                                           f"{storage.url.rstrip('/')}/{directory}")
     if m["format"] == FORMAT_V1:
         return LegacyCheckpoint(storage, directory, m).validate()
     return Checkpoint(storage, directory, m).validate()
@@ -240,6 +261,8 @@ def load_into(ckpt, model, optimizer, rank: int, tp: int) -> None:
     """Give a shard (built empty) its slices of the checkpoint's weights and, if it has any, AdamW state (a
     parameter the shard holds whole though TP splits its kind, an expert at etp 1, reads all of it)."""
     keys = set(ckpt.keys())
+    if "tensors" in ckpt.manifest:  # every entry at the shape of this model's parameter, before a byte is read
+        check_model_tensors(ckpt.manifest, ckpt.where, model.cfg)
     at = (rank, tp)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -264,10 +287,12 @@ def load_into(ckpt, model, optimizer, rank: int, tp: int) -> None:
                 optimizer.load_param_state(name, state, whole=True)
 
 
-def find(location: str, cfg: ModelArgs | None = None, warn=None):
+def find(location: str, cfg: ModelArgs | None = None, warn=None, run_id: str | None = None):
     """The checkpoint at `location` (a checkpoint dir: one holding a manifest, whatever its name; a
     checkpoints dir or a run dir; a path or URL), or the newest whole one under it; a broken newest one is
-    reported through `warn` and skipped. Its model shape is checked against `cfg` if given. Raises
+    reported through `warn` and skipped, as is one another run wrote when `run_id` names this run's (one
+    without a run id, written before them, is taken). Its model shape is checked against `cfg` if given
+    (and every entry against the model's parameters), every file's header against its manifest. Raises
     CheckpointError."""
     location = str(location).rstrip("/")
     head, _, last = location.rpartition("/")
@@ -275,26 +300,20 @@ def find(location: str, cfg: ModelArgs | None = None, warn=None):
         found = open_checkpoint(Storage(head or "."), last)
         if cfg is not None:
             check_model(found.manifest, cfg, found.where)
-        return found
+            check_model_tensors(found.manifest, found.where)
+        return found.check_all()
     for root in (f"{location}/checkpoints", location):
         storage = Storage(root)
         for name in reversed(list_checkpoints(storage)):
             try:
                 found = open_checkpoint(storage, name)
+                if run_id is not None and found.manifest.get("run_id") not in (None, run_id):
+                    raise CheckpointError(f"written by another run ({found.manifest['run_id']})")
                 if cfg is not None:
                     check_model(found.manifest, cfg, found.where)
-                return found
+                    check_model_tensors(found.manifest, found.where)
+                return found.check_all()
             except CheckpointError as e:
                 if warn:
                     warn(f"skipping {storage.url}/{name}: {e}")
     raise CheckpointError(f"{location}: holds no whole checkpoint (looked in {location}/checkpoints and {location})")
-
-
-def prune(storage: Storage, keep: int) -> None:
-    """Keep the `keep` newest checkpoints; remove older ones and what saves cut short left behind."""
-    done = list_checkpoints(storage)
-    for name in done[:-keep]:
-        storage.remove(name)
-    for name in storage.listdir():
-        if name.startswith(".tmp-step-") or (STEP_DIR.fullmatch(name) and name not in done):
-            storage.remove(name)

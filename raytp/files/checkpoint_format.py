@@ -13,11 +13,13 @@ import time
 from dataclasses import asdict
 
 from raytp.models.args import ModelArgs
+from raytp import trust
 from raytp.files.storage import Storage
 
 FORMAT, FORMAT_V1 = "raytp-checkpoint/2", "raytp-checkpoint/1"
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"step-(\d{8})")
+MAX_MANIFEST = 256 << 20  # bytes: a manifest of a million tensors is ~200 MiB
 
 
 class CheckpointError(RuntimeError):
@@ -36,10 +38,11 @@ def shard_file(tp_rank: int, stage: int | None = None, dp_rank: int = 0) -> str:
 
 
 def manifest(step: int, cfg: ModelArgs, tp: int, dp: int, files: dict[str, int], tensors: dict, pp: int = 1,
-             zero: int = 0) -> dict:
+             zero: int = 0, run_id: str | None = None) -> dict:
+    """A format-2 manifest; `run_id`: the run that writes it (it prunes only checkpoints marked with it)."""
     return {"format": FORMAT, "step": step, "time": time.time(), "model": asdict(cfg),
             "layout": {"tp": tp, "pp": pp, "dp": dp, **({"zero": zero} if zero else {})}, "files": files,
-            "tensors": tensors}
+            "tensors": tensors, **({"run_id": run_id} if run_id else {})}
 
 
 def list_checkpoints(storage: Storage) -> list[str]:
@@ -58,10 +61,14 @@ def read_manifest(storage: Storage, directory: str) -> dict:
     if not storage.exists(directory, MANIFEST):
         raise CheckpointError(f"{where}/{MANIFEST}: missing; the checkpoint is incomplete (a save that did not "
                               "finish?)")
+    if storage.size(directory, MANIFEST) > MAX_MANIFEST:
+        raise CheckpointError(f"{where}/{MANIFEST}: over {MAX_MANIFEST >> 20} MiB: not a manifest raytp wrote")
     try:
         m = json.loads(storage.read_bytes(directory, MANIFEST))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{where}/{MANIFEST}: not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{where}/{MANIFEST}: not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(m, dict):
+        raise CheckpointError(f"{where}/{MANIFEST}: not a JSON object")
     if m.get("format") not in (FORMAT, FORMAT_V1):
         raise CheckpointError(f"{where}/{MANIFEST}: format {m.get('format')!r}, expected {FORMAT!r}")
     return m
@@ -79,6 +86,11 @@ def check_model(manifest_: dict, cfg: ModelArgs, where: str) -> None:
 def check_files(storage: Storage, directory: str, manifest_: dict, where: str) -> None:
     """Every file of a checkpoint there at the size its manifest says (a stat per file; nothing read)."""
     for name, size in manifest_["files"].items():
+        if storage.local:  # a plain name (checked with the manifest) that is no link out of the directory
+            try:
+                trust.inside(storage.path(directory), name, f"{where}/{MANIFEST}: files")
+            except trust.Untrusted as e:
+                raise CheckpointError(str(e)) from None
         if not storage.exists(directory, name):
             raise CheckpointError(f"{where}/{name}: missing shard file")
         have = storage.size(directory, name)

@@ -24,6 +24,7 @@ import torch
 
 from raytp.models.args import ModelArgs
 from raytp.models.base import MODEL_FORMAT
+from raytp import trust
 from raytp.files import hf, hf_tokenizer, safetensors_io
 
 # What an hf export writes: an --out directory holding only these is a previous export, replaced whole.
@@ -43,10 +44,11 @@ def unmap_large_frees() -> None:
         pass  # not glibc: its own policy
 
 
-def write_model(ckpt, out: Path, tokenizer: Path | None = None) -> int:
+def write_model(ckpt, out: Path, tokenizer: Path | None = None, overwrite: bool = False) -> int:
     """The weights of `ckpt` (a Checkpoint) as a raytp model file at `out`, with the text of `tokenizer`
     (a tokenizer.json) in its metadata so that `raytp sample` finds it; bytes written. Written beside `out`
-    under a hidden name and renamed into place."""
+    under a hidden name and moved into place: over an existing file only with `overwrite` (else ValueError,
+    and the file is left as it was)."""
     unmap_large_frees()
     items = []
     for key in ckpt.keys():
@@ -72,7 +74,17 @@ def write_model(ckpt, out: Path, tokenizer: Path | None = None) -> int:
     try:
         with open(tmp, "wb") as f:
             n = safetensors_io.write(f, items, meta)
-        os.replace(tmp, out)
+        if overwrite:
+            os.replace(tmp, out)
+        else:
+            try:
+                os.link(tmp, out)  # fails if `out` appeared meanwhile: never replaced unasked
+            except FileExistsError:
+                raise ValueError(f"--out {out}: exists; pass --overwrite to replace it, or give a new name") from None
+            except OSError:  # a filesystem without hard links: checked, then renamed
+                if out.exists():
+                    raise ValueError(f"--out {out}: exists; pass --overwrite to replace it") from None
+                os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return n
@@ -126,8 +138,8 @@ def _beside_weights(cfg: ModelArgs, dtype: torch.dtype, tokenizer: Path | None,
 
 
 def _check_out(out: Path) -> None:
-    """An hf export replaces `out` whole: refuse a file, or a directory holding anything an export does not
-    write (whatever --out names, nothing else is ever deleted)."""
+    """An hf export replaces `out` whole (a previous export): refuse a file, or a directory holding anything an
+    export does not write (whatever --out names, nothing else is ever deleted)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file; give a directory (--format hf writes one)")
     others = sorted(p.name for p in out.iterdir() if not EXPORT_FILE.fullmatch(p.name)) if out.is_dir() else []
@@ -166,20 +178,38 @@ def _json_of(directory: Path | None, name: str) -> dict | None:
         raise ValueError(f"{path}: not JSON ({e})") from None
 
 
-def run_sources(source: str) -> tuple[str | None, str | None]:
-    """(data.tokenizer, model.init_from) of the run whose run dir is `source`, if it is one and names them."""
-    job = Path(source) / "config.yaml"
-    if not job.is_file():
-        return None, None
-    import yaml
+def check_out(out: Path, fmt: str, overwrite: bool) -> None:
+    """Refuse an --out that cannot or may not be written, before anything is read (ValueError): too long a path;
+    for a raytp file, a directory, or an existing file without `overwrite`; for hf, see _check_out."""
+    trust.check_path(out, "--out")
+    if fmt == "hf":
+        return _check_out(Path(out).absolute())
+    if Path(out).is_dir():
+        raise ValueError(f"--out {out}: is a directory; give a file name (--format raytp writes one file)")
+    if (Path(out).exists() or Path(out).is_symlink()) and not overwrite:
+        raise ValueError(f"--out {out}: exists; pass --overwrite to replace it, or give a new name")
+
+
+def unshipped(source: str, tokenizer, init_from) -> list[str]:
+    """What the run dir `source`'s config.yaml names that an export does not ship unless the command line
+    names it too (a run dir may be anyone's: its paths are never followed). Lines of advice; [] for anything
+    else."""
     try:
-        d = yaml.safe_load(job.read_text()) or {}
-    except yaml.YAMLError:
-        return None, None
-    if not isinstance(d, dict):
-        return None, None
-    tok, init = (d.get("data") or {}).get("tokenizer"), (d.get("model") or {}).get("init_from")
-    return (tok if isinstance(tok, str) else None), (init if isinstance(init, str) else None)
+        job = trust.inside(source, "config.yaml", "config.yaml")
+        if not job.is_file() or job.stat().st_size > 1 << 20:
+            return []
+        d = trust.load_yaml(job.read_text(), str(job))
+    except Exception:  # noqa: BLE001 - advice only: a URL, an unreadable or odd file gives none
+        return []
+    d = d if isinstance(d, dict) else {}
+    tok = (d.get("data") or {}).get("tokenizer") if isinstance(d.get("data"), dict) else None
+    init = (d.get("model") or {}).get("init_from") if isinstance(d.get("model"), dict) else None
+    lines = []
+    if isinstance(tok, str) and not tokenizer:
+        lines.append(f"the run's data.tokenizer ({tok[:200]}) is not shipped unless named: --tokenizer PATH")
+    if isinstance(init, str) and not init_from:
+        lines.append(f"the run's model.init_from ({init[:200]}) is not read unless named: --init-from DIR")
+    return lines
 
 
 def _whole(ckpt, key: str, spec: dict | None):

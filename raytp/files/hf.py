@@ -22,6 +22,7 @@ from raytp.models.args import ModelArgs
 from raytp.models.registry import build_model, sharding_of, spec, spec_for_hf
 from raytp.parallel.sharding import shard_ranges
 from raytp.parallel.zero_plan import consecutive
+from raytp import trust
 from raytp.files.safetensors_io import FormatError, Reader, write
 from raytp.files.storage import Storage
 
@@ -46,7 +47,15 @@ def _tensors_of(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     storage = Storage(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"model.init_from: {index}: has no weight_map of tensor names to files")
+        files = []
+        for f in weight_map.values():
+            if f not in files:  # a name of a file in the directory, never a path out of it
+                trust.inside(model_dir, trust.plain_name(f, f"model.init_from: {index}: weight_map"), "weight_map")
+                files.append(f)
+        files.sort()
     elif (model_dir / "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
@@ -61,6 +70,19 @@ def _tensors_of(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
+def _json(path: Path) -> dict:
+    """A JSON object file of a Hugging Face directory (at most 64 MiB); ValueError naming it."""
+    try:
+        if path.stat().st_size > 64 << 20:
+            raise ValueError("over 64 MiB")
+        d = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"model.init_from: {path}: not a JSON file raytp reads ({str(e)[:200]})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"model.init_from: {path}: not a JSON object")
+    return d
+
+
 def inspect(model_dir: Path) -> ModelArgs:
     """The model shape of a Hugging Face directory of an architecture raytp knows, its weights checked by
     name and shape (headers only)."""
@@ -69,7 +91,8 @@ def inspect(model_dir: Path) -> ModelArgs:
     if not cfg_file.exists():
         raise ValueError(f"model.init_from: {model_dir} has no config.json (expected a Hugging Face GPT-2 or "
                          "Llama model directory)")
-    cfg = config_of(json.loads(cfg_file.read_text()), str(cfg_file))
+    cfg = config_of(_json(cfg_file), str(cfg_file))
+    trust.check_model_size(cfg, f"model.init_from: {cfg_file}")  # before a model is built to compare with
     found = _tensors_of(model_dir)
     if not found:
         reads_bin = spec(cfg).hf.bin_state is not None
@@ -107,7 +130,9 @@ def load_into(model_dir, model, rank: int, tp: int) -> None:
         for name, p in model.named_parameters():
             hf_name, conv = to_hf(name, model.cfg)
             file, shape = found[hf_name]
-            reader = readers.setdefault(file, Reader(storage, file))
+            if file not in readers:
+                readers[file] = Reader(storage, file, storage.size(file))
+            reader = readers[file]
             s = sharding_of(name, model.cfg)
             if s.dim is None or tp == 1 or getattr(p, "whole_on_rank", False):  # whole: an expert at etp 1
                 t = reader.rows(hf_name)

@@ -5,8 +5,9 @@ header length N, N bytes of JSON ``{name: {"dtype", "shape", "data_offsets":
 [begin, end]}, "__metadata__": {str: str}}``, then the raw little-endian data.
 No pickle anywhere. Writing needs only each tensor's dtype and shape up front,
 so a file is streamed one tensor at a time (the writer never holds more than
-one); reading parses the header once and fetches only the rows asked for: one
-ranged read for a run of rows, one per row for a block of columns.
+one); reading parses the header once, holds it to the format (raytp.trust.check_header: every tensor's
+bytes dtype x shape long, inside the data section, no gap, no overlap) and fetches only the rows asked
+for, inside the tensor's own bytes: one ranged read for a run of rows, one per row for a block of columns.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import struct
 from typing import Callable, Iterable
 
 import torch
+
+from raytp import trust
 
 DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -76,7 +79,7 @@ class Reader:
         if len(head) < 8:
             raise FormatError("shorter than a safetensors header")
         (n,) = struct.unpack("<Q", head)
-        if size is not None and 8 + n > size or n > 100_000_000:
+        if size is not None and 8 + n > size or n > 100_000_000 or n < 2:
             raise FormatError(f"header length {n} does not fit the file")
         try:
             meta = json.loads(storage.read_range(rel, 8, n))
@@ -84,12 +87,15 @@ class Reader:
             raise FormatError(f"header is not valid JSON ({e})") from None
         if not isinstance(meta, dict):
             raise FormatError("header is not a JSON object")
-        self.metadata = meta.pop("__metadata__", {}) or {}
-        self.tensors = meta
+        self.metadata = meta.pop("__metadata__", {})
+        if not isinstance(self.metadata, dict) or not all(isinstance(v, str) for v in self.metadata.values()):
+            raise FormatError("__metadata__ is not a mapping of strings")
         self.data_start = 8 + n
-        end = max((v["data_offsets"][1] for v in meta.values()), default=0)
-        if size is not None and self.data_start + end != size:
-            raise FormatError(f"{size} bytes, the header says {self.data_start + end}")
+        try:  # every tensor's bytes inside the data section, dtype x shape long, no gap, no overlap
+            self.tensors = trust.check_header(meta, size - self.data_start if size is not None else None,
+                                              in_order=self.metadata.get("format", "").startswith("raytp-"))
+        except trust.Untrusted as e:
+            raise FormatError(str(e)) from None
 
     def info(self, name: str) -> tuple[torch.dtype, tuple[int, ...], int]:
         """(dtype, shape, absolute offset of its data)."""
@@ -104,6 +110,8 @@ class Reader:
         contiguous tensor of that shape and dtype) if given, with no copy on a filesystem."""
         dtype, shape, at = self.info(name)
         count = (shape[0] - start if count is None else count) if shape else None
+        if shape and not (0 <= start and 0 <= count and start + count <= shape[0]):
+            raise FormatError(f"{name}: rows {start}..{start + count} asked of a tensor of {shape[0]}")
         want = (count, *shape[1:]) if shape else ()
         if out is None:
             out = torch.empty(want, dtype=dtype)
@@ -122,6 +130,9 @@ class Reader:
     def block(self, name: str, rows: range, cols: range) -> torch.Tensor:
         """A block of a matrix: whole rows in one read, a block of columns one read per row."""
         dtype, shape, at = self.info(name)
+        if len(shape) != 2 or not (0 <= rows.start <= rows.stop <= shape[0]
+                                   and 0 <= cols.start <= cols.stop <= shape[1]):
+            raise FormatError(f"{name}: block {rows} x {cols} asked of a tensor of shape {shape}")
         if cols.start == 0 and cols.stop == shape[1]:
             return self.rows(name, rows.start, len(rows))
         item = _nbytes(dtype, ())

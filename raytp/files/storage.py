@@ -77,8 +77,11 @@ class Storage:
         if length == 0:
             return b""
         if self.local:
-            with open(self.path(rel), "rb") as f:
-                return os.pread(f.fileno(), length, start)
+            fd = os.open(self.path(rel), os.O_RDONLY)  # no buffered file object: a read is one system call
+            try:
+                return os.pread(fd, length, start)
+            finally:
+                os.close(fd)
         return self.fs.cat_file(self.path(rel), start=start, end=start + length)
 
     def read_into(self, rel: str, start: int, buf: memoryview) -> None:
@@ -86,8 +89,11 @@ class Storage:
         filesystem, through one ranged read elsewhere."""
         n = len(buf)
         if self.local:
-            with open(self.path(rel), "rb") as f:
-                got = os.preadv(f.fileno(), [buf], start)
+            fd = os.open(self.path(rel), os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [buf], start)
+            finally:
+                os.close(fd)
         else:
             data = self.read_range(rel, start, n)
             got = len(data)

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from raytp.models.args import ModelArgs
 from raytp.models.base import MODEL_FORMAT, MODEL_FORMAT_V1, CausalLM
 from raytp.models.registry import model_class
+from raytp.trust import check_model_size
 
 
 def load_model(path, map_location="cpu") -> CausalLM:
@@ -26,10 +27,20 @@ def load_model(path, map_location="cpu") -> CausalLM:
             if meta.get("format") != MODEL_FORMAT:
                 raise ValueError(f"{path}: not a raytp model file (format {MODEL_FORMAT!r})")
             state = {k: f.get_tensor(k) for k in f.keys()}
-        cfg = ModelArgs(**json.loads(meta["config"]))
+        cfg = _config(lambda: json.loads(meta["config"]), path)
         return model_class(cfg).from_state_dict(cfg, state, where=str(path)).eval()
     blob = torch.load(path, map_location=map_location, weights_only=True)
     if not isinstance(blob, dict) or blob.get("format") != MODEL_FORMAT_V1:
         raise ValueError(f"{path}: not a raytp model file (format {MODEL_FORMAT!r})")
-    cfg = ModelArgs(**blob["config"])
+    cfg = _config(lambda: blob["config"], path)
     return model_class(cfg).from_state_dict(cfg, blob["model"], where=str(path)).eval()
+
+
+def _config(read, path) -> ModelArgs:
+    """The ModelArgs a model file carries, its size bounded before a model is built (ValueError naming the file)."""
+    try:
+        cfg = ModelArgs(**read())
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: its config is not a model's ({str(e)[:200]})") from None
+    check_model_size(cfg, str(path))
+    return cfg

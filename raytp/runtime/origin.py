@@ -11,12 +11,15 @@ from raytp import config as config_mod
 from raytp.config.adapters import model_args
 from raytp.models import registry
 from raytp.files import checkpoint, hf
+from raytp.files.checkpoint_owner import read_run_id
 from raytp.files.state_sources import CheckpointSource, HFSource
 
 
-def from_checkpoint(location, cfg: config_mod.JobConfig | None = None, warn=None) -> tuple[int, CheckpointSource, str]:
-    """(step, source, where) of the checkpoint at `location` (see raytp.files.checkpoint.find)."""
-    found = checkpoint.find(location, model_args(cfg) if cfg is not None else None, warn=warn)
+def from_checkpoint(location, cfg: config_mod.JobConfig | None = None, warn=None,
+                    run_id: str | None = None) -> tuple[int, CheckpointSource, str]:
+    """(step, source, where) of the checkpoint at `location` (see raytp.files.checkpoint.find; `run_id`: only
+    this run's, or unmarked ones)."""
+    found = checkpoint.find(location, model_args(cfg) if cfg is not None else None, warn=warn, run_id=run_id)
     return found.step, CheckpointSource.of(found), found.where
 
 
@@ -46,7 +49,8 @@ def starting_state(cfg: config_mod.JobConfig, resume: str | None, run_dir: Path,
     if resume is not None:
         storage = f"{cfg.runtime.storage.rstrip('/')}/{run}" if cfg.runtime.storage and run else None
         where = (cfg.checkpoint.dir or storage or str(run_dir)) if resume == "latest" else resume
-        step, source, found = from_checkpoint(where, cfg, warn=lambda m: say(f"warning: {m}"))
+        own = read_run_id(run_dir) if resume == "latest" else None  # its own: never another run's newest
+        step, source, found = from_checkpoint(where, cfg, warn=lambda m: say(f"warning: {m}"), run_id=own)
         lay = source.manifest["layout"]
         say(f"resuming from {found} (step {step}, saved at TP={lay['tp']} x DP={lay['dp']})")
         return cfg, (step, source, found)

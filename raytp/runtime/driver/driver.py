@@ -37,6 +37,7 @@ from raytp.runtime.state.snapshots import Cadence, OffNodeCopy
 from raytp.runtime.recovery.spares import Spares
 from raytp.runtime.worker.worker import Worker
 from raytp.files.checkpoint import CheckpointError
+from raytp.files import checkpoint_owner
 from raytp.files.storage import checkpoint_location
 
 
@@ -64,8 +65,10 @@ class Driver:
         self.cadence = Cadence(cfg)  # how often replica 0 snapshots
         self.copy = self.copy_cls(run, self.log)
         self.spares = Spares(run, cfg.recovery.spares, self.log)
+        self.run_id = checkpoint_owner.read_run_id(self.run_dir) or checkpoint_owner.new_run_id()
+        checkpoint_owner.keep_run_id(self.run_dir, self.run_id)  # the run's mark on what it writes
         self.checkpoints = Checkpoints(checkpoint_location(cfg, self.run_dir, run), cfg.checkpoint.keep,
-                                       self.log)
+                                       self.log, self.run_id)
         self.profiles = Profiles(cfg.profile, self.checkpoints.storage, self.log, self._say)  # profile, raytp profile
         self.t_start = time.perf_counter()
         self.calls = follow_on.Calls()  # the streamed call in flight and the one submitted behind it

@@ -23,7 +23,7 @@ import ray
 from raytp.config.adapters import model_args
 from raytp.files import checkpoint
 from raytp.files.state_sources import CheckpointSource
-from raytp.files import checkpoint_experts
+from raytp.files import checkpoint_experts, checkpoint_owner
 from raytp.models.registry import bucketed
 from raytp.files.storage import Storage, StorageError, check_writable, probe_name
 from raytp.runtime.errors import FAILURES
@@ -40,8 +40,11 @@ class PendingSave:
 
 
 class Checkpoints:
-    def __init__(self, url: str, keep: int, log):
+    def __init__(self, url: str, keep: int, log, run_id: str | None = None):
+        """`run_id`: the run's id (raytp.files.checkpoint_owner), in every manifest it commits: it prunes
+        and restores only checkpoints marked with it (None: a new id)."""
         self.storage, self.keep, self.log = Storage(url), keep, log
+        self.run_id = run_id or checkpoint_owner.new_run_id()
         self.pending: PendingSave | None = None
         self.committed: int | None = None  # step of the newest checkpoint this run committed
 
@@ -73,7 +76,7 @@ class Checkpoints:
         if self.pending is not None:
             self.finish(group)
         name = checkpoint.step_dir(step)
-        directory = f".tmp-{name}-{uuid.uuid4().hex[:8]}" if self.storage.local else name
+        directory = checkpoint_owner.temp_dir(name, self.run_id) if self.storage.local else name
         if not self.storage.local:
             self.storage.remove(directory)  # what a save of this step cut short left
         self.storage.makedirs(directory)
@@ -104,7 +107,8 @@ class Checkpoints:
             raise
         files = {w["file"]: w["bytes"] for w in written}
         lay = p.cfg.parallel
-        m = checkpoint.manifest(p.step, model_args(p.cfg), lay.tp, lay.dp, files, p.table, lay.pp, lay.zero)
+        m = checkpoint.manifest(p.step, model_args(p.cfg), lay.tp, lay.dp, files, p.table, lay.pp, lay.zero,
+                                self.run_id)
         path = self._commit(p.directory, p.step, m)
         self.log.event("checkpoint", step=p.step, path=path, bytes=sum(files.values()),
                        seconds=time.perf_counter() - p.t0)
@@ -125,7 +129,8 @@ class Checkpoints:
         final = checkpoint.step_dir(step)
         if self.storage.local:
             self.storage.commit_dir(directory, final)
-        checkpoint.prune(self.storage, self.keep)
+        checkpoint_owner.prune(self.storage, self.keep, self.run_id,
+                               self.pending.directory if self.pending is not None else None)
         self.committed = step
         return self.storage.path(final) if self.storage.local else f"{self.storage.url.rstrip('/')}/{final}"
 
@@ -139,14 +144,14 @@ class Checkpoints:
     def newest(self):
         """The newest whole checkpoint here (a Checkpoint), or None."""
         try:
-            return checkpoint.find(self.storage.url)
+            return checkpoint.find(self.storage.url, run_id=self.run_id)
         except checkpoint.CheckpointError:
             return None
 
     def restore(self, group, warn) -> tuple[int, str]:
         """Every worker of `group` reads its slices of the newest whole checkpoint: (its step, where).
         Raises CheckpointError if there is none."""
-        found = checkpoint.find(self.storage.url, warn=warn)
+        found = checkpoint.find(self.storage.url, warn=warn, run_id=self.run_id)
         group.state_calls().load_source(CheckpointSource.of(found), found.step)
         return found.step, found.where
 
@@ -154,14 +159,14 @@ class Checkpoints:
         """Write a snapshot (one ref per TP rank of `group`'s layout, in the object store) as the checkpoint
         of `step`, by a task per rank (the workers may be gone); its path."""
         name = checkpoint.step_dir(step)
-        directory = f".tmp-{name}-{uuid.uuid4().hex[:8]}" if self.storage.local else name
+        directory = checkpoint_owner.temp_dir(name, self.run_id) if self.storage.local else name
         self.storage.makedirs(directory)
         cfg = group.cfg
         done = group.state_calls().write_snapshot(self.storage.url, directory, parts, write_part_task)
         files = {d["file"]: d["bytes"] for d in done}
         table = {k: v for d in done if d["table"] for k, v in d["table"].items()}
         m = checkpoint.manifest(step, model_args(cfg), cfg.parallel.tp, cfg.parallel.dp, files, table, cfg.parallel.pp,
-                                cfg.parallel.zero)
+                                cfg.parallel.zero, self.run_id)
         path = self._commit(directory, step, m)
         self.log.event("checkpoint", step=step, path=path, bytes=sum(files.values()), seconds=0.0,
                        source="snapshot")
