@@ -69,8 +69,9 @@ def _experts_problem(v) -> str | None:
         return f"ep={ep} does not divide model.moe.n_experts={moe.n_experts}"
     cp = v["parallel.cp"]
     if (dp * cp * tp) % (ep * etp_):
-        return (f"ep={ep} x etp={etp_} must divide parallel.dp x parallel.cp x parallel.tp = {dp * cp * tp} (experts "
-                "are folded over the ranks of each stage)")
+        over = "parallel.dp x parallel.tp" if cp == 1 else "parallel.dp x parallel.cp x parallel.tp"
+        return (f"ep={ep} x etp={etp_} must divide {over} = {dp * cp * tp} (experts are folded over the ranks of each "
+                "stage)")
     if v["parallel.min_dp"] is not None:
         return "ep or etp 1 with parallel.min_dp (an elastic shrink) is not built yet"
     if v["parallel.max_dp"] not in (None, dp):

@@ -69,8 +69,10 @@ class Layout:
         if self.expert_tp not in (1, self.tp):
             raise ValueError(f"Layout.etp must be 1 or tp ({self.tp}), got {self.etp}")
         if self.stage_size % (self.ep * self.expert_tp):
-            raise ValueError(f"Layout.ep x etp ({self.ep} x {self.expert_tp}) must divide dp x cp x tp "
-                             f"({self.dp} x {self.cp} x {self.tp}): experts are folded over the ranks of a stage")
+            over = f"dp x tp ({self.dp} x {self.tp})" if self.cp == 1 else \
+                f"dp x cp x tp ({self.dp} x {self.cp} x {self.tp})"
+            raise ValueError(f"Layout.ep x etp ({self.ep} x {self.expert_tp}) must divide {over}: experts are folded "
+                             "over the ranks of a stage")
 
     @classmethod
     def of(cls, parallel) -> "Layout":
