@@ -33,7 +33,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
     why = refusal(q.shape[1], k.shape[1], cp)
     if why is not None:
         raise ValueError(why)
-    q, k, v = (_ToHeads.apply(t, group) for t in (q, k, v))
+    q, k, v = (_Exchange.apply(t, group, True) for t in (q, k, v))
     group_size = q.shape[1] // k.shape[1]
     if group_size > 1:
         k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
@@ -47,7 +47,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         mask = causal & (ids[:, :, None] == ids[:, None, :])[:, None]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return _ToTokens.apply(y, group)
+    return _Exchange.apply(y, group, False)
 
 
 def _to_heads(x: torch.Tensor, group) -> torch.Tensor:
@@ -68,23 +68,14 @@ def _to_tokens(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(got, dim=1)
 
 
-class _ToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One of the two all-to-alls (`to_heads`: tokens -> heads, else back); its backward is the other one."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _to_heads(x, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_to_heads if to_heads else _to_tokens)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _to_tokens(grad.contiguous(), ctx.group), None
-
-
-class _ToTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _to_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _to_heads(grad.contiguous(), ctx.group), None
+        return (_to_tokens if ctx.to_heads else _to_heads)(grad.contiguous(), ctx.group), None, None
