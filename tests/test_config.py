@@ -113,7 +113,7 @@ def test_round_trip_through_dict_and_yaml():
 @pytest.mark.parametrize("path", sorted(JOBS.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_job_file_validates(path):
     cfg = load(path)
-    assert cfg.world_size == cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    assert cfg.world_size == cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp * cfg.parallel.dp
 
 
 def test_the_shipped_job_files_exist():

@@ -86,7 +86,8 @@ def test_cp_attention_equals_one_device_forward_and_backward(kind, cp, heads, do
     ({"cp": 3}, {}, "must divide by 2 x cp = 6"),
     ({"cp": 2, "tp": 2, "sequence_parallel": True}, {"block_size": 36}, "2 x cp x tp = 8"),
     ({"cp": 2, "cp_attention": "ulysses", "tp": 2}, {"n_head": 4, "n_kv_head": 2, "arch": "llama"}, "KV heads (1)"),
-    ({"cp": 2}, {}, "not yet through the runtime")])
+    ({"cp": 2, "zero": 1, "dp": 2}, {}, "with parallel.zero 1 is not built yet"),
+    ({"cp": 2, "pp": 2}, {}, "with parallel.pp > 1 is not built yet")])
 def test_a_job_at_cp_above_1_is_refused_by_name_before_anything_starts(parallel, model, says):
     from raytp.config import from_dict
     from raytp.config.values import ConfigError
