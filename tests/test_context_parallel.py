@@ -94,3 +94,11 @@ def test_a_job_at_cp_above_1_is_refused_by_name_before_anything_starts(parallel,
     with pytest.raises(ConfigError, match="parallel.cp") as e:
         from_dict({"model": {"n_layer": 2, "n_head": 4, "block_size": 64, **model}, "parallel": parallel})
     assert says in str(e.value)
+
+
+def test_a_live_resize_at_or_to_cp_above_1_is_refused_by_name():
+    from raytp.parallel.layout import Layout
+    from raytp.runtime import policy
+    assert "parallel.cp > 1" in policy.resize_problem(Layout(1, cp=2), Layout(1, cp=2, dp=2))
+    assert "parallel.cp > 1" in policy.resize_problem(Layout(2), Layout(1, cp=2))
+    assert policy.resize_problem(Layout(2), Layout(1, dp=2)) is None

@@ -103,9 +103,9 @@ class Elastic:
         carried out here the same way: reserve, start its early ranks, wait, switch."""
         if self.pending is not None or self.awaiting is not None:
             new = self.pending.new_cfg.layout if self.pending is not None else self.awaiting.target
-            return Outcome.refused(f"a resize to TP={new.tp} x PP={new.pp} x DP={new.dp} is in progress")
+            return Outcome.refused(f"a resize to {new} is in progress")
         t0, old = time.perf_counter() if t0 is None else t0, group.layout
-        why = policy.expert_resize_problem(old, target)
+        why = policy.resize_problem(old, target)
         if why is not None:
             return Outcome.refused(why)
         try:
