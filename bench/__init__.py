@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "driver_scale": lazy("bench.driver_scale:run"),
     "pipeline": lazy("bench.pipeline:run"),
     "prepare_chat": lazy("bench.prepare_chat:run"),
+    "context_parallel": lazy("bench.context_parallel:run"),
     "zero": lazy("bench.zero:run"),
     "move_plan": lazy("bench.move_plan:run"),
     "overlap": lazy("bench.overlap:run"),

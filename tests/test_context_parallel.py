@@ -102,3 +102,26 @@ def test_a_live_resize_at_or_to_cp_above_1_is_refused_by_name():
     assert "parallel.cp > 1" in policy.resize_problem(Layout(1, cp=2), Layout(1, cp=2, dp=2))
     assert "parallel.cp > 1" in policy.resize_problem(Layout(2), Layout(1, cp=2))
     assert policy.resize_problem(Layout(2), Layout(1, dp=2)) is None
+
+
+@pytest.mark.parametrize("causal, docs", [(True, False), (False, True), (True, True)])
+def test_a_blocks_fused_cpu_kernel_and_its_plain_softmax_agree(monkeypatch, causal, docs):
+    """The two paths of raytp.parallel.attention_blocks (CPU's fused flash kernels; the plain softmax other
+    devices run), forward and backward, with rows that see no key."""
+    from raytp.parallel import attention_blocks as blocks
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(2, 3, 8, 16, generator=g) for _ in range(4))
+    mask = None
+    if docs:
+        ids = torch.randint(0, 3, (2, 8), generator=g)
+        mask = (ids[:, :, None] == torch.randint(0, 3, (2, 8), generator=g)[:, None, :])[:, None]
+        mask[0, 0, 0] = False  # a row that sees nothing
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(blocks, "_fused", lambda t, f=fused: f)
+        o, lse = blocks.forward(q, k, v, causal, mask, 0.25)
+        whole = torch.where(lse.isinf(), 0.0, lse)  # as a backward's final lse would be: finite
+        delta = (do * o).sum(-1)
+        got[fused] = (o, lse, *blocks.backward(do, q, k, v, o, whole, delta, causal, mask, 0.25))
+    for a, b in zip(got[True], got[False]):
+        assert torch.allclose(a, b, atol=1e-5, equal_nan=False), (a - b).abs().max()

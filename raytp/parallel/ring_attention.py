@@ -25,6 +25,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from raytp.parallel import attention_blocks as blocks
 from raytp.parallel.context import chunks
 
 NEG_INF = float("-inf")
@@ -68,13 +69,10 @@ def _pairs(cp: int, me: int, src: int) -> list[tuple[int, int, bool]]:
     return out
 
 
-def _mask(causal: bool, c: int, dq: torch.Tensor | None, dk: torch.Tensor | None, device) -> torch.Tensor | None:
-    """Which keys each query of a chunk pair sees: (c, c) or (B, 1, c, c) bool; None for all of them."""
-    mask = torch.ones(c, c, dtype=torch.bool, device=device).tril() if causal else None
-    if dq is not None:
-        same = (dq[:, :, None] == dk[:, None, :])[:, None]
-        mask = same if mask is None else same & mask
-    return mask
+def _mask(dq: torch.Tensor | None, dk: torch.Tensor | None) -> torch.Tensor | None:
+    """Which keys of a chunk pair each query sees by its document: (B, 1, c, c) bool; None without documents
+    (the causal triangle of a chunk's own block is the block kernel's)."""
+    return None if dq is None else (dq[:, :, None] == dk[:, None, :])[:, None]
 
 
 def _expand(t: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -101,13 +99,8 @@ class _Ring(torch.autograd.Function):
             kk, vv = _expand(held[0], g).float(), _expand(held[1], g).float()
             dk_ids = held[2] if docs is not None else None
             for qi, kj, causal in _pairs(cp, me, src):
-                s = _half(qf, qi, c) @ _half(kk, kj, c).transpose(-1, -2) * scale
-                mask = _mask(causal, c, _half(docs, qi, c, 1), _half(dk_ids, kj, c, 1), q.device)
-                if mask is not None:
-                    s = s.masked_fill(~mask, NEG_INF)
-                blk = torch.logsumexp(s, dim=-1)
-                p = torch.exp(s - torch.where(blk.isinf(), 0.0, blk)[..., None])  # a row that sees none: zeros
-                o = p @ _half(vv, kj, c)
+                mask = _mask(_half(docs, qi, c, 1), _half(dk_ids, kj, c, 1))
+                o, blk = blocks.forward(_half(qf, qi, c), _half(kk, kj, c), _half(vv, kj, c), causal, mask, scale)
                 rows = slice(qi * c, (qi + 1) * c)
                 new = torch.logaddexp(lse[:, :, rows], blk)
                 keep = torch.where(new.isinf(), 0.0, torch.exp(lse[:, :, rows] - new))
@@ -142,17 +135,13 @@ class _Ring(torch.autograd.Function):
             dk_ids = held[2] if docs is not None else None
             dke, dve = torch.zeros(B, H, T, d, device=q.device), torch.zeros(B, H, T, d, device=q.device)
             for qi, kj, causal in _pairs(cp, me, src):
-                qs, ks, vs = _half(qf, qi, c), _half(kk, kj, c), _half(vv, kj, c)
-                s = qs @ ks.transpose(-1, -2) * scale
-                mask = _mask(causal, c, _half(docs, qi, c, 1), _half(dk_ids, kj, c, 1), q.device)
-                p = torch.exp(s - _half(lse, qi, c)[..., None])
-                if mask is not None:
-                    p = p.masked_fill(~mask, 0.0)
-                dos = _half(do, qi, c)
-                dve[:, :, kj * c:(kj + 1) * c] += p.transpose(-1, -2) @ dos
-                ds = p * (dos @ vs.transpose(-1, -2) - _half(delta, qi, c)[..., None])
-                dq[:, :, qi * c:(qi + 1) * c] += ds @ ks * scale
-                dke[:, :, kj * c:(kj + 1) * c] += ds.transpose(-1, -2) @ qs * scale
+                mask = _mask(_half(docs, qi, c, 1), _half(dk_ids, kj, c, 1))
+                dqs, dks, dvs = blocks.backward(_half(do, qi, c), _half(qf, qi, c), _half(kk, kj, c), _half(vv, kj, c),
+                                                _half(out, qi, c), _half(lse, qi, c), _half(delta, qi, c), causal,
+                                                mask, scale)
+                dq[:, :, qi * c:(qi + 1) * c] += dqs
+                dke[:, :, kj * c:(kj + 1) * c] += dks
+                dve[:, :, kj * c:(kj + 1) * c] += dvs
             dk += dke.view(B, Hkv, g, T, d).sum(2)
             dv += dve.view(B, Hkv, g, T, d).sum(2)
             if cp == 1:
