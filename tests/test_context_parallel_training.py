@@ -1,5 +1,6 @@
 """Context parallelism trains like one device, in-process over gloo (no Ray): Llama and GPT-2, ring and Ulysses,
-CP alone, with TP, and with DP under zero 1, whole sequences and packed documents; 20 steps, every loss within
+CP alone, with TP (and sequence parallelism), and with DP under zero 1, whole sequences and packed documents;
+20 steps, every loss within
 1e-5 relative. The gradients of one step equal one device's to 2e-6 relative (fp32 sums in another order:
 measured 6.5e-7 at worst); the final weights after 20 steps within 1e-4, since AdamW turns rounding noise in a
 near-zero gradient into lr-sized steps (tests/tp_training.py measured up to 5.2e-5 between TP layouts across
@@ -41,11 +42,11 @@ def _batch(cfg, data, step, dp_rank, dp, docs):
     return x, y, _documents(step, (BATCH, cfg.block_size))[rows] if docs else None
 
 
-def _train(rank, world, init, arch, tp, cp, dp, zero, kind, docs):
+def _train(rank, world, init, arch, tp, cp, dp, zero, kind, docs, sp=False):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     cfg, lay = CONFIGS[arch](), Layout(tp, cp=cp, dp=dp, zero=zero)
     groups = build_groups(lay, rank)
-    model = build_shard(cfg, SEED, groups.tp)
+    model = build_shard(cfg, SEED, groups.tp, sp)
     context_attention.bind(model, groups, kind)
     opt = make_optimizer(model, HYPER, lay.grad_degree, groups.grad_rank, zero)
     data, losses = corpus(cfg.vocab_size), []
@@ -72,13 +73,17 @@ CASES = [("llama", 1, 2, 1, 0, "ring", False), ("llama", 1, 2, 1, 0, "ulysses", 
          *[pytest.param(*c, marks=pytest.mark.slow) for c in (
              ("llama", 2, 2, 1, 0, "ring", True), ("llama", 1, 2, 2, 1, "ring", True),
              ("llama", 1, 4, 1, 0, "ring", False), ("gpt2", 1, 2, 1, 0, "ulysses", False),
-             ("gpt2", 2, 2, 1, 0, "ring", True))]]
+             ("gpt2", 2, 2, 1, 0, "ring", True), ("llama", 2, 2, 1, 0, "ring", "sp"),
+             ("gpt2", 2, 2, 1, 0, "ulysses", "sp"))]]
 
 
 @pytest.mark.parametrize("arch, tp, cp, dp, zero, kind, docs", CASES)
 def test_context_parallel_training_equals_one_device(arch, tp, cp, dp, zero, kind, docs):
+    """`docs`: packed documents, or "sp": whole sequences under sequence parallelism (TP x CP)."""
+    sp = docs == "sp"
+    docs = docs is True
     want_losses, want = run_ranks(1, _one_device, arch, docs)[0]
-    got = run_ranks(tp * cp * dp, _train, arch, tp, cp, dp, zero, kind, docs)
+    got = run_ranks(tp * cp * dp, _train, arch, tp, cp, dp, zero, kind, docs, sp)
     for losses, _ in got:
         rel = np.abs(np.array(losses) - want_losses) / np.abs(want_losses)
         assert rel.max() < 1e-5, f"loss differs from one device by {rel.max():.2e} relative"
