@@ -1,7 +1,6 @@
 """Context parallelism trains like one device, in-process over gloo (no Ray): Llama and GPT-2, ring and Ulysses,
 CP alone, with TP (and sequence parallelism), and with DP under zero 1, whole sequences and packed documents;
-20 steps, every loss within
-1e-5 relative. The gradients of one step equal one device's to 2e-6 relative (fp32 sums in another order:
+20 steps, every loss within 1e-5 relative. The gradients of one step equal one device's to 2e-6 relative (fp32 sums in another order:
 measured 6.5e-7 at worst); the final weights after 20 steps within 1e-4, since AdamW turns rounding noise in a
 near-zero gradient into lr-sized steps (tests/tp_training.py measured up to 5.2e-5 between TP layouts across
 seeds; here GPT-2 at TP=2 x CP=2 with documents ends 6.4e-5 apart, at TP=2 alone 1.1e-5, while its gradients
