@@ -142,7 +142,7 @@ def _chat_spec(tokenizer: str, named: str | None) -> dict:
     if template is None:
         raise ValueError(f"--tokenizer: {path.parent} has no chat template (no chat_template.jinja, no "
                          "chat_template in tokenizer_config.json) for these conversations; name one with "
-                         "--chat-template FILE (data.chat_template)")
+                         "--chat-template FILE")
     spec = chat.chat_spec(path, template)
     spec["sha256"] = hashlib.sha256(template.encode()).hexdigest()
     spec["source"] = where
