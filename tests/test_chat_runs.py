@@ -92,3 +92,31 @@ def test_a_killed_rank_mid_finetune_heals_bit_for_bit(chat_data, tmp_path):
     assert events(tmp_path / "killed", "recovered") and not events(tmp_path / "whole", "recovered")
     assert_bitwise_equal(out["killed"][0], out["whole"][0])
     assert out["killed"][1] == out["whole"][1]
+
+
+@pytest.mark.slow
+def test_a_live_resize_keeps_the_finetune_loss_curve(chat_data, tmp_path):
+    """TP=1 x DP=2, resized live to TP=2 x DP=1 after step 3: the fine-tune's losses and trained-token counts
+    stay those of the run left alone (the packed rows are a function of the seed and step, not of the
+    layout; the loss is over the global batch's trained tokens)."""
+    import io
+    from raytp.runtime.driver.driver import Driver
+    from raytp.runtime.origin import starting_state
+    model, data = chat_data
+    cfg, _ = starting_state(chat_job(model, data, tp=1, dp=2, steps=6), None, tmp_path / "ref", say=lambda m: None)
+    Driver(cfg, tmp_path / "ref", "chat-alone", out=io.StringIO()).run_to_end()
+    d = Driver(cfg, tmp_path / "run", "chat-resized", out=io.StringIO())
+    try:
+        d.start()
+        d.train_loop(until=3)
+        assert d.resize(tp=2, dp=1).ok
+        d.train_loop(until=6)
+    finally:
+        d.release()
+        d.log.close()
+    got, want = ([m for m in map(json.loads, open(tmp_path / r / "metrics.jsonl")) if "loss_tokens" in m]
+                 for r in ("run", "ref"))
+    assert [(m["tp"], m["dp"]) for m in got] == [(1, 2)] * 3 + [(2, 1)] * 3
+    assert [m["loss_tokens"] for m in got] == [m["loss_tokens"] for m in want]
+    rel = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(got, want))
+    assert len(got) == 6 and rel < 1e-5, rel

@@ -7,6 +7,10 @@ blend sends each sample to one source in the weights' proportions, exact within 
 source reads its windows in a fresh seeded permutation per epoch, so every window is read once per epoch. DP
 rank d takes its contiguous rows, so every layout sees the same data and any step can be replayed exactly
 (recovery, resizing).
+
+A corpus of conversations (prepared datasets of them: raytp.data.conversation_split) reads packed rows
+instead of windows (raytp.data.packing: whole conversations per row, packed once per block size and seed),
+in the same seeded permutation per epoch; its batches are (x, y, documents), y -1 where not trained on.
 """
 from __future__ import annotations
 

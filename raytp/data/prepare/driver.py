@@ -142,7 +142,7 @@ def _chat_spec(tokenizer: str, named: str | None) -> dict:
     if template is None:
         raise ValueError(f"--tokenizer: {path.parent} has no chat template (no chat_template.jinja, no "
                          "chat_template in tokenizer_config.json) for these conversations; name one with "
-                         "--chat-template FILE (data.chat_template)")
+                         "--chat-template FILE")
     spec = chat.chat_spec(path, template)
     spec["sha256"] = hashlib.sha256(template.encode()).hexdigest()
     spec["source"] = where
@@ -163,6 +163,9 @@ def run(sources: list[str], tokenizer: str, out: str, text_key: str = "text", eo
     shard_tokens = shard_tokens or plan.shard_size(files)
     row_groups, kind = _check_all(files, text_key)
     shards = plan.plan(files, shard_tokens, row_groups)
+    if chat_template and kind == read.TEXT:
+        raise ValueError(f"--chat-template: {', '.join(sources)} hold texts, not conversations (rows of 'messages', "
+                         "or 'prompt' and 'completion'); drop it")
     spec = _chat_spec(tokenizer, chat_template) if kind == read.CONVERSATIONS else None
     store = Storage(out)
     fp = plan.fingerprint(files, tok.sha256, tok.eod_id, text_key, shard_tokens, spec and spec["sha256"])
