@@ -137,6 +137,7 @@ def _chat_prompt(model_file, tokenizer, tok, prompt: str) -> tuple[list[int], in
     template (status 2)."""
     import json as json_mod
     from raytp.data.prepare import chat as chat_mod
+    from raytp.files.chat_template import chat_spec, find_template
     from raytp.data.tokens import tokenizer_file
     from raytp.files.export import embedded_tokenizer
     if tok is None:
@@ -145,8 +146,8 @@ def _chat_prompt(model_file, tokenizer, tok, prompt: str) -> tuple[list[int], in
     try:
         if tokenizer is not None:
             path = tokenizer_file(tokenizer, "--tokenizer")
-            template, _ = chat_mod.find_template(path)
-            spec = chat_mod.chat_spec(path, template) if template is not None else None
+            template, _ = find_template(path)
+            spec = chat_spec(path, template) if template is not None else None
         elif (text := embedded_tokenizer(model_file, "chat")) is not None:
             spec = json_mod.loads(text)
     except ValueError as e:

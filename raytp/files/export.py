@@ -25,7 +25,7 @@ import torch
 from raytp.models.args import ModelArgs
 from raytp.models.base import MODEL_FORMAT
 from raytp import trust
-from raytp.files import hf, hf_tokenizer, safetensors_io
+from raytp.files import chat_template, hf, hf_tokenizer, safetensors_io
 
 # What an hf export writes: an --out directory holding only these is a previous export, replaced whole.
 EXPORT_FILE = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map)\.json"
@@ -66,10 +66,9 @@ def write_model(ckpt, out: Path, tokenizer: Path | None = None, overwrite: bool 
     meta = {"format": MODEL_FORMAT, "config": json.dumps(ckpt.manifest["model"])}
     if tokenizer is not None:
         meta["tokenizer"] = Path(tokenizer).read_text()
-        from raytp.data.prepare import chat
-        template, _ = chat.find_template(Path(tokenizer))
+        template, _ = chat_template.find_template(Path(tokenizer))
         if template is not None:  # `raytp sample --chat` renders it (and its special tokens)
-            meta["chat"] = json.dumps(chat.chat_spec(Path(tokenizer), template))
+            meta["chat"] = json.dumps(chat_template.chat_spec(Path(tokenizer), template))
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:

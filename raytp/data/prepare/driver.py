@@ -28,7 +28,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from raytp.data import manifest as manifest_mod, tokens
-from raytp.data.prepare import chat, inputs, outdir, plan, read, shard, tokenizer as tokenizer_mod
+from raytp.files import chat_template
+from raytp.data.prepare import inputs, outdir, plan, read, shard, tokenizer as tokenizer_mod
 from raytp.files.storage import Storage
 
 CHECK_THREADS = 16
@@ -138,12 +139,12 @@ def connected(address: str | None):
 def _chat_spec(tokenizer: str, named: str | None) -> dict:
     """The chat template conversations are rendered with, and its special tokens; ValueError if none."""
     path = tokens.tokenizer_file(tokenizer, "--tokenizer")
-    template, where = chat.find_template(path, named)
+    template, where = chat_template.find_template(path, named)
     if template is None:
         raise ValueError(f"--tokenizer: {path.parent} has no chat template (no chat_template.jinja, no "
                          "chat_template in tokenizer_config.json) for these conversations; name one with "
                          "--chat-template FILE")
-    spec = chat.chat_spec(path, template)
+    spec = chat_template.chat_spec(path, template)
     spec["sha256"] = hashlib.sha256(template.encode()).hexdigest()
     spec["source"] = where
     return spec
