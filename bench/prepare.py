@@ -140,14 +140,16 @@ def raytp_rate(tok_file: Path, corpus: Path, out: Path, shard_tokens: int) -> di
             "shards": len(r.manifest.shards)}
 
 
-def cold_start_s(shards: int) -> float:
+def cold_start_s(shards: int, imports: tuple[str, ...] = ("raytp.data.prepare.shard",)) -> float:
     """What Ray Data costs before a prepare's first token on a fresh local Ray: the same pipeline (shards as
-    rows, map_batches of one CPU a task) doing nothing but import what a prepare task imports."""
+    rows, map_batches of one CPU a task) doing nothing but import what a prepare task imports (`imports`)."""
     import ray
     ray.init(address="local", num_cpus=CPUS, include_dashboard=False, log_to_driver=False)
     try:
         def noop(batch):
-            from raytp.data.prepare import shard  # noqa: F401 - a task's imports
+            import importlib
+            for name in imports:  # a task's imports
+                importlib.import_module(name)
             return batch
         start = time.perf_counter()
         ds = ray.data.from_items([{"index": i} for i in range(shards)], override_num_blocks=shards)

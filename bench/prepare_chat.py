@@ -89,20 +89,8 @@ def raytp_rate(tok_dir: str, corpus: Path, out: Path, rows: int) -> tuple[float,
 def cold_start_s(shards: int) -> float:
     """What Ray Data costs before a prepare's first conversation on a fresh local Ray: the same pipeline doing
     nothing but import what a task rendering conversations imports (transformers with it)."""
-    import ray
-    ray.init(address="local", num_cpus=CPUS, include_dashboard=False, log_to_driver=False)
-    try:
-        def noop(batch):
-            import importlib
-            for name in ("raytp.data.prepare.shard", "transformers.tokenization_utils_fast"):  # a task's imports
-                importlib.import_module(name)
-            return batch
-        start = time.perf_counter()
-        ds = ray.data.from_items([{"index": i} for i in range(shards)], override_num_blocks=shards)
-        list(ds.map_batches(noop, batch_size=1, num_cpus=1).iter_rows())
-        return time.perf_counter() - start
-    finally:
-        ray.shutdown()
+    from bench.prepare import cold_start_s as start_of
+    return start_of(shards, ("raytp.data.prepare.shard", "transformers.tokenization_utils_fast"))
 
 
 def one_process(tok_dir: str, rows: list) -> dict:
