@@ -34,7 +34,7 @@ def _rss_mb() -> float:
 def _memory_rank(rank, world, init, tokens):
     from raytp.models.documents import context_share
     from raytp.models.registry import build_model
-    from raytp.parallel import context_attention
+    from raytp.parallel.context import context_attention
     from raytp.parallel.groups import ProcessGroups, build_groups
     from raytp.parallel.layout import Layout
     if world > 1:
@@ -52,8 +52,8 @@ def _memory_rank(rank, world, init, tokens):
 
 
 def _attention_rank(rank, world, init, tokens, rounds):
-    from raytp.parallel import context
-    from raytp.parallel.ring_attention import ring_attention
+    from raytp.parallel.context import sequence as context
+    from raytp.parallel.context.ring_attention import ring_attention
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, tokens, 32, generator=g) for h in (8, 2, 2))
     if world > 1:

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from raytp.parallel import context
+from raytp.parallel.context import sequence as context
 from raytp.parallel.spawn import run_ranks
 
 
@@ -22,7 +22,7 @@ def test_the_cut_pairs_an_early_and_a_late_chunk_and_round_trips(cp):
 
 
 def test_ulysses_refuses_heads_that_do_not_divide_by_cp():
-    from raytp.parallel.ulysses import refusal
+    from raytp.parallel.context.ulysses import refusal
     assert refusal(8, 4, 4) is None and "KV heads (2)" in refusal(8, 2, 4) and "use ring" in refusal(6, 6, 4)
 
 
@@ -56,8 +56,8 @@ def _reference(B, H, Hkv, T, d, docs):
 
 
 def _cp_rank(rank, world, init_method, shape, docs, kind):
-    from raytp.parallel.ring_attention import ring_attention
-    from raytp.parallel.ulysses import ulysses_attention
+    from raytp.parallel.context.ring_attention import ring_attention
+    from raytp.parallel.context.ulysses import ulysses_attention
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     q, k, v, dy, ids = _inputs(*shape, docs)
     mine = [context.shard(t, world, rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
@@ -106,9 +106,9 @@ def test_a_live_resize_at_or_to_cp_above_1_is_refused_by_name():
 
 @pytest.mark.parametrize("causal, docs", [(True, False), (False, True), (True, True)])
 def test_a_blocks_fused_cpu_kernel_and_its_plain_softmax_agree(monkeypatch, causal, docs):
-    """The two paths of raytp.parallel.attention_blocks (CPU's fused flash kernels; the plain softmax other
+    """The two paths of raytp.parallel.context.attention_blocks (CPU's fused flash kernels; the plain softmax other
     devices run), forward and backward, with rows that see no key."""
-    from raytp.parallel import attention_blocks as blocks
+    from raytp.parallel.context import attention_blocks as blocks
     g = torch.Generator().manual_seed(3)
     q, k, v, do = (torch.randn(2, 3, 8, 16, generator=g) for _ in range(4))
     mask = None

@@ -17,7 +17,7 @@ from raytp.data.corpus import batch
 from raytp.models.documents import context_share
 from raytp.models.registry import build_model
 from raytp.models.shard import build_shard, gather_full_state
-from raytp.parallel import context_attention
+from raytp.parallel.context import context_attention
 from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.spawn import run_ranks

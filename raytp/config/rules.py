@@ -81,7 +81,7 @@ def _experts_problem(v) -> str | None:
 
 def _cp_problem(v) -> str | None:
     """What is wrong with parallel.cp / parallel.cp_attention (None: nothing)."""
-    from raytp.parallel import context, ulysses
+    from raytp.parallel.context import sequence as context, ulysses
     cp, tp = v["parallel.cp"], v["parallel.tp"]
     if cp == 1:
         return None

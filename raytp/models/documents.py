@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from raytp.parallel import context
+from raytp.parallel.context import sequence as context
 
 
 def from_eod(idx: torch.Tensor, eod: int) -> torch.Tensor:

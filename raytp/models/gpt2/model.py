@@ -31,7 +31,7 @@ from raytp.initialization import InitRule
 from raytp.models.args import ModelArgs
 from raytp.models.base import CausalLM, LMLoss
 from raytp.models.documents import attention_mask
-from raytp.parallel.context_attention import ContextAttention
+from raytp.parallel.context.context_attention import ContextAttention
 from raytp.seeds import derive_seed
 
 

@@ -30,7 +30,7 @@ from raytp.models.args import ModelArgs, RopeScaling
 from raytp.models.base import CausalLM, LMLoss
 from raytp.models.documents import attention_mask
 from raytp.models.moe.layer import MoE
-from raytp.parallel.context_attention import ContextAttention
+from raytp.parallel.context.context_attention import ContextAttention
 
 
 class RMSNorm(nn.Module):

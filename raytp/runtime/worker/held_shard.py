@@ -22,7 +22,7 @@ from raytp.moves.owners import Owners
 from raytp.models.moe.plan import ExpertPlace
 from raytp.models.registry import bucketed, is_expert_weight
 from raytp.models.shard import build_empty_shard, build_shard
-from raytp.parallel import context_attention
+from raytp.parallel.context import context_attention
 from raytp.models.stage import copied_name
 from raytp.runtime.worker import planned_source
 from raytp.runtime.worker.background_save import BackgroundSave

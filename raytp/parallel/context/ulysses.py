@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from raytp.parallel import context
+from raytp.parallel.context import sequence as context
 
 
 def refusal(heads: int, kv_heads: int, cp: int) -> str | None:

@@ -1,5 +1,5 @@
 """One block of attention, queries of one chunk against keys of another, with the block's log-sum-exp: what ring
-attention (raytp.parallel.ring_attention) merges and differentiates block by block.
+attention (raytp.parallel.context.ring_attention) merges and differentiates block by block.
 
 On CPU the blocks run torch's fused flash-attention kernels (``_scaled_dot_product_flash_attention_for_cpu``
 and its backward: they return the log-sum-exp and never hold a block's scores whole); elsewhere a plain

@@ -2,7 +2,7 @@
 attention layer holds, bound to the CP group like every parallel layer to its axis's group.
 
 Without a group (cp 1) it is not called: the layer attends over its whole sequence itself. With one, it runs
-ring attention (raytp.parallel.ring_attention) or Ulysses (raytp.parallel.ulysses), as ``parallel.cp_attention``
+ring attention (raytp.parallel.context.ring_attention) or Ulysses (raytp.parallel.context.ulysses), as ``parallel.cp_attention``
 says, on this rank's part of each sequence: queries, keys and values after the rotary embedding of their global
 positions, the key/value heads unexpanded, and the document ids of its tokens where documents are packed.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from raytp.parallel.ring_attention import ring_attention
-from raytp.parallel.ulysses import ulysses_attention
+from raytp.parallel.context.ring_attention import ring_attention
+from raytp.parallel.context.ulysses import ulysses_attention
 
 KINDS = {"ring": ring_attention, "ulysses": ulysses_attention}
 

@@ -25,8 +25,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from raytp.parallel import attention_blocks as blocks
-from raytp.parallel.context import chunks
+from raytp.parallel.context import attention_blocks as blocks
+from raytp.parallel.context.sequence import chunks
 
 NEG_INF = float("-inf")
 
