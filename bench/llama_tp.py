@@ -5,7 +5,7 @@ attention) at the same TP degree, in one spawned gloo process group (one
 thread per rank, world size = TP):
 
 - ``raytp``: each rank reads its slices of the saved directory
-  (raytp.files.hf.load_into) into raytp's Llama shard, and trains with
+  (raytp.files.interop.hf.load_into) into raytp's Llama shard, and trains with
   raytp.train.step.train_step;
 - ``transformers``: ``LlamaForCausalLM.from_pretrained(DIR, tp_plan="auto")``
   (transformers' own Colwise/Rowwise DTensor plan), trained by the same maths:
@@ -41,7 +41,7 @@ from raytp.parallel.groups import build_groups
 from raytp.parallel.layers import set_tp_overlap
 from raytp.parallel.layout import Layout
 from raytp.models.shard import build_empty_shard
-from raytp.files import hf
+from raytp.files.interop import hf
 from raytp.data.corpus import batch
 from raytp.train.hyper import lr_at
 from raytp.train.step import make_optimizer, train_step

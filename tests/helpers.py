@@ -280,7 +280,7 @@ def hf_shard_at_tp(rank, world, init, model_dir, ep=1, etp=None):
     rank `rank` of `world` (its experts spread over `ep` ranks, `etp` 1: whole on each TP rank), each rank
     reading its own slices: (model shard, its ProcessGroups)."""
     import torch.distributed as dist
-    from raytp.files import hf
+    from raytp.files.interop import hf
     from raytp.models.moe.plan import ExpertPlace
     from raytp.models.shard import build_empty_shard
     from raytp.parallel.groups import build_groups

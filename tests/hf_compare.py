@@ -93,7 +93,7 @@ def perturbed_and_saved(model, d, seed: int = 3):
 def assert_same_greedy_generation(d, model):
     """raytp's model loaded from directory `d` on one device generates what transformers' `model` does (12
     greedy tokens after a 6-token prompt); returns raytp's config of `d`."""
-    from raytp.files import hf
+    from raytp.files.interop import hf
     from raytp.models.registry import build_model
     cfg = hf.inspect(d)
     ours = build_model(cfg, seed=0).eval()

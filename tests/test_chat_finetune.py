@@ -129,7 +129,7 @@ def _hf_model(style):
 def test_a_packed_masked_batch_gives_transformers_loss_and_gradients(chat_set, style, tmp_path):
     """One packed batch of conversations: raytp's loss (the sum over trained tokens / their count) and its
     gradients equal transformers' on each conversation alone, unpacked, labels -100 where not trained on."""
-    from raytp.files import hf
+    from raytp.files.interop import hf
     from raytp.models.registry import build_model
     tok_dir, out, _ = chat_set[style]
     torch.manual_seed(4)

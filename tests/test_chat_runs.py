@@ -39,7 +39,7 @@ def chat_job(model, data, tp=2, dp=1, steps=6, **sections):
 @pytest.mark.slow
 def test_prepare_train_export_and_transformers_answers(chat_data, tmp_path):
     from raytp.data.prepare import chat
-    from raytp.files.export import embedded_tokenizer
+    from raytp.files.interop.export import embedded_tokenizer
     from raytp.models.files import load_model
     from raytp.runtime.origin import starting_state
     model, data = chat_data

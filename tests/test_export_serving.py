@@ -17,7 +17,8 @@ import yaml
 from click.testing import CliRunner
 
 from raytp.cli import main
-from raytp.files import checkpoint, hf, hf_tokenizer
+from raytp.files import checkpoint
+from raytp.files.interop import hf, hf_tokenizer
 from raytp.files.storage import Storage
 from raytp.models.args import ModelArgs
 from raytp.models.files import load_model

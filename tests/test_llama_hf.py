@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_compare import V, assert_equal_within, assert_same_greedy_generation, ours_at_tp, theirs
-from raytp.files import hf
+from raytp.files.interop import hf
 from raytp.models.registry import build_model
 from raytp.parallel.spawn import run_ranks
 

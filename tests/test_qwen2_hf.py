@@ -11,7 +11,7 @@ import torch
 
 from hf_compare import (V, assert_equal_within, assert_same_greedy_generation, ours_at_tp,
                         perturbed_and_saved, theirs)
-from raytp.files import hf
+from raytp.files.interop import hf
 from raytp.parallel.spawn import run_ranks
 
 transformers = pytest.importorskip("transformers")

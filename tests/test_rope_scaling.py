@@ -10,7 +10,7 @@ import yaml
 
 from raytp.config import ConfigError, from_dict, load
 from raytp.config.adapters import model_args
-from raytp.files import hf
+from raytp.files.interop import hf
 from raytp.models.args import RopeScaling
 from raytp.models.llama.model import inv_freq
 from raytp.models.registry import build_model

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from raytp.data import manifest as mf
-from raytp.files import checkpoint, hf, safetensors_io
+from raytp.files import checkpoint, safetensors_io
+from raytp.files.interop import hf
 from raytp.files.checkpoint import CheckpointError
 from raytp.files.checkpoint_format import FORMAT_V1
 from raytp.files.storage import Storage

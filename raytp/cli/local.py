@@ -58,7 +58,8 @@ def train(job, sets, address, run_dir, name, resume):
 def export(source, out, fmt, tokenizer, init_from, dtype, max_shard_size, overwrite):
     """Write the model of SOURCE (a run dir, a checkpoint dir, or a URL of either) as one raytp file or a
     Hugging Face directory, tensor by tensor."""
-    from raytp.files import checkpoint, export as export_mod
+    from raytp.files import checkpoint
+    from raytp.files.interop import export as export_mod
     from raytp.files.checkpoint_manifest import check_model_tensors
     from raytp.data import tokens as tok_mod
     try:
@@ -75,7 +76,7 @@ def export(source, out, fmt, tokenizer, init_from, dtype, max_shard_size, overwr
         if "tensors" in ckpt.manifest:  # every entry at its model's shape: no byte of another tensor exported
             check_model_tensors(ckpt.manifest, ckpt.where)
         if fmt == "hf":
-            from raytp.files.hf import DEFAULT_SHARD_SIZE
+            from raytp.files.interop.hf import DEFAULT_SHARD_SIZE
             export_mod.write_hf(ckpt, Path(out), dtype, max_shard_size or DEFAULT_SHARD_SIZE, tok,
                                 Path(init_from) if init_from else None)
         else:
@@ -104,7 +105,7 @@ def sample(model_file, prompt, tokens, temperature, top_k, seed, tokenizer, chat
     import torch
     from raytp.models.files import load_model
     from raytp.data import tokens as tok_mod
-    from raytp.files.export import embedded_tokenizer
+    from raytp.files.interop.export import embedded_tokenizer
     try:
         model = load_model(model_file)
     except ValueError as e:
@@ -137,9 +138,9 @@ def _chat_prompt(model_file, tokenizer, tok, prompt: str) -> tuple[list[int], in
     template (status 2)."""
     import json as json_mod
     from raytp.data.prepare import chat as chat_mod
-    from raytp.files.chat_template import chat_spec, find_template
+    from raytp.files.interop.chat_template import chat_spec, find_template
     from raytp.data.tokens import tokenizer_file
-    from raytp.files.export import embedded_tokenizer
+    from raytp.files.interop.export import embedded_tokenizer
     if tok is None:
         fail(f"--chat: {model_file} carries no tokenizer; pass --tokenizer (a directory with a chat template)", 2)
     spec = None

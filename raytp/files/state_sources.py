@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raytp.files import checkpoint, hf
+from raytp.files import checkpoint
+from raytp.files.interop import hf
 from raytp.train.shard_state import load_shard_state, slice_state
 from raytp.files.storage import Storage
 

@@ -67,7 +67,7 @@ def rows_of(shape: tuple[int, ...]) -> tuple[int, int]:
 
 def consecutive(sizes: list[int], limit: int) -> list[list[int]]:
     """Indices of `sizes`, in order, grouped into runs of at most `limit` in total (a larger one alone): the
-    buckets here, and the files of a sharded Hugging Face export (raytp.files.hf)."""
+    buckets here, and the files of a sharded Hugging Face export (raytp.files.interop.hf)."""
     out: list[list[int]] = []
     used = 0
     for i, n in enumerate(sizes):

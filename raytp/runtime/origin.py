@@ -10,7 +10,8 @@ from pathlib import Path
 from raytp import config as config_mod
 from raytp.config.adapters import model_args
 from raytp.models import registry
-from raytp.files import checkpoint, hf
+from raytp.files import checkpoint
+from raytp.files.interop import hf
 from raytp.files.checkpoint_owner import read_run_id
 from raytp.files.state_sources import CheckpointSource, HFSource
 

@@ -28,7 +28,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from raytp.data import manifest as manifest_mod, tokens
-from raytp.files import chat_template
+from raytp.files.interop import chat_template
 from raytp.data.prepare import inputs, outdir, plan, read, shard, tokenizer as tokenizer_mod
 from raytp.files.storage import Storage
 

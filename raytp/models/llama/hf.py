@@ -3,7 +3,7 @@
 raytp's Llama names its weights as transformers' LlamaForCausalLM does, minus
 the trunk's ``model.`` prefix; the layouts are the same (nn.Linear), so only
 names and the config move (Llama 3.1+'s rotary rescaling included: rope_scaling
-with rope_type llama3, any other refused). raytp.files.hf reads and writes the
+with rope_type llama3, any other refused). raytp.files.interop.hf reads and writes the
 directories (slice by slice) for both architectures; this file says what differs.
 """
 from __future__ import annotations

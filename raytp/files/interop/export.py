@@ -5,10 +5,10 @@ TP degree 1) and written to the output at once, so the export holds one tensor
 at a time, never the model. The raytp format is a safetensors file with the
 model's config in its metadata (``raytp.models.files.load_model`` reads it).
 The Hugging Face format (write_hf) is a directory as transformers, vLLM and
-lm-eval expect one: the weights in fp32 or bf16 (raytp.files.hf: one file, or
+lm-eval expect one: the weights in fp32 or bf16 (raytp.files.interop.hf: one file, or
 shards with their index past a size), config.json with the special token ids,
 generation_config.json, and the tokenizer with its side files
-(raytp.files.hf_tokenizer). Both are written under a hidden name beside the
+(raytp.files.interop.hf_tokenizer). Both are written under a hidden name beside the
 output and renamed into place whole, so a failed export leaves nothing that
 looks like one.
 """
@@ -25,7 +25,8 @@ import torch
 from raytp.models.args import ModelArgs
 from raytp.models.base import MODEL_FORMAT
 from raytp import trust
-from raytp.files import chat_template, hf, hf_tokenizer, safetensors_io
+from raytp.files import safetensors_io
+from raytp.files.interop import chat_template, hf, hf_tokenizer
 
 # What an hf export writes: an --out directory holding only these is a previous export, replaced whole.
 EXPORT_FILE = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map)\.json"

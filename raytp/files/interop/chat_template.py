@@ -1,6 +1,6 @@
 """A tokenizer's chat template and special tokens, read from the files beside its tokenizer.json: what
 `raytp prepare` renders conversations with (raytp.data.prepare.chat), what an export ships and `raytp sample
---chat` renders with (raytp.files.export)."""
+--chat` renders with (raytp.files.interop.export)."""
 from __future__ import annotations
 
 import json

@@ -4,7 +4,7 @@ Each architecture's spelling (config.json, weight names, transposed layouts)
 is its spec's ``hf`` adapter (raytp.models.<arch>.hf). The weights written here
 (one model.safetensors, or shards with their index as transformers names them,
 fp32 or bf16) with config_json's config.json load with transformers'
-``from_pretrained`` and no raytp installed (raytp.files.export.write_hf writes
+``from_pretrained`` and no raytp installed (raytp.files.interop.export.write_hf writes
 the whole directory); one written by transformers (one safetensors file, or
 several with their index) loads into raytp (``model.init_from: DIR``), each
 rank reading only the byte ranges of its slices.
