@@ -14,12 +14,11 @@ and over which axes the squares of its gradient are summed for the global norm
 the padded vocabulary, shared KV heads) is the model's ``Sharding`` row
 (raytp.parallel.sharding); this table says which axes split it.
 
-Dense models: weights split along TP by their Sharding (or replicated there) and
-replicated over DP; their AdamW state the same, or split over DP by rows under
-the distributed optimizer. Expert weights (Mixture of Experts): split over EP
-along the expert dim, over ETP as a dense row would be, replicated over
-expert-DP (``expert_placement``); their AdamW state the same, or split over expert-DP by rows under the
-distributed optimizer (``expert_state``).
+Dense weights split along TP by their Sharding (or replicated there) and
+replicated over DP (``dense_weight``); expert weights (Mixture of Experts) split
+over EP along the expert dim, over ETP as a dense row would be, replicated over
+expert-DP (``expert_placement``). Who holds which bytes of the whole state, AdamW
+rows included, is the placement table's (raytp.moves.table, raytp.moves.owners).
 """
 from __future__ import annotations
 
