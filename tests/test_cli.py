@@ -139,4 +139,4 @@ def test_submit_resume_is_passed_to_train_on_the_cluster(tmp_path):
 def test_scale_without_degrees_names_each_one_and_starts_nothing():
     p = raytp("scale", "somerun")
     assert p.returncode == 2, p.stderr[-2000:]
-    assert p.stderr.strip() == "error: give --workers N, or any of --tp N, --pp N, --dp N, or --ep N", p.stderr
+    assert p.stderr.strip() == "error: give --workers N, or any of --tp N, --cp N, --pp N, --dp N, or --ep N", p.stderr

@@ -86,8 +86,8 @@ def test_cp_attention_equals_one_device_forward_and_backward(kind, cp, heads, do
     ({"cp": 3}, {}, "must divide by 2 x cp = 6"),
     ({"cp": 2, "tp": 2, "sequence_parallel": True}, {"block_size": 36}, "2 x cp x tp = 8"),
     ({"cp": 2, "cp_attention": "ulysses", "tp": 2}, {"n_head": 4, "n_kv_head": 2, "arch": "llama"}, "KV heads (1)"),
-    ({"cp": 2, "zero": 1, "dp": 2}, {}, "with parallel.zero 1 is not built yet"),
-    ({"cp": 2, "pp": 2}, {}, "with parallel.pp > 1 is not built yet")])
+    ({"cp": 2, "max_dp": 4}, {}, "with an elastic min_dp or max_dp is not built yet"),
+    ({"cp": 2, "pp": 2, "sequence_parallel": True, "tp": 2}, {"block_size": 36}, "2 x cp x tp = 8")])
 def test_a_job_at_cp_above_1_is_refused_by_name_before_anything_starts(parallel, model, says):
     from raytp.config import from_dict
     from raytp.config.values import ConfigError
@@ -96,12 +96,21 @@ def test_a_job_at_cp_above_1_is_refused_by_name_before_anything_starts(parallel,
     assert says in str(e.value)
 
 
-def test_a_live_resize_at_or_to_cp_above_1_is_refused_by_name():
+def test_a_live_change_at_or_to_cp_above_1_starts_every_worker_of_the_new_layout_anew():
+    """A stage that holds CP ranks beside its TP ranks (before or after) cannot grow in place as a TP group does:
+    any change there is a restage (every worker started ahead, the state moved by the planner); at cp 1 the kinds
+    stay as they were."""
     from raytp.parallel.layout import Layout
     from raytp.runtime import policy
-    assert "parallel.cp > 1" in policy.resize_problem(Layout(1, cp=2), Layout(1, cp=2, dp=2))
-    assert "parallel.cp > 1" in policy.resize_problem(Layout(2), Layout(1, cp=2))
-    assert policy.resize_problem(Layout(2), Layout(1, dp=2)) is None
+    from raytp.runtime.elastic import changes
+    for old, new in ((Layout(1, cp=2), Layout(1, cp=4)), (Layout(1, cp=2), Layout(1, cp=2, dp=2)),
+                     (Layout(2), Layout(1, cp=2)), (Layout(1, cp=2, pp=2), Layout(1, pp=2))):
+        assert policy.resize_problem(old, new) is None
+        plan = changes.plan_change(old, new)
+        assert isinstance(plan, changes.Restage) and plan.ranks.kept == ()
+        assert plan.bundles(old, new, lambda q: old.stage_ranks) == [new.stage_ranks] * (new.dp * new.pp)
+    assert isinstance(changes.plan_change(Layout(2), Layout(4)), changes.TpChange)
+    assert isinstance(changes.plan_change(Layout(2), Layout(2, dp=2)), changes.DpChange)
 
 
 @pytest.mark.parametrize("causal, docs", [(True, False), (False, True), (True, True)])

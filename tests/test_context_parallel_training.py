@@ -17,10 +17,12 @@ from raytp.data.corpus import batch
 from raytp.models.documents import context_share
 from raytp.models.registry import build_model
 from raytp.models.shard import build_shard, gather_full_state
+from raytp.models.stage import stage_of
 from raytp.parallel.context import context_attention
 from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
 from raytp.parallel.spawn import run_ranks
+from raytp.train.stage_runner import PipelineSchedule
 from raytp.train.step import make_optimizer, train_step
 
 CONFIGS = {"llama": llama_config, "gpt2": gpt_config}
@@ -56,6 +58,24 @@ def _train(rank, world, init, arch, tp, cp, dp, zero, kind, docs, sp=False):
     return losses, gather_full_state(model, groups.tp)
 
 
+def _train_stages(rank, world, init, arch, tp, cp, pp, kind, docs, m=2):
+    """PP x CP x TP, 1F1B over `m` micro-batches: (losses, this stage's weights gathered over TP)."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    cfg, lay = CONFIGS[arch](), Layout(tp, cp=cp, pp=pp)
+    groups = build_groups(lay, rank)
+    stage = stage_of(cfg, pp, groups.pp_rank)
+    model = build_shard(cfg, SEED, groups.tp, stage=stage)
+    context_attention.bind(model, groups, kind)
+    opt, pipe = make_optimizer(model, HYPER, lay.grad_degree, groups.grad_rank, 0), PipelineSchedule("1f1b", stage, False)
+    data, losses = corpus(cfg.vocab_size), []
+    for step in range(STEPS):
+        x, y, ids = _batch(cfg, data, step, 0, 1, docs)
+        rows = [(x[i::m], y[i::m], None if ids is None else ids[i::m]) for i in range(m)]
+        mbs = [context_share(*r, cp, groups.cp_rank) for r in rows]
+        losses.append(train_step(model, opt, mbs, groups, step, HYPER, schedule=pipe).loss)
+    return losses, gather_full_state(model, groups.tp)
+
+
 def _one_device(rank, world, init, arch, docs):
     cfg = CONFIGS[arch]()
     groups = ProcessGroups(Layout(1), 0, None, None)
@@ -87,6 +107,26 @@ def test_context_parallel_training_equals_one_device(arch, tp, cp, dp, zero, kin
         rel = np.abs(np.array(losses) - want_losses) / np.abs(want_losses)
         assert rel.max() < 1e-5, f"loss differs from one device by {rel.max():.2e} relative"
     state, want = without_key_bias(got[0][1]), without_key_bias(want)
+    for k, t in want.items():
+        diff = (state[k] - t).abs().max().item()
+        assert diff < 1e-4, f"final {k} differs by {diff:.2e}"
+
+
+@pytest.mark.parametrize("arch, tp, cp, pp, kind, docs", [
+    ("llama", 1, 2, 2, "ring", True),
+    pytest.param("gpt2", 2, 2, 2, "ulysses", False, marks=pytest.mark.slow)])
+def test_pipeline_stages_with_context_parallelism_equal_one_device(arch, tp, cp, pp, kind, docs):
+    """PP=2 x CP=2 (1F1B over two micro-batches; each stage's CP rank c sends to the next stage's CP rank c):
+    one device's losses within 1e-5 relative and its weights within 1e-4 after 20 steps, every stage's."""
+    want_losses, want = run_ranks(1, _one_device, arch, docs)[0]
+    got = run_ranks(tp * cp * pp, _train_stages, arch, tp, cp, pp, kind, docs)
+    state = {}
+    for losses, held in got:
+        rel = np.abs(np.array(losses) - want_losses) / np.abs(want_losses)
+        assert rel.max() < 1e-5, f"loss differs from one device by {rel.max():.2e} relative"
+        state.update(held)
+    state, want = without_key_bias(state), without_key_bias(want)
+    assert set(want) <= set(state), sorted(set(want) - set(state))
     for k, t in want.items():
         diff = (state[k] - t).abs().max().item()
         assert diff < 1e-4, f"final {k} differs by {diff:.2e}"

@@ -217,32 +217,34 @@ def stop(run, address, timeout):
 @click.option("--pp", type=int, default=None, help="New number of pipeline stages.")
 @click.option("--dp", type=int, default=None, help="New data-parallel degree.")
 @click.option("--ep", type=int, default=None, help="New expert-parallel degree (an MoE job; TP, PP and DP stay).")
+@click.option("--cp", type=int, default=None, help="New context-parallel degree (each sequence cut over CP ranks).")
 @click.option("--address", default=None, help=ADDRESS_HELP)
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the resize.")
 @_cluster_errors
-def scale(run, workers, tp, pp, dp, ep, address, timeout):
-    """Change RUN's layout while it trains: --workers N, or any of --tp, --pp, --dp; --ep alone."""
+def scale(run, workers, tp, pp, dp, ep, cp, address, timeout):
+    """Change RUN's layout while it trains: --workers N, or any of --tp, --cp, --pp, --dp; --ep alone."""
     import ray
     from raytp.runtime.driver.control_actor import find_control
-    if workers is None and tp is None and pp is None and dp is None and ep is None:
-        fail("give --workers N, or any of --tp N, --pp N, --dp N, or --ep N")
-    if workers is not None and (tp is not None or pp is not None or dp is not None or ep is not None):
-        fail("--workers keeps TP and PP and sets DP; give either it or --tp/--pp/--dp/--ep")
-    check_request(run, timeout, workers=workers, tp=tp, pp=pp, dp=dp, ep=ep)
+    degrees = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep}
+    if workers is None and all(n is None for n in degrees.values()):
+        fail("give --workers N, or any of --tp N, --cp N, --pp N, --dp N, or --ep N")
+    if workers is not None and any(n is not None for n in degrees.values()):
+        fail("--workers keeps TP, CP and PP and sets DP; give either it or --tp/--cp/--pp/--dp/--ep")
+    check_request(run, timeout, workers=workers, **degrees)
     _head(address).connect()
     ctl = find_control(run)
     if ctl is None:
         fail(f"no running run named {run!r} in this cluster (see `raytp status` for the runs it has)", 1)
     st = ray.get(ctl.get_status.remote(), timeout=30)
-    replica = st["tp"] * st.get("pp", 1)
+    replica = st["world_size"] // st["dp"]  # TP x CP x PP
     if workers is not None:
         if workers % replica:
-            fail(f"--workers {workers} is not a multiple of the run's replica size (TP x PP = {replica}); "
+            fail(f"--workers {workers} is not a multiple of the run's replica size (TP x CP x PP = {replica}); "
                   f"valid: {', '.join(str(replica * k) for k in range(1, 5))}, ...")
-        tp, dp = st["tp"], workers // replica
-    tp, pp, dp = (tp if tp is not None else st["tp"], pp if pp is not None else st.get("pp", 1),
-                  dp if dp is not None else st["dp"])
-    rid = ray.get(ctl.request.remote("scale", tp=tp, pp=pp, dp=dp, ep=ep), timeout=30)
+        degrees["dp"] = workers // replica
+    # every degree not given is the run's: the request names them all but ep (a request names what it changes)
+    degrees.update({a: st.get(a, 1) for a in ("tp", "cp", "pp", "dp") if degrees[a] is None})
+    rid = ray.get(ctl.request.remote("scale", **degrees), timeout=30)
     outcome = await_outcome(ctl, rid, timeout, "scale")
     if not outcome.get("ok"):
         fail(f"scale refused; the run goes on unchanged: {outcome.get('error')}", 1)

@@ -90,14 +90,12 @@ def _cp_problem(v) -> str | None:
         heads, kv, _, _ = _shape(v)
         why = ulysses.refusal(heads // tp, max(kv // tp, 1), cp)
     if why is None:
-        later = [what for what, on in (("parallel.pp > 1", v["parallel.pp"] > 1),
-                                       ("parallel.zero 1", v["parallel.zero"]),
-                                       ("model.moe", v["model.moe"] is not None),
+        later = [what for what, on in (("model.moe", v["model.moe"] is not None),
                                        ("an elastic min_dp or max_dp", v["parallel.min_dp"] or v["parallel.max_dp"]))
                  if on]
         if later:
-            why = (f"cp={cp} with {' and '.join(later)} is not built yet (context parallelism trains at pp 1, zero 0, "
-                   "dense, a fixed dp)")
+            why = (f"cp={cp} with {' and '.join(later)} is not built yet (context parallelism trains dense models "
+                   "at a fixed dp)")
     return why
 
 

@@ -133,11 +133,8 @@ def choose_spares(layout: Layout, lost: Sequence[int], nodes: Sequence[str | Non
 # -- resizing (which ranks a layout change keeps and starts: raytp.runtime.elastic.rank_plans) ---
 
 def resize_problem(old: Layout, new: Layout) -> str | None:
-    """Why a running job cannot move from `old` to `new` live (None if it can): a job that splits its sequences
-    (context parallelism) does not resize live yet; experts as ``expert_resize_problem`` says."""
-    if old.cp > 1 or new.cp > 1:
-        return ("a live resize of a job at parallel.cp > 1, or to it, is not built yet; stop the run and resume it "
-                "at the new layout from its checkpoint")
+    """Why a running job cannot move from `old` to `new` live (None if it can): experts as
+    ``expert_resize_problem`` says."""
     return expert_resize_problem(old, new)
 
 

@@ -1,4 +1,5 @@
-"""Point-to-point between pipeline stages: stage s's TP rank t talks to stage s±1's TP rank t only.
+"""Point-to-point between pipeline stages: stage s's TP rank t talks to stage s±1's TP rank t only (of the same
+CP rank: each holds the same chunks of the sequence).
 
 What crosses between nodes is cut by TP, as Megatron's ``scatter_gather_tensors_in_pipeline``
 does: under sequence parallelism each TP rank already holds its 1/tp slice of
@@ -66,8 +67,8 @@ class StageLink:
         self._top_up(self.ahead)  # the step's first message: posted as the step starts
 
     def rank_of(self, stage: int) -> int:
-        """The global rank of `stage` at this rank's TP rank and replica."""
-        return self.layout.rank(tp=self.here.tp, pp=stage, dp=self.here.dp)
+        """The global rank of `stage` at this rank's TP rank, sequence chunk (context parallelism) and replica."""
+        return self.layout.rank(tp=self.here.tp, pp=stage, dp=self.here.dp, cp=self.here.cp)
 
     def send(self, x: torch.Tensor, stage: int, tag: int) -> None:
         """Post the send of `x` (this rank's part of it) to `stage`; it completes by ``finish``."""

@@ -10,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raytp.parallel.layout import SCALED, Layout
-from raytp.runtime.records import Outcome, StopRequest
+from raytp.runtime.records import Outcome, StopRequest, layout_dict
 
 
 def summary(view: dict) -> dict:
     """The status of a run from what the driver hands over (Driver.view)."""
     lay, last = view["layout"], view["last"]
     return {"state": view["state"].value, "step": view["step"], "steps": view["steps"],
-            "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "world_size": lay.world_size,
+            **layout_dict(lay), "world_size": lay.world_size,
             "loss": last.get("loss"), "val_loss": last.get("val_loss"),
             "tokens_per_s": last.get("tokens_per_s"), "step_time_s": last.get("step_time_s"),
             "failures": view["failures"], "spares": view["spares"], "run_dir": view["run_dir"],

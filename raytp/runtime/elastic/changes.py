@@ -9,7 +9,8 @@ raytp.runtime.elastic.replicas for a DP change), adopt or roll back.
 - ``DpChange``: replicas added or removed; the staying ones keep their processes.
 - ``TpChange``: TP at pp == 1; replica 0's first TP ranks keep theirs (placement grows replicas in place).
 - ``StageChange``: the pipeline degree at the same TP; stages present at both layouts keep theirs.
-- ``Restage``: TP at pp > 1 (or to or from it): every worker starts anew, ahead.
+- ``Restage``: TP at pp > 1 (or to or from it), or any change where a stage holds more ranks than its TP
+  ranks (``Layout.stage_ranks``: context parallelism's) before or after: every worker starts anew, ahead.
 - ``EpChange``: the expert-parallel degree alone; every worker keeps its process, the experts move.
 """
 from __future__ import annotations
@@ -114,7 +115,7 @@ class Restage(Change):
     restarts_all = True
 
     def bundles(self, old: Layout, new: Layout, held) -> list[int]:
-        return [new.tp] * (new.dp * new.pp)
+        return [new.stage_ranks] * (new.dp * new.pp)
 
     def reserve(self, group, new_cfg) -> Reservation:
         pgs = group.reserve(new_cfg, group.launcher.run, list(range(new_cfg.parallel.dp)))
@@ -144,7 +145,8 @@ def plan_change(old: Layout, new: Layout) -> Change:
     """The plan that takes a running job from `old` to `new` (which differ)."""
     if new.ep != old.ep and (new.tp, new.pp, new.dp, new.expert_tp) == (old.tp, old.pp, old.dp, old.expert_tp):
         return EpChange(rank_plans.ep_resize_ranks(old))
-    if new.tp != old.tp and (new.pp > 1 or old.pp > 1):
+    beside_tp = old.stage_ranks != old.tp or new.stage_ranks != new.tp  # a stage holds more than its TP ranks
+    if beside_tp or (new.tp != old.tp and (new.pp > 1 or old.pp > 1)):
         return Restage(rank_plans.restage_ranks(old, new))
     if new.pp != old.pp:
         return StageChange(rank_plans.stage_resize_ranks(old, new))

@@ -179,9 +179,9 @@ def write_part(url: str, directory: str, packed, layout, rank: int, model_cfg) -
     under the distributed optimizer, a DP rank but the first writes its AdamW rows only; `model_cfg`: the
     model's ModelArgs."""
     at = layout.coords(rank)
-    tp_rank, tp, pp, dp, sharded = at.tp, layout.tp, layout.pp, layout.dp, layout.sharded_optimizer
+    tp_rank, tp, pp, dp, sharded = at.tp, layout.tp, layout.pp, layout.grad_degree, layout.sharded_optimizer
     stage = at.pp if pp > 1 else None
-    dp_rank = at.dp if sharded else 0
+    dp_rank = layout.grad_place(rank) if sharded else 0  # the rows' file: its place among the ranks they are cut over
     experts = (layout, rank) if layout.experts_split else None
     from raytp.train.shard_state import unpack_state
     from raytp.models.registry import model_class

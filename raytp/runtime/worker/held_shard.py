@@ -120,14 +120,16 @@ class HeldShard:
         (raytp.runtime.worker.background_save): from the snapshot of step `completed` if one is packed in
         `snap_bufs` (training never waits for it), else from the live tensors. The first ranks holding each
         weight write it (raytp.moves.owners); under the distributed optimizer every rank writes the
-        AdamW state of its rows. TP rank 0 (of each stage, of replica 0) returns its tensor table."""
+        AdamW state of its rows, in the file of its place among the ranks the rows are cut over (``grad_place``:
+        its replica's, or with context parallelism its replica's and sequence chunk's). TP rank 0 (of each stage,
+        of replica 0) returns its tensor table."""
         self.settle()
         g = groups
         held = snap_bufs.hold(completed)
         stage = g.pp_rank if g.layout.pp > 1 else None  # its files and table entries name the stage
         weights = Owners(g.layout).writes_weights(g.rank)
         copy = copied_name(self.model.stage_parts(), getattr(self.model, "stage", None))
-        kw = {"tp": g.layout.tp, "stage": stage, "dp_rank": g.dp_rank if g.layout.sharded_optimizer else 0}
+        kw = {"tp": g.layout.tp, "stage": stage, "dp_rank": g.grad_rank if g.layout.sharded_optimizer else 0}
         if held is not None:
             packed, buf = held
             tensors = checkpoint.without_copies(checkpoint.state_tensors(unpack_state(packed, views=True),
@@ -155,7 +157,8 @@ class HeldShard:
                                         cfg.model.vocab_size, stage)
         params = {n: p.detach() for n, p in self.model.named_parameters()}
         params = {n: params[n] for n in bucketed(list(params))}  # the optimizer's rows: trained weights only
-        table.update(checkpoint.zero_table(params, model_args(cfg), g.layout.tp, g.layout.dp, stage, copy))
+        table.update(checkpoint.zero_table(params, model_args(cfg), g.layout.tp, g.layout.grad_degree, stage,
+                                               copy))
         return table
 
     def settle(self, snapshot=None) -> None:
