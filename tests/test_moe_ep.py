@@ -13,45 +13,21 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from tp_training import BATCH, HYPER, SEED, STEPS, WEIGHTS_TOL, assert_table_holds, corpus, moe_config, train
+from tp_training import (BATCH, HYPER, SEED, STEPS, WEIGHTS_TOL, assert_table_holds, corpus, gathered, moe_config,
+                         train)
 
 from raytp.data.corpus import batch
 from raytp.models.moe.plan import ExpertPlace
-from raytp.models.registry import bucketed, full_size_of, is_expert_weight, sharding_of
+from raytp.models.registry import bucketed, is_expert_weight
 from raytp.models.shard import build_shard
-from raytp.models.stage import replicated_copy, stage_of
+from raytp.models.stage import stage_of
 from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
-from raytp.parallel.sharding import unshard_tensors
 from raytp.parallel.spawn import run_ranks
 from raytp.train.optimizer import make_optimizer
 from raytp.train.row_cut import experts_cut
 from raytp.train.stage_runner import PipelineSchedule
 from raytp.train.step import train_step
-
-
-def gathered(model, groups, lay: Layout) -> dict:
-    """The one-device state of this rank's stage: TP slices joined, every expert fetched from its EP rank."""
-    tp_group = groups.tp
-    out = {}
-    for name, p in model.named_parameters():
-        if replicated_copy(model, name):
-            continue
-        split_tp = tp_group is not None and sharding_of(name, model.cfg).dim is not None and not (
-            is_expert_weight(name) and lay.expert_tp == 1)
-        if split_tp:
-            parts = [torch.empty_like(p) for _ in range(lay.tp)]
-            dist.all_gather(parts, p.detach().contiguous(), group=tp_group)
-            out[name] = unshard_tensors(parts, sharding_of(name, model.cfg), full_size_of(name, model.cfg))
-        else:
-            out[name] = p.detach().clone()
-    if lay.experts_split and groups.group("ep") is not None:
-        theirs = [None] * lay.ep
-        dist.all_gather_object(theirs, {n: t for n, t in out.items() if is_expert_weight(n)},
-                               group=groups.group("ep"))
-        for part in theirs:
-            out.update(part)
-    return out
 
 
 def train_runs(rank, world, init, runs, overlap=False):

@@ -216,7 +216,7 @@ def test_grouped_experts_equal_the_loop_bit_for_bit_on_cpu(bf16, packed, monkeyp
     with torch.no_grad():
         m.gate.weight.zero_()
         m.gate.weight[:3] = torch.randn(3, 32)  # expert 3 scores lowest: chosen by no token, most likely
-    x = torch.randn(2, 24, 32)
+    x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(3))
     if packed:
         before = {n: p.detach().clone() for n, p in m.named_parameters()}
         grouped.pack(list(m.experts.values()))
@@ -235,30 +235,23 @@ def test_grouped_experts_equal_the_loop_bit_for_bit_on_cpu(bf16, packed, monkeyp
     monkeypatch.setattr(grouped, "use_grouped", lambda *a: False)
     y2, g2 = run()
     assert g1.keys() == g2.keys()
-    if grouped_mm_is_matmul_bitwise(torch.bfloat16 if bf16 else torch.float32):
+    if grouped_mm_is_matmul_bitwise():
         assert torch.equal(y1, y2) and all(torch.equal(g1[k], g2[k]) for k in g1)
     else:  # other kernels (this CPU's _grouped_mm and its matmul sum in other orders): the rounding's bound
         for a, b in [(y1, y2)] + [(g1[k], g2[k]) for k in g1]:
             assert (a - b).abs().max() <= summation_bound(a, 32, a.dtype), (a - b).abs().max()
 
 
-def grouped_mm_is_matmul_bitwise(dtype) -> bool:
-    """Whether torch._grouped_mm and a matmul run the same arithmetic on this CPU, to the bit, forward and backward
-    (shapes of the layer's: 48 rows, 32 -> 16 and 16 -> 32; three groups, one empty): the kernels differ between
-    CPUs (equal on AVX2-only ones, not on some with AVX-512 and AMX)."""
-    g = torch.Generator().manual_seed(1)
-    for k, n in [(32, 16), (16, 32)]:
-        x = torch.randn(48, k, generator=g).to(dtype).requires_grad_()
-        w = torch.randn(3, k, n, generator=g).to(dtype).requires_grad_()
-        offs = torch.tensor([16, 16, 48], dtype=torch.int32)
-        y = torch._grouped_mm(x, w, offs=offs)
-        y.backward(torch.ones_like(y))
-        x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-        want = torch.cat([x2[:16] @ w2[0], x2[16:48] @ w2[2]])
-        want.backward(torch.ones_like(want))
-        if not (torch.equal(y, want) and torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)):
-            return False
-    return True
+def grouped_mm_is_matmul_bitwise() -> bool:
+    """Whether torch._grouped_mm and the loop's matmuls run the same arithmetic on this CPU, to the bit: where torch
+    dispatches its AVX2 kernels (AVX2-only EPYCs; ATEN_CPU_CAPABILITY=avx2 with ONEDNN_MAX_CPU_ISA=AVX2 elsewhere),
+    measured equal on every shape tried. With AVX-512 they are not, and not predictably: on an AVX-512 EPYC the two
+    agree on random data of the layer's shapes yet differ in the last bit on the 17th row of an expert's 17 with
+    the layer's own weights (a probe on other data said "equal" and the test failed), so only the rounding bound
+    holds there."""
+    import os
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and (isa in ("", "AVX2") or isa.startswith("SSE"))
 
 
 def summation_bound(t: torch.Tensor, k: int, dtype) -> float:

@@ -10,10 +10,12 @@ import torch.distributed as dist
 
 from raytp.models.args import ModelArgs
 from raytp.models.moe.args import MoeArgs
-from raytp.models.registry import build_model
+from raytp.models.registry import build_model, full_size_of, is_expert_weight, sharding_of
 from raytp.models.shard import build_shard, gather_full_state
+from raytp.models.stage import replicated_copy
 from raytp.parallel.groups import build_groups
 from raytp.parallel.layout import Layout
+from raytp.parallel.sharding import unshard_tensors
 from raytp.data.corpus import Corpus, batch
 from raytp.train.hyper import Hyper
 from raytp.train.step import make_optimizer, train_step
@@ -157,3 +159,27 @@ def assert_table_holds(model, opt, cfg, layout, rank, bucket_numel=None):
                  if torch.is_tensor(v)})
     table = model_table(cfg, bucket_numel=bucket_numel or BUCKET_NUMEL).held(layout)[rank]
     assert {k: h.shape for k, h in table.items()} == real, (layout, rank)
+
+
+def gathered(model, groups, lay: Layout) -> dict:
+    """The one-device state of this rank's stage: TP slices joined, every expert fetched from its EP rank."""
+    tp_group = groups.tp
+    out = {}
+    for name, p in model.named_parameters():
+        if replicated_copy(model, name):
+            continue
+        split_tp = tp_group is not None and sharding_of(name, model.cfg).dim is not None and not (
+            is_expert_weight(name) and lay.expert_tp == 1)
+        if split_tp:
+            parts = [torch.empty_like(p) for _ in range(lay.tp)]
+            dist.all_gather(parts, p.detach().contiguous(), group=tp_group)
+            out[name] = unshard_tensors(parts, sharding_of(name, model.cfg), full_size_of(name, model.cfg))
+        else:
+            out[name] = p.detach().clone()
+    if lay.experts_split and groups.group("ep") is not None:
+        theirs = [None] * lay.ep
+        dist.all_gather_object(theirs, {n: t for n, t in out.items() if is_expert_weight(n)},
+                               group=groups.group("ep"))
+        for part in theirs:
+            out.update(part)
+    return out

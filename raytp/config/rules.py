@@ -90,12 +90,9 @@ def _cp_problem(v) -> str | None:
         heads, kv, _, _ = _shape(v)
         why = ulysses.refusal(heads // tp, max(kv // tp, 1), cp)
     if why is None:
-        later = [what for what, on in (("model.moe", v["model.moe"] is not None),
-                                       ("an elastic min_dp or max_dp", v["parallel.min_dp"] or v["parallel.max_dp"]))
-                 if on]
-        if later:
-            why = (f"cp={cp} with {' and '.join(later)} is not built yet (context parallelism trains dense models "
-                   "at a fixed dp)")
+        if v["parallel.min_dp"] or v["parallel.max_dp"]:
+            why = (f"cp={cp} with an elastic min_dp or max_dp is not built yet (context parallelism trains at a fixed "
+                   "dp; raytp scale changes it)")
     return why
 
 

@@ -7,7 +7,9 @@ holding them (raytp.parallel.placements.expert_placement), into that rank's own 
 (``shard_file(tp, stage, dp)``): every TP rank of that group its slice where experts are split over TP
 (``etp == tp``; the group's TP rank 0 reports the table entries), or the whole expert where each rank holds
 them whole (``etp == 1``; the entry says ``tp: 1`` and the file's ``tp_file``). Every expert entry names the
-file's DP rank (``dp``). Any layout reads them back by name (raytp.files.checkpoint.Checkpoint.read).
+file's place (``dp``: the rank's DP rank, or with context parallelism its place among the DP x CP ranks,
+``Layout.grad_place``: two CP ranks of one replica write two files). Any layout reads them back by name
+(raytp.files.checkpoint.Checkpoint.read).
 
 Under the distributed optimizer (``zero`` 1) every DP rank also writes the dense AdamW rows it keeps, as a
 dense model's ranks do (raytp.files.checkpoint_blocks); their entries are the zero table the caller adds
@@ -37,9 +39,9 @@ def share(tensors: dict, layout: Layout, rank: int, vocab_size: int, stage: int 
           ) -> tuple[dict, frozenset, dict | None]:
     """(the tensors `rank` writes, the keys it writes whatever its TP rank (whole experts), its table entries:
     None when it reports none) of a rank's `tensors` (keys as raytp.files.checkpoint.named_tensors')."""
-    c = layout.coords(rank)
+    c, place = layout.coords(rank), layout.grad_place(rank)
     dense = {k: v for k, v in tensors.items() if not is_expert_key(k)
-             and (c.dp == 0 or (layout.sharded_optimizer and k.startswith("optim/")))}
+             and (place == 0 or (layout.sharded_optimizer and k.startswith("optim/")))}
     writes, cut = Owners(layout).writes_experts(rank), layout.sharded_experts
     experts = {k: v for k, v in tensors.items() if is_expert_key(k) and (writes or (cut and k.startswith("optim/")))}
     listed = {k: v for k, v in dense.items() if k.startswith("model/") or not layout.sharded_optimizer}
@@ -49,7 +51,7 @@ def share(tensors: dict, layout: Layout, rank: int, vocab_size: int, stage: int 
         shown = {k: v for k, v in experts.items() if not (cut and k.startswith("optim/"))}
         entries = tensor_table(shown, 1 if whole else layout.tp, vocab_size, stage)
         for e in entries.values():
-            e["dp"] = c.dp
+            e["dp"] = place
             if whole:
                 e.update(tp=1, tp_file=c.tp)
         if cut:
@@ -65,7 +67,8 @@ def _cut_entries(weights: dict, layout: Layout, rank: int, vocab_size: int, stag
     over the members' files, each step count in the file of the holder of its first row."""
     whole = layout.expert_tp == 1
     at = {a: layout.coord(rank, a) for a in ("ep", "etp", "pp")}
-    files = [layout.coords(layout.rank_at(edp=d, **at)) for d in range(layout.degree("edp"))]
+    members = [layout.rank_at(edp=d, **at) for d in range(layout.degree("edp"))]
+    files = [(layout.grad_place(r), layout.coords(r).tp) for r in members]  # each member's file: (place, tp)
     virtual = {}
     for key, (s, t) in weights.items():
         name = key.split("/", 1)[1]
@@ -74,11 +77,11 @@ def _cut_entries(weights: dict, layout: Layout, rank: int, vocab_size: int, stag
     table = tensor_table(virtual, 1 if whole else layout.tp, vocab_size, stage)
     for key, blk in zip(weights, blocks_of([tuple(t.shape) for _, t in weights.values()], layout.degree("edp"))):
         name = key.split("/", 1)[1]
-        blocks = [[files[d].dp, a, b] + ([files[d].tp] if whole else []) for d, a, b in blk]
+        blocks = [[files[d][0], a, b] + ([files[d][1]] if whole else []) for d, a, b in blk]
         first = files[blk[0][0]]
         for k in MOMENTS:
             table[f"optim/{name}/{k}"].update(blocks=blocks, **({"tp": 1} if whole else {}))
-        table[f"optim/{name}/step"].update(dp=first.dp, **({"tp": 1, "tp_file": first.tp} if whole else {}))
+        table[f"optim/{name}/step"].update(dp=first[0], **({"tp": 1, "tp_file": first[1]} if whole else {}))
     return table
 
 
@@ -86,8 +89,7 @@ def zero_entries(params: dict, cfg, layout: Layout, rank: int, stage: int | None
     """The table entries of the dense AdamW rows under the distributed optimizer (raytp.files.checkpoint
     zero_table), reported by DP rank 0's TP rank 0 of each stage; `params`: the shard's parameters by name (the
     optimizer's buckets are cut over the dense trained ones, raytp.models.registry.bucketed); none elsewhere."""
-    c = layout.coords(rank)
-    if not layout.sharded_optimizer or c.dp or c.tp:
+    if not layout.sharded_optimizer or layout.grad_place(rank) or layout.coords(rank).tp:
         return {}
     dense = {n: params[n] for n in bucketed(list(params), layout)}
-    return zero_table(dense, cfg, layout.tp, layout.dp, stage, copy)
+    return zero_table(dense, cfg, layout.tp, layout.grad_degree, stage, copy)

@@ -55,8 +55,8 @@ def expert_figures(model: torch.nn.Module, groups: ProcessGroups) -> dict:
 
 
 def balance_biases(model: torch.nn.Module, groups: ProcessGroups) -> Callable[[], None]:
-    """Sum each expert layer's choices per expert over every DP replica (one all-reduce for all its layers);
-    the returned call moves each selection bias toward balance by them (raytp.models.moe.routing.balance_bias).
+    """Sum each expert layer's choices per expert over every DP replica and CP rank (one all-reduce for all its
+    layers); the returned call moves each selection bias toward balance by them (raytp.models.moe.routing.balance_bias).
     The move is the step's update, made with the optimizer's: no state changes while a collective of the step
     can still fail. Every rank of the stage calls it once per step, with the same result (TP ranks route the
     same tokens)."""
@@ -67,8 +67,8 @@ def balance_biases(model: torch.nn.Module, groups: ProcessGroups) -> Callable[[]
     loads = torch.stack([m.step_load if m.step_load is not None else torch.zeros(E, dtype=torch.long,
                                                                                 device=m.expert_bias.device)
                          for m in layers]).to(torch.float64)
-    if groups.dp is not None:
-        comm.all_reduce(loads, groups.dp)
+    if groups.grad is not None:  # every replica's, and every CP rank's part of the sequences
+        comm.all_reduce(loads, groups.grad)
 
     @torch.no_grad()
     def move() -> None:

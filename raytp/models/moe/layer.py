@@ -14,7 +14,9 @@ and z, weighted by ``aux_coeff`` and ``z_coeff``) never join the language-model 
 ``AuxLoss`` hands their gradient to the router in backward, weighted as the step weighs this micro-batch's
 loss (``aux_scale``, set by raytp.train.step) and shared among the TP ranks that each compute it whole (their
 router gradients are summed over TP), so the gradient is the same at every layout and on any pipeline stage
-(Megatron's MoEAuxLossAutoScaler).
+(Megatron's MoEAuxLossAutoScaler). Under context parallelism the balance loss's per-sequence sums come from
+every CP rank's part of the sequence (``sequence``: raytp.parallel.context.sequence_sum); the z loss, a mean
+over tokens, needs nothing (each rank's mean over its equal share, averaged by the step's DP x CP mean).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from raytp.models.moe.args import MoeArgs
 from raytp.models.moe.routing import balance_loss, route, within_capacity, z_loss
 from raytp.parallel import comm
+from raytp.parallel.context.sequence_sum import SequenceSum
 from raytp.models.moe.grouped import run_experts
 from raytp.parallel.expert_dispatch import ExpertDispatch, per_expert
 
@@ -69,6 +72,7 @@ class MoE(nn.Module):
         self.shared_expert = Expert(n_embd, m.shared_width) if m.n_shared else None
         self.shared_expert_gate = nn.Linear(n_embd, 1, bias=False) if m.shared_gate else None
         self.aux_scale = 1.0  # this micro-batch's weight in the step's loss (set_aux_scale)
+        self.sequence = SequenceSum()  # the balance loss's sums over a sequence cut over CP ranks
         self.stats = RoutingStats()
         if m.bias_rate:  # a state of the model, not trained by gradients: checkpointed as a weight
             self.expert_bias = nn.Parameter(torch.zeros(m.n_experts), requires_grad=False)
@@ -81,7 +85,7 @@ class MoE(nn.Module):
         with torch.autocast(flat.device.type, enabled=False):  # float32 under bf16 autocast too
             logits = F.linear(flat.float(), self.gate.weight.float())  # (N, E)
         weights, experts, scores = route(logits, self.args, getattr(self, "expert_bias", None))
-        kept = within_capacity(experts, B, self.args)  # None: dropless
+        kept = within_capacity(experts, B, self.args, self.sequence)  # None: dropless
         out = self._routed(flat, weights, experts, kept)  # (N, C): partial over TP, or this TP rank's rows only
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
@@ -92,7 +96,7 @@ class MoE(nn.Module):
         if not self.training:
             return y
         m = self.args
-        balance, z = balance_loss(scores, experts, B, m), z_loss(logits)
+        balance, z = balance_loss(scores, experts, B, m, self.sequence), z_loss(logits)
         if torch._C._current_graph_task_id() == -1:  # not a recomputation in backward (activation checkpointing)
             load = per_expert(experts, m.n_experts)
             self.stats.add(load, balance, z, 0 if kept is None else int((~kept).sum()))

@@ -45,9 +45,12 @@ def route(logits: torch.Tensor, m: MoeArgs, bias: torch.Tensor | None = None
 
 
 
-def balance_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, m: MoeArgs) -> torch.Tensor:
+def balance_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, m: MoeArgs, sequence=None
+                 ) -> torch.Tensor:
     """The per-sequence load-balancing loss (see the module's text) of `batch` sequences whose tokens'
-    scores (B*T, E) and chosen experts (B*T, k) are given in order; 1.0 when every expert gets its share."""
+    scores (B*T, E) and chosen experts (B*T, k) are given in order; 1.0 when every expert gets its share.
+    `sequence` (raytp.parallel.context.sequence_sum.SequenceSum): where context parallelism holds a part of each
+    sequence here, the sums over its tokens are those of the whole sequence, from every part."""
     E, k = scores.shape[1], experts.shape[1]
     T = scores.shape[0] // batch
     chosen = torch.zeros(batch, E, device=scores.device, dtype=scores.dtype)
@@ -56,7 +59,11 @@ def balance_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, m: Moe
     p = scores.reshape(batch, T, E)
     if m.score == "sigmoid":  # DeepSeek-V3 normalises the sigmoid scores per token first
         p = p / (p.sum(dim=-1, keepdim=True) + 1e-20)
-    return (E / (k * T) * (chosen * p.mean(dim=1)).sum(dim=-1)).mean()
+    if sequence is None or sequence.group is None:
+        return (E / (k * T) * (chosen * p.mean(dim=1)).sum(dim=-1)).mean()
+    T *= sequence.degree
+    chosen, mean = sequence.counts(chosen), sequence(p.sum(dim=1)) / T
+    return (E / (k * T) * (chosen * mean).sum(dim=-1)).mean()
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -64,17 +71,27 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
-def within_capacity(experts: torch.Tensor, batch: int, m: MoeArgs) -> torch.Tensor | None:
+def within_capacity(experts: torch.Tensor, batch: int, m: MoeArgs, sequence=None) -> torch.Tensor | None:
     """Which of the choices (B*T, k) each expert takes under ``capacity_factor`` (None: all, dropless): per
-    sequence, each expert's first ceil(T k / E * cf) choices in token order, (B*T, k) bool."""
+    sequence, each expert's first ceil(T k / E * cf) choices in token order, (B*T, k) bool. `sequence`: as for
+    balance_loss; the capacity and the order are then the whole sequence's."""
     if m.capacity_factor is None:
         return None
     N, k = experts.shape
     T = N // batch
-    capacity = math.ceil(T * k / m.n_experts * m.capacity_factor)
+    cut = sequence is not None and sequence.group is not None
+    capacity = math.ceil(T * (sequence.degree if cut else 1) * k / m.n_experts * m.capacity_factor)
     hit = torch.nn.functional.one_hot(experts.reshape(batch, T * k), m.n_experts)  # (B, T k, E)
-    place = (torch.cumsum(hit, dim=1) * hit).sum(-1)  # each choice's place among its expert's, from 1
+    ahead = sequence.earlier(hit) + _cumsum_per_chunk(hit) if cut else torch.cumsum(hit, dim=1)
+    place = (ahead * hit).sum(-1)  # each choice's place among its expert's, from 1
     return (place <= capacity).reshape(N, k)
+
+
+def _cumsum_per_chunk(hit: torch.Tensor) -> torch.Tensor:
+    """Counts (B, L, E) along each of a CP rank's two chunks (raytp.parallel.context.sequence), each from its
+    start: the chunks are apart in the sequence."""
+    B, L, E = hit.shape
+    return torch.cumsum(hit.reshape(B, 2, L // 2, E), dim=2).reshape(B, L, E)
 
 
 def balance_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:

@@ -2,8 +2,8 @@
 attention layer holds, bound to the CP group like every parallel layer to its axis's group.
 
 Without a group (cp 1) it is not called: the layer attends over its whole sequence itself. With one, it runs
-ring attention (raytp.parallel.context.ring_attention) or Ulysses (raytp.parallel.context.ulysses), as ``parallel.cp_attention``
-says, on this rank's part of each sequence: queries, keys and values after the rotary embedding of their global
+ring attention (raytp.parallel.context.ring_attention) or Ulysses (raytp.parallel.context.ulysses), as
+``parallel.cp_attention`` says, on this rank's part of each sequence: queries, keys and values after the rotary embedding of their global
 positions, the key/value heads unexpanded, and the document ids of its tokens where documents are packed.
 """
 from __future__ import annotations
@@ -32,9 +32,12 @@ class ContextAttention(nn.Module):
 
 
 def bind(model: nn.Module, groups, kind: str) -> None:
-    """Bind every ContextAttention of `model` to this rank's CP group in `groups` (None at cp 1), running `kind`."""
+    """Bind every module of `model` whose group is the CP axis's (ContextAttention, the MoE balance loss's
+    SequenceSum) to this rank's CP group in `groups` (None at cp 1); each ContextAttention runs `kind`."""
     if kind not in KINDS:
         raise ValueError(f"no context-parallel attention {kind!r}; known: {', '.join(KINDS)}")
     for m in model.modules():
+        if getattr(type(m), "group_axis", None) == "cp":
+            m.group = groups.cp
         if isinstance(m, ContextAttention):
-            m.group, m.kind = groups.cp, kind
+            m.kind = kind

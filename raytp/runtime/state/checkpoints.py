@@ -196,7 +196,7 @@ def write_part(url: str, directory: str, packed, layout, rank: int, model_cfg) -
         zero = checkpoint_experts.zero_entries(state["model"], model_cfg, lay, rank, stage, copy)
         table = {**(table or {}), **zero} if zero else table
         out = checkpoint.write_shard(Storage(url), directory, tensors, tp_rank, tp=tp, stage=stage,
-                                     dp_rank=lay.coords(rank).dp, whole=whole)
+                                     dp_rank=lay.grad_place(rank), whole=whole)
         return {**out, "table": table}
     if dp_rank:
         tensors = {k: v for k, v in tensors.items() if not k.startswith("model/")}

@@ -147,7 +147,7 @@ class HeldShard:
             params = {n: p.detach() for n, p in self.model.named_parameters()}
             zero = checkpoint_experts.zero_entries(params, model_args(cfg), g.layout, g.rank, stage, copy)
             table = {**(table or {}), **zero} if zero else table
-            kw["dp_rank"] = g.dp_rank
+            kw["dp_rank"] = g.grad_rank
         self.saving = BackgroundSave(Storage(url), directory, tensors, g.tp_rank, **where, **kw)
         if g.layout.experts_split or g.tp_rank != 0 or not weights:
             return table
