@@ -1,7 +1,7 @@
 """Context parallelism through Ray: a CP=2 run trains like the same job at cp 1, a SIGKILLed CP rank is replaced
 and the run ends with the very weights of an unbroken CP=2 run, every step's record once; the same at PP=2 x CP=2
 under the distributed optimizer (its AdamW rows cut over the two CP ranks of each stage), whose checkpoint holds the
-state of the CP=2 run at zero 0. (Its pieces against one device: test_context_parallel.py,
+state of the CP=2 run at zero 0; and an MoE job at CP=2 x EP=2 under zero 1 (experts over the CP ranks). (Its pieces against one device: test_context_parallel.py,
 test_context_parallel_training.py.)"""
 import dataclasses
 import signal
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (RECOVERY_STEPS, assert_bitwise_equal, events, final_state, losses, parallel, recovery_job, run,
-                     signal_rank, steps_logged)
+from helpers import (EP_STEPS, RECOVERY_STEPS, assert_bitwise_equal, ep_job, events, final_state, losses, parallel,
+                     recovery_job, run, signal_rank, steps_logged)
 
 
-def _healed(run_dir) -> None:
-    assert steps_logged(run_dir) == RECOVERY_STEPS
+def _healed(run_dir, steps=RECOVERY_STEPS) -> None:
+    assert steps_logged(run_dir) == steps
     recovered = events(run_dir, "recovered")
     assert len(recovered) == 1 and recovered[0]["lost_steps"] == 0
 
@@ -86,3 +86,26 @@ def test_a_live_cp_change_2_to_4_to_1_tracks_an_unresized_run(ray_local, shared_
     assert all(e["lost_steps"] == 0 and e["bytes"] > 0 for e in resized)
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == list(range(RECOVERY_STEPS))
+
+
+@pytest.mark.slow
+def test_an_moe_job_at_cp2_x_ep2_trains_like_one_rank_and_heals_bit_for_bit(ray_local, shared_run, tmp_path):
+    """The experts spread over the two CP ranks of the one replica, the AdamW rows cut over them: the one-rank
+    job's losses within 1e-5 relative and its checkpoint's state within 1e-5 (read back whole: the expert files
+    are named by DP x CP place); a killed rank healed bit for bit."""
+    one = ep_job(1, 1, 1)
+    dirs = {"moe1": shared_run("moe-ep1", one)}
+    split = parallel(one, cp=2, ep=2, zero=1)
+    for name, faults in (("moecp2", ()), ("moecp2kill", ((EP_STEPS // 2, signal_rank(0, signal.SIGKILL)),))):
+        dirs[name] = tmp_path / name
+        run(split, dirs[name], name, faults)
+    a, b, c = (np.array(losses(dirs[n])) for n in ("moe1", "moecp2", "moecp2kill"))
+    assert len(b) == EP_STEPS and np.abs(b - a).max() / np.abs(a).max() < 1e-5
+    _healed(dirs["moecp2kill"], EP_STEPS)
+    assert np.array_equal(b, c)
+    got, want = final_state(dirs["moecp2"], EP_STEPS), final_state(dirs["moe1"], EP_STEPS)
+    assert_bitwise_equal(final_state(dirs["moecp2kill"], EP_STEPS), got)
+    for n, t in want["model"].items():
+        assert torch.allclose(got["model"][n], t, rtol=0, atol=1e-5), n
+        for k, v in want["optim"][n].items():
+            assert torch.allclose(got["optim"][n][k], v, rtol=1e-3, atol=1e-7), (n, k)
