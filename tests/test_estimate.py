@@ -137,6 +137,28 @@ def test_a_share_no_gpu_holds_is_refused_naming_the_fewest_gpus_that_fit():
     assert small.world_size > 16 and estimate(at_layout(ep8, small)).on_device <= 40 * GiB
 
 
+def test_a_sequence_no_gpu_holds_names_the_cp_that_would():
+    """Llama-3-8B at TP=8 over 131,072-token sequences: the activations (divided by cp, the rest not) outgrow an
+    80 GB GPU; the fewest GPUs that fit cut each sequence over more ranks. A CP rank keeps a cp-th of the
+    activations (in fp32: no weights' copies) and, under zero 1, of the AdamW state."""
+    import pytest
+
+    from raytp.runtime.errors import DoesNotFit
+    from raytp.runtime.estimate import fewest_fitting, fits_device
+    cfg = load(Path(__file__).resolve().parent.parent / "jobs" / "llama3-8b-tp8.yaml")
+    long = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, block_size=131_072))
+    assert estimate(long).on_device > 80 * GiB
+    fit = fewest_fitting(long, 80 * GiB)
+    assert fit is not None and fit.cp > 1 and estimate(at_layout(long, fit)).on_device <= 80 * GiB
+    with pytest.raises(DoesNotFit, match=f"the fewest GPUs that fit: {fit.world_size} at .*CP={fit.cp}"):
+        fits_device(long, {"device_bytes": 80 * GiB})
+    exact = dataclasses.replace(long, train=dataclasses.replace(long.train, precision="fp32"))  # no weight copies
+    cut = at_layout(exact, exact.layout.changed(cp=4))
+    assert _stage_memory(cut, 0).activations * 4 == _stage_memory(exact, 0).activations
+    zero1 = at_layout(exact, exact.layout.changed(cp=4, zero=1))  # AdamW's rows cut over the four CP ranks
+    assert _stage_memory(zero1, 0).optimizer * 4 == _stage_memory(cut, 0).optimizer
+
+
 def at_layout(cfg, lay):
     from raytp.runtime.policy import resized_config
     return resized_config(cfg, lay)
@@ -184,11 +206,13 @@ def test_zero1_cuts_the_experts_state_over_expert_dp():
 
 
 def test_context_parallelism_divides_a_ranks_activations_not_its_state():
-    """Each CP rank holds 1/cp of every sequence's tokens and the whole of its TP slice of the weights."""
+    """Each CP rank holds 1/cp of every sequence's tokens and the whole of its TP slice of the weights; its
+    gradients are summed over the CP group, in bucket buffers as over DP."""
     import dataclasses
     base = from_dict({"model": {"n_layer": 4, "n_embd": 256, "n_head": 8, "block_size": 1024},
                       "train": {"batch_size": 8}, "runtime": {"device": "cuda"}, "recovery": {"snapshot_every": 0}})
     one = estimate(base)
     four = estimate(dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, cp=4)))
-    assert (four.weights, four.grads, four.optimizer) == (one.weights, one.grads, one.optimizer)
+    dp4 = estimate(dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, dp=4)))
+    assert (four.weights, four.optimizer) == (one.weights, one.optimizer) and four.grads == dp4.grads > one.grads
     assert four.activations < 0.3 * one.activations

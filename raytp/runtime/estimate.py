@@ -66,7 +66,8 @@ class WorkerMemory:
     def what_to_change(self) -> str:
         """The keys that shrink the largest part."""
         biggest = max(self.parts(), key=lambda k: self.parts()[k])
-        return {"activations": "lower model.block_size or train.micro_batch_size",
+        return {"activations": "lower model.block_size or train.micro_batch_size, or raise parallel.cp (each rank "
+                               "a part of every sequence)",
                 "snapshot buffers": "set recovery.snapshot_every: 0 (no in-memory snapshots)",
                 }.get(biggest, "raise parallel.tp (fewer parameters per worker) or use a smaller model")
 
@@ -127,13 +128,14 @@ def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
     # zero 1: its rows of the dense state, and of its experts' over expert-DP where they are on their own mesh
     lay = cfg.layout
     expert_dp = lay.degree("edp") if split else 1
-    adam = 8 * local if par.zero == 0 or par.dp == 1 else (
-        math.ceil(8 * (local - routed) / par.dp) + math.ceil(8 * routed / (expert_dp if lay.sharded_experts else 1)))
+    adam = 8 * local if not lay.sharded_optimizer else (  # cut over the ranks summing a gradient (DP x CP)
+        math.ceil(8 * (local - routed) / lay.grad_degree) + math.ceil(8 * routed / (expert_dp if lay.sharded_experts
+                                                                                    else 1)))
     snapshots = 2 * (4 * local + adam) if cfg.recovery.snapshot_every != 0 else 0  # null: on, at some interval
     # The gradients, and with replicas their flat bucket buffers (raytp.train.grad_buckets), all alive at once
-    # while they are summed: the dense ones' over DP (under zero 1 a gradient is dropped once in its buffer,
+    # while they are summed: the dense ones' over DP x CP (under zero 1 a gradient is dropped once in its buffer,
     # kept to the weight gather), the experts' over expert-DP (none where that group is one rank).
-    dense_buffers = 0 if par.dp == 1 or par.zero else 4 * (local - routed)
+    dense_buffers = 0 if lay.grad_degree == 1 or par.zero else 4 * (local - routed)
     expert_buffers = 4 * routed if expert_dp > 1 and not lay.sharded_experts else 0  # cut: a buffer, no gradient
     return WorkerMemory(4 * local, 4 * local + dense_buffers + expert_buffers, adam, activations, snapshots,
                         cfg.runtime.device)
@@ -193,29 +195,32 @@ def fits_device(cfg, where: dict) -> None:
     if need.on_device <= have:
         return
     layout = fewest_fitting(cfg, have)
-    fix = (f"the fewest GPUs that fit: {layout.world_size} at {layout} (parallel.pp, parallel.dp, parallel.ep, "
-           "parallel.zero)" if layout is not None else need.what_to_change())
+    fix = (f"the fewest GPUs that fit: {layout.world_size} at {layout} (parallel.pp, parallel.cp, parallel.dp, "
+           "parallel.ep, parallel.zero)" if layout is not None else need.what_to_change())
     raise DoesNotFit(f"memory: a worker needs {need.line()}, its GPU has {have / GiB:,.1f} GiB; {fix}")
 
 
 def fewest_fitting(cfg, device_bytes: int):
     """The layout with the fewest GPUs, at the job's TP degree, whose largest worker fits `device_bytes`:
-    more stages (pp), more replicas to shard the AdamW state over (dp with zero 1) and, for an MoE job, the
-    experts spread further (ep, at the job's etp); None if none up to one layer a stage does."""
+    more stages (pp), more replicas to shard the AdamW state over (dp with zero 1), each sequence cut over more
+    ranks (cp: the activations divided by it; a long sequence's answer) and, for an MoE job, the experts spread
+    further (ep, at the job's etp); None if none up to one layer a stage does."""
     from raytp.config.values import ConfigError
     from raytp.runtime.policy import resized_config
     par, moe = cfg.parallel, cfg.model.moe
     etp = par.etp if par.etp is not None else par.tp
     eps = [e for e in range(1, moe.n_experts + 1) if moe.n_experts % e == 0] if moe is not None else [1]
+    cps = sorted({par.cp, *(2 ** i for i in range(7))})  # the config refuses those the sequence does not divide by
     tried = set()
     for pp in range(1, cfg.model.n_layer + 1):
         for ep in eps:
-            for dp in {par.dp, max(par.dp, ep * etp // par.tp)}:
-                for zero in {par.zero, 1 if dp > 1 and par.min_dp is None else par.zero}:
-                    tried.add((pp * par.tp * dp, pp, dp, ep, zero))
-    for _, pp, dp, ep, zero in sorted(tried):
+            for cp in cps:
+                for dp in {par.dp, max(par.dp, ep * etp // (par.tp * cp))}:
+                    for zero in {par.zero, 1 if dp * cp > 1 and par.min_dp is None else par.zero}:
+                        tried.add((pp * par.tp * cp * dp, pp, cp, dp, ep, zero))
+    for _, pp, cp, dp, ep, zero in sorted(tried):
         try:
-            new = resized_config(cfg, cfg.layout.changed(pp=pp, dp=dp, ep=ep, zero=zero))
+            new = resized_config(cfg, cfg.layout.changed(pp=pp, cp=cp, dp=dp, ep=ep, zero=zero))
         except (ConfigError, ValueError):
             continue
         if estimate(new).on_device <= device_bytes:
