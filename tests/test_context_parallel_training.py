@@ -1,7 +1,8 @@
 """Context parallelism trains like one device, in-process over gloo (no Ray): Llama and GPT-2, ring and Ulysses,
 CP alone, with TP (and sequence parallelism), and with DP under zero 1, whole sequences and packed documents;
-20 steps, every loss within 1e-5 relative. The gradients of one step equal one device's to 2e-6 relative (fp32 sums in another order:
-measured 6.5e-7 at worst); the final weights after 20 steps within 1e-4, since AdamW turns rounding noise in a
+20 steps, every loss within 1e-5 relative. The gradients of one step equal one device's to 2e-6 relative (fp32 sums
+in another order: measured 6.5e-7 at worst); the final weights after 20 steps within 1e-4 or twice one device's
+distance from itself under another order of its sums on this CPU (_one_device), since AdamW turns rounding noise in a
 near-zero gradient into lr-sized steps (tests/tp_training.py measured up to 5.2e-5 between TP layouts across
 seeds; here GPT-2 at TP=2 x CP=2 with documents ends 6.4e-5 apart, at TP=2 alone 1.1e-5, while its gradients
 agree to 5.7e-7). GPT-2's key bias, whose gradient is exactly zero, is left out (tp_training.without_key_bias)."""
@@ -66,7 +67,8 @@ def _train_stages(rank, world, init, arch, tp, cp, pp, kind, docs, m=2):
     stage = stage_of(cfg, pp, groups.pp_rank)
     model = build_shard(cfg, SEED, groups.tp, stage=stage)
     context_attention.bind(model, groups, kind)
-    opt, pipe = make_optimizer(model, HYPER, lay.grad_degree, groups.grad_rank, 0), PipelineSchedule("1f1b", stage, False)
+    opt = make_optimizer(model, HYPER, lay.grad_degree, groups.grad_rank, 0)
+    pipe = PipelineSchedule("1f1b", stage, False)
     data, losses = corpus(cfg.vocab_size), []
     for step in range(STEPS):
         x, y, ids = _batch(cfg, data, step, 0, 1, docs)
@@ -77,15 +79,27 @@ def _train_stages(rank, world, init, arch, tp, cp, pp, kind, docs, m=2):
 
 
 def _one_device(rank, world, init, arch, docs):
+    """One device's losses and final weights, and its final weights' distance from themselves under another order
+    of the same sums (the batch in two micro-batches: the same mean gradient) on this CPU. A layout's run and one
+    device's are each one reordering of the same arithmetic, so the weights' bound is twice that where it is above
+    1e-4 (AdamW turns rounding noise into lr-sized steps; how much depends on the CPU's kernels: GPT-2 at TP=2 x
+    CP=2 with documents ended 6.4e-5 from one device on an AVX2 EPYC and 1.03e-4 on an AVX-512 one, where one
+    device in two micro-batches ends 8.2e-5 from itself in one)."""
     cfg = CONFIGS[arch]()
     groups = ProcessGroups(Layout(1), 0, None, None)
-    model = build_model(cfg, SEED)
-    opt = make_optimizer(model, HYPER)
-    data, losses = corpus(cfg.vocab_size), []
-    for step in range(STEPS):
-        x, y, ids = _batch(cfg, data, step, 0, 1, docs)
-        losses.append(train_step(model, opt, [(x, y) if ids is None else (x, y, ids)], groups, step, HYPER).loss)
-    return losses, {k: t.detach().clone() for k, t in model.named_parameters()}
+    runs = []
+    for halves in (1, 2):
+        model = build_model(cfg, SEED)
+        opt = make_optimizer(model, HYPER)
+        data, losses = corpus(cfg.vocab_size), []
+        for step in range(STEPS):
+            x, y, ids = _batch(cfg, data, step, 0, 1, docs)
+            mbs = [(x, y) if ids is None else (x, y, ids) for x, y, ids in
+                   zip(x.chunk(halves), y.chunk(halves), ids.chunk(halves) if ids is not None else [None] * halves)]
+            losses.append(train_step(model, opt, mbs, groups, step, HYPER).loss)
+        runs.append((losses, {k: t.detach().clone() for k, t in model.named_parameters()}))
+    (losses, state), (_, other) = runs
+    return losses, state, max(float((state[k] - other[k]).abs().max()) for k in without_key_bias(state))
 
 
 CASES = [("llama", 1, 2, 1, 0, "ring", False), ("llama", 1, 2, 1, 0, "ulysses", True),
@@ -93,7 +107,8 @@ CASES = [("llama", 1, 2, 1, 0, "ring", False), ("llama", 1, 2, 1, 0, "ulysses", 
              ("llama", 2, 2, 1, 0, "ring", True), ("llama", 1, 2, 2, 1, "ring", True),
              ("llama", 1, 4, 1, 0, "ring", False), ("gpt2", 1, 2, 1, 0, "ulysses", False),
              ("gpt2", 2, 2, 1, 0, "ring", True), ("llama", 2, 2, 1, 0, "ring", "sp"),
-             ("gpt2", 2, 2, 1, 0, "ulysses", "sp"))]]
+             ("gpt2", 2, 2, 1, 0, "ulysses", "sp"), ("gpt2", 1, 4, 1, 0, "ulysses", True),
+             ("llama", 1, 2, 2, 1, "ulysses", False))]]
 
 
 @pytest.mark.parametrize("arch, tp, cp, dp, zero, kind, docs", CASES)
@@ -101,7 +116,8 @@ def test_context_parallel_training_equals_one_device(arch, tp, cp, dp, zero, kin
     """`docs`: packed documents, or "sp": whole sequences under sequence parallelism (TP x CP)."""
     sp = docs == "sp"
     docs = docs is True
-    want_losses, want = run_ranks(1, _one_device, arch, docs)[0]
+    want_losses, want, reorder = run_ranks(1, _one_device, arch, docs)[0]
+    bound = max(1e-4, 2 * reorder)  # each run one reordering of the same sums: at most two reorderings apart
     got = run_ranks(tp * cp * dp, _train, arch, tp, cp, dp, zero, kind, docs, sp)
     for losses, _ in got:
         rel = np.abs(np.array(losses) - want_losses) / np.abs(want_losses)
@@ -109,7 +125,7 @@ def test_context_parallel_training_equals_one_device(arch, tp, cp, dp, zero, kin
     state, want = without_key_bias(got[0][1]), without_key_bias(want)
     for k, t in want.items():
         diff = (state[k] - t).abs().max().item()
-        assert diff < 1e-4, f"final {k} differs by {diff:.2e}"
+        assert diff < bound, f"final {k} differs by {diff:.2e} (bound {bound:.2e})"
 
 
 @pytest.mark.parametrize("arch, tp, cp, pp, kind, docs", [
@@ -118,7 +134,8 @@ def test_context_parallel_training_equals_one_device(arch, tp, cp, dp, zero, kin
 def test_pipeline_stages_with_context_parallelism_equal_one_device(arch, tp, cp, pp, kind, docs):
     """PP=2 x CP=2 (1F1B over two micro-batches; each stage's CP rank c sends to the next stage's CP rank c):
     one device's losses within 1e-5 relative and its weights within 1e-4 after 20 steps, every stage's."""
-    want_losses, want = run_ranks(1, _one_device, arch, docs)[0]
+    want_losses, want, reorder = run_ranks(1, _one_device, arch, docs)[0]
+    bound = max(1e-4, 2 * reorder)  # each run one reordering of the same sums: at most two reorderings apart
     got = run_ranks(tp * cp * pp, _train_stages, arch, tp, cp, pp, kind, docs)
     state = {}
     for losses, held in got:
@@ -129,7 +146,7 @@ def test_pipeline_stages_with_context_parallelism_equal_one_device(arch, tp, cp,
     assert set(want) <= set(state), sorted(set(want) - set(state))
     for k, t in want.items():
         diff = (state[k] - t).abs().max().item()
-        assert diff < 1e-4, f"final {k} differs by {diff:.2e}"
+        assert diff < bound, f"final {k} differs by {diff:.2e} (bound {bound:.2e})"
 
 
 H0 = dataclasses.replace(HYPER, lr=0.0, min_lr=0.0, grad_clip=0.0)  # one step's gradients, the weights kept
