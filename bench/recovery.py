@@ -29,7 +29,8 @@ steps completed.
   default ``recovery.hang_s`` (1 s) and the step deadline of the issue's runs (``runtime.step_timeout_s: 8``,
   ``recovery.ping_timeout_s: 3``, the last resort), against Ray Train with ``TorchConfig(timeout_s=30)``
   (gloo's collective timeout: its only hang handling; the default is 1800 s). Measured: stop -> the next
-  completed step (raytp: its ``recovered`` event's ``seconds``, the record gap, too).
+  completed step (raytp: its ``recovered`` event's ``seconds``, the record gap, too). The same with one warm
+  spare (``hang_tp2_dp2_spare1``): the detection plus a recovery that starts no process.
 
 - "client killed" (bench/client_killed): SIGKILL of `raytp train` of a run joined to this Ray; the longest
   gap between steps after it against a normal step.
@@ -219,6 +220,7 @@ def run(quick: bool = False) -> dict:
     p = QUICK if quick else FULL
     res: dict[str, list[dict]] = {"raytp_" + _key(*c): [] for c in LAYOUTS}
     res["ray_train"], res["raytp_hang"], res["ray_train_hang"], clients = [], [], [], []
+    res["raytp_hang_spare"] = []
     with ray_session(8) as ray, tempfile.TemporaryDirectory(prefix="raytp-bench-rec-") as tmp:
         warm_up(p, 4, 1, Path(tmp) / f"recovery-warm-up-{os.getpid()}")
         for i in range(p["reps"]):
@@ -237,6 +239,10 @@ def run(quick: bool = False) -> dict:
             res["raytp_hang"].append(hung)
             say(f"recovery: raytp hang rep {i + 1}: {hung['kill_to_step_s']:.2f}s ({hung['cause']}, found "
                 f"{hung['detect_s']:.2f}s after the last step)")
+            hung = raytp_once(p, 2, 2, 1, Path(tmp) / f"rec-hang-spare-{os.getpid()}-{i}", signal.SIGSTOP)
+            res["raytp_hang_spare"].append(hung)
+            say(f"recovery: raytp hang with a warm spare rep {i + 1}: {hung['kill_to_step_s']:.2f}s (found "
+                f"{hung['detect_s']:.2f}s after the last step, {hung['spares_used']} spare(s) used)")
             work = Path(tmp) / f"ray-train-hang-{i}"
             work.mkdir()
             r = ray_train_once(p, work, signal.SIGSTOP)
@@ -286,6 +292,14 @@ def run(quick: bool = False) -> dict:
         "ray_train_runs_s": [round(r["kill_to_step_s"], 2) for r in res["ray_train_hang"]],
         "ray_train_torch_config_timeout_s": RAY_TRAIN_HANG_TIMEOUT_S,
         "ratio_raytp_to_ray_train": round(hang_s / rth, 4), "goal": f"< {GOAL_HANG_S:g} s from SIGSTOP to the next step"}
+    hs = res["raytp_hang_spare"]
+    fig["hang_tp2_dp2_spare1"] = {
+        "raytp_stop_to_step_s": med([r["kill_to_step_s"] for r in hs]),
+        "raytp_runs_s": [round(r["kill_to_step_s"], 2) for r in hs],
+        "raytp_recovered_event_seconds": med([r["event_seconds"] for r in hs]),
+        "raytp_detect_s": med([r["detect_s"] for r in hs]), "cause": sorted({r["cause"] for r in hs}),
+        "lost_steps": [r["lost_steps"] for r in hs], "spares_used": [r["spares_used"] for r in hs],
+        "ratio_raytp_to_ray_train": round(med([r["kill_to_step_s"] for r in hs]) / rth, 4)}
     met = met and hang_s < GOAL_HANG_S
     fig["raytp_first_step_s"] = med([r["first_step_s"] for v in res.values() for r in v if "first_step_s" in r])
     fig["goal"] = (f"raytp <= {GOAL_RATIO}x Ray Train and < {GOAL_S:g} s, < {GOAL_SPARE_S:g} s with a warm spare "
