@@ -2,8 +2,8 @@
 holds two experts; each expert is written to the checkpoint once, by the rank holding it, and read back at any
 layout: a run at TP=2 x DP=2 x EP=2 with whole experts per TP rank (etp 1) resumes from it and goes on as the
 unbroken run did, and its own checkpoint resumes on one device; a live EP change both ways tracks the
-unresized run (other live resizes of an EP job are refused, and it goes on), at DP=4 under zero 1 too (a
-killed rank of that layout is healed from its expert-DP twin: test_random_faults). Under the distributed
+unresized run, at DP=4 under zero 1 too (a killed rank of that layout is healed from its expert-DP twin:
+test_random_faults); live DP, TP (to ep 1) and PP changes of an EP job under zero 1 track it too. Under the distributed
 optimizer at TP=1 x DP=2 x EP=2 (zero 1: each rank its rows of the dense AdamW state, its experts' whole) a
 SIGKILLed and then a SIGSTOPped rank are restored from their snapshots bit for bit, and the run's checkpoint
 resumes at EP=4 and on one device (at an expert-DP group of two: tests/test_moe_zero_experts.py)."""
@@ -57,14 +57,13 @@ def test_checkpoints_move_between_expert_layouts_and_one_device(reference, tmp_p
 @pytest.mark.slow
 def test_a_live_ep_change_both_ways_tracks_the_unresized_run(reference, tmp_path):
     """TP=1 x DP=2: EP 2 -> 1 after step 2 (each rank gains the two experts it lacked, from the other) and
-    1 -> 2 after step 5 (each keeps its own two); other degrees of an EP job are refused and it goes on."""
+    1 -> 2 after step 5 (each keeps its own two), every process kept; an EP degree the mesh cannot take is
+    refused and the run goes on."""
     d = Driver(ep_job(1, 2, 2), tmp_path / "run", "epresize", out=io.StringIO())
     try:
         d.start()
         d.train_loop(until=2)
         before = d.logits(FIXED)
-        outcome = d.resize(tp=2)
-        assert not outcome.ok and "may change the EP degree only" in outcome.error
         outcome = d.resize(ep=4)  # four experts' EP needs dp x tp >= 4
         assert not outcome.ok and "must divide dp x tp" in outcome.error
         assert float((d.logits(FIXED) - before).abs().max()) == 0.0
@@ -104,6 +103,35 @@ def test_a_live_ep_change_under_zero1_at_dp4_tracks_the_unbroken_run(ray_local, 
         d.log.close()
     ours, theirs = np.array(losses(tmp_path / "z1")), np.array(losses(ref))
     assert len(ours) == RECOVERY_STEPS and np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-4
+
+
+@pytest.mark.slow
+def test_live_dp_tp_and_pp_changes_of_an_ep_job_under_zero1_track_the_unresized_run(ray_local, shared_run, tmp_path):
+    """TP=1 x DP=2 x EP=2 under zero 1, changed live while it trains: DP 2 -> 4 after step 4, to TP=2 x DP=2 with
+    the experts back in the dense mesh (ep 1: their AdamW state in the optimizer's DP rows) after step 8, to
+    PP=2 x DP=2 x EP=2 after step 12: each a restage (every worker of the new layout started ahead, the planner
+    moving the weights, the experts and every AdamW row); the loss tracks the unresized run's within 1e-5."""
+    cfg = parallel(recovery_job(1, 2, model=SMALL_MOE), ep=2, zero=1)
+    ref = shared_run("ref-ep2-dp2-z1", cfg)
+    half = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, cpus_per_worker=0.5))  # two layouts
+    d = Driver(half, tmp_path / "run", "epz1resize", out=io.StringIO())
+    phases = ((4, {"dp": 4}), (8, {"tp": 2, "dp": 2, "ep": 1}), (12, {"tp": 1, "pp": 2, "ep": 2}))
+    try:
+        d.start()
+        for until, degrees in phases:
+            d.train_loop(until=until)
+            outcome = d.resize(**degrees)
+            assert outcome.ok and outcome.bytes > 0, outcome
+            assert all(getattr(d.layout, k) == v for k, v in degrees.items()), d.layout
+        d.train_loop()
+    finally:
+        d.release()
+        d.log.close()
+    resized = events(tmp_path / "run", "resized")
+    assert [{k: e["new"].get(k, 1) for k in ("tp", "pp", "dp", "ep")} for e in resized] == [
+        {"tp": 1, "pp": 1, "dp": 4, "ep": 2}, {"tp": 2, "pp": 1, "dp": 2, "ep": 1}, {"tp": 1, "pp": 2, "dp": 2, "ep": 2}]
+    ours, theirs = np.array(losses(tmp_path / "run")), np.array(losses(ref))
+    assert len(ours) == RECOVERY_STEPS and np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-5
 
 
 @pytest.mark.slow

@@ -216,13 +216,13 @@ def stop(run, address, timeout):
 @click.option("--tp", type=int, default=None, help="New tensor-parallel degree.")
 @click.option("--pp", type=int, default=None, help="New number of pipeline stages.")
 @click.option("--dp", type=int, default=None, help="New data-parallel degree.")
-@click.option("--ep", type=int, default=None, help="New expert-parallel degree (an MoE job; TP, PP and DP stay).")
+@click.option("--ep", type=int, default=None, help="New expert-parallel degree (an MoE job).")
 @click.option("--cp", type=int, default=None, help="New context-parallel degree (each sequence cut over CP ranks).")
 @click.option("--address", default=None, help=ADDRESS_HELP)
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the resize.")
 @_cluster_errors
 def scale(run, workers, tp, pp, dp, ep, cp, address, timeout):
-    """Change RUN's layout while it trains: --workers N, or any of --tp, --cp, --pp, --dp; --ep alone."""
+    """Change RUN's layout while it trains: --workers N, or any of --tp, --cp, --pp, --dp, --ep."""
     import ray
     from raytp.runtime.driver.control_actor import find_control
     degrees = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep}

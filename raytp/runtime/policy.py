@@ -133,25 +133,9 @@ def choose_spares(layout: Layout, lost: Sequence[int], nodes: Sequence[str | Non
 # -- resizing (which ranks a layout change keeps and starts: raytp.runtime.elastic.rank_plans) ---
 
 def resize_problem(old: Layout, new: Layout) -> str | None:
-    """Why a running job cannot move from `old` to `new` live (None if it can): experts as
-    ``expert_resize_problem`` says."""
-    return expert_resize_problem(old, new)
-
-
-def expert_resize_problem(old: Layout, new: Layout) -> str | None:
-    """Why a running job cannot move from `old` to `new` live where experts are involved (None if it can):
-    where either gives experts a mesh of their own only the EP degree may change (``raytp scale --ep``), the
-    rest at once by a checkpoint; under zero 1 only between layouts that both have one (the optimizer's
-    dense rows are then cut alike)."""
-    if not (old.experts_split or new.experts_split):
-        return None
-    if (new.tp, new.pp, new.dp, new.expert_tp) != (old.tp, old.pp, old.dp, old.expert_tp):
-        return ("a live resize of a job whose experts have a mesh of their own (parallel.ep > 1, or etp 1) may "
-                "change the EP degree only (raytp scale --ep N); for other degrees stop the run and resume it "
-                "at the new layout from its checkpoint (any layout reads it)")
-    if old.sharded_optimizer and not (old.experts_split and new.experts_split):
-        return ("under parallel.zero: 1 a live EP change to or from ep 1 (experts then in the optimizer's DP "
-                "rows) is not built; change between EP degrees above 1, or resume from the checkpoint")
+    """Why a running job cannot move from `old` to `new` live (None if it can): every layout the config takes can
+    be reached from every other (raytp.runtime.elastic.changes picks how); kept for the refusals a new axis may
+    need."""
     return None
 
 

@@ -143,10 +143,13 @@ class EpChange(Change):
 
 def plan_change(old: Layout, new: Layout) -> Change:
     """The plan that takes a running job from `old` to `new` (which differ)."""
-    if new.ep != old.ep and (new.tp, new.pp, new.dp, new.expert_tp) == (old.tp, old.pp, old.dp, old.expert_tp):
+    ep_only = (new.tp, new.pp, new.dp, new.expert_tp) == (old.tp, old.pp, old.dp, old.expert_tp)
+    rows_alike = not old.sharded_optimizer or (old.experts_split and new.experts_split)  # zero 1's dense rows
+    if new.ep != old.ep and ep_only and rows_alike:
         return EpChange(rank_plans.ep_resize_ranks(old))
     beside_tp = old.stage_ranks != old.tp or new.stage_ranks != new.tp  # a stage holds more than its TP ranks
-    if beside_tp or (new.tp != old.tp and (new.pp > 1 or old.pp > 1)):
+    experts = old.experts_split or new.experts_split  # experts on a mesh of their own: no kind keeps processes
+    if beside_tp or experts or (new.tp != old.tp and (new.pp > 1 or old.pp > 1)):
         return Restage(rank_plans.restage_ranks(old, new))
     if new.pp != old.pp:
         return StageChange(rank_plans.stage_resize_ranks(old, new))
