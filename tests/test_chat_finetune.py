@@ -265,3 +265,20 @@ def test_rows_the_template_cannot_render_are_counted_and_a_job_may_refuse_them(t
                         str(tmp_path / "never")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().startswith("error:") and "--chat-template" in p.stderr
     assert not (tmp_path / "never").exists()
+
+
+def test_a_dataset_of_conversations_is_estimated_with_its_attention_mask(chat_set):
+    """Packed conversations keep attention inside each, as data.document_mask does, though the key is off: the
+    data check says so, and the memory estimate (the start line's, and the first step's comparison) counts the
+    same per-layer mask."""
+    import dataclasses
+    from raytp.api.job import check_data
+    from raytp.config import from_dict
+    from raytp.runtime.estimate import estimate
+    cfg = from_dict({"model": {"arch": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64,
+                               "intermediate_size": 96, "block_size": 96, "vocab_size": 320},
+                     "data": {"source": str(chat_set["qwen3"][1])}, "runtime": {"device": "cuda"}})
+    line, conversations = check_data(cfg)
+    assert conversations and "packed into" in line
+    masked = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=True))
+    assert estimate(cfg, documents=True) == estimate(masked) != estimate(cfg)

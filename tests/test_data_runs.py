@@ -36,8 +36,8 @@ def test_a_masked_blend_of_prepared_datasets_trains(blended):
     expected = max(0.7 * RECOVERY_STEPS * 8 / windows[0], 0.3 * RECOVERY_STEPS * 8 / windows[1])
     assert records[-1]["epoch"] == pytest.approx(expected, rel=1e-5)
 
-    said = check_data(cfg)  # what the start line says the data is
-    assert said.startswith("0.7 x prepared dataset") and "; 0.3 x prepared dataset" in said
+    said, conversations = check_data(cfg)  # what the start line says the data is
+    assert said.startswith("0.7 x prepared dataset") and "; 0.3 x prepared dataset" in said and not conversations
 
 
 @pytest.mark.slow

@@ -94,9 +94,10 @@ def run_name_and_dir(job: JobSpec, cfg: JobConfig, run_dir: str | os.PathLike | 
     return run, path
 
 
-def check_data(cfg: JobConfig) -> str:
+def check_data(cfg: JobConfig) -> tuple[str, bool]:
     """The data sources exist, their token ids fit the model's vocabulary, and a document mask knows its id;
-    returns what the data is (for the start line)."""
+    returns what the data is (for the start line) and whether it is a dataset of conversations (packed: the
+    attention kept inside each, as by data.document_mask)."""
     from raytp.data.corpus import document_eod, job_corpus, packing_line, vocabulary_fits
     try:
         corpus = job_corpus(cfg.data, progress=True, peek=True)
@@ -112,7 +113,7 @@ def check_data(cfg: JobConfig) -> str:
                              f"fewer than model.block_size+1 = {cfg.model.block_size + 1}; give more data "
                              "or a smaller block_size" + (" or a larger data.val_fraction" if split == "validation"
                                                           and not cfg.data.val_source else ""))
-    return corpus.description + packed
+    return corpus.description + packed, bool(corpus.conversations)
 
 
 def check_storage(cfg: JobConfig, run_dir: Path, run: str) -> None:
@@ -198,9 +199,10 @@ def plan(job: JobSpec, overrides: Overrides, run_dir, name: str | None, resume: 
         check_model_size(model_args(cfg), "model")
     except ValueError as e:
         raise BadJob(str(e)) from None
-    say(f"[raytp] data: {check_data(cfg)}")  # against the model the job trains (model.init_from's shape)
+    line, conversations = check_data(cfg)  # against the model the job trains (model.init_from's shape)
+    say(f"[raytp] data: {line}")
     from raytp.runtime import estimate
-    memory = estimate.estimate(cfg)
+    memory = estimate.estimate(cfg, documents=conversations)
     if embedded:
         problem = estimate.refusal(memory, cfg.world_size, estimate.available_here(), "this machine")
         if problem:

@@ -62,7 +62,7 @@ def train(job: job_mod.JobSpec, overrides: job_mod.Overrides = None, address: st
         from raytp.runtime.driver.driver import Driver
         from raytp.runtime.errors import DoesNotFit
         try:
-            driver = Driver(cfg, path, plan.run, out=out, init_state=plan.init_state)
+            driver = Driver(cfg, path, plan.run, out=out, init_state=plan.init_state, memory=plan.memory)
             with _stop_on_sigterm(driver):
                 summary = driver.run_to_end(t_start=t0)
         except KeyboardInterrupt:

@@ -72,9 +72,11 @@ class WorkerMemory:
                 }.get(biggest, "raise parallel.tp (fewer parameters per worker) or use a smaller model")
 
 
-def estimate(cfg) -> WorkerMemory:
-    """The memory of one worker of job `cfg` (a JobConfig): of the largest pipeline stage's."""
-    return max((_stage_memory(cfg, s) for s in range(cfg.parallel.pp)), key=lambda w: w.on_device)
+def estimate(cfg, documents: bool = False) -> WorkerMemory:
+    """The memory of one worker of job `cfg` (a JobConfig): of the largest pipeline stage's. `documents`: its data
+    packs documents the attention must not cross though data.document_mask is off (a dataset of conversations:
+    the same mask, from the dataset's boundaries)."""
+    return max((_stage_memory(cfg, s, documents) for s in range(cfg.parallel.pp)), key=lambda w: w.on_device)
 
 
 def _stage_weights(cfg, pp_rank: int) -> tuple[int, int]:
@@ -91,7 +93,7 @@ def _stage_weights(cfg, pp_rank: int) -> tuple[int, int]:
     return local, routed if lay.experts_split else 0
 
 
-def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
+def _stage_memory(cfg, pp_rank: int, documents: bool = False) -> WorkerMemory:
     """The memory of a worker of stage `pp_rank`: its layers' state, and the activations of the micro-batches
     1F1B keeps in flight there (pp - pp_rank of them at most; all of its model at pp == 1)."""
     from raytp.config.adapters import model_args
@@ -117,7 +119,7 @@ def _stage_memory(cfg, pp_rank: int) -> WorkerMemory:
         kept = in_flight * layers * s * b * h * 4 / (tp if cfg.parallel.sequence_parallel else 1) + per_layer
     else:
         kept = in_flight * layers * per_layer
-    if cfg.data.document_mask:  # attention with a (b, 1, s, s) mask: SDPA keeps it as a bias, per layer
+    if cfg.data.document_mask or documents:  # attention with a (b, 1, s, s) mask: SDPA keeps it as a bias, per layer
         kept += in_flight * (1 if cfg.train.activation_checkpointing else layers) * b * s * s * (
             4 if cfg.train.precision == "fp32" else 2)
     # Under bf16 autocast each weight's bfloat16 copy is kept from its matmul to the backward pass (one block's

@@ -48,11 +48,13 @@ class Driver:
     copy_cls = OffNodeCopy
 
     def __init__(self, cfg: JobConfig, run_dir: Path, run: str, out=sys.stderr, ray_metrics: bool = True,
-                 init_state: tuple[int, dict, str] | None = None):
+                 init_state: tuple[int, dict, str] | None = None, memory=None):
         """`init_state`: (step, source, where from) to start from instead of the seeded initialisation:
         a raytp.files.state_sources source (a checkpoint, a Hugging Face model) that every worker reads its
-        own slices of."""
+        own slices of. `memory`: the start line's estimate of a worker (raytp.runtime.estimate.WorkerMemory;
+        worked out from `cfg` if None), which the first step's measured peak is compared with."""
         self.job, self.run_dir, self.run = cfg, Path(run_dir), run
+        self.memory = memory
         self.init_state = init_state
         self.log = RunLog.for_job(cfg, self.run_dir, run, ray_metrics, init_state[0] if init_state else 0)
         self.out = self.log.tee(out)  # also kept in the run dir's driver.log
@@ -225,7 +227,7 @@ class Driver:
             reporting.interval_chosen(self.log, self.cadence, changed, self.step, self.last)
         if self.first_step is None:
             self.first_step = time.perf_counter() - t_start
-            reporting.first_step(self.log, self._say, self.cfg, self.last, self.first_step)
+            reporting.first_step(self.log, self._say, self.cfg, self.last, self.first_step, self.memory)
         progress.update(self.last, time.perf_counter() - t_start)
 
     def _write_owed(self) -> None:

@@ -89,14 +89,14 @@ def resumed(log, say, step: int, source: str) -> None:
     say(f"starting at step {step} from {source}")
 
 
-def first_step(log, say, cfg, rec: dict, seconds: float) -> None:
+def first_step(log, say, cfg, rec: dict, seconds: float, est=None) -> None:
     """The first completed step: when, and the memory a worker measured at its peak against the start line's
-    estimate (raytp.runtime.estimate: host memory on a CPU, the device's on a GPU)."""
+    estimate (`est`, else raytp.runtime.estimate's of `cfg`: host memory on a CPU, the device's on a GPU)."""
     log.event("first_step", seconds=seconds)
     measured = rec.get("peak_mem_bytes")
     if measured is None:
         return
-    est = estimate.estimate(cfg)
+    est = est if est is not None else estimate.estimate(cfg)
     expected = est.on_device if cfg.runtime.device == "cuda" else est.on_host
     log.event("memory", measured_peak_bytes=measured, estimate_bytes=expected, ratio=measured / expected,
               where="device" if cfg.runtime.device == "cuda" else "host")
