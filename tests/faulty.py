@@ -150,8 +150,9 @@ class DiesAfterItsStep(Worker):
 
 class WaitsForRoom(Worker):
     """Rank 0 holds its step 4 until the node whose id file `node_file` names has a replica's room (`need`)
-    free as the driver reads it; its step 8 until a placement group of replica 1 of run `run` other than
-    those of step 4 is placed (the one a move off its twin's node asked for); its step 10 until the moved
+    free as the driver reads it (or a new group of replica 1 took it already); its step 8 until a placement
+    group of replica 1 of run `run` other than those of its first step is placed (the one a move off its twin's
+    node asked for); its step 10 until the moved
     workers (``raytp.<run>.rank<R>.moved1`` of replica 1) are up. The move then happens at the boundary
     after step 11 at the latest, however loaded the machine is."""
 
@@ -162,15 +163,16 @@ class WaitsForRoom(Worker):
 
     def _step(self, step, before_update=None):
         cls = type(self)
+        if self.rank == 0 and not hasattr(self, "first_groups"):  # replica 1's groups before any node joined
+            self.first_groups = self._replica1_groups()
         if self.rank == 0 and step == 4:
             from ray._private.state import available_resources_per_node
 
-            def room():
+            def room():  # free, or already taken by the move's group (a loaded machine's driver can be first)
                 node = open(cls.node_file).read() if os.path.exists(cls.node_file) else None
-                return node and all(available_resources_per_node().get(node, {}).get(k, 0.0) >= v
-                                    for k, v in cls.need.items())
+                return node and (all(available_resources_per_node().get(node, {}).get(k, 0.0) >= v
+                                     for k, v in cls.need.items()) or self._replica1_groups() - self.first_groups)
             hold_until(room, "the added node showed no room")
-            self.first_groups = self._replica1_groups()
         if self.rank == 0 and step == 8:
             hold_until(lambda: self._replica1_groups() - self.first_groups,
                        "no placement group for a move of replica 1 was placed")
