@@ -26,7 +26,7 @@ steps completed.
   Also ``fit()`` -> first step, for comparison with raytp's start.
 
 - "hang": SIGSTOP instead of SIGKILL (the process stays, answering nothing), raytp TP=2 x DP=2 with the
-  default ``recovery.hang_s`` (1 s) and the step deadline of the issue's runs (``runtime.step_timeout_s: 8``,
+  default ``recovery.hang_s`` (0.5 s) and the step deadline of the issue's runs (``runtime.step_timeout_s: 8``,
   ``recovery.ping_timeout_s: 3``, the last resort), against Ray Train with ``TorchConfig(timeout_s=30)``
   (gloo's collective timeout: its only hang handling; the default is 1800 s). Measured: stop -> the next
   completed step (raytp: its ``recovered`` event's ``seconds``, the record gap, too). The same with one warm

@@ -227,7 +227,7 @@ class RecoveryConfig:
                         "resources) that take a lost rank's place at once; 0 = none", NONNEG)
     replace_timeout_s: float = _f(120.0, "seconds to wait for a replacement worker to be placed", POSITIVE)
     ping_timeout_s: float = _f(5.0, "seconds a worker may take to answer a liveness check", POSITIVE)
-    hang_s: float = _f(1.0, "while a step runs longer than the ones before it, a rank that answers no ping for "
+    hang_s: float = _f(0.5, "while a step runs longer than the ones before it, a rank that answers no ping for "
                             "this long while every other rank answers (quickly) is hung, and replaced at once; "
                             "0 = hangs are found by runtime.step_timeout_s and recovery.ping_timeout_s only",
                        NONNEG)

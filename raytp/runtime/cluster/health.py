@@ -8,7 +8,8 @@ is linear in the world size (one batched ping and wait; sets, not `in` on lists 
 Workers are threaded actors: a rank blocked in a collective, slow in its data, or writing a checkpoint still
 answers a ping in milliseconds; a stopped process (SIGSTOP, a frozen host, a wedged driver call) answers
 nothing. So while a step runs longer than the steps before it (the stream's poll interval, twice the last
-step's time), the driver pings every rank of the call, at most once per ``recovery.hang_s``, and waits up to
+step's time), the driver pings every rank of the call, a round at most every quarter of ``recovery.hang_s`` (a
+round once per hang_s made a stop just after a round wait up to twice hang_s to be found), and waits up to
 ``hang_s`` for the answers. A rank whose ping goes unanswered that long while every other rank answered, and
 answered quickly (within a quarter of it: the machine and Ray are not merely slow), is declared hung
 (``RanksHung``), and the recovery replaces it at once. Anything less sure gives no verdict: the step deadline
@@ -175,8 +176,9 @@ class Heartbeat:
         self.excused: set[int] = set()  # ranks never found hung by it (tracing a profile: the module's doc)
 
     def check(self) -> None:
-        """A round of pings if the last is hang_s old, waited for up to hang_s; raise RanksHung on its verdict."""
-        if not self.hang_s or len(self.workers) < 2 or time.perf_counter() - self.last < self.hang_s:
+        """A round of pings if the last is a quarter of hang_s old, waited for up to hang_s; raise RanksHung on its
+        verdict."""
+        if not self.hang_s or len(self.workers) < 2 or time.perf_counter() - self.last < self.hang_s / 4:
             return
         t0 = self.last = time.perf_counter()
         refs = [w.ping.remote() for w in self.workers]

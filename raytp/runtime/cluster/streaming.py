@@ -107,8 +107,10 @@ class StepStream:
     def then(self, count: int, snapshot_every: int) -> "StepStream":
         """The call that follows this one on the same workers, submitted now: each rank starts it the
         moment its part of this call ends, if that part ended well (raytp.runtime.worker.calls)."""
-        return StepStream(self.workers, self.layout, self.start + self.count, count, snapshot_every,
-                          self.timeout, after=self.seq, relay=self.relay, hang_s=self.heartbeat.hang_s)
+        nxt = StepStream(self.workers, self.layout, self.start + self.count, count, snapshot_every,
+                         self.timeout, after=self.seq, relay=self.relay, hang_s=self.heartbeat.hang_s)
+        nxt.poll_s = self.poll_s  # the steps' time so far (a hang in the next call's first step is found as fast)
+        return nxt
 
     def __iter__(self):
         owners = self.owners
@@ -130,7 +132,10 @@ class StepStream:
             if step == self.start + self.count - 1:
                 self._ends_read()  # the call's last step counts once every rank's part ended well
             now = time.perf_counter()
-            self.poll_s, t_last = max(0.2, 2 * (now - t_last)), now
+            # How long a step is: the ranks' own times, not the time between yields, which counts the driver's
+            # work between steps too (a spare's upkeep made it ~0.5 s, and a hang's first ping round 1 s late).
+            took = [g["step_time_s"] for g in got.values() if isinstance(g, dict) and "step_time_s" in g]
+            self.poll_s, t_last = max(0.2, 2 * (max(took) if took else now - t_last)), now
             yield StepRecords(step, [got[r] for r in self.reporters], parts)
 
     def _next_all(self, streams) -> list:
