@@ -1,6 +1,6 @@
 """Context parallelism trains like one device, in-process over gloo (no Ray): Llama and GPT-2, ring and Ulysses,
-CP alone, with TP (and sequence parallelism), and with DP under zero 1, whole sequences and packed documents;
-20 steps, every loss within 1e-5 relative. The gradients of one step equal one device's to 2e-6 relative (fp32 sums
+CP alone, with TP (and sequence parallelism), with DP under zero 1 and with pipeline stages, whole sequences and
+packed documents; activation checkpointing bit for bit, bf16 within its rounding; 20 steps, every loss within 1e-5 relative. The gradients of one step equal one device's to 2e-6 relative (fp32 sums
 in another order: measured 6.5e-7 at worst); the final weights after 20 steps within 1e-4 or twice one device's
 distance from itself under another order of its sums on this CPU (_one_device), since AdamW turns rounding noise in a
 near-zero gradient into lr-sized steps (tests/tp_training.py measured up to 5.2e-5 between TP layouts across
@@ -188,3 +188,42 @@ def test_one_steps_gradients_equal_one_devices(arch, tp, cp, dp, kind):
     for k, t in want.items():
         rel = (got[k] - t).abs().max().item() / t.abs().max().item()
         assert rel < 2e-6, f"{k}: gradient differs by {rel:.1e} relative"
+
+
+def _variants(rank, world, init, arch, kind, runs):
+    """Losses and final weights of CP=`world` (packed documents) for each (precision, activation checkpointing);
+    at world 1 one device's."""
+    if world > 1:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    cfg, out = CONFIGS[arch](), []
+    for precision, recompute in runs:
+        h = dataclasses.replace(HYPER, precision=precision)
+        if world == 1:
+            groups, model = ProcessGroups(Layout(1), 0, None, None), build_model(cfg, SEED)
+        else:
+            groups = build_groups(Layout(1, cp=world), rank)
+            model = build_shard(cfg, SEED, groups.tp)
+            context_attention.bind(model, groups, kind)
+        model.activation_checkpointing = recompute
+        opt = make_optimizer(model, h, world, groups.grad_rank if world > 1 else 0, 0)
+        data, losses = corpus(cfg.vocab_size), []
+        for step in range(STEPS):
+            x, y, ids = _batch(cfg, data, step, 0, 1, True)
+            mb = (x, y, ids) if world == 1 else context_share(x, y, ids, world, groups.cp_rank)
+            losses.append(train_step(model, opt, [mb], groups, step, h).loss)
+        out.append((losses, {k: t.detach().clone() for k, t in model.named_parameters()}))
+    return out
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_changes_nothing_and_bf16_tracks_one_device_bf16_at_cp2():
+    """Recomputing each block in the backward (its ring exchanges run again) gives the same losses and weights
+    bit for bit; under bf16 autocast CP=2 tracks one device's bf16 within bf16's rounding (test_precision's bound
+    for TP: 6e-3 relative, measured 1.8e-3 there)."""
+    runs = [("fp32", False), ("fp32", True), ("bf16", False)]
+    (plain, plain_w), (again, again_w), (half, _) = run_ranks(2, _variants, "llama", "ring", runs)[0]
+    assert plain == again and all(torch.equal(plain_w[k], again_w[k]) for k in plain_w)
+    (one_half, _), = run_ranks(1, _variants, "llama", "ring", [("bf16", False)])[0]
+    assert half != plain, "bf16 should not be fp32 bit for bit (is autocast applied?)"
+    rel = np.abs(np.array(half) - one_half) / np.abs(np.array(one_half))
+    assert rel.max() < 6e-3, f"bf16 CP=2 vs one device bf16: {rel.max():.2e}"
