@@ -33,7 +33,7 @@ ROUNDS = 3
 
 
 def _messages(row: dict) -> list:
-    if "messages" in row:
+    if row.get("messages") is not None:  # (datasets gives every row every column: None where a row has none)
         return row["messages"]
     return [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
 
@@ -101,8 +101,9 @@ def one_process(tok_dir: str, rows: list) -> dict:
     from raytp.data.prepare import chat
     from raytp.data.prepare.shard import BATCH_ROWS
     from raytp.data.tokens import tokenizer_file
+    from raytp.files.interop.chat_template import chat_spec, find_template
     path = tokenizer_file(tok_dir)
-    renderer = chat.renderer(path.read_text(), chat.chat_spec(path, chat.find_template(path)[0]))
+    renderer = chat.renderer(path.read_text(), chat_spec(path, find_template(path)[0]))
     tok = AutoTokenizer.from_pretrained(tok_dir)
     t0 = time.perf_counter()
     for i in range(0, len(rows), BATCH_ROWS):
