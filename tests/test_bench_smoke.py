@@ -104,3 +104,14 @@ def test_moe_quick_run_measures_both_layouts_and_the_rows_its_all_to_all_moves(t
     memory = {k: v for k, v in fig["memory"].items() if isinstance(v, dict) and "state_over_estimate" in v}
     assert len(memory) == 4 and fig["memory"]["within_goal"], fig["memory"]
     assert all(0.9 <= v["state_over_estimate"] <= 1.1 and v["rss_growth_bytes"] > 0 for v in memory.values())
+
+
+def test_prepare_chat_s_work_alone_runs_on_a_few_rows(tmp_path, monkeypatch):
+    """bench/prepare_chat's in-process part (raytp's encoding against apply_chat_template, no Ray) on a few rows:
+    its full run starts Ray (15 s), so nothing else here would notice a helper it calls moving away (a refactor
+    broke it so once). Both rates are measured (no timing is asserted)."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.prepare_chat import one_process
+    from raytp.data.chat_demo import conversations, tokenizer_dir
+    rates = one_process(tokenizer_dir(tmp_path / "tok"), conversations(20, seed=1))
+    assert set(rates) == {"raytp", "peer"} and all(v > 0 for v in rates.values())
