@@ -132,13 +132,6 @@ def choose_spares(layout: Layout, lost: Sequence[int], nodes: Sequence[str | Non
 
 # -- resizing (which ranks a layout change keeps and starts: raytp.runtime.elastic.rank_plans) ---
 
-def resize_problem(old: Layout, new: Layout) -> str | None:
-    """Why a running job cannot move from `old` to `new` live (None if it can): every layout the config takes can
-    be reached from every other (raytp.runtime.elastic.changes picks how); kept for the refusals a new axis may
-    need."""
-    return None
-
-
 def _ceiling(max_dp: int | None, dp: int) -> int | None:
     """parallel.max_dp after a resize to `dp`: a request above it raises it (what the job grows to is then the
     request's: raytp.runtime.elastic.resize.Elastic.target_dp)."""

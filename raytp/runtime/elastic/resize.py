@@ -105,9 +105,6 @@ class Elastic:
             new = self.pending.new_cfg.layout if self.pending is not None else self.awaiting.target
             return Outcome.refused(f"a resize to {new} is in progress")
         t0, old = time.perf_counter() if t0 is None else t0, group.layout
-        why = policy.resize_problem(old, target)
-        if why is not None:
-            return Outcome.refused(why)
         try:
             new_cfg = policy.resized_config(group.cfg, target)
         except config_mod.ConfigError as e:
