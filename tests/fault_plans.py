@@ -3,6 +3,7 @@ while the recovery of the one before runs, some on the rank just replaced. A pla
 seed (print it, rerun it); its faults are sent from outside, as reality sends them, by ``run_with``."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -21,6 +22,7 @@ class Fault:
     delay: float    # seconds after that: inside a step, between steps, or inside a recovery
     rank: int
     kind: str       # "kill" (SIGKILL) or "stop" (SIGSTOP: a hang)
+    pid: int = 0    # the process it reached, once sent
 
 
 def plan(seed, world: int, steps: int, kills: int, stops: int = 0) -> list[Fault]:
@@ -55,7 +57,7 @@ def sender(fault: Fault, sent: list, t_first: list):
             if pid:
                 try:
                     os.kill(pid, SIGNALS[fault.kind])
-                    sent.append(fault)
+                    sent.append(dataclasses.replace(fault, pid=pid))
                     return
                 except ProcessLookupError:  # gone between the look-up and the signal: look again
                     pass
@@ -88,7 +90,8 @@ def assert_exact(run_dir, reference_dir, steps: int, sent: list[Fault]) -> None:
     assert first is None, f"the loss leaves the unbroken run's at step {first}: {ours[first]} vs {theirs[first]}"
     assert_bitwise_equal(final_state(run_dir, steps), final_state(reference_dir, steps))
     failed = {e["rank"] for e in events(run_dir, "failure")}
-    assert {f.rank for f in sent} <= failed, (sent, events(run_dir, "failure"))
+    placed = [[(r["rank"], r["pid"]) for r in e["ranks"]] for e in events(run_dir, "placed")]
+    assert {f.rank for f in sent} <= failed, (sent, events(run_dir, "failure"), placed)
     # no rank found hung that was not stopped (the heartbeat's false alarm, on a machine merely slow)
     stopped = [f for f in sent if f.kind == "stop"]
     hung = [e for e in events(run_dir, "failure") if e["cause"] == "hung"]

@@ -175,10 +175,11 @@ def raytp_cli(*args):
 
 # -- Ray's view -------------------------------------------------------------------------------------
 def ray_actors(name_prefix: str, alive_only: bool = True) -> dict[str, dict]:
-    """Actors as Ray's GCS records them, by name: {"name": {"node_id", "pid", "state"}}."""
+    """Actors as Ray's GCS records them, by name: {"name": {"node_id", "pid", "state"}}; of two alive under one
+    name (a replaced rank's old actor not yet marked dead), the one started last."""
     from ray._private import state
     out = {}
-    for a in state.actors().values():
+    for a in sorted(state.actors().values(), key=lambda a: a.get("StartTime") or 0):
         if a.get("Name", "").startswith(name_prefix) and (not alive_only or a["State"] == "ALIVE"):
             out[a["Name"]] = {"node_id": a["Address"]["NodeID"], "pid": a["Pid"], "state": a["State"]}
     return out

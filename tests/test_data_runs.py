@@ -45,6 +45,8 @@ def test_a_run_on_prepared_datasets_recovers_bitwise_after_sigkill(blended, tmp_
     cfg, reference, _ = blended
     run_dir = tmp_path / "run"
     run(cfg, run_dir, "blendkill", faults=[(5, signal_rank(1, signal.SIGKILL))])
-    (fail,) = events(run_dir, "failure")
+    fails = events(run_dir, "failure")
+    assert len(fails) == 1, fails
+    (fail,) = fails
     assert fail["rank"] == 1 and fail["cause"] == "died"
     assert_bitwise_equal(final_state(run_dir), reference)

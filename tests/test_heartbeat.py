@@ -1,5 +1,5 @@
 """The heartbeat's verdict (pure) and, on Ray, a stopped worker found by it in about recovery.hang_s while a
-worker that is merely slow, or a machine that is, draws none."""
+worker that is merely slow (looked at by a rank beside it: busy), or a machine that is, draws none."""
 import os
 import signal
 import sys
@@ -31,8 +31,20 @@ def test_no_verdict_unless_sure(answered):
 class Sleeper:
     """A threaded actor answering pings while another of its threads is busy (as a worker in a collective)."""
 
+    def __init__(self):
+        self.held = None
+
     def ping(self):
+        while self.held and os.path.exists(self.held):  # a busy process slow to answer (the GIL held, a starved CPU)
+            pass
         return os.getpid()
+
+    def slow_pings(self, while_exists):
+        self.held = str(while_exists)
+
+    def look_at(self, pid, over_s):
+        from raytp.runtime.worker.identity import look_at
+        return look_at(pid, over_s)
 
     def busy(self, s):
         t0 = time.perf_counter()
@@ -82,6 +94,64 @@ def test_a_hung_rank_is_ended_only_if_it_is_a_ray_worker():
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait()
     assert end_process(done.pid) is None
+
+
+def test_a_silent_rank_that_uses_cpu_is_busy_not_hung(ray_local, tmp_path):
+    """A rank slow to answer while its process runs (a healthy replacement's first steps on a loaded machine were
+    once killed as hung) draws no verdict when a rank beside it can look at it; judged by its silence alone (no
+    placement), the same rank is found hung: the look is what tells them apart."""
+    import ray
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    actor = ray.remote(Sleeper).options(max_concurrency=16, num_cpus=0)
+    workers = [actor.remote() for _ in range(3)]
+    pids = ray.get([w.ping.remote() for w in workers])
+    node = ray.get_runtime_context().get_node_id()
+    placement = [{"node_id": node, "pid": pid} for pid in pids]
+    held = tmp_path / "held"
+    held.touch()
+    ray.get(workers[1].slow_pings.remote(held))
+    blind = Heartbeat(workers, 0.5)
+    assert verdict_within(blind, 120.0) == [1]  # silence alone: taken for a hang
+    beat = Heartbeat(workers, 0.5, placement)
+    judged, confirmed = [], beat.confirmed
+    beat.confirmed = lambda silent, answered: judged.append((silent, confirmed(silent, answered))) or judged[-1][1]
+    deadline = time.monotonic() + 120.0
+    while len([j for j in judged if j[0] == [1]]) < 3 and time.monotonic() < deadline:
+        beat.last = 0.0
+        beat.check()  # no RanksHung: rank 1 was looked at and is busy
+    assert [j for j in judged if j[0] == [1]][:3] == [([1], [])] * 3  # silent three times, busy each time
+    held.unlink()
+    ray.get(workers[1].ping.remote())  # answers again
+    os.kill(pids[2], signal.SIGSTOP)
+    try:
+        assert verdict_within(beat, 120.0) == [2]  # stopped: looked at, and hung
+    finally:
+        os.kill(pids[2], signal.SIGCONT)
+    for w in workers:
+        ray.kill(w)
+
+
+def test_a_look_at_a_process_tells_stopped_busy_idle_and_gone():
+    """identity.look_at on real processes of this machine, and activity's reading of the two looks."""
+    import subprocess
+    from raytp.runtime.worker.identity import activity, look_at
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    nap = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        time.sleep(0.5)  # both started
+        assert look_at(spin.pid, 0.2) == "busy"
+        assert look_at(nap.pid, 0.2) == "idle"
+        os.kill(spin.pid, signal.SIGSTOP)
+        time.sleep(0.1)
+        assert look_at(spin.pid, 0.2) == "stopped"
+    finally:
+        spin.kill(), nap.kill()
+        spin.wait(), nap.wait()
+    assert look_at(spin.pid, 0.2) == "gone"
+    assert activity((5, "SS"), (5, "SS")) == "idle" and activity((5, "SS"), (6, "SS")) == "busy"
+    assert activity((5, "SR"), (5, "SS")) == "busy" and activity((5, "SS"), (5, "SD")) == "busy"
+    assert activity((5, "SS"), (5, "TT")) == "stopped" and activity((5, "SS"), None) == "gone"
+    assert activity((5, "SS"), (5, "Z")) == "gone"
 
 
 def test_an_evaluation_waiting_on_a_stopped_rank_is_cut_short(ray_local):

@@ -191,7 +191,7 @@ class WorkerGroup:
     def run_steps(self, start: int, count: int, snapshot_every: int) -> StepStream:
         """One streamed call of `count` steps on every worker (iterate it for each step's records)."""
         return StepStream(self.workers, self.layout, start, count, snapshot_every, self.cfg.runtime.step_timeout_s,
-                          relay=self.relay(), hang_s=self.cfg.recovery.hang_s)
+                          relay=self.relay(), hang_s=self.cfg.recovery.hang_s, placement=self.placement)
 
     def relay(self) -> dict:
         """{leader: (peer ranks, ref of their handles)} (raytp.runtime.cluster.relay): made once per group,
@@ -205,7 +205,7 @@ class WorkerGroup:
     def evaluate(self, step: int) -> float:
         """The validation loss at `step` (a hung rank found by the heartbeat, as in a step)."""
         return health.watched_get([w.evaluate.remote(step) for w in self.workers], self.workers,
-                                     self.cfg.runtime.step_timeout_s, self.cfg.recovery.hang_s)[0]
+                                     self.cfg.runtime.step_timeout_s, self.cfg.recovery.hang_s, self.placement)[0]
 
     def logits(self, idx):
         """Full-vocabulary logits of a batch from replica 0 (every rank computes them where experts have a mesh

@@ -11,8 +11,12 @@ nothing. So while a step runs longer than the steps before it (the stream's poll
 step's time), the driver pings every rank of the call, a round at most every quarter of ``recovery.hang_s`` (a
 round once per hang_s made a stop just after a round wait up to twice hang_s to be found), and waits up to
 ``hang_s`` for the answers. A rank whose ping goes unanswered that long while every other rank answered, and
-answered quickly (within a quarter of it: the machine and Ray are not merely slow), is declared hung
-(``RanksHung``), and the recovery replaces it at once. Anything less sure gives no verdict: the step deadline
+answered quickly (within a quarter of it: the machine and Ray are not merely slow), is looked at by a rank
+beside it on its node (/proc: ``Worker.look_at``): stopped (SIGSTOP, a frozen debugger) or asleep without using
+CPU, it is declared hung (``RanksHung``), and the recovery replaces it at once; running or using CPU, it is busy
+(a thread holding the GIL, a process the loaded machine starves: a 0.5 s silence of a healthy replacement in its
+first steps was once taken for a hang and killed) and no verdict is given. A rank with no answering rank on its
+node (a frozen host) is judged by its silence alone. Anything less sure gives no verdict: the step deadline
 (``runtime.step_timeout_s``) and the recovery's ping (``recovery.ping_timeout_s``) stay the last resort. One
 rank alone has no one to be compared with: only the deadline finds it hung. A rank tracing a profile is excused
 (``Heartbeat.excused``): torch's profiler holds the GIL while it starts, stops and writes its trace (seconds for a
@@ -168,10 +172,11 @@ def verdict(answered: dict[int, float], ranks: int, hang_s: float, excused=froze
 
 
 class Heartbeat:
-    """Pings for one streamed call's workers (rank order); ``check`` raises RanksHung on a verdict."""
+    """Pings for one streamed call's workers (rank order; `placement`: where each runs, {"node_id", "pid"});
+    ``check`` raises RanksHung on a verdict."""
 
-    def __init__(self, workers: list, hang_s: float):
-        self.workers, self.hang_s = workers, hang_s
+    def __init__(self, workers: list, hang_s: float, placement=()):
+        self.workers, self.hang_s, self.placement = workers, hang_s, placement
         self.last = 0.0  # when the last round was sent (perf_counter)
         self.excused: set[int] = set()  # ranks never found hung by it (tracing a profile: the module's doc)
 
@@ -192,13 +197,36 @@ class Heartbeat:
             ready, pending = ray.wait(pending, num_returns=1, timeout=left, fetch_local=False)
             for ref in ready:
                 answered[index[ref]] = time.perf_counter() - t0
-        hung = verdict(answered, len(refs), self.hang_s, self.excused)
+        hung = self.confirmed(verdict(answered, len(refs), self.hang_s, self.excused), answered)
         if hung:
             raise RanksHung(hung, self.hang_s)
 
+    def confirmed(self, silent: list[int], answered: dict[int, float]) -> list[int]:
+        """Of the `silent` ranks, those a rank beside each on its node that `answered` sees stopped, idle or gone
+        (the module's doc; a busy one is slow, not hung), and those with no such rank (silence alone)."""
+        where = dict(enumerate(self.placement))
+        beside = {}
+        for r in answered:
+            beside.setdefault(where.get(r, {}).get("node_id"), r)
+        looks = {}
+        for r in silent:
+            peer, pid = beside.get(where.get(r, {}).get("node_id")), where.get(r, {}).get("pid")
+            if peer is not None and pid:
+                looks[self.workers[peer].look_at.remote(pid, self.hang_s / 4)] = r
+        done = ray.wait(list(looks), num_returns=len(looks), timeout=self.hang_s)[0] if looks else []
+        seen = set()
+        for ref in done:
+            try:
+                if ray.get(ref) != "busy":
+                    seen.add(looks[ref])
+            except RayActorError:  # the peer went: the step's error tells
+                pass
+        # A look not back in time gives no verdict either: the next round looks again.
+        return [r for r in silent if r in seen or r not in looks.values()]
 
-def watched_get(refs: list, workers: list, timeout_s: float, hang_s: float) -> list:
+
+def watched_get(refs: list, workers: list, timeout_s: float, hang_s: float, placement=()) -> list:
     """ray.get of calls on `workers` (an evaluation: every rank in collectives), with a heartbeat round whenever
     a second passes without them all: a stopped rank raises RanksHung in about hang_s, not at gloo's collective
     timeout or at `timeout_s` (GetTimeoutError). A failed call's error is raised as soon as it is there."""
-    return all_or_first_error(refs, timeout_s, Heartbeat(workers, hang_s).check, slice_s=1.0)
+    return all_or_first_error(refs, timeout_s, Heartbeat(workers, hang_s, placement).check, slice_s=1.0)

@@ -78,9 +78,9 @@ class StepStream:
     their leader (raytp.runtime.cluster.relay.relay_plan); every other rank gets it from here."""
 
     def __init__(self, workers, layout: Layout, start: int, count: int, snapshot_every: int, timeout: float,
-                 after: int | None = None, relay: dict | None = None, hang_s: float = 0.0):
+                 after: int | None = None, relay: dict | None = None, hang_s: float = 0.0, placement=()):
         self.workers, self.layout, self.timeout = workers, layout, timeout
-        self.heartbeat = Heartbeat(workers, hang_s)  # pinged while a step runs long: a hung rank found fast
+        self.heartbeat = Heartbeat(workers, hang_s, placement)  # pinged while a step runs long: a hung rank found fast
         self.start, self.count, self.snap = start, count, snapshot_every
         self.after, self.relay = after, relay or {}
         self.seq = next(_numbers)
@@ -108,7 +108,8 @@ class StepStream:
         """The call that follows this one on the same workers, submitted now: each rank starts it the
         moment its part of this call ends, if that part ended well (raytp.runtime.worker.calls)."""
         nxt = StepStream(self.workers, self.layout, self.start + self.count, count, snapshot_every,
-                         self.timeout, after=self.seq, relay=self.relay, hang_s=self.heartbeat.hang_s)
+                         self.timeout, after=self.seq, relay=self.relay, hang_s=self.heartbeat.hang_s,
+                         placement=self.heartbeat.placement)
         nxt.poll_s = self.poll_s  # the steps' time so far (a hang in the next call's first step is found as fast)
         return nxt
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 
 def end_process(pid: int) -> bool | None:
@@ -21,14 +22,60 @@ def end_process(pid: int) -> bool | None:
         return False
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if not f.read().startswith(b"ray::"):
-                return False
+            command = f.read()
+        if not command and activity(cpu_and_states(pid), cpu_and_states(pid)) == "gone":
+            return None  # a zombie: it exited (killed), and its parent has not reaped it yet
+        if not command.startswith(b"ray::"):
+            return False
         os.kill(pid, signal.SIGKILL)
         return True
     except (FileNotFoundError, ProcessLookupError):
         return None
     except OSError:
         return False
+
+
+def cpu_and_states(pid: int) -> tuple[int, str] | None:
+    """(CPU clock ticks process `pid` has used, each of its threads' state letter, main thread first) from
+    /proc; None if there is no such process (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
+        states = [fields[0]]
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            if tid != str(pid):
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except OSError:  # the thread ended meanwhile
+                    pass
+        return int(fields[11]) + int(fields[12]), "".join(states)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def activity(first: tuple[int, str] | None, second: tuple[int, str] | None) -> str:
+    """What two looks at a silent process (``cpu_and_states``, a while apart) say it is: "gone" (it exited, or is a zombie),
+    "stopped" (SIGSTOP, a debugger: hung), "busy" (a thread runs or waits on I/O, or it used CPU between the
+    looks: it holds the GIL, or the machine starves it; slow, not hung), "idle" (it sleeps and uses no CPU:
+    wedged)."""
+    if first is None or second is None or second[1][0] in "ZX":
+        return "gone"
+    if second[1][0] in "Tt":
+        return "stopped"
+    if any(s in "RD" for s in first[1] + second[1]) or second[0] > first[0]:
+        return "busy"
+    return "idle"
+
+
+def look_at(pid: int, over_s: float) -> str:
+    """``activity`` of process `pid` of this node, looked at twice `over_s` apart (once if it is stopped or
+    gone): for the heartbeat (raytp.runtime.cluster.health), by a rank beside a silent one."""
+    first = cpu_and_states(pid)
+    if first is None or first[1][0] in "Tt":
+        return activity(first, first)
+    time.sleep(over_s)
+    return activity(first, cpu_and_states(pid))
 
 
 def node_ip() -> str:

@@ -187,6 +187,9 @@ class Worker:
     def end_process(self, pid: int) -> bool:
         return identity.end_process(pid)  # a hung rank beside this one (raytp.runtime.cluster.health)
 
+    def look_at(self, pid: int, over_s: float) -> str:
+        return identity.look_at(pid, over_s)  # a silent rank beside this one: stopped, or busy?
+
     def status(self) -> dict:
         """Answered even while a step runs (threaded actor): completed steps, whether a call runs (or one
         queued behind it is about to), whether the state is torn (a step failed mid-update)."""
