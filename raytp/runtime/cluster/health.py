@@ -76,19 +76,26 @@ def all_or_first_error(refs: list, timeout_s: float, between=None, slice_s: floa
     return ray.get(refs)
 
 
-def end_hung(workers: list, hung: list[int], alive: list[int], placement, timeout_s: float) -> set[int]:
-    """Kill the `hung` ranks: at once by a live rank on the same node (``Worker.end_process``: SIGKILL; Ray's kill
-    of a stopped process waits ~5 s first, while every survivor waits on its sockets), then through Ray. The
-    ranks whose process had exited already (a death Ray had not yet told the pings of: not a hang)."""
+def calls_beside(workers: list, placement, targets, alive, call) -> dict:
+    """{ref: target rank} of `call(worker, pid)` made, for each of the `targets` ranks, on an `alive` rank on its
+    node (by `placement`: each rank's {"node_id", "pid"}) about its process; a target with no such rank gets none."""
     where = {r: placement[r] for r in range(min(len(placement), len(workers)))}
     beside = {}
     for r in alive:
         beside.setdefault(where.get(r, {}).get("node_id"), r)
     calls = {}
-    for r in hung:
+    for r in targets:
         peer, pid = beside.get(where.get(r, {}).get("node_id")), where.get(r, {}).get("pid")
         if peer is not None and pid:
-            calls[workers[peer].end_process.remote(pid)] = r
+            calls[call(workers[peer], pid)] = r
+    return calls
+
+
+def end_hung(workers: list, hung: list[int], alive: list[int], placement, timeout_s: float) -> set[int]:
+    """Kill the `hung` ranks: at once by a live rank on the same node (``Worker.end_process``: SIGKILL; Ray's kill
+    of a stopped process waits ~5 s first, while every survivor waits on its sockets), then through Ray. The
+    ranks whose process had exited already (a death Ray had not yet told the pings of: not a hang)."""
+    calls = calls_beside(workers, placement, hung, alive, lambda w, pid: w.end_process.remote(pid))
     done = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)[0] if calls else []
     exited = set()
     for ref in done:
@@ -204,15 +211,8 @@ class Heartbeat:
     def confirmed(self, silent: list[int], answered: dict[int, float]) -> list[int]:
         """Of the `silent` ranks, those a rank beside each on its node that `answered` sees stopped, idle or gone
         (the module's doc; a busy one is slow, not hung), and those with no such rank (silence alone)."""
-        where = dict(enumerate(self.placement))
-        beside = {}
-        for r in answered:
-            beside.setdefault(where.get(r, {}).get("node_id"), r)
-        looks = {}
-        for r in silent:
-            peer, pid = beside.get(where.get(r, {}).get("node_id")), where.get(r, {}).get("pid")
-            if peer is not None and pid:
-                looks[self.workers[peer].look_at.remote(pid, self.hang_s / 4)] = r
+        looks = calls_beside(self.workers, self.placement, silent, answered,
+                             lambda w, pid: w.look_at.remote(pid, self.hang_s / 4))
         done = ray.wait(list(looks), num_returns=len(looks), timeout=self.hang_s)[0] if looks else []
         seen = set()
         for ref in done:
