@@ -58,7 +58,9 @@ def test_checkpoints_move_between_expert_layouts_and_one_device(reference, tmp_p
 def test_a_live_ep_change_both_ways_tracks_the_unresized_run(reference, tmp_path):
     """TP=1 x DP=2: EP 2 -> 1 after step 2 (each rank gains the two experts it lacked, from the other) and
     1 -> 2 after step 5 (each keeps its own two), every process kept; an EP degree the mesh cannot take is
-    refused and the run goes on."""
+    refused and the run goes on. Then DP 2 -> 4 after step 6 and back after step 7, the two first replicas'
+    processes kept (zero 0: the new replicas take their dense weights and their experts from the ranks holding
+    them)."""
     d = Driver(ep_job(1, 2, 2), tmp_path / "run", "epresize", out=io.StringIO())
     try:
         d.start()
@@ -73,12 +75,19 @@ def test_a_live_ep_change_both_ways_tracks_the_unresized_run(reference, tmp_path
         d.train_loop(until=5)
         outcome = d.resize(ep=2)
         assert outcome.ok and outcome.bytes == 0 and d.layout.ep == 2, outcome
-        d.train_loop()
+        d.train_loop(until=6)
+        for dp, until in ((4, 7), (2, None)):
+            outcome = d.resize(dp=dp)
+            assert outcome.ok and d.layout.dp == dp, outcome
+            d.train_loop(until=until)
     finally:
         d.release()
         d.log.close()
     resized = events(tmp_path / "run", "resized")
-    assert [(e["old"].get("ep", 1), e["new"].get("ep", 1)) for e in resized] == [(2, 1), (1, 2)], resized
+    assert [(e["old"].get("ep", 1), e["new"].get("ep", 1), e["new"]["dp"]) for e in resized] == [
+        (2, 1, 2), (1, 2, 2), (2, 2, 4), (2, 2, 2)], resized
+    pids = [{r["rank"]: r["pid"] for r in e["ranks"]} for e in events(tmp_path / "run", "placed")]
+    assert len(pids[-1]) == 2 and all(p[r] == pids[0][r] for p in pids for r in (0, 1)), pids  # never restarted
     ours, theirs = np.array(losses(tmp_path / "run")), np.array(losses(reference))
     assert len(ours) == STEPS and np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-4
 
