@@ -116,10 +116,12 @@ def test_a_live_ep_change_under_zero1_at_dp4_tracks_the_unbroken_run(ray_local, 
 
 @pytest.mark.slow
 def test_live_dp_tp_and_pp_changes_of_an_ep_job_under_zero1_track_the_unresized_run(ray_local, shared_run, tmp_path):
-    """TP=1 x DP=2 x EP=2 under zero 1, changed live while it trains: DP 2 -> 4 after step 4, to TP=2 x DP=2 with
-    the experts back in the dense mesh (ep 1: their AdamW state in the optimizer's DP rows) after step 8, to
-    PP=2 x DP=2 x EP=2 after step 12: each a restage (every worker of the new layout started ahead, the planner
-    moving the weights, the experts and every AdamW row); the loss tracks the unresized run's within 1e-5."""
+    """TP=1 x DP=2 x EP=2 under zero 1, changed live while it trains: DP 2 -> 4 after step 4 (in place: the two
+    first replicas keep their processes and re-cut their dense and expert AdamW rows, over DP 4 and expert-DP 2),
+    to TP=2 x DP=2 with the experts back in the dense mesh (ep 1: their AdamW state in the optimizer's DP rows)
+    after step 8, to PP=2 x DP=2 x EP=2 after step 12: each a restage (every worker of the new layout started
+    ahead, the planner moving the weights, the experts and every AdamW row); the loss tracks the unresized run's
+    within 1e-5."""
     cfg = parallel(recovery_job(1, 2, model=SMALL_MOE), ep=2, zero=1)
     ref = shared_run("ref-ep2-dp2-z1", cfg)
     half = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, cpus_per_worker=0.5))  # two layouts
@@ -136,6 +138,8 @@ def test_live_dp_tp_and_pp_changes_of_an_ep_job_under_zero1_track_the_unresized_
     finally:
         d.release()
         d.log.close()
+    pids = [{r["rank"]: r["pid"] for r in e["ranks"]} for e in events(tmp_path / "run", "placed")]
+    assert len(pids[1]) == 4 and all(pids[1][r] == pids[0][r] for r in (0, 1)), pids  # DP 2 -> 4 kept them
     resized = events(tmp_path / "run", "resized")
     assert [{k: e["new"].get(k, 1) for k in ("tp", "pp", "dp", "ep")} for e in resized] == [
         {"tp": 1, "pp": 1, "dp": 4, "ep": 2}, {"tp": 2, "pp": 1, "dp": 2, "ep": 1}, {"tp": 1, "pp": 2, "dp": 2, "ep": 2}]

@@ -174,15 +174,15 @@ def test_an_ep_change_keeps_every_process_and_is_told_apart_from_the_others():
 
 def test_a_live_change_where_experts_have_a_mesh_of_their_own_restages_unless_only_ep_or_dp_moves():
     """An EP change at the same TP, PP, DP and etp keeps every process (its dense zero 1 rows cut alike), and so
-    does a DP change at zero 0 (each replica's experts follow its DP rank); any other change to, from or between
-    expert meshes, and a DP change under zero 1 (its expert rows are cut over expert-DP), starts every worker of
-    the new layout ahead (the planner moves the experts and their rows: test_moe_ep_runtime's live changes)."""
+    does a DP change (each replica's experts follow its DP rank; zero 1 re-cuts their rows over the new expert-DP
+    in place); any other change to, from or between expert meshes starts every worker of the new layout ahead
+    (the planner moves the experts and their rows: test_moe_ep_runtime's live changes)."""
     two, z = Layout(1, dp=4, ep=2), Layout(1, dp=4, ep=2, zero=1)
     assert isinstance(changes_of(two, two.changed(ep=4)), changes.EpChange)
     assert isinstance(changes_of(z, z.changed(ep=4)), changes.EpChange)
-    assert isinstance(changes_of(two, two.changed(dp=2)), changes.DpChange)
-    assert isinstance(changes_of(two, two.changed(dp=8)), changes.DpChange)
-    for old, new in ((z, z.changed(dp=2)), (two, two.changed(tp=2)), (two, two.changed(pp=2)),
+    for old, new in ((two, two.changed(dp=2)), (two, two.changed(dp=8)), (z, z.changed(dp=2)), (z, z.changed(dp=8))):
+        assert isinstance(changes_of(old, new), changes.DpChange), (old, new)
+    for old, new in ((two, two.changed(tp=2)), (two, two.changed(pp=2)),
                      (two, two.changed(dp=2, ep=1)), (z, z.changed(ep=1)), (Layout(1, dp=4), two.changed(dp=2))):
         assert isinstance(changes_of(old, new), changes.Restage), (old, new)
     assert isinstance(changes_of(Layout(1, dp=4), Layout(1, dp=2)), changes.DpChange)  # a dense mesh: as ever

@@ -148,10 +148,10 @@ def plan_change(old: Layout, new: Layout) -> Change:
     if new.ep != old.ep and ep_only and rows_alike:
         return EpChange(rank_plans.ep_resize_ranks(old))
     beside_tp = old.stage_ranks != old.tp or new.stage_ranks != new.tp  # a stage holds more than its TP ranks
-    # Experts on a mesh of their own: only a DP change at zero 0 keeps processes (the replicas' expert slices
-    # follow their DP rank; zero 1's expert rows over expert-DP are re-cut by a restage).
+    # Experts on a mesh of their own: a DP change keeps processes (the replicas' expert slices follow their DP
+    # rank; zero 1 re-cuts their rows over the new expert-DP in place), no other does.
     dp_only = (new.tp, new.pp, new.ep, new.expert_tp) == (old.tp, old.pp, old.ep, old.expert_tp)
-    experts = (old.experts_split or new.experts_split) and not (dp_only and not old.sharded_optimizer)
+    experts = (old.experts_split or new.experts_split) and not dp_only
     if beside_tp or experts or (new.tp != old.tp and (new.pp > 1 or old.pp > 1)):
         return Restage(rank_plans.restage_ranks(old, new))
     if new.pp != old.pp:

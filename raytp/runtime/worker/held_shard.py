@@ -85,9 +85,12 @@ class HeldShard:
         self.settle()
         own = planned_source.state_tensors(self.model, self.optimizer)
         opt, lay = self.optimizer, groups.layout
-        if lay.zero and (opt.dp, opt.dp_rank) != (lay.grad_degree, groups.grad_rank):
-            self.before = (opt.dp, opt.dp_rank, opt.named_state())
-            opt.recut(lay.grad_degree, groups.grad_rank)  # every row's state is written anew, kept ones too
+        cut = experts_cut(lay, groups.rank)  # the experts' rows over expert-DP (an EP job's DP change)
+        now = (opt.dp, opt.dp_rank, *opt.apart_cut())
+        if lay.zero and now != (lay.grad_degree, groups.grad_rank, cut["apart_degree"], cut["apart_rank"]):
+            self.before = (now, opt.named_state())
+            # every row's state is written anew, kept ones too
+            opt.recut(lay.grad_degree, groups.grad_rank, cut["apart_degree"], cut["apart_rank"])
         else:
             source = dataclasses.replace(source, moves=tuple(m for m in source.moves if not m.kept))
         source.fill_from(planned_source.targets(self.model, opt, {m.key for m in source.moves}), own)
@@ -99,8 +102,8 @@ class HeldShard:
     def revert(self) -> None:
         """The change failed: the AdamW rows cut before take_moves come back (the weights it kept)."""
         if self.before is not None:
-            dp, dp_rank, state = self.before
-            self.optimizer.recut(dp, dp_rank)
+            (dp, dp_rank, apart_degree, apart_rank), state = self.before
+            self.optimizer.recut(dp, dp_rank, apart_degree, apart_rank)
             for name, st in state.items():
                 self.optimizer.state_of(name).update(st)
             self.before = None
