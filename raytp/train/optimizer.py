@@ -47,26 +47,26 @@ class DistributedAdamW:
         self._index = {n: i for i, n in enumerate(self.names)}
         self.h, self.zero, self.bucket_numel, self.overlap = h, zero, bucket_numel, overlap
         self.dp = self.dp_rank = self.dense = None
-        self.experts = self.apart = None
+        self.experts = self.apart = self._apart_group = None  # _apart_group: the experts' last reduction's group
         self.recut(dp, dp_rank, apart_degree, apart_rank)
 
-    def recut(self, dp: int, dp_rank: int, apart_degree: int | None = None, apart_rank: int = 0) -> None:
+    def recut(self, dp: int, dp_rank: int, apart_degree: int = 1, apart_rank: int = 0) -> None:
         """Keep the rows of DP rank `dp_rank` of `dp` from now on, with no AdamW state yet (a DP resize under
         zero 1 fills it by the state mover's plan; at construction there is none); the parameters apart (the
-        experts) likewise over `apart_degree` (their expert-DP group's; None: their cut stays)."""
+        experts) likewise over the `apart_degree` ranks of their expert-DP group."""
         self.settle()
         self.dp = None
         self.sharded = bool(self.zero) and dp > 1
         self.follow(dp, dp_rank)
         apart_params = self.params[self.n_bucketed:]
-        if apart_degree is not None and apart_params:
+        if apart_params:
             if self.experts is not None:
                 self.experts.close()
             sharded = bool(self.zero) and apart_degree > 1
             self.experts = RowCut(apart_params, self.n_bucketed, apart_degree if sharded else 1,
                                   apart_rank if sharded else 0, sharded, self.bucket_numel)
             self.apart = self.experts.grads
-            self._apart_group = None  # the group the experts were last reduced over (their gather's, under zero 1)
+            self._apart_group = None  # (their gather's group, under zero 1)
         self.targets = self.dense.leaves()
         if self.experts is not None:
             self.targets.update(self.experts.leaves())

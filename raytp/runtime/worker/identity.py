@@ -23,7 +23,8 @@ def end_process(pid: int) -> bool | None:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             command = f.read()
-        if not command and activity(cpu_and_states(pid), cpu_and_states(pid)) == "gone":
+        look = cpu_and_states(pid)
+        if not command and activity(look, look) == "gone":
             return None  # a zombie: it exited (killed), and its parent has not reaped it yet
         if not command.startswith(b"ray::"):
             return False
@@ -55,10 +56,10 @@ def cpu_and_states(pid: int) -> tuple[int, str] | None:
 
 
 def activity(first: tuple[int, str] | None, second: tuple[int, str] | None) -> str:
-    """What two looks at a silent process (``cpu_and_states``, a while apart) say it is: "gone" (it exited, or is a zombie),
-    "stopped" (SIGSTOP, a debugger: hung), "busy" (a thread runs or waits on I/O, or it used CPU between the
-    looks: it holds the GIL, or the machine starves it; slow, not hung), "idle" (it sleeps and uses no CPU:
-    wedged)."""
+    """What two looks at a silent process (``cpu_and_states``, a while apart) say it is: "gone" (it exited, or
+    is a zombie), "stopped" (SIGSTOP, a debugger: hung), "busy" (a thread runs or waits on I/O, or it used CPU
+    between the looks: it holds the GIL, or the machine starves it; slow, not hung), "idle" (it sleeps and uses
+    no CPU: wedged)."""
     if first is None or second is None or second[1][0] in "ZX":
         return "gone"
     if second[1][0] in "Tt":
