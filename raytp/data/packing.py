@@ -64,17 +64,17 @@ def plan(doc_ends: np.ndarray, block: int, seed: int, pack: bool = True, too_lon
 
 def _first_fit(need: np.ndarray, block: int) -> np.ndarray:
     """The row of each document (positions `need`), first-fit over the last OPEN rows."""
-    free = np.empty(0, dtype=np.int64)
+    free = np.empty(len(need), dtype=np.int64)  # each row's free positions; rows [0, used) exist
     row_of = np.empty(len(need), dtype=np.int64)
-    lo = 0  # rows before lo are closed
+    lo = used = 0  # rows before lo are closed
     for i, n in enumerate(need.tolist()):
-        fits = np.flatnonzero(free[lo:] >= n)
+        fits = np.flatnonzero(free[lo:used] >= n)
         if len(fits):
             r = lo + int(fits[0])
         else:
-            free = np.append(free, block)
-            r = len(free) - 1
-            lo = max(lo, len(free) - OPEN)
+            r, used = used, used + 1
+            free[r] = block
+            lo = max(lo, used - OPEN)
         free[r] -= n
         row_of[i] = r
     return row_of
