@@ -10,8 +10,14 @@ raytp.runtime.elastic.replicas for a DP change), adopt or roll back.
 - ``TpChange``: TP at pp == 1; replica 0's first TP ranks keep theirs (placement grows replicas in place).
 - ``StageChange``: the pipeline degree at the same TP; stages present at both layouts keep theirs.
 - ``Restage``: TP at pp > 1 (or to or from it), or any change where a stage holds more ranks than its TP
-  ranks (``Layout.stage_ranks``: context parallelism's) before or after: every worker starts anew, ahead.
+  ranks (``Layout.stage_ranks``: context parallelism's) before or after, or a TP grow whose extension bundles
+  landed off their replica's node: every worker of the new layout starts anew, ahead, in placement of its own
+  (one whose rank's name a running worker holds is named ``names.worker_ahead``); the old placement goes.
 - ``EpChange``: the expert-parallel degree alone; every worker keeps its process, the experts move.
+- ``InBundles``: no room beside the job, and the new layout fits in the bundles it holds (``slots.carve``):
+  nothing is reserved or started ahead; where every new rank's bundle holds an old worker (one stage each
+  side), that process takes the rank and reshapes, else every new rank starts there once the old ones stop
+  (a longer pause, nothing lost).
 """
 from __future__ import annotations
 
@@ -19,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytp.parallel.layout import Layout
-from raytp.runtime.cluster.slots import unused_groups
-from raytp.runtime.elastic import rank_plans, replicas, reshard, restart
+from raytp.runtime.cluster.launch import actor_id, bundle_key
+from raytp.runtime.cluster.slots import bundle_of, carve, unused_groups
+from raytp.runtime.elastic import rank_plans, replicas, reshard
 from raytp.runtime.elastic.rank_plans import RankPlan
 
 
@@ -122,7 +129,16 @@ class Restage(Change):
         return Reservation(pgs, pgs, list(pgs.values()))
 
     def switch(self, group, pending, step: int):
-        return restart.restart_tp(group, pending.new_cfg, step, 0, pending.reserved, pending.early)
+        """Every worker of the new layout was started ahead in its own placement: the state moves worker to
+        worker (no process kept), and the old placement goes; a failure rolls back to the old workers."""
+        try:
+            nxt, moved = reshard.switch(group, pending.new_cfg, step, pending.reserved, {}, pending.early)
+        except reshard.SwitchFailed:
+            group.kill_actors(a for a, _ in pending.early.values())
+            group.placer.release(pending.requested)
+            raise
+        group.placer.release(group.pgs.values())
+        return nxt, moved
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,50 @@ class EpChange(Change):
         there is one."""
         everyone = {r: r for r in range(group.layout.world_size)}
         return reshard.switch(group, pending.new_cfg, step, group.pgs, everyone, {})
+
+
+@dataclass(frozen=True)
+class InBundles(Change):
+    """The new layout inside the bundles the job holds (``carve``d from them): ``ranks.kept`` are the new ranks
+    whose bundle an old worker sits in (``holders``: {new rank: that old rank}) where every new rank's does,
+    else every new rank is late."""
+    holders: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def of(cls, group, new: Layout) -> "InBundles | None":
+        """The plan for `group` at `new` inside its own bundles; None where they cannot hold it."""
+        carved = carve(group.pgs, new.tp, new.dp)
+        if carved is None:
+            return None
+        old, holders = group.layout, _holders(group, new, carved) or {}
+        late = () if holders else tuple(range(new.world_size))
+        return cls(rank_plans.RankPlan(tuple(sorted(holders)), (), late, tuple(range(old.world_size))),
+                   tuple(sorted(holders.items())))
+
+    def bundles(self, old: Layout, new: Layout, held) -> list[int]:
+        return []  # nothing asked for
+
+    def reserve(self, group, new_cfg) -> Reservation | None:
+        carved = carve(group.pgs, new_cfg.layout.tp, new_cfg.layout.dp)
+        return None if carved is None else Reservation(carved, carved, [])
+
+    def switch(self, group, pending, step: int):
+        return reshard.switch(group, pending.new_cfg, step, pending.reserved, dict(self.holders), {}, self.ranks.late)
+
+
+def _holders(group, new: Layout, new_pgs: dict) -> dict | None:
+    """{new rank: the old rank sitting in the bundle the rank takes} where every new rank's bundle is an old
+    worker's (one stage each side), else None."""
+    if new.pp > 1 or group.layout.pp > 1:
+        return None
+    by_bundle = {group.bundles.get(actor_id(w)): r for r, w in enumerate(group.workers)}
+    out = {}
+    for r in range(new.world_size):
+        pg, index = bundle_of(new_pgs[new.coords(r).dp], new.bundle_index(r))
+        out[r] = by_bundle.get(bundle_key(pg, index))
+        if out[r] is None:
+            return None
+    return out
 
 
 def plan_change(old: Layout, new: Layout) -> Change:

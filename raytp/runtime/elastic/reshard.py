@@ -2,7 +2,7 @@
 (``switch``). Which processes a change keeps is raytp.runtime.elastic.rank_plans' (raytp.runtime.elastic.changes
 hands them here): a TP change keeps replica 0's first min(old, new) TP ranks, a change of the stages the stages
 present at both layouts, an EP change every process; a change that starts every worker anew is
-raytp.runtime.elastic.restart; a DP change (no process reshapes) raytp.runtime.elastic.replicas. Nothing
+raytp.runtime.elastic.changes.Restage; a DP change (no process reshapes) raytp.runtime.elastic.replicas. Nothing
 touches the disk, and no new shard is seeded: each is built empty and filled.
 
 ``switch``: every live old rank exports the blocks the plan (raytp.runtime.state.moving) sends from it, each

@@ -33,14 +33,14 @@ ahead; one whose rank's name is still held is named ``names.worker_ahead``
 Placement. Ray cannot grow a placement group: a TP grow asks, for each replica
 that stays, for an extension group of the missing bundles aimed at the
 replica's node and checks where it landed (raytp.runtime.cluster.placement.reserve_tp);
-if any landed on another node, the resize takes the full-restart path instead.
+if any landed on another node, the resize becomes a restage (every worker started anew, ahead).
 A TP shrink asks for nothing: the bundles past the new degree stay reserved
 (idle) until the replica's group is released, and a later TP grow reuses them.
 When the capacity cannot be reserved ahead but the new layout fits in the
 bundles the job holds (each new replica inside one old replica's bundles), the
 resize switches in place: every worker exports its slices to the object store
 and stops, and the new layout starts in the freed bundles (a longer pause,
-nothing lost; raytp.runtime.elastic.restart.restart_in).
+nothing lost; raytp.runtime.elastic.changes.InBundles).
 
 The global batch stays the job's ``train.batch_size``: each replica's
 micro-batch stays the same and a smaller DP degree accumulates over more of
@@ -59,7 +59,7 @@ from raytp import config as config_mod
 from raytp.parallel.layout import Layout
 from raytp.runtime import policy
 from raytp.runtime.records import layout_dict
-from raytp.runtime.elastic import changes, replicas, reshard, restart
+from raytp.runtime.elastic import changes, rank_plans, replicas, reshard
 from raytp.runtime.cluster import slots
 from raytp.runtime.cluster.resources import worker_resources
 from raytp.runtime.errors import FAILURES, PlacementError
@@ -128,11 +128,12 @@ class Elastic:
         try:
             got = change.reserve(group, new_cfg)
             if got is None:  # an extension landed on another node than its replica
-                self.say("more bundles could not be had on a replica's node: restarting every worker")
+                self.say("more bundles could not be had on a replica's node: restarting every worker (started "
+                         "ahead, in placement of their own, while the job trains on)")
+                change = changes.Restage(rank_plans.restage_ranks(old, target))
                 self.restages += 1
                 ahead = self.restages
-                return carry_out(group, lambda: restart.restart_tp(group, new_cfg, step, ahead), t0, "requested",
-                                 step)
+                got = change.reserve(group, new_cfg)
             for r in change.ranks.early:
                 early[r] = group.start_worker(r, new_cfg, got.pgs, ahead=ahead)
         except (PlacementError, *FAILURES) as e:
@@ -183,14 +184,16 @@ class Elastic:
         """No room beside the job: switch inside the bundles it holds where the new layout fits there, else
         refuse."""
         old, new = group.layout, new_cfg.layout
-        carved = slots.carve(group.pgs, new.tp, new.dp)
-        if carved is None:
+        change = changes.InBundles.of(group, new)
+        if change is None:
             self.log.event("resize_refused", old={"tp": old.tp, "dp": old.dp}, new={"tp": new.tp, "dp": new.dp},
                            error=str(error))
             return Outcome.refused(str(error))
         self.say(f"no room to start TP={new.tp} x DP={new.dp} beside the job ({error}); switching inside its "
                  "own bundles")
-        return carry_out(group, lambda: restart.restart_in(group, new_cfg, step, carved), t0, "requested, in place", step)
+        got = change.reserve(group, new_cfg)
+        p = PendingResize(t0, new_cfg, change, base(group), got.reserved, got.requested, {}, [])
+        return carry_out(group, lambda: change.switch(group, p, step), t0, "requested, in place", step)
 
     def due(self, group, now: bool = False) -> bool:
         """Whether the pending resize switches at this step boundary: at once if `now` or it has no new

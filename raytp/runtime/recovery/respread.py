@@ -105,7 +105,7 @@ class Respread:
         the look for one) a stage further."""
         self._progress(group)
         if self.shrink is not None:
-            return self._shrink(group, step)
+            return self._leave_drained(group, step)
         p = self.pending
         if p is None or not p.pings or not group.answered(p.pings):
             return None
@@ -185,8 +185,9 @@ class Respread:
                      "are recovered as after a failure")
         return True
 
-    def _shrink(self, group, step: int) -> Moved:
-        """Go on with the replicas clear of the drained nodes (no node had room for the others' ranks)."""
+    def _leave_drained(self, group, step: int) -> Moved:
+        """Go on with the replicas clear of the drained nodes (no node had room for the others' ranks): the one
+        DP change (raytp.runtime.elastic.replicas.change_dp) keeping them."""
         from raytp.runtime.elastic.reshard import SwitchFailed
         from raytp.runtime.elastic.replicas import change_dp
         keep, self.shrink = self.shrink, None
