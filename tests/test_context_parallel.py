@@ -86,7 +86,6 @@ def test_cp_attention_equals_one_device_forward_and_backward(kind, cp, heads, do
     ({"cp": 3}, {}, "must divide by 2 x cp = 6"),
     ({"cp": 2, "tp": 2, "sequence_parallel": True}, {"block_size": 36}, "2 x cp x tp = 8"),
     ({"cp": 2, "cp_attention": "ulysses", "tp": 2}, {"n_head": 4, "n_kv_head": 2, "arch": "llama"}, "KV heads (1)"),
-    ({"cp": 2, "max_dp": 4}, {}, "with an elastic min_dp or max_dp is not built yet"),
     ({"cp": 2, "pp": 2, "sequence_parallel": True, "tp": 2}, {"block_size": 36}, "2 x cp x tp = 8")])
 def test_a_job_at_cp_above_1_is_refused_by_name_before_anything_starts(parallel, model, says):
     from raytp.config import from_dict

@@ -91,12 +91,13 @@ def test_a_replica_beside_its_twin_moves_to_a_node_that_joins(cluster, recovery_
 
 
 def test_elastic_job_shrinks_without_capacity_and_grows_back(cluster, tmp_path):
-    """Two GPU nodes, both used: lose one with no spare -> DP 2 -> 1; add a node -> DP 2; a few steps at
-    DP 2 later the job is stopped as `raytp stop` stops it (`steps` only keeps it alive until then)."""
+    """Two GPU nodes, both used by TP=1 x CP=2 x DP=2 (each replica a CP pair on one node): lose one with no
+    spare -> DP 2 -> 1; add a node -> DP 2; a few steps at DP 2 later the job is stopped as `raytp stop` stops
+    it (`steps` only keeps it alive until then). (Dense shrinks at cp 1: the drained and zero 1 cases below.)"""
     alive = {n.node_id: n for n in gpu_nodes(cluster, 2)}
     steps, after_grow = 400, 3
-    cfg = job(2, 2, steps=steps, gpus_per_worker=1.0, recovery={"replace_timeout_s": 3.0})
-    cfg = cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=2, dp=2, min_dp=1)})
+    cfg = job(1, 2, steps=steps, gpus_per_worker=1.0, recovery={"replace_timeout_s": 3.0})
+    cfg = cfg.__class__(**{**cfg.__dict__, "parallel": cfg.parallel.__class__(tp=1, cp=2, dp=2, min_dp=1)})
     run_dir = tmp_path / "run"
 
     def remove_replica_1_node(run_name):

@@ -89,10 +89,6 @@ def _cp_problem(v) -> str | None:
     if why is None and v["parallel.cp_attention"] == "ulysses":
         heads, kv, _, _ = _shape(v)
         why = ulysses.refusal(heads // tp, max(kv // tp, 1), cp)
-    if why is None:
-        if v["parallel.min_dp"] or v["parallel.max_dp"]:
-            why = (f"cp={cp} with an elastic min_dp or max_dp is not built yet (context parallelism trains at a fixed "
-                   "dp; raytp scale changes it)")
     return why
 
 

@@ -230,6 +230,10 @@ class Layout:
         return axis
 
     # -- the dense sub-meshes by their usual names ---------------------------------------------
+    def stage_group(self, dp: int, pp: int = 0) -> list[int]:
+        """Ranks of one stage of one replica (its ``stage_ranks``: one placement group, on one node)."""
+        return self.group(self.rank(pp=pp, dp=dp), ("tp", "cp"))
+
     def tp_group(self, dp: int, pp: int = 0, cp: int = 0) -> list[int]:
         """Ranks that hold the TP shards of one stage of one replica (contiguous: one node)."""
         return self.group(self.rank(pp=pp, dp=dp, cp=cp), "tp")

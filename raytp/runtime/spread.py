@@ -22,7 +22,7 @@ def copy_key(layout: Layout, dp: int, stage: int) -> tuple:
     at DP=4 x EP=2 replicas 0 and 2 hold experts 0-1, 1 and 3 experts 2-3)."""
     if not layout.experts_split or dp >= layout.dp:  # (a replica past the layout: a grow-back's, dense only)
         return (stage,)
-    return (stage, tuple(sorted({layout.coord(r, "ep") for r in layout.tp_group(dp, stage)})))
+    return (stage, tuple(sorted({layout.coord(r, "ep") for r in layout.stage_group(dp, stage)})))
 
 
 def spread_targets(nodes: int, keys: Sequence[tuple]) -> list[int | None]:
@@ -121,7 +121,7 @@ def move_off_twin(layout: Layout, nodes: Sequence[str | None], free: Mapping[str
     counted: dict[tuple, int] = {}
     for d in reversed(range(layout.dp)):
         for s in range(layout.pp):
-            ranks = layout.tp_group(d, s)
+            ranks = layout.stage_group(d, s)
             here = {nodes[r] for r in ranks}
             if len(here) != 1:
                 continue
@@ -151,9 +151,9 @@ def move_off_drained(layout: Layout, nodes: Sequence[str | None], draining: Coll
     fits = [n for n in free if n not in draining and all(free[n].get(k, 0.0) >= v for k, v in need.items())]
     for d in range(layout.dp):
         for s in range(layout.pp):
-            if not any(nodes[r] in draining for r in layout.tp_group(d, s)):
+            if not any(nodes[r] in draining for r in layout.stage_group(d, s)):
                 continue
-            twins = {nodes[r] for q in range(layout.dp) if q != d for r in layout.tp_group(q, s)}
+            twins = {nodes[r] for q in range(layout.dp) if q != d for r in layout.stage_group(q, s)}
             if fits:
                 return Move(d, s, min(fits, key=lambda n: (n in twins, load[n], n)), drain=True)
             return None

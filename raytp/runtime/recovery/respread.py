@@ -144,7 +144,7 @@ class Respread:
         cfg = group.cfg
         move = spread.move_off_twin(group.layout, nodes,
                                     {n: r for n, r in free.items() if n not in self._tried},
-                                    group.placer.replica_need(cfg, cfg.parallel.tp))
+                                    group.placer.replica_need(cfg, group.layout.stage_ranks))
         if move is None:
             return
         pg = group.placer.request_stage(cfg, self.run, move.dp, move.stage, move.node)
@@ -171,7 +171,7 @@ class Respread:
         cfg = group.cfg
         free = {n: r for n, r in (group.placer.free_by_node() or {}).items() if n not in self._tried}
         move = spread.move_off_drained(group.layout, nodes, set(self.draining), free,
-                                       group.placer.replica_need(cfg, cfg.parallel.tp))
+                                       group.placer.replica_need(cfg, group.layout.stage_ranks))
         if move is not None:
             pg = group.placer.request_stage(cfg, self.run, move.dp, move.stage, move.node)
             self.pending = _Pending(move, pg, pg.ready(), group.placement, time.perf_counter())
@@ -206,9 +206,10 @@ class Respread:
     def _start_ahead(self, group, p: _Pending) -> None:
         lay = group.layout
         self.moves += 1
-        pgs = {**group.pgs, p.move.dp: replaced(group.pgs[p.move.dp], p.move.stage * lay.tp, lay.tp, p.pg)}
+        n = lay.stage_ranks
+        pgs = {**group.pgs, p.move.dp: replaced(group.pgs[p.move.dp], p.move.stage * n, n, p.pg)}
         try:
-            for r in lay.tp_group(p.move.dp, p.move.stage):
+            for r in lay.stage_group(p.move.dp, p.move.stage):
                 p.early[r] = group.start_worker(r, pgs=pgs, name=names.worker_moved(self.run, r, self.moves))
         except FAILURES as e:
             self.say(f"a move off a twin's node was given up: {type(e).__name__}: {e}")
@@ -228,7 +229,7 @@ class Respread:
         ranks = sorted(p.early)
         t0 = time.perf_counter()
         old = group.pgs[move.dp]
-        new = replaced(old, move.stage * lay.tp, lay.tp, p.pg)
+        new = replaced(old, move.stage * lay.stage_ranks, lay.stage_ranks, p.pg)
         from_node = group.nodes()[ranks[0]]
         self.say(f"moving ranks {ranks} (replica {move.dp}" + (f", stage {move.stage}" if lay.pp > 1 else "")
                  + f") off node {from_node}, "
