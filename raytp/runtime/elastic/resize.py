@@ -253,7 +253,7 @@ class Elastic:
             self.say(f"DP={lay.dp} of {self.target_dp}: asked for {self.target_dp - lay.dp} more replica(s); "
                      "training on meanwhile")
             return None
-        self.say(f"room for {dp - lay.dp} more replica(s): growing to TP={lay.tp} x DP={dp}")
+        self.say(f"room for {dp - lay.dp} more replica(s): growing to {lay.changed(dp=dp)}")
         new_cfg = policy.resized_config(group.cfg, lay.changed(dp=dp))
         reserved = {q: self.growing.pgs[q] for q in range(lay.dp, dp)}
         rest = {q: pg for q, pg in self.growing.pgs.items() if q >= dp}
