@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from raytp.models.args import ModelArgs
 from raytp.models.gpt2.model import GPT
-from raytp.parallel.sharding import shard_tensor, Sharding
+from raytp.parallel.placements import Shard
+from raytp.parallel.sharding import shard_tensor
 from raytp.data.corpus import Corpus, batch, load_corpus
 from raytp.train.hyper import Hyper, lr_at
 
@@ -86,7 +87,7 @@ def dtensor_plan(cfg: ModelArgs) -> dict:
 @torch.no_grad()
 def _permute_qkv_rows(model: GPT, tp: int) -> None:
     """Reorder c_attn's rows to [q_0; k_0; v_0; q_1; k_1; v_1; ...] (see module doc)."""
-    qkv = Sharding(dim=0, parts=3)
+    qkv = Shard(0, parts=3)
     for block in model.h.values():
         for p in (block.attn.c_attn.weight, block.attn.c_attn.bias):
             p.copy_(torch.cat([shard_tensor(p, qkv, r, tp) for r in range(tp)]))

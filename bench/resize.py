@@ -172,7 +172,7 @@ def changing_owner_bytes(p: dict, old: tuple, new: tuple) -> int:
     from raytp.models.args import ModelArgs
     from raytp.models.gpt2.model import GPT
     from raytp.parallel.reshard_plan import pieces
-    from raytp.models.registry import sharding_of
+    from raytp.models.registry import split_of
     (old_tp, old_dp), (new_tp, new_dp) = old[:2], new[:2]
     with torch.device("meta"):
         model = GPT(ModelArgs(**p["model"], dropout=0.0))
@@ -180,7 +180,7 @@ def changing_owner_bytes(p: dict, old: tuple, new: tuple) -> int:
         return sum(t.numel() for t in model.parameters()) * 4 * 3
     total = 0
     for name, t in model.named_parameters():
-        s = sharding_of(name)
+        s = split_of(name)
         dim = s.dim if s.dim is not None else 0
         row = t.numel() // t.shape[dim] * 4 * 3  # float32 weight + exp_avg + exp_avg_sq
         for r in range(new_tp * new_dp):

@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from helpers import hf_shard_at_tp
-from raytp.models.registry import full_size_of, sharding_of
+from raytp.models.registry import full_size_of, split_of
 from raytp.parallel import comm
 from raytp.parallel.sharding import unshard_tensors
 from raytp.train.step import _sum_over_tp
@@ -62,7 +62,7 @@ def ours_at_tp(rank, world, init, model_dir, ep=1, etp=None):
             continue
         parts = [torch.empty_like(p.grad) for _ in range(world)]
         dist.all_gather(parts, p.grad.contiguous(), group=groups.tp)
-        grads[name] = unshard_tensors(parts, sharding_of(name, model.cfg), full_size_of(name, model.cfg))
+        grads[name] = unshard_tensors(parts, split_of(name, model.cfg), full_size_of(name, model.cfg))
     return logits, grads
 
 

@@ -210,14 +210,14 @@ def test_checkpoint_of_another_model_shape_is_refused(two_checkpoints):
 def write_format_1(root, step, cfg, shards):
     """A checkpoint as raytp wrote them before format 2: a torch pickle per TP rank and a manifest."""
     from dataclasses import asdict
-    from raytp.models.registry import sharding_of
+    from raytp.models.registry import split_of
     d = root / checkpoint.step_dir(step)
     d.mkdir(parents=True)
     files = {}
     for i, sh in enumerate(shards):
         torch.save(sh, d / f"shard-tp{i}.pt")
         files[f"shard-tp{i}.pt"] = (d / f"shard-tp{i}.pt").stat().st_size
-    tensors = {n: {**asdict(sharding_of(n)), "shape": list(t.shape)} for n, t in shards[0]["model"].items()}
+    tensors = {n: {**asdict(split_of(n)), "shape": list(t.shape)} for n, t in shards[0]["model"].items()}
     (d / "manifest.json").write_text(json.dumps({"format": checkpoint.FORMAT_V1, "step": step, "model": asdict(cfg),
                                                  "layout": {"tp": len(shards), "dp": 1}, "files": files,
                                                  "tensors": tensors}))

@@ -152,7 +152,7 @@ def shards_at_tp_1_to_4(rank, world, init):
 
 @pytest.mark.slow
 def test_each_shard_is_the_matching_slice_of_the_one_device_init():
-    from raytp.models.registry import sharding_of
+    from raytp.models.registry import split_of
     from raytp.parallel.sharding import shard_tensor
     full = {n: p.detach() for n, p in GPT(INIT_CFG, seed=SEED).named_parameters()}
     assert full["wte.weight"].std() > 0.01 and float(full["h.0.ln_1.weight"].min()) == 1.0
@@ -160,7 +160,7 @@ def test_each_shard_is_the_matching_slice_of_the_one_device_init():
         for tp, shard in by_tp.items():
             assert list(shard) == list(full)
             for n, t in shard.items():
-                expect = shard_tensor(full[n], sharding_of(n), rank, tp)
+                expect = shard_tensor(full[n], split_of(n), rank, tp)
                 assert torch.equal(t, expect), f"TP={tp} rank {rank}: {n} differs from the one-device init"
     other = {n: p.detach() for n, p in GPT(INIT_CFG, seed=SEED + 1).named_parameters()}
     assert not torch.equal(other["wte.weight"], full["wte.weight"])

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from raytp.parallel import comm
 from raytp.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    vocab_parallel_cross_entropy)
-from raytp.parallel.sharding import shard_tensor, Sharding
+from raytp.parallel.placements import Shard
+from raytp.parallel.sharding import shard_tensor
 from raytp.parallel.spawn import run_ranks
 
 B, T, C, H, V = 2, 8, 16, 24, 257  # V=257 divides neither 2 nor 4: padding is exercised
@@ -44,9 +45,9 @@ def check_layers(rank, world, init):
     y_ref.backward(gy2)
 
     for sp in (False, True):
-        col = ColumnParallelLinear(shard_tensor(lin1.weight, Sharding(0), rank, world),
-                                   shard_tensor(lin1.bias, Sharding(0), rank, world), group, sp)
-        row = RowParallelLinear(shard_tensor(lin2.weight, Sharding(1), rank, world),
+        col = ColumnParallelLinear(shard_tensor(lin1.weight, Shard(0), rank, world),
+                                   shard_tensor(lin1.bias, Shard(0), rank, world), group, sp)
+        row = RowParallelLinear(shard_tensor(lin2.weight, Shard(1), rank, world),
                                 lin2.bias.detach().clone(), group, sp)
         xin = (_seq(x, rank, world) if sp else x).clone().requires_grad_()
         h = col(xin)
@@ -75,12 +76,12 @@ def check_layers(rank, world, init):
         out_ref = emb(idx)
         g_out = torch.randn_like(out_ref)
         out_ref.backward(g_out)
-        w = shard_tensor(emb.weight, Sharding(0, pad=True), rank, world)
+        w = shard_tensor(emb.weight, Shard(0, pad=True), rank, world)
         pemb = VocabParallelEmbedding(w, rank * w.shape[0], group, sp)
         out = pemb(idx)
         out.backward(_seq(g_out, rank, world) if sp else g_out)
         errs[f"embedding.{tag}.out"] = _err(out, _seq(out_ref, rank, world) if sp else out_ref)
-        ref_wgrad = shard_tensor(emb.weight.grad, Sharding(0, pad=True), rank, world)
+        ref_wgrad = shard_tensor(emb.weight.grad, Shard(0, pad=True), rank, world)
         errs[f"embedding.{tag}.dw"] = _err(pemb.weight.grad, ref_wgrad)
 
     # Cross entropy over vocab-split logits (with ignored targets and padded columns).
@@ -89,7 +90,7 @@ def check_layers(rank, world, init):
     targets[0], targets[1] = -1, V - 1
     ref = F.cross_entropy(logits, targets, ignore_index=-1)
     ref.backward()
-    local = shard_tensor(logits.detach(), Sharding(1, pad=True), rank, world)
+    local = shard_tensor(logits.detach(), Shard(1, pad=True), rank, world)
     start = rank * local.shape[1]
     if start + local.shape[1] > V:  # padded columns hold garbage on purpose: they must get no mass
         local[:, max(V - start, 0):] = 1e4
@@ -97,7 +98,7 @@ def check_layers(rank, world, init):
     loss = vocab_parallel_cross_entropy(local, targets, start, V, group)
     loss.backward()
     errs["cross_entropy.loss"] = _err(loss, ref)
-    ref_grad = shard_tensor(logits.grad, Sharding(1, pad=True), rank, world)
+    ref_grad = shard_tensor(logits.grad, Shard(1, pad=True), rank, world)
     errs["cross_entropy.dlogits"] = _err(local.grad, ref_grad)
 
     # gather/scatter along the last dim are each other's inverse, values and gradients.

@@ -12,7 +12,7 @@ from raytp.models.args import ModelArgs
 from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
 from raytp.models.registry import check_tp, valid_tp_degrees
-from raytp.models.registry import sharding_of
+from raytp.models.registry import split_of
 from raytp.parallel.spawn import run_ranks
 
 
@@ -69,14 +69,14 @@ def test_collectives_per_layer_with_shared_kv_heads():
 
 def test_kv_heads_split_then_shared():
     cfg = llama_config()
-    kv = sharding_of("layers.0.self_attn.k_proj.weight", cfg)
+    kv = split_of("layers.0.self_attn.k_proj.weight", cfg)
     from raytp.parallel.sharding import local_shape, shard_ranges
     assert local_shape(kv, (8, 32), 2) == (4, 32)  # 2 ranks, one KV head (4 rows) each
     assert local_shape(kv, (8, 32), 4) == (4, 32)  # 4 ranks: ranks 0, 1 share head 0; 2, 3 head 1
     assert [shard_ranges(kv, 8, r, 4) for r in range(4)] == [[range(0, 4)]] * 2 + [[range(4, 8)]] * 2
     assert [kv.owns(r, 4) for r in range(4)] == [True, False, True, False]
     with pytest.raises(ValueError, match="needs|pass the model config"):
-        sharding_of("layers.0.self_attn.v_proj.weight")
+        split_of("layers.0.self_attn.v_proj.weight")
 
 
 def test_invalid_tp_names_the_kv_heads_and_the_valid_degrees():

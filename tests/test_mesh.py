@@ -95,7 +95,7 @@ def test_a_tensor_split_over_two_axes():
     """An expert weight: its experts split over EP (dim 0), each expert's columns over ETP (dim 2),
     replicated over expert-DP; who holds and writes which piece follows from the table alone."""
     lay = Layout(2, pp=2, dp=4, ep=2, etp=2)
-    w = expert_placement(split_dim=2, expert_dim=0)
+    w = expert_placement(Shard(2), expert_dim=0)
     assert w.split_axes == ("etp", "ep") and w.replicated_axes == ("edp",)
     assert w.on("ep") == Shard(0) and w.on("etp") == Shard(2) and w.on("pp") is None and w.on("tp") is None
     assert w.pieces(lay) == 4
@@ -120,11 +120,11 @@ def _state_placements(lay: Layout) -> list:
     or not along TP, replicated over DP; their AdamW rows cut over DP under zero 1; experts over EP and ETP,
     replicated over expert-DP, their rows cut over expert-DP under zero 1)."""
     rows = Shard(ROWS) if lay.sharded_optimizer else REPLICATE
-    out = [dense_weight(0), dense_weight(None), TensorPlacement.of(tp=Shard(0), dp=rows),
+    out = [dense_weight(Shard(0)), dense_weight(REPLICATE), TensorPlacement.of(tp=Shard(0), dp=rows),
            TensorPlacement.of(tp=REPLICATE, dp=rows)]
     if lay.experts_split:
         etp = Shard(0) if lay.expert_tp > 1 else REPLICATE
-        out += [expert_placement(0 if lay.expert_tp > 1 else None),
+        out += [expert_placement(Shard(0) if lay.expert_tp > 1 else REPLICATE),
                 TensorPlacement.of(etp=etp, ep=Shard(0), edp=Shard(ROWS) if lay.sharded_experts else REPLICATE)]
     return out
 
@@ -168,7 +168,7 @@ def test_dense_placements_give_the_ownership_rule(tp, pp, dp, zero):
         assert own.holders(r) == ([r] if sharded else lay.dp_group(c.tp, c.pp))
         assert own.part(r) == (r if sharded else c.pp * tp + c.tp)
         assert own.writes_weights(r) == (c.dp == 0)
-    assert TensorPlacement.of(tp=Shard(0), dp=REPLICATE) == dense_weight(0)
+    assert TensorPlacement.of(tp=Shard(0), dp=REPLICATE) == dense_weight(Shard(0))
     assert list(itertools.chain(*lay.groups("dp"))) == [r for g in lay.dp_groups() for r in g]
 
 

@@ -14,7 +14,7 @@ from tp_training import BATCH, CONFIGS, SEED, WEIGHTS_TOL, corpus, moe_config, t
 
 from raytp.models.moe.args import MoeArgs
 from raytp.data.corpus import batch
-from raytp.models.registry import build_model, sharding_of
+from raytp.models.registry import build_model, split_of
 from raytp.models.shard import build_shard, gather_full_state
 from raytp.parallel.groups import ProcessGroups, build_groups
 from raytp.parallel.layout import Layout
@@ -100,11 +100,11 @@ def test_expert_weights_split_like_a_dense_mlp_and_the_router_is_replicated():
     names = dict(build_model(cfg).named_parameters())
     assert "layers.0.mlp.gate_proj.weight" in names  # first_dense: layer 0 stays dense
     for j in range(4):
-        assert sharding_of(f"layers.1.mlp.experts.{j}.gate_proj.weight", cfg).dim == 0
-        assert sharding_of(f"layers.1.mlp.experts.{j}.down_proj.weight", cfg).dim == 1
-    assert sharding_of("layers.2.mlp.shared_expert.up_proj.weight", cfg).dim == 0
-    assert sharding_of("layers.1.mlp.gate.weight", cfg).dim is None
-    assert sharding_of("layers.1.mlp.shared_expert_gate.weight", cfg).dim is None
+        assert split_of(f"layers.1.mlp.experts.{j}.gate_proj.weight", cfg).dim == 0
+        assert split_of(f"layers.1.mlp.experts.{j}.down_proj.weight", cfg).dim == 1
+    assert split_of("layers.2.mlp.shared_expert.up_proj.weight", cfg).dim == 0
+    assert split_of("layers.1.mlp.gate.weight", cfg).dim is None
+    assert split_of("layers.1.mlp.shared_expert_gate.weight", cfg).dim is None
 
 
 def figures_at(rank, world, init, layouts):

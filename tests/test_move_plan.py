@@ -24,7 +24,8 @@ from raytp.moves.planner import SourceKind, Unplannable, World, moved_bytes, pla
 from raytp.moves.regions import overlap
 from raytp.moves.table import MOMENTS, Param, StateTable, model_table
 from raytp.parallel.layout import Layout
-from raytp.parallel.sharding import Sharding, shard_tensor
+from raytp.parallel.placements import Shard
+from raytp.parallel.sharding import shard_tensor
 from raytp.parallel.zero_plan import owned_rows, plan
 from raytp.tp_degrees import kv_fits
 
@@ -34,22 +35,22 @@ def model(rng):
     kv = rng.choice([h for h in (1, 2, 4, n_head) if n_head % h == 0])
     d, f, vocab, n_layer = head * n_head, rng.choice([8, 16]), rng.choice([29, 32]), rng.randint(1, 2)
     experts = rng.choice([0, 2, 4])
-    first = [Param("embed", (vocab, d), Sharding(dim=0, pad=True))]
+    first = [Param("embed", (vocab, d), Shard(0, pad=True))]
     blocks = []
     for L in range(n_layer):
         p = f"layers.{L}."
-        layer = [Param(p + "q", (d, d), Sharding(dim=0)), Param(p + "kv", (kv * head, d), Sharding(dim=0, heads=kv)),
-                 Param(p + "o", (d, d), Sharding(dim=1)), Param(p + "norm", (d,))]
+        layer = [Param(p + "q", (d, d), Shard(0)), Param(p + "kv", (kv * head, d), Shard(0, heads=kv)),
+                 Param(p + "o", (d, d), Shard(1)), Param(p + "norm", (d,))]
         if experts:
             layer += [Param(p + "router", (experts, d)), Param(p + "expert_bias", (experts,), trained=False)]
             for j in range(experts):
-                layer += [Param(p + f"experts.{j}.w13", (2 * f, d), Sharding(dim=0, parts=2), j, experts),
-                          Param(p + f"experts.{j}.w2", (d, f), Sharding(dim=1), j, experts)]
+                layer += [Param(p + f"experts.{j}.w13", (2 * f, d), Shard(0, parts=2), j, experts),
+                          Param(p + f"experts.{j}.w2", (d, f), Shard(1), j, experts)]
         else:
-            layer += [Param(p + "w13", (2 * f, d), Sharding(dim=0, parts=2)), Param(p + "w2", (d, f), Sharding(dim=1))]
+            layer += [Param(p + "w13", (2 * f, d), Shard(0, parts=2)), Param(p + "w2", (d, f), Shard(1))]
         blocks.append(layer)
     tied = rng.random() < 0.5
-    last = [Param("norm_f", (d,))] + ([] if tied else [Param("head", (vocab, d), Sharding(dim=0, pad=True))])
+    last = [Param("norm_f", (d,))] + ([] if tied else [Param("head", (vocab, d), Shard(0, pad=True))])
 
     def stages(pp):
         cut = np.array_split(np.arange(n_layer), pp)
@@ -116,7 +117,7 @@ def shards(table, layout, full):
                 degree, place = layout.expert_tp, layout.coord(r, "etp")
             else:
                 degree, place = layout.tp, c.tp
-            weights[n] = lambda t, p=p, degree=degree, place=place: shard_tensor(t, p.sharding, place, degree)
+            weights[n] = lambda t, p=p, degree=degree, place=place: shard_tensor(t, p.split, place, degree)
             local[f"model/{n}"] = weights[n](full[f"model/{n}"])
         trained = [by_name[n] for n in names if by_name[n].trained and n in weights]
         split = layout.experts_split

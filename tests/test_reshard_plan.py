@@ -4,15 +4,16 @@ import pytest
 import torch
 
 from raytp.parallel.reshard_plan import Piece, moved_rows, pieces
-from raytp.parallel.sharding import local_shape, shard_tensor, Sharding
+from raytp.parallel.placements import REPLICATE, Shard
+from raytp.parallel.sharding import local_shape, shard_tensor
 
-CASES = [  # (sharding, full shape)
-    (Sharding(dim=0), (12, 5)),
-    (Sharding(dim=1), (5, 12)),
-    (Sharding(dim=0, parts=3), (36, 4)),
-    (Sharding(dim=0, pad=True), (37, 3)),   # vocabulary 37: padded at every tp > 1
-    (Sharding(dim=0), (24,)),               # a bias
-    (Sharding(), (7, 3)),                   # replicated
+CASES = [  # (split, full shape)
+    (Shard(0), (12, 5)),
+    (Shard(1), (5, 12)),
+    (Shard(0, parts=3), (36, 4)),
+    (Shard(0, pad=True), (37, 3)),  # vocabulary 37: padded at every tp > 1
+    (Shard(0), (24,)),              # a bias
+    (REPLICATE, (7, 3)),            # replicated
 ]
 
 
@@ -40,14 +41,14 @@ def test_new_shards_from_pieces_equal_shards_of_the_whole(s, shape):
 
 
 def test_pieces_of_a_vocabulary_split():
-    s = Sharding(dim=0, pad=True)  # 37 rows: 38 at tp 2 (19 each), 40 at tp 4 (10 each, rank 3 holds 7 real)
+    s = Shard(0, pad=True)  # 37 rows: 38 at tp 2 (19 each), 40 at tp 4 (10 each, rank 3 holds 7 real)
     assert pieces(s, 37, 2, 4, 1) == [Piece(0, 10, 0, 9), Piece(1, 0, 9, 1)]
     assert pieces(s, 37, 4, 2, 1) == [Piece(1, 9, 0, 1), Piece(2, 0, 1, 10), Piece(3, 0, 11, 7)]  # row 18 of 19 pads
-    assert pieces(Sharding(), 7, 4, 2, 1) == [Piece(0, 0, 0, 7)]
+    assert pieces(REPLICATE, 7, 4, 2, 1) == [Piece(0, 0, 0, 7)]
 
 
 def test_rows_that_change_owner():
-    s = Sharding(dim=0)
+    s = Shard(0)
     assert moved_rows(s, 8, 2, 4, kept=True) == 6    # new ranks 0, 1 keep 2 rows each of what they held
     assert moved_rows(s, 8, 2, 2, kept=True) == 0
     assert moved_rows(s, 8, 2, 2, kept=False) == 8

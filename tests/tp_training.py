@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from raytp.models.args import ModelArgs
 from raytp.models.moe.args import MoeArgs
-from raytp.models.registry import build_model, full_size_of, is_expert_weight, sharding_of
+from raytp.models.registry import build_model, full_size_of, is_expert_weight, split_of
 from raytp.models.shard import build_shard, gather_full_state
 from raytp.models.stage import replicated_copy
 from raytp.parallel.groups import build_groups
@@ -168,12 +168,12 @@ def gathered(model, groups, lay: Layout) -> dict:
     for name, p in model.named_parameters():
         if replicated_copy(model, name):
             continue
-        split_tp = tp_group is not None and sharding_of(name, model.cfg).dim is not None and not (
+        split_tp = tp_group is not None and split_of(name, model.cfg).dim is not None and not (
             is_expert_weight(name) and lay.expert_tp == 1)
         if split_tp:
             parts = [torch.empty_like(p) for _ in range(lay.tp)]
             dist.all_gather(parts, p.detach().contiguous(), group=tp_group)
-            out[name] = unshard_tensors(parts, sharding_of(name, model.cfg), full_size_of(name, model.cfg))
+            out[name] = unshard_tensors(parts, split_of(name, model.cfg), full_size_of(name, model.cfg))
         else:
             out[name] = p.detach().clone()
     if lay.experts_split and groups.group("ep") is not None:

@@ -35,11 +35,12 @@ import os
 import torch
 
 from raytp.models.args import ModelArgs
-from raytp.models.registry import sharding_of, tensor_sharding
+from raytp.models.registry import split_of, tensor_split
 from raytp.models.stage import replicated_copy
 from raytp.parallel.reshard_plan import pieces
 from raytp.parallel.zero_plan import BUCKET_NUMEL
-from raytp.parallel.sharding import Sharding, local_shape
+from raytp.parallel.placements import REPLICATE, Split, split_from
+from raytp.parallel.sharding import local_shape
 from raytp.files import checkpoint_blocks, checkpoint_manifest, safetensors_io
 from raytp.files.checkpoint_manifest import check_model_tensors
 from raytp.files.checkpoint_format import (FORMAT, FORMAT_V1, MANIFEST, STEP_DIR, CheckpointError,  # noqa: F401
@@ -50,7 +51,7 @@ from raytp.files.checkpoint_v1 import LegacyCheckpoint
 from raytp.files.storage import Storage
 
 # -- what a rank holds, as named tensors --------------------------------------------------------
-def named_tensors(model: torch.nn.Module, optimizer, weights: bool = True) -> dict[str, tuple[Sharding, torch.Tensor]]:
+def named_tensors(model: torch.nn.Module, optimizer, weights: bool = True) -> dict[str, tuple[Split, torch.Tensor]]:
     """key -> (how it splits, live tensor) for the weights (unless not `weights`) and the optimizer state
     of a shard (a tied embedding's copy on the last pipeline stage left out: the first stage writes it).
     Under the distributed optimizer the AdamW tensors are those of the rows this rank keeps."""
@@ -61,12 +62,12 @@ def named_tensors(model: torch.nn.Module, optimizer, weights: bool = True) -> di
     for name, p in model.named_parameters():
         if replicated_copy(model, name):
             continue
-        s = sharding_of(name, model.cfg)
+        s = split_of(name, model.cfg)
         if weights:
             out[f"model/{name}"] = (s, p.detach())
         for k, v in state.get(name, {}).items():
             if torch.is_tensor(v):
-                out[f"optim/{name}/{k}"] = (s if v.dim() else Sharding(), v.detach())
+                out[f"optim/{name}/{k}"] = (s if v.dim() else REPLICATE, v.detach())
     return out
 
 
@@ -80,8 +81,8 @@ def zero_table(params: dict[str, torch.Tensor], cfg: ModelArgs, tp: int, dp: int
     virtual = {}
     for name, t in params.items():
         if name != copy:
-            virtual.update({f"optim/{name}/{k}": (sharding_of(name, cfg), t) for k in checkpoint_blocks.MOMENTS})
-            virtual[f"optim/{name}/step"] = (Sharding(), torch.zeros((), dtype=torch.float32))
+            virtual.update({f"optim/{name}/{k}": (split_of(name, cfg), t) for k in checkpoint_blocks.MOMENTS})
+            virtual[f"optim/{name}/step"] = (REPLICATE, torch.zeros((), dtype=torch.float32))
     table = tensor_table(virtual, tp, cfg.vocab_size, stage)
     for name, blk in zip(params, blocks):
         if name != copy:
@@ -91,11 +92,11 @@ def zero_table(params: dict[str, torch.Tensor], cfg: ModelArgs, tp: int, dp: int
     return table
 
 
-def state_tensors(state: dict, cfg: ModelArgs | None = None) -> dict[str, tuple[Sharding, torch.Tensor]]:
+def state_tensors(state: dict, cfg: ModelArgs | None = None) -> dict[str, tuple[Split, torch.Tensor]]:
     """The same keys for a shard_state ({"model": {name: t}, "optim": {name: {k: t}}}) of a model of
     `cfg` (needed for a Llama's key/value projections)."""
-    out = {f"model/{n}": (sharding_of(n, cfg), t) for n, t in state["model"].items()}
-    out.update({f"optim/{n}/{k}": (tensor_sharding(n, t, cfg), t)
+    out = {f"model/{n}": (split_of(n, cfg), t) for n, t in state["model"].items()}
+    out.update({f"optim/{n}/{k}": (tensor_split(n, t, cfg), t)
                 for n, st in state.get("optim", {}).items() for k, t in st.items()})
     return out
 
@@ -108,7 +109,7 @@ def without_copies(tensors: dict, copy: str | None) -> dict:
     return {k: v for k, v in tensors.items() if k.split("/")[1] != copy}
 
 
-def tensor_table(tensors: dict[str, tuple[Sharding, torch.Tensor]], tp: int, vocab_size: int,
+def tensor_table(tensors: dict[str, tuple[Split, torch.Tensor]], tp: int, vocab_size: int,
                  stage: int | None = None) -> dict[str, dict]:
     """For the manifest: every key's split and full shape (from the tensors of a shard at TP degree `tp`),
     and the pipeline stage whose files hold it (`stage`, when written by stages)."""
@@ -126,7 +127,7 @@ def tensor_table(tensors: dict[str, tuple[Sharding, torch.Tensor]], tp: int, voc
     return table
 
 
-def write_shard(storage: Storage, directory: str, tensors: dict[str, tuple[Sharding, torch.Tensor]], tp_rank: int,
+def write_shard(storage: Storage, directory: str, tensors: dict[str, tuple[Split, torch.Tensor]], tp_rank: int,
                 to_host=None, written=None, tp: int = 1, stage: int | None = None, dp_rank: int = 0,
                 whole: frozenset = frozenset()) -> dict:
     """Write TP rank `tp_rank`'s file of a checkpoint, one tensor at a time, each with its split dim first
@@ -204,7 +205,7 @@ class Checkpoint:
         `stored`: in the orientation it is stored in (split dim first: a row-parallel weight transposed),
         which reads every piece straight into place."""
         spec = self.manifest["tensors"][key]
-        s, shape = Sharding(spec["dim"], spec["parts"], spec["pad"], spec.get("heads", 0)), tuple(spec["shape"])
+        s, shape = split_from(spec["dim"], spec["parts"], spec["pad"], spec.get("heads", 0)), tuple(spec["shape"])
         dtype = safetensors_io.TORCH[spec["dtype"]]
         stage = spec.get("stage")
         blocks = spec.get("blocks")  # rows written by several DP ranks (raytp.files.checkpoint_blocks)

@@ -27,7 +27,7 @@ from raytp.files.checkpoint_blocks import MOMENTS, blocks_of
 from raytp.models.registry import bucketed, is_expert_weight
 from raytp.parallel.layout import Layout
 from raytp.moves.owners import Owners
-from raytp.parallel.sharding import Sharding
+from raytp.parallel.placements import REPLICATE
 
 
 def is_expert_key(key: str) -> bool:
@@ -73,7 +73,7 @@ def _cut_entries(weights: dict, layout: Layout, rank: int, vocab_size: int, stag
     for key, (s, t) in weights.items():
         name = key.split("/", 1)[1]
         virtual.update({f"optim/{name}/{k}": (s, t) for k in MOMENTS})
-        virtual[f"optim/{name}/step"] = (Sharding(), torch.zeros((), dtype=torch.float32))
+        virtual[f"optim/{name}/step"] = (REPLICATE, torch.zeros((), dtype=torch.float32))
     table = tensor_table(virtual, 1 if whole else layout.tp, vocab_size, stage)
     for key, blk in zip(weights, blocks_of([tuple(t.shape) for _, t in weights.values()], layout.degree("edp"))):
         name = key.split("/", 1)[1]

@@ -16,7 +16,8 @@ import functools
 from raytp import trust
 from raytp.files.checkpoint_format import FORMAT, CheckpointError, shard_file
 from raytp.models.args import ModelArgs
-from raytp.parallel.sharding import Sharding, local_shape
+from raytp.parallel.placements import REPLICATE, Split, split_from
+from raytp.parallel.sharding import local_shape
 
 DTYPES = ("F32", "F64", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
 OPTIM_STATES = ("exp_avg", "exp_avg_sq", "step")
@@ -105,13 +106,13 @@ def _entry_problem(key, spec, lay: dict) -> str | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _model_table(cfg: ModelArgs) -> dict[str, tuple[tuple[int, ...], Sharding]]:
+def _model_table(cfg: ModelArgs) -> dict[str, tuple[tuple[int, ...], Split]]:
     """Every parameter of a model of `cfg`: its shape (built on the meta device: no memory) and its split."""
     import torch
 
-    from raytp.models.registry import build_model, sharding_of
+    from raytp.models.registry import build_model, split_of
     with torch.device("meta"):
-        return {n: (tuple(p.shape), sharding_of(n, cfg)) for n, p in build_model(cfg).named_parameters()}
+        return {n: (tuple(p.shape), split_of(n, cfg)) for n, p in build_model(cfg).named_parameters()}
 
 
 def check_model_tensors(m: dict, where: str, cfg: ModelArgs | None = None) -> None:
@@ -132,7 +133,7 @@ def check_model_tensors(m: dict, where: str, cfg: ModelArgs | None = None) -> No
         if want is None or not ok:
             raise CheckpointError(f"{where}/manifest.json: tensors: {key}: not a parameter of its model (or its "
                                   "AdamW state)")
-        s, want = (Sharding(), ()) if state == ["step"] else (s, want)
+        s, want = (REPLICATE, ()) if state == ["step"] else (s, want)
         split = (spec["dim"], spec["parts"], spec["pad"], spec.get("heads", 0), spec["transposed"])
         if tuple(spec["shape"]) != want or split != (s.dim, s.parts, s.pad, s.heads, s.dim == 1 and len(want) == 2):
             raise CheckpointError(f"{where}/manifest.json: tensors: {key}: shape {spec['shape']} split {split[:4]}; "
@@ -154,7 +155,7 @@ def holdings(m: dict) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
     out: dict[str, dict] = {}
     tp = m["layout"]["tp"]
     for key, spec in m["tensors"].items():
-        s = Sharding(spec["dim"], spec["parts"], spec["pad"], spec.get("heads", 0))
+        s = split_from(spec["dim"], spec["parts"], spec["pad"], spec.get("heads", 0))
         shape, stage, src_tp = tuple(spec["shape"]), spec.get("stage"), spec.get("tp", tp)
         local = local_shape(s, shape, src_tp) if s.dim is not None else shape
         srcs = [0] if s.dim is None else [p for p in range(src_tp) if s.owns(p, src_tp)]
@@ -191,7 +192,7 @@ def check_blocks(m: dict, where: str) -> None:
     for key, spec in m["tensors"].items():
         if not spec.get("blocks"):
             continue
-        s = Sharding(spec["dim"], spec["parts"], spec["pad"], spec.get("heads", 0))
+        s = split_from(spec["dim"], spec["parts"], spec["pad"], spec.get("heads", 0))
         shape = tuple(spec["shape"])
         rows = (local_shape(s, shape, spec.get("tp", tp)) if s.dim is not None else shape)[0] if shape else 0
         at = 0

@@ -15,10 +15,9 @@ import torch
 from raytp.models.args import ModelArgs
 from raytp.models.base import CausalLM
 from raytp.models.arch import ARCHES
-from raytp.models.spec import ModelSpec
+from raytp.models.spec import KV_HEADS, ModelSpec
 from raytp.models.moe.plan import EXPERT_WEIGHT
-from raytp.parallel.placements import TensorPlacement, dense_weight, expert_placement
-from raytp.parallel.sharding import KV_HEADS, REPLICATED, Sharding
+from raytp.parallel.placements import REPLICATE, Shard, Split, TensorPlacement, dense_weight, expert_placement
 from raytp.tp_degrees import kv_fits, tp_degrees
 
 SPECS: dict[str, ModelSpec] = {name: importlib.import_module(f"raytp.models.{name}.spec").SPEC for name in ARCHES}
@@ -51,10 +50,11 @@ def build_model(cfg: ModelArgs, seed: int | None = None) -> CausalLM:
     return model_class(cfg)(cfg, seed)
 
 
-def sharding_of(name: str, cfg: ModelArgs | None = None) -> Sharding:
-    """How parameter `name` splits, from its model's table (any model's when `cfg` is None: the tables'
-    names do not overlap). The key/value projections of a Llama need the `cfg` (their split depends on
-    n_kv_head); asking for them without it is an error, not a guess."""
+def split_of(name: str, cfg: ModelArgs | None = None) -> Split:
+    """How parameter `name` splits over TP (raytp.parallel.placements: a Shard, or REPLICATE), from its model's
+    table (any model's when `cfg` is None: the tables' names do not overlap). The key/value projections of a
+    Llama need the `cfg` (their split depends on n_kv_head); asking for them without it is an error, not a
+    guess."""
     tables = [spec(cfg)] if cfg is not None else list(SPECS.values())
     for s in tables:
         for pattern, how in s.sharding:
@@ -62,9 +62,9 @@ def sharding_of(name: str, cfg: ModelArgs | None = None) -> Sharding:
                 if how is KV_HEADS:
                     if cfg is None:
                         raise ValueError(f"{name}: its sharding depends on n_kv_head; pass the model config")
-                    return Sharding(dim=0, heads=cfg.kv_heads)
+                    return Shard(0, heads=cfg.kv_heads)
                 return how
-    return REPLICATED
+    return REPLICATE
 
 
 def is_expert_weight(name: str) -> bool:
@@ -85,25 +85,25 @@ def bucketed(names, layout=None) -> list[str]:
 
 
 def placement_of(name: str, cfg: ModelArgs | None = None, layout=None) -> TensorPlacement:
-    """Where parameter `name` lives on the mesh (raytp.parallel.placements): split along TP as its sharding
+    """Where parameter `name` lives on the mesh (raytp.parallel.placements): split along TP as its model's
     row says (or replicated there), replicated over DP; a routed expert's, on a `layout` whose experts have a
     mesh of their own (raytp.parallel.layout), split over EP by expert and over ETP as its row says (whole
     when etp is 1), replicated over expert-DP."""
-    dim = sharding_of(name, cfg).dim
+    split = split_of(name, cfg)
     if layout is not None and layout.experts_split and is_expert_weight(name):
-        return expert_placement(dim if layout.expert_tp > 1 else None)
-    return dense_weight(dim)
+        return expert_placement(split if layout.expert_tp > 1 else REPLICATE)
+    return dense_weight(split)
 
 
-def tensor_sharding(name: str, t: torch.Tensor, cfg: ModelArgs | None = None) -> Sharding:
+def tensor_split(name: str, t: torch.Tensor, cfg: ModelArgs | None = None) -> Split:
     """How tensor `t` of parameter `name` (its weight, or an AdamW state of it) splits: a scalar (AdamW's
     step count) is replicated."""
-    return sharding_of(name, cfg) if t.dim() else REPLICATED
+    return split_of(name, cfg) if t.dim() else REPLICATE
 
 
 def full_size_of(name: str, cfg: ModelArgs) -> int | None:
     """The unpadded size along the sharded dim, for parameters that are padded."""
-    return cfg.vocab_size if sharding_of(name, cfg).pad else None
+    return cfg.vocab_size if split_of(name, cfg).pad else None
 
 
 def _widths(cfg: ModelArgs) -> list[tuple[str, int]]:

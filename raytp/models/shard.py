@@ -18,9 +18,10 @@ from raytp.models.args import ModelArgs
 from raytp.models.base import CausalLM
 from raytp.models.moe.grouped import pack
 from raytp.models.stage import Stage, keep_stage
-from raytp.models.registry import check_tp, full_size_of, model_class, sharding_of, spec
+from raytp.models.registry import check_tp, full_size_of, model_class, spec, split_of
 from raytp.parallel import comm
-from raytp.parallel.sharding import REPLICATED, local_shape, shard_ranges, shard_tensor, unshard_tensors
+from raytp.parallel.placements import REPLICATE
+from raytp.parallel.sharding import local_shape, shard_ranges, shard_tensor, unshard_tensors
 
 
 def apply_tp(model: CausalLM, group, sequence_parallel: bool = False, source=None, experts=None) -> CausalLM:
@@ -39,7 +40,7 @@ def apply_tp(model: CausalLM, group, sequence_parallel: bool = False, source=Non
     def sliced(name: str, t: torch.Tensor | None, whole: bool = False):
         if t is None:
             return None
-        s = REPLICATED if whole else sharding_of(name, model.cfg)
+        s = REPLICATE if whole else split_of(name, model.cfg)
         if source is not None:
             return source(name, full_shapes[name], s, rank, tp)
         return shard_tensor(t, s, rank, tp)
@@ -117,7 +118,7 @@ def gather_full_state(model: CausalLM, group) -> dict[str, torch.Tensor]:
     tp = comm.group_size(group)
     out = {}
     for name, p in model.named_parameters():  # the tied head appears once, as wte.weight
-        s = sharding_of(name, model.cfg)
+        s = split_of(name, model.cfg)
         if tp == 1 or s.dim is None:
             out[name] = p.detach().clone()
             continue

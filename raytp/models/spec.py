@@ -18,7 +18,10 @@ from typing import Callable
 from raytp.models.facts import ArchFacts
 from raytp.models.args import ModelArgs
 from raytp.models.base import CausalLM
-from raytp.parallel.sharding import Sharding
+from raytp.parallel.placements import Shard, Split
+
+KV_HEADS = Shard(0, heads=-1)  # in a model's table: split by the model's n_kv_head (filled in by the registry)
+
 
 @dataclass(frozen=True)
 class HFAdapter:
@@ -36,7 +39,7 @@ class HFAdapter:
 class ModelSpec:
     facts: ArchFacts                         # its name and job checks (raytp.models.facts: no torch there)
     model: type[CausalLM]
-    sharding: tuple[tuple[str, Sharding], ...]  # (regex over parameter names, how it splits); else replicated
+    sharding: tuple[tuple[str, Split], ...]  # (regex over parameter names, how it splits); else replicated
     parallelize: Callable                    # (model, group, sequence_parallel, sliced, rank, tp, experts=): swap
                                              # modules, place experts (raytp.models.moe.plan.ExpertPlace)
     tag: Callable                            # (model, group, sequence_parallel, rank, tp): mark what TP sums

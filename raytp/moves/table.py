@@ -3,7 +3,7 @@
 The state is the model's parameters and their AdamW state (``exp_avg``,
 ``exp_avg_sq``, the ``step`` count), each under one key as checkpoints name it
 (``model/<name>``, ``optim/<name>/<k>``). A ``Param`` gives a parameter's global
-shape, how TP splits it (its model's ``Sharding`` row: raytp.parallel.sharding),
+shape, how TP splits it (its model's row, a ``Split``: raytp.parallel.placements),
 whether it is routed expert ``expert`` of ``n_experts``, whether AdamW trains it;
 ``stages(pp)`` gives the names each pipeline stage holds, in the model's order (a
 tied embedding's copy on the last stage too). From these and a Layout,
@@ -28,7 +28,8 @@ from typing import Callable
 
 from raytp.moves.regions import Region
 from raytp.parallel.layout import Layout
-from raytp.parallel.sharding import REPLICATED, Sharding, local_shape, shard_ranges
+from raytp.parallel.placements import REPLICATE, Split
+from raytp.parallel.sharding import local_shape, shard_ranges
 from raytp.parallel.zero_plan import BUCKET_NUMEL, owned_rows, plan
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -38,7 +39,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 class Param:
     name: str
     shape: tuple[int, ...]
-    sharding: Sharding = REPLICATED
+    split: Split = REPLICATE
     expert: int | None = None   # routed expert `expert` of `n_experts` (an MoE layer's), or None
     n_experts: int = 0
     trained: bool = True        # a router's selection bias is not: no AdamW state
@@ -189,7 +190,7 @@ def _rows(shapes: tuple, degree: int, bucket_numel: int, place: int) -> dict[int
 @lru_cache(maxsize=1 << 16)
 def _slice(p: Param, degree: int, place: int) -> tuple[Region, tuple[int, ...]]:
     """(region, local shape) of TP (or ETP) place `place` of `degree`'s slice of `p`."""
-    s = p.sharding
+    s = p.split
     whole = Region.whole(p.shape)
     if s.dim is None or degree == 1:
         return whole, tuple(p.shape)
@@ -202,12 +203,12 @@ def _slice(p: Param, degree: int, place: int) -> tuple[Region, tuple[int, ...]]:
 def model_table(cfg, v: int = 1, pp_layers: tuple[int, ...] | None = None,
                 bucket_numel: int = BUCKET_NUMEL) -> StateTable:
     """The table of a model config (raytp.models.args.ModelArgs): its parameters as the meta model lists them,
-    each split by its model's sharding row, and its stage cut (`v` chunks a stage, `pp_layers`: the job's;
+    each split by its model's row, and its stage cut (`v` chunks a stage, `pp_layers`: the job's;
     hashable, as a tuple). Built once per distinct arguments."""
     import torch
 
     from raytp.models.moe.plan import EXPERT_WEIGHT
-    from raytp.models.registry import UNTRAINED, model_class, sharding_of
+    from raytp.models.registry import UNTRAINED, model_class, split_of
     from raytp.models.stage import holds, stage_of
 
     with torch.device("meta"):
@@ -217,7 +218,7 @@ def model_table(cfg, v: int = 1, pp_layers: tuple[int, ...] | None = None,
     for name, p in model.named_parameters():
         m = EXPERT_WEIGHT.match(name)
         expert = int(m.group(0).rstrip(".").rsplit(".", 1)[1]) if m else None  # layers.L.mlp.experts.J.
-        params.append(Param(name, tuple(p.shape), sharding_of(name, cfg), expert, n_experts,
+        params.append(Param(name, tuple(p.shape), split_of(name, cfg), expert, n_experts,
                             not UNTRAINED.match(name), p.element_size()))
     parts, by_key = model.stage_parts(), {}
     for p in params:  # a block's parameters under one key (its stage holds all or none of them), in order

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raytp.parallel.sharding import shard_ranges, Sharding
+from raytp.parallel.placements import Split
+from raytp.parallel.sharding import shard_ranges
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class Piece:
     length: int
 
 
-def _spans(s: Sharding, size: int, rank: int, tp: int) -> list[tuple[int, int, int]]:
+def _spans(s: Split, size: int, rank: int, tp: int) -> list[tuple[int, int, int]]:
     """(global start, global stop, local start) of each range rank `rank` holds, real positions only."""
     out, at = [], 0
     for r in shard_ranges(s, size, rank, tp):
@@ -37,7 +38,7 @@ def _spans(s: Sharding, size: int, rank: int, tp: int) -> list[tuple[int, int, i
     return out
 
 
-def pieces(s: Sharding, size: int, old_tp: int, new_tp: int, dst: int) -> list[Piece]:
+def pieces(s: Split, size: int, old_tp: int, new_tp: int, dst: int) -> list[Piece]:
     """The pieces of new TP rank `dst`'s shard of a tensor `size` long along s.dim (see the module doc)."""
     if s.dim is None:
         return [Piece(0, 0, 0, size)]
@@ -51,7 +52,7 @@ def pieces(s: Sharding, size: int, old_tp: int, new_tp: int, dst: int) -> list[P
     return sorted(out, key=lambda p: p.dst_at)
 
 
-def moved_rows(s: Sharding, size: int, old_tp: int, new_tp: int, kept: bool) -> int:
+def moved_rows(s: Split, size: int, old_tp: int, new_tp: int, kept: bool) -> int:
     """Rows (along s.dim) that change owner when going from old_tp to new_tp: those whose new holder is
     not the process that held them (new rank j is old rank j's process when `kept`)."""
     total = 0

@@ -1,14 +1,16 @@
-"""How a parameter is split over TP ranks, and the arithmetic of it: slicing, checkpoints, resharding, norms.
+"""The arithmetic of how a parameter is split over TP ranks: slicing, checkpoints, resharding, norms.
 
 Each model's table (raytp.models: its spec's ``sharding`` rows, looked up by
-raytp.models.registry.sharding_of) maps parameter names to a ``Sharding``: the dim it is split along
-(None: replicated), in how many independent blocks (3 for fused q, k, v: rank i
-holds heads [i*nh/p, (i+1)*nh/p) of each), and whether that dim is padded to a
-multiple of tp (the vocabulary; padded rows get no probability), and, for the
-key/value projections of grouped-query attention, how many whole heads the dim
-holds: split by KV head while tp divides them; past that (tp a multiple of the
-KV heads) each rank holds a copy of the one KV head its query heads use, and the
-first rank of those sharing it is its owner (it writes it; reshards read it).
+raytp.models.registry.split_of) maps parameter names to a ``Split``
+(raytp.parallel.placements: a ``Shard(dim, parts, pad, heads)`` or
+``REPLICATE``): the dim it is split along (REPLICATE's is None), in how many
+independent blocks (3 for fused q, k, v: rank i holds heads [i*nh/p, (i+1)*nh/p)
+of each), and whether that dim is padded to a multiple of tp (the vocabulary;
+padded rows get no probability), and, for the key/value projections of
+grouped-query attention, how many whole heads the dim holds: split by KV head
+while tp divides them; past that (tp a multiple of the KV heads) each rank holds
+a copy of the one KV head its query heads use, and the first rank of those
+sharing it is its owner (it writes it; reshards read it).
 From it,
 ``shard_ranges`` says which positions a rank holds, and ``shard_tensor`` /
 ``unshard_tensors`` apply and invert the split, for weights and optimizer
@@ -17,45 +19,17 @@ state alike. Pure: no process groups.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class Sharding:
-    """How one parameter is split over tp ranks: along `dim` (None = replicated),
-    as `parts` independent blocks (3 for fused q, k, v), padded along dim to a
-    multiple of tp when `pad` is set (the vocabulary)."""
-
-    dim: int | None = None
-    parts: int = 1
-    pad: bool = False
-    heads: int = 0  # > 0: the dim is `heads` whole heads (GQA keys/values), shared by ranks when tp > heads
-
-    def holders(self, tp: int) -> int:
-        """How many TP ranks hold each position (1 unless KV heads are shared)."""
-        return tp // self.heads if self.heads and tp > self.heads else 1
-
-    def owns(self, rank: int, tp: int) -> bool:
-        """Whether TP rank `rank` is the owner of what it holds (the first of the ranks sharing it)."""
-        return rank % self.holders(tp) == 0
-
-    def full_size(self, local: int, tp: int, vocab_size: int) -> int:
-        """The size along dim of a parameter whose shard at TP degree `tp` is `local` long there (a padded
-        dim is the vocabulary's)."""
-        return vocab_size if self.pad else local * (tp // self.holders(tp))
-
-
-REPLICATED = Sharding()
-KV_HEADS = Sharding(dim=0, heads=-1)  # in a model's table: split by the model's n_kv_head (filled in by the registry)
+from raytp.parallel.placements import Split
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
     return math.ceil(vocab_size / tp) * tp
 
 
-def shard_ranges(s: Sharding, size: int, rank: int, tp: int) -> list[range]:
+def shard_ranges(s: Split, size: int, rank: int, tp: int) -> list[range]:
     """The positions along s.dim, of a parameter `size` long there, that TP rank `rank` of `tp` holds, in
     its local order: one range, or one per part (q, k, v). With padding, positions >= size are padding."""
     if s.dim is None or tp == 1:
@@ -71,7 +45,7 @@ def shard_ranges(s: Sharding, size: int, rank: int, tp: int) -> list[range]:
     return [range(p * block + rank * chunk, p * block + (rank + 1) * chunk) for p in range(s.parts)]
 
 
-def local_shape(s: Sharding, full_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+def local_shape(s: Split, full_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     """The shape of one rank's shard of a parameter of `full_shape`."""
     if s.dim is None or tp == 1:
         return tuple(full_shape)
@@ -80,7 +54,7 @@ def local_shape(s: Sharding, full_shape: tuple[int, ...], tp: int) -> tuple[int,
     return tuple(shape)
 
 
-def shard_tensor(full: torch.Tensor, s: Sharding, rank: int, tp: int) -> torch.Tensor:
+def shard_tensor(full: torch.Tensor, s: Split, rank: int, tp: int) -> torch.Tensor:
     """This rank's slice of a full tensor (a copy; padding positions are zeros)."""
     if s.dim is None or tp == 1:
         return full.detach().clone()
@@ -94,7 +68,7 @@ def shard_tensor(full: torch.Tensor, s: Sharding, rank: int, tp: int) -> torch.T
     return out
 
 
-def unshard_tensors(shards: list[torch.Tensor], s: Sharding, full_size: int | None = None) -> torch.Tensor:
+def unshard_tensors(shards: list[torch.Tensor], s: Split, full_size: int | None = None) -> torch.Tensor:
     """Inverse of shard_tensor over all ranks' slices, in one copy; `full_size` drops vocab padding."""
     if s.holders(len(shards)) > 1:
         shards = shards[::s.holders(len(shards))]  # the owners' copies

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from raytp.models.args import ModelArgs
-from raytp.models.registry import sharding_of
+from raytp.models.registry import split_of
 from raytp.parallel.sharding import shard_tensor, unshard_tensors
 
 
@@ -122,7 +122,7 @@ def unpack_state(packed: dict, views: bool = False) -> dict:
 def unshard_state(shards: list[dict], cfg: ModelArgs) -> dict:
     """Join the shard_states of all TP ranks (rank order) into the one-device state, padding dropped."""
     def join(name, tensors):
-        s = sharding_of(name, cfg)
+        s = split_of(name, cfg)
         return unshard_tensors(tensors, s, cfg.vocab_size if s.pad else None)
 
     model = {n: join(n, [sh["model"][n] for sh in shards]) for n in shards[0]["model"]}
@@ -136,7 +136,7 @@ def unshard_state(shards: list[dict], cfg: ModelArgs) -> dict:
 def slice_state(full: dict, rank: int, tp: int, cfg: ModelArgs | None = None) -> dict:
     """The shard_state of TP rank `rank` out of a full state (weights, and AdamW state if any) of a model
     of `cfg` (needed for a Llama's key/value projections)."""
-    model = {n: shard_tensor(t, sharding_of(n, cfg), rank, tp) for n, t in full["model"].items()}
-    optim = {n: {k: (v.clone() if v.dim() == 0 else shard_tensor(v, sharding_of(n, cfg), rank, tp))
+    model = {n: shard_tensor(t, split_of(n, cfg), rank, tp) for n, t in full["model"].items()}
+    optim = {n: {k: (v.clone() if v.dim() == 0 else shard_tensor(v, split_of(n, cfg), rank, tp))
                  for k, v in st.items()} for n, st in full.get("optim", {}).items()}
     return {"model": model, "optim": optim}

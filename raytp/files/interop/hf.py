@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from raytp.models.args import ModelArgs
-from raytp.models.registry import build_model, sharding_of, spec, spec_for_hf
+from raytp.models.registry import build_model, spec, spec_for_hf, split_of
 from raytp.parallel.sharding import shard_ranges
 from raytp.parallel.zero_plan import consecutive
 from raytp import trust
@@ -133,7 +133,7 @@ def load_into(model_dir, model, rank: int, tp: int) -> None:
             if file not in readers:
                 readers[file] = Reader(storage, file, storage.size(file))
             reader = readers[file]
-            s = sharding_of(name, model.cfg)
+            s = split_of(name, model.cfg)
             if s.dim is None or tp == 1 or getattr(p, "whole_on_rank", False):  # whole: an expert at etp 1
                 t = reader.rows(hf_name)
                 p.copy_(t.t() if conv else t)

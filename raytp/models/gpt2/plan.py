@@ -7,7 +7,8 @@
    projection -> row-parallel; MLP c_fc -> column-, c_proj -> row-parallel.
 3. with sequence parallelism: position embedding and dropout sites see the
    rank's slice of the sequence; LayerNorm gradients are summed over TP.
-``SHARDING`` says how each parameter splits (raytp.parallel.sharding).
+``SHARDING`` says how each parameter splits (raytp.parallel.placements.Shard; the arithmetic:
+raytp.parallel.sharding).
 """
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ from raytp.models.gpt2.model import GPT
 from raytp.parallel import comm
 from raytp.parallel.layers import (ColumnParallelLinear, RowParallelLinear, SequenceShardedPositionEmbedding,
                                    VocabParallelCrossEntropy, VocabParallelEmbedding)
-from raytp.parallel.sharding import Sharding
+from raytp.parallel.placements import Shard
 
-SHARDING: tuple[tuple[str, Sharding], ...] = (  # (regex over parameter names, sharding); others replicated
-    (r"(wte|lm_head)\.weight", Sharding(dim=0, pad=True)),
-    (r"h\.\d+\.attn\.c_attn\.(weight|bias)", Sharding(dim=0, parts=3)),
-    (r"h\.\d+\.mlp\.c_fc\.(weight|bias)", Sharding(dim=0)),
-    (r"h\.\d+\.(attn|mlp)\.c_proj\.weight", Sharding(dim=1)),
+SHARDING: tuple[tuple[str, Shard], ...] = (  # (regex over parameter names, split); others replicated
+    (r"(wte|lm_head)\.weight", Shard(0, pad=True)),
+    (r"h\.\d+\.attn\.c_attn\.(weight|bias)", Shard(0, parts=3)),
+    (r"h\.\d+\.mlp\.c_fc\.(weight|bias)", Shard(0)),
+    (r"h\.\d+\.(attn|mlp)\.c_proj\.weight", Shard(1)),
 )
 
 

@@ -21,14 +21,15 @@ from raytp.parallel.layers import (ColumnParallelLinear, ParallelInput, RowParal
                                    VocabParallelCrossEntropy, VocabParallelEmbedding)
 from raytp.models.moe import plan as moe_plan
 from raytp.models.moe.layer import MoE
-from raytp.parallel.sharding import KV_HEADS, Sharding
+from raytp.models.spec import KV_HEADS
+from raytp.parallel.placements import Shard
 
-SHARDING: tuple[tuple[str, Sharding], ...] = (  # (regex over parameter names, sharding); others replicated
-    (r"(embed_tokens|lm_head)\.weight", Sharding(dim=0, pad=True)),
-    (r"layers\.\d+\.self_attn\.q_proj\.(weight|bias)", Sharding(dim=0)),
+SHARDING: tuple[tuple[str, Shard], ...] = (  # (regex over parameter names, split); others replicated
+    (r"(embed_tokens|lm_head)\.weight", Shard(0, pad=True)),
+    (r"layers\.\d+\.self_attn\.q_proj\.(weight|bias)", Shard(0)),
     (r"layers\.\d+\.self_attn\.[kv]_proj\.(weight|bias)", KV_HEADS),
-    (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight", Sharding(dim=0)),
-    (r"layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight", Sharding(dim=1)),
+    (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight", Shard(0)),
+    (r"layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight", Shard(1)),
     *moe_plan.SHARDING,
 )
 
@@ -74,7 +75,7 @@ def swap_parallel(model, group, sequence_parallel: bool, sliced, rank: int, tp: 
 def tag(model, group, sequence_parallel: bool, rank: int, tp: int) -> None:
     """Mark the parameters whose gradients the step must sum over TP ranks (once every one is made):
     shared KV-head copies, an MoE layer's router, Qwen3's q/k head norms, and, under SP, the RMSNorm weights."""
-    kv = Sharding(dim=0, heads=model.cfg.kv_heads)
+    kv = Shard(0, heads=model.cfg.kv_heads)
     for block in model.layers.values():
         if isinstance(block.mlp, MoE):
             moe_plan.tag(block.mlp)

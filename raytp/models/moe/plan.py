@@ -26,13 +26,13 @@ from raytp.models.moe.grouped import LEAVES
 from raytp.models.moe.layer import MoE
 from raytp.parallel.expert_dispatch import ExpertDispatch
 from raytp.parallel.layers import ParallelInput, ParallelOutput, ShardedLinear
-from raytp.parallel.sharding import Sharding
+from raytp.parallel.placements import Shard
 
-# (regex over parameter names, sharding over TP when etp == tp), for a model's table; the router and shared
+# (regex over parameter names, split over TP when etp == tp), for a model's table; the router and shared
 # gate are replicated.
-SHARDING: tuple[tuple[str, Sharding], ...] = (
-    (r"layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.(gate|up)_proj\.weight", Sharding(dim=0)),
-    (r"layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.down_proj\.weight", Sharding(dim=1)),
+SHARDING: tuple[tuple[str, Shard], ...] = (
+    (r"layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.(gate|up)_proj\.weight", Shard(0)),
+    (r"layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.down_proj\.weight", Shard(1)),
 )
 EXPERT_WEIGHT = re.compile(r"layers\.\d+\.mlp\.experts\.\d+\.")  # a routed expert's (not the shared ones')
 
