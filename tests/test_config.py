@@ -228,8 +228,9 @@ def test_choices(key, value, valid):
     ({"train": {"batch_size": 16}, "parallel": {"dp": 2, "max_dp": 3}},
      "jobs/x.yaml: parallel.max_dp: 3 does not divide train.batch_size=16"),
     ({"model": {"arch": "llama", "n_kv_head": 2, "moe": {"n_experts": 4, "top_k": 2, "moe_ffn": 16}},
-      "parallel": {"ep": 2, "dp": 2, "max_dp": 4}, "train": {"batch_size": 8}},
-     "jobs/x.yaml: parallel.ep: ep or etp 1 with parallel.max_dp (a live DP growth) is not built yet"),
+      "parallel": {"ep": 2, "dp": 2, "max_dp": 3}, "train": {"batch_size": 12}},
+     "jobs/x.yaml: parallel.ep: ep=2 x etp=1 must divide parallel.max_dp x parallel.tp = 3 (an elastic job grows "
+     "only to a DP its experts fold over)"),
 ], ids=["tp-heads", "heads-embd", "min_lr", "dp-batch",
         "micro-batch", "sequence-parallel", "name", "max_dp-below", "max_dp-batch", "max_dp-experts"])
 def test_cross_field_rules(d, line):

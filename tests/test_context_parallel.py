@@ -113,7 +113,7 @@ def test_a_live_change_at_or_to_cp_above_1_starts_every_worker_of_the_new_layout
 @pytest.mark.parametrize("causal, docs", [(True, False), (False, True), (True, True)])
 def test_a_blocks_fused_cpu_kernel_and_its_plain_softmax_agree(monkeypatch, causal, docs):
     """The two paths of raytp.parallel.context.attention_blocks (CPU's fused flash kernels; the plain softmax other
-    devices run), forward and backward, with rows that see no key."""
+    devices run, whole and in tiles of query rows), forward and backward, with rows that see no key."""
     from raytp.parallel.context import attention_blocks as blocks
     g = torch.Generator().manual_seed(3)
     q, k, v, do = (torch.randn(2, 3, 8, 16, generator=g) for _ in range(4))
@@ -122,12 +122,14 @@ def test_a_blocks_fused_cpu_kernel_and_its_plain_softmax_agree(monkeypatch, caus
         ids = torch.randint(0, 3, (2, 8), generator=g)
         mask = (ids[:, :, None] == torch.randint(0, 3, (2, 8), generator=g)[:, None, :])[:, None]
         mask[0, 0, 0] = False  # a row that sees nothing
-    got = {}
-    for fused in (True, False):
+    got, big = {}, blocks.TILE
+    for fused, tile in ((True, big), (False, big), (False, 3)):  # 3: the plain block in 3 tiles
         monkeypatch.setattr(blocks, "_fused", lambda t, f=fused: f)
+        monkeypatch.setattr(blocks, "TILE", tile)
         o, lse = blocks.forward(q, k, v, causal, mask, 0.25)
         whole = torch.where(lse.isinf(), 0.0, lse)  # as a backward's final lse would be: finite
         delta = (do * o).sum(-1)
-        got[fused] = (o, lse, *blocks.backward(do, q, k, v, o, whole, delta, causal, mask, 0.25))
-    for a, b in zip(got[True], got[False]):
+        got[fused, tile] = (o, lse, *blocks.backward(do, q, k, v, o, whole, delta, causal, mask, 0.25))
+    for a, b, c in zip(got[True, big], got[False, big], got[False, 3]):
         assert torch.allclose(a, b, atol=1e-5, equal_nan=False), (a - b).abs().max()
+        assert torch.allclose(c, b, atol=1e-6, equal_nan=False), (c - b).abs().max()  # tiles: the same numbers

@@ -85,19 +85,36 @@ def test_which_ranks_a_resize_keeps_and_starts():
 
 
 def test_growth_requests_at_once_waits_while_none_is_placed_and_grows_as_far_as_the_placed_reach():
-    assert policy.grow(2, 2, False, 0, 8) is None
-    assert policy.grow(1, 2, False, 0, 8) == (policy.GROW_REQUEST, 2)
-    assert policy.grow(1, 2, True, 0, 8) == (policy.GROW_WAIT, 1)
-    assert policy.grow(1, 2, True, 1, 8) == (policy.GROW_NOW, 2)
+    assert policy.grow(Layout(1, dp=2), 2, False, 0, 8) is None
+    assert policy.grow(Layout(1, dp=1), 2, False, 0, 8) == (policy.GROW_REQUEST, 2)
+    assert policy.grow(Layout(1, dp=1), 2, True, 0, 8) == (policy.GROW_WAIT, 1)
+    assert policy.grow(Layout(1, dp=1), 2, True, 1, 8) == (policy.GROW_NOW, 2)
     # parallel.max_dp: a node at a time, each replica placed is used at once where the batch divides
-    assert policy.grow(1, 3, True, 1, 6) == (policy.GROW_NOW, 2)
-    assert policy.grow(2, 3, True, 1, 6) == (policy.GROW_NOW, 3)
-    assert policy.grow(1, 3, True, 2, 6) == (policy.GROW_NOW, 3)
+    assert policy.grow(Layout(1, dp=1), 3, True, 1, 6) == (policy.GROW_NOW, 2)
+    assert policy.grow(Layout(1, dp=2), 3, True, 1, 6) == (policy.GROW_NOW, 3)
+    assert policy.grow(Layout(1, dp=1), 3, True, 2, 6) == (policy.GROW_NOW, 3)
     # ... and where it does not, the next size that does waits for more
-    assert policy.grow(2, 4, True, 1, 8) == (policy.GROW_WAIT, 2)
-    assert policy.grow(2, 4, True, 2, 8) == (policy.GROW_NOW, 4)
-    assert policy.grow(1, 4, True, 2, 8) == (policy.GROW_NOW, 2)
+    assert policy.grow(Layout(1, dp=2), 4, True, 1, 8) == (policy.GROW_WAIT, 2)
+    assert policy.grow(Layout(1, dp=2), 4, True, 2, 8) == (policy.GROW_NOW, 4)
+    assert policy.grow(Layout(1, dp=1), 4, True, 2, 8) == (policy.GROW_NOW, 2)
 
+
+
+def test_an_expert_parallel_jobs_shrink_and_growth_keep_a_layout_and_its_kept_experts_in_place():
+    """At TP=1 x DP=4 x EP=2 replicas 0 and 2 hold the experts of EP place 0, 1 and 3 those of place 1; a DP
+    degree must leave ep x etp dividing dp x cp x tp."""
+    lay = Layout(1, dp=4, ep=2)
+    assert policy.keep_replicas(lay, [0, 2, 3], 1, 8) == (0, 3)  # DP=3 no layout; (0, 2) would move experts
+    assert policy.keep_replicas(lay, [2, 3], 1, 8) == (2, 3)
+    assert policy.keep_replicas(lay, [0, 2], 1, 8) == (0, 2)  # no replica of place 1 left: its experts move
+    assert policy.keep_replicas(lay, [1], 1, 8) is None  # DP=1 cannot hold EP=2
+    assert policy.keep_replicas(Layout(2, dp=3), [0, 2], 1, 8) == (0, 2)  # dense: in the order given
+    s = policy.shrink_decision(lay, [2], {r: 5 for r in (0, 1, 3)}, min_dp=1, batch_size=8)
+    assert s == policy.Shrink(new_dp=2, keep=(0, 1), step=5)
+    grown = Layout(1, dp=2, ep=2)
+    assert policy.grow(grown, 4, True, 1, 12) == (policy.GROW_WAIT, 2)  # DP=3 no layout: waits for the 4th
+    assert policy.grow(grown, 4, True, 2, 12) == (policy.GROW_NOW, 4)
+    assert policy.dp_fits(grown, 2) and not policy.dp_fits(grown, 3)
 
 # -- the loop -----------------------------------------------------------------------------------
 def test_calls_are_cut_at_evaluations_checkpoints_and_the_end():
@@ -216,4 +233,7 @@ def test_a_drain_with_no_room_elsewhere_keeps_the_replicas_clear_of_it_that_divi
     assert policy.drain_keep(tp2dp4, ["n0"] * 8, {"n0"}, 1, 8) is None  # no replica is clear
     pp2 = Layout(1, pp=2, dp=2)  # a replica's stages on two nodes: one drained stage drops its replica
     assert policy.drain_keep(pp2, ["a", "b", "c", "d"], {"b"}, 1, 4) == (1,)
-    assert policy.drain_keep(Layout(2, dp=2, ep=2), ["a", "a", "b", "b"], {"a"}, 1, 4) is None  # expert mesh
+    # experts on a mesh of their own: DP=1 cannot hold ep x etp = 4 (it must divide dp x tp)
+    assert policy.drain_keep(Layout(2, dp=2, ep=2), ["a", "a", "b", "b"], {"a"}, 1, 4) is None
+    # at DP=4 x EP=2 the replicas kept hold one copy of each expert (0 and 3, not 0 and 2)
+    assert policy.drain_keep(Layout(1, dp=4, ep=2), ["a", "b", "a", "c"], {"b"}, 1, 8) == (0, 3)

@@ -72,10 +72,11 @@ def _experts_problem(v) -> str | None:
         over = "parallel.dp x parallel.tp" if cp == 1 else "parallel.dp x parallel.cp x parallel.tp"
         return (f"ep={ep} x etp={etp_} must divide {over} = {dp * cp * tp} (experts are folded over the ranks of each "
                 "stage)")
-    if v["parallel.min_dp"] is not None:
-        return "ep or etp 1 with parallel.min_dp (an elastic shrink) is not built yet"
-    if v["parallel.max_dp"] not in (None, dp):
-        return "ep or etp 1 with parallel.max_dp (a live DP growth) is not built yet"
+    top = v["parallel.max_dp"]
+    if top is not None and (top * cp * tp) % (ep * etp_):
+        over = "parallel.max_dp x parallel.tp" if cp == 1 else "parallel.max_dp x parallel.cp x parallel.tp"
+        return (f"ep={ep} x etp={etp_} must divide {over} = {top * cp * tp} (an elastic job grows only to a DP "
+                "its experts fold over)")
     return None
 
 

@@ -77,9 +77,8 @@ class Shrink:
 
 def shrink_decision(layout: Layout, lost: Sequence[int], completed: Mapping[int, int], min_dp: int | None,
                     batch_size: int) -> Shrink | None:
-    """Elastic shrink when lost ranks cannot be replaced: keep the whole replicas (as many as divide
-    the global batch, at least `min_dp`); None if the job is not elastic (min_dp None), too few
-    replicas are whole, or they disagree on the step."""
+    """Elastic shrink when lost ranks cannot be replaced: keep whole replicas (keep_replicas); None if the job
+    is not elastic (min_dp None), too few replicas are whole, or they disagree on the step."""
     if min_dp is None:
         return None
     broken = {layout.coords(r).dp for r in lost}
@@ -87,24 +86,57 @@ def shrink_decision(layout: Layout, lost: Sequence[int], completed: Mapping[int,
     if any(r not in completed for q in whole for r in layout.replica(q)):
         return None
     steps = {completed[r] for q in whole for r in layout.replica(q)}
-    sizes = [k for k in range(len(whole), 0, -1) if k >= min_dp and batch_size % k == 0]
-    if not sizes or len(steps) != 1:
+    keep = keep_replicas(layout, whole, min_dp, batch_size)
+    if keep is None or len(steps) != 1:
         return None
-    return Shrink(sizes[0], tuple(whole[:sizes[0]]), steps.pop())
+    return Shrink(len(keep), keep, steps.pop())
 
 
 def drain_keep(layout: Layout, nodes: Sequence[str | None], draining: Collection[str], min_dp: int | None,
                batch_size: int) -> tuple[int, ...] | None:
     """A live shrink off nodes Ray is draining when no node has room for their ranks: the replicas to keep
-    (old DP ranks, renumbered 0.. in this order): those with no rank on a drained node, as many as divide the
-    global batch, at least `min_dp`. None if the job is not elastic (min_dp None), has an expert mesh of its
-    own (no live DP change), or too few replicas stay clear of the drained nodes."""
-    if min_dp is None or layout.ep > 1 or layout.etp == 1:
+    (old DP ranks, renumbered 0.. in this order) among those with no rank on a drained node (keep_replicas).
+    None if the job is not elastic (min_dp None), or too few replicas stay clear of the drained nodes."""
+    if min_dp is None:
         return None
     hit = {layout.coords(r).dp for r, n in enumerate(nodes) if n in draining}
     clear = [q for q in range(layout.dp) if q not in hit]
-    sizes = [k for k in range(len(clear), 0, -1) if k >= min_dp and batch_size % k == 0]
-    return tuple(clear[:sizes[0]]) if hit and sizes else None
+    return keep_replicas(layout, clear, min_dp, batch_size) if hit else None
+
+
+def dp_fits(layout: Layout, dp: int) -> bool:
+    """Whether `layout` can run at DP degree `dp` (experts on a mesh of their own: ep x etp divides the new
+    dp x cp x tp)."""
+    try:
+        layout.changed(dp=dp)
+    except ValueError:
+        return False
+    return True
+
+
+def keep_replicas(layout: Layout, candidates: Sequence[int], min_dp: int, batch_size: int) -> tuple[int, ...] | None:
+    """Which of the replicas `candidates` a shrink keeps (old DP ranks, renumbered 0.. in this order): as many
+    as divide the global batch and make a layout (dp_fits), at least `min_dp`; None if none do. Where experts
+    have a mesh of their own, new replica i is, where one can be, a candidate whose ranks hold the experts
+    (EP and ETP places) that replica i's ranks hold at the new degree: no expert moves (at DP=4 x EP=2,
+    replicas 0 and 3 kept become DP=2's 0 and 1, not 0 and 2, which hold the same experts)."""
+    sizes = [k for k in range(len(candidates), 0, -1) if k >= min_dp and batch_size % k == 0 and dp_fits(layout, k)]
+    if not sizes:
+        return None
+    k = sizes[0]
+    if not layout.experts_split:
+        return tuple(candidates[:k])
+    new, left, out = layout.changed(dp=k), list(candidates), []
+    for i in range(k):
+        want = _expert_places(new, i)
+        q = next((q for q in left if _expert_places(layout, q) == want), left[0])
+        left.remove(q)
+        out.append(q)
+    return tuple(out)
+
+
+def _expert_places(layout: Layout, q: int) -> tuple:
+    return tuple((layout.coord(r, "ep"), layout.coord(r, "etp")) for r in layout.replica(q))
 
 
 def choose_spares(layout: Layout, lost: Sequence[int], nodes: Sequence[str | None],
@@ -165,17 +197,19 @@ class GrowStep(Enum):
 GROW_REQUEST, GROW_WAIT, GROW_NOW = GrowStep.REQUEST, GrowStep.WAIT, GrowStep.NOW
 
 
-def grow(dp: int, target_dp: int, requested: bool, placed: int, batch_size: int) -> tuple[GrowStep, int] | None:
-    """An elastic job at `dp` below `target_dp` (its DP after a shrink, or ``parallel.max_dp``): ask at once for
-    the placement of every missing replica (the autoscaler sees the demand), wait while none is placed, and
-    grow at a step boundary to the largest DP that the replicas placed so far reach and that divides the
-    global batch. `placed`: how many of the requested replicas, in DP order from `dp`, are placed. (the step,
-    the DP to grow to); None at the target."""
+def grow(layout: Layout, target_dp: int, requested: bool, placed: int, batch_size: int
+         ) -> tuple[GrowStep, int] | None:
+    """An elastic job at `layout` below `target_dp` (its DP after a shrink, or ``parallel.max_dp``): ask at once
+    for the placement of every missing replica (the autoscaler sees the demand), wait while none is placed,
+    and grow at a step boundary to the largest DP that the replicas placed so far reach, that divides the
+    global batch and that makes a layout (dp_fits). `placed`: how many of the requested replicas, in DP order
+    from its DP, are placed. (the step, the DP to grow to); None at the target."""
+    dp = layout.dp
     if dp >= target_dp:
         return None
     if not requested:
         return GROW_REQUEST, target_dp
-    sizes = [k for k in range(min(dp + placed, target_dp), dp, -1) if batch_size % k == 0]
+    sizes = [k for k in range(min(dp + placed, target_dp), dp, -1) if batch_size % k == 0 and dp_fits(layout, k)]
     return (GROW_NOW, sizes[0]) if sizes else (GROW_WAIT, dp)
 
 

@@ -97,8 +97,9 @@ class WorkerGroup:
     def start_worker(self, rank: int, cfg=None, pgs=None, ahead: int = 0, name: str | None = None) -> tuple[object, tuple]:
         """A new actor for `rank` (of this group's layout, or of `cfg`/`pgs` not yet switched to; `ahead`,
         `name`: see Launcher.start)."""
+        live = frozenset(actor_id(w) for w in self.workers if w is not None)
         return self.launcher.start(cfg or self.cfg, pgs if pgs is not None else self.pgs, rank, ahead=ahead,
-                                   name=name)
+                                   name=name, live=live)
 
     def with_workers(self, actors: Mapping[int, object], bundles: Mapping[int, tuple] | None = None) -> "WorkerGroup":
         """This group with ranks' actors replaced: {rank: actor}; `bundles`: {rank: bundle} of the new

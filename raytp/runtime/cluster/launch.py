@@ -9,7 +9,7 @@ rank still holds the name takes another (``names.worker_ahead``).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Collection
 
 import ray
 from ray.exceptions import ActorAlreadyExistsError
@@ -30,6 +30,17 @@ def actor_id(actor) -> str:
     return actor._actor_id.hex()
 
 
+def _held_by(name: str, live: Collection[str]) -> bool:
+    """Whether actor `name` is one of the actors `live` (their ids): alive, not a dead one whose name Ray has
+    yet to free."""
+    if not live:
+        return False
+    try:
+        return actor_id(ray.get_actor(name, namespace=names.NAMESPACE)) in live
+    except ValueError:  # freed meanwhile
+        return False
+
+
 class Launcher:
     """Starts the actors of one run. `evict(pg, index)` is called before a worker takes a bundle
     (a warm spare sitting there makes room). Before an actor starts on a node, the job's datasets at URLs
@@ -46,11 +57,14 @@ class Launcher:
         self.copies.ensure(cfg, pgs)
 
     def start(self, cfg, pgs: dict, rank: int, timeout_s: float = 30.0,
-              ahead: int = 0, name: str | None = None) -> tuple[object, tuple[str, int]]:
+              ahead: int = 0, name: str | None = None, live: Collection[str] = ()) -> tuple[object, tuple[str, int]]:
         """The actor of `rank` of layout `cfg` placed in `pgs` (dp_rank -> replica placement), and the
         bundle it sits in. `ahead` (k > 0): started beside a layout that still runs, for the k-th resize
         that starts every worker ahead; where a running worker holds the rank's name the new one is
-        named ``names.worker_ahead`` instead of waiting for it. `name`: the actor's name instead."""
+        named ``names.worker_ahead`` instead of waiting for it. `live`: the ids of the job's running actors;
+        where one of them holds the rank's name (a process an elastic shrink renumbered: names cannot
+        change), the new one takes the first free ``names.worker_ahead`` too. `name`: the actor's name
+        instead."""
         lay = cfg.layout
         at = lay.coords(rank)
         self.prepare_nodes(cfg, {at.dp: pgs[at.dp]})
@@ -65,6 +79,10 @@ class Launcher:
                 return actor, bundle_key(pg, index)
             except ActorAlreadyExistsError:
                 if ahead and name == names.worker(self.run, rank):
+                    name = names.worker_ahead(self.run, rank, ahead)
+                    continue
+                if _held_by(name, live):
+                    ahead += 1
                     name = names.worker_ahead(self.run, rank, ahead)
                     continue
                 if time.monotonic() > deadline:  # a dead actor's name is freed a moment after it died

@@ -237,7 +237,7 @@ class Elastic:
         if self.growing is not None:
             while lay.dp + placed in self.growing.pgs and group.placer.placed([self.growing.pgs[lay.dp + placed]]):
                 placed += 1
-        decision = policy.grow(lay.dp, self.target_dp, self.growing is not None, placed, group.cfg.train.batch_size)
+        decision = policy.grow(lay, self.target_dp, self.growing is not None, placed, group.cfg.train.batch_size)
         if decision is None:
             self._stop_growing(group)
             return None
