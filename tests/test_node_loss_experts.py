@@ -6,13 +6,10 @@ take experts 0-1 with it). The start line says the job survives any one node's l
 turn (a fresh node joins for its ranks) and the job heals from the expert-DP twins, bit for bit, with nothing
 lost."""
 
-import json
-
 import pytest
-import ray
+from elastic_runs import shrink_and_grow_back
 from helpers import (SMALL_MOE, events, final_state, gpu_cluster, gpu_nodes, job, lose_a_named_node, parallel,
-                     ray_actors, recovery_job, run, steps_logged, wait_for)
-from raytp.runtime.driver.control_actor import find_control
+                     recovery_job)
 
 pytestmark = pytest.mark.slow  # a simulated cluster of two nodes (and one joining), and four jobs
 
@@ -47,36 +44,11 @@ def test_an_elastic_expert_parallel_job_shrinks_to_a_layout_its_experts_fold_ove
     node lost with no room for its ranks -> DP=2, the replicas left holding both experts' places (no expert
     from a snapshot); a node joins -> back to DP=4 (DP=3 is no layout: ep must divide it); a few steps at DP=4
     later the job is stopped as `raytp stop` stops it (`steps` only keeps it alive until then)."""
-    alive = {n.node_id: n for n in gpu_nodes(cluster, 2)}
-    steps, after_grow = 400, 3
-    cfg = parallel(job(1, 4, steps=steps, gpus_per_worker=1.0, model=SMALL_MOE, recovery={"replace_timeout_s": 3.0}),
+    cfg = parallel(job(1, 4, steps=400, gpus_per_worker=1.0, model=SMALL_MOE, recovery={"replace_timeout_s": 3.0}),
                    ep=2, min_dp=2)
     run_dir = tmp_path / "run"
-
-    def remove_replica_1s_node(run_name):
-        node_id = ray_actors(f"raytp.{run_name}.rank1")[f"raytp.{run_name}.rank1"]["node_id"]
-        cluster.remove_node(alive[node_id])
-
-    def add_a_node_once_shrunk(run_name):
-        wait_for(lambda: [e for e in events(run_dir, "resized") if e["new"]["dp"] == 2], "the job did not shrink")
-        cluster.add_node(num_cpus=2, num_gpus=2)
-
-    def stop_a_few_steps_after_the_grow_back(run_name):
-        wait_for(lambda: [e for e in events(run_dir, "resized") if e["new"]["dp"] == 4], "the job did not grow back")
-        grown_at = steps_logged(run_dir)
-        wait_for(lambda: steps_logged(run_dir) >= grown_at + after_grow, "the job did not train on at DP 4")
-        ray.get(find_control(run_name).request.remote("stop"))  # what `raytp stop` files
-
-    run(cfg, run_dir, "epelastic", faults=[(6, remove_replica_1s_node), (7, add_a_node_once_shrunk),
-                                           (8, stop_a_few_steps_after_the_grow_back)])
-    resized = events(run_dir, "resized")
+    resized, metrics = shrink_and_grow_back(cluster, gpu_nodes(cluster, 2), cfg, run_dir, "epelastic", 1)
     assert [(e["old"]["dp"], e["new"]["dp"]) for e in resized] == [(4, 2), (2, 4)]
-    assert all(e["new"]["ep"] == 2 for e in resized)
+    assert all(e["new"]["ep"] == 2 for e in resized) and {m["dp"] for m in metrics} == {2, 4}
     (healed,) = events(run_dir, "recovered")
     assert healed["source"] == "shrink to DP=2", healed  # the experts of both places from live replicas
-    (stopped,) = events(run_dir, "stopped")
-    assert stopped["reason"] == "requested" and stopped["step"] < steps, "the job ended before the grow-back"
-    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    assert [m["step"] for m in metrics] == list(range(stopped["step"]))
-    assert [m["dp"] for m in metrics[-after_grow:]] == [4] * after_grow and {m["dp"] for m in metrics} == {2, 4}
-    assert metrics[-1]["loss"] < metrics[0]["loss"] - 1.0
