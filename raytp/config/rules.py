@@ -68,15 +68,12 @@ def _experts_problem(v) -> str | None:
     if moe.n_experts % ep:
         return f"ep={ep} does not divide model.moe.n_experts={moe.n_experts}"
     cp = v["parallel.cp"]
-    if (dp * cp * tp) % (ep * etp_):
-        over = "parallel.dp x parallel.tp" if cp == 1 else "parallel.dp x parallel.cp x parallel.tp"
-        return (f"ep={ep} x etp={etp_} must divide {over} = {dp * cp * tp} (experts are folded over the ranks of each "
-                "stage)")
-    top = v["parallel.max_dp"]
-    if top is not None and (top * cp * tp) % (ep * etp_):
-        over = "parallel.max_dp x parallel.tp" if cp == 1 else "parallel.max_dp x parallel.cp x parallel.tp"
-        return (f"ep={ep} x etp={etp_} must divide {over} = {top * cp * tp} (an elastic job grows only to a DP "
-                "its experts fold over)")
+    why = {"parallel.dp": "experts are folded over the ranks of each stage",
+           "parallel.max_dp": "an elastic job grows only to a DP its experts fold over"}
+    for key, n in (("parallel.dp", dp), ("parallel.max_dp", v["parallel.max_dp"])):
+        if n is not None and (n * cp * tp) % (ep * etp_):
+            over = f"{key} x parallel.tp" if cp == 1 else f"{key} x parallel.cp x parallel.tp"
+            return f"ep={ep} x etp={etp_} must divide {over} = {n * cp * tp} ({why[key]})"
     return None
 
 

@@ -21,7 +21,7 @@ raytp.runtime.elastic.replicas for a DP change), adopt or roll back.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from raytp.parallel.layout import Layout
@@ -163,6 +163,7 @@ class InBundles(Change):
     whose bundle an old worker sits in (``holders``: {new rank: that old rank}) where every new rank's does,
     else every new rank is late."""
     holders: tuple[tuple[int, int], ...] = ()
+    carved: dict = field(default_factory=dict, compare=False)  # dp_rank -> the Slots carved for it
 
     @classmethod
     def of(cls, group, new: Layout) -> "InBundles | None":
@@ -173,14 +174,13 @@ class InBundles(Change):
         old, holders = group.layout, _holders(group, new, carved) or {}
         late = () if holders else tuple(range(new.world_size))
         return cls(rank_plans.RankPlan(tuple(sorted(holders)), (), late, tuple(range(old.world_size))),
-                   tuple(sorted(holders.items())))
+                   tuple(sorted(holders.items())), carved)
 
     def bundles(self, old: Layout, new: Layout, held) -> list[int]:
         return []  # nothing asked for
 
-    def reserve(self, group, new_cfg) -> Reservation | None:
-        carved = carve(group.pgs, new_cfg.layout.tp, new_cfg.layout.dp)
-        return None if carved is None else Reservation(carved, carved, [])
+    def reserve(self, group, new_cfg) -> Reservation:
+        return Reservation(self.carved, self.carved, [])
 
     def switch(self, group, pending, step: int):
         return reshard.switch(group, pending.new_cfg, step, pending.reserved, dict(self.holders), {}, self.ranks.late)

@@ -60,7 +60,6 @@ from raytp.parallel.layout import Layout
 from raytp.runtime import policy
 from raytp.runtime.records import layout_dict
 from raytp.runtime.elastic import changes, rank_plans, replicas, reshard
-from raytp.runtime.cluster import slots
 from raytp.runtime.cluster.resources import worker_resources
 from raytp.runtime.errors import FAILURES, PlacementError
 from raytp.runtime.records import AwaitingRoom, GrowBack, Outcome, PendingResize, Resizing
@@ -153,8 +152,9 @@ class Elastic:
         """No room beside the job now: switch inside its own bundles where the new layout fits there, else
         wait for room while the job trains on (``retry`` at each step boundary): None then."""
         new = new_cfg.layout
-        if not change.restarts_all and slots.carve(group.pgs, new.tp, new.dp) is not None:
-            return self._in_place(group, new_cfg, error, t0, step)
+        inside = None if change.restarts_all else changes.InBundles.of(group, new)
+        if inside is not None:
+            return self._in_place(group, new_cfg, error, t0, step, inside)
         if self.told != t0:  # once per request
             self.told = t0
             self.say(f"no room for {new} beside the job yet: training on, and looking again at each step boundary "
@@ -180,11 +180,11 @@ class Elastic:
         got = self.request(group, a.target, step, a.request_id, t0=a.t0)
         return None if got is None else (a.request_id, got)
 
-    def _in_place(self, group, new_cfg, error: PlacementError, t0: float, step: int):
-        """No room beside the job: switch inside the bundles it holds where the new layout fits there, else
-        refuse."""
+    def _in_place(self, group, new_cfg, error: PlacementError, t0: float, step: int, change=None):
+        """No room beside the job: switch inside the bundles it holds where the new layout fits there (`change`:
+        the InBundles plan, if made already), else refuse."""
         old, new = group.layout, new_cfg.layout
-        change = changes.InBundles.of(group, new)
+        change = change or changes.InBundles.of(group, new)
         if change is None:
             self.log.event("resize_refused", old={"tp": old.tp, "dp": old.dp}, new={"tp": new.tp, "dp": new.dp},
                            error=str(error))
