@@ -159,7 +159,7 @@ class FakeLauncher:
     def prepare_nodes(self, cfg, pgs):
         pass
 
-    def start(self, cfg, pgs, rank, timeout_s=30.0, ahead=0, name=None, live=()):
+    def start(self, cfg, pgs, rank, timeout_s=30.0, ahead=0, name=None, live=frozenset):
         dp_rank, tp_rank = divmod(rank, cfg.parallel.tp)
         pg = pgs[dp_rank]
         return FakeActor(pg.cluster, pg, rank), (pg.id.hex(), tp_rank)

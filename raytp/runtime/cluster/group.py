@@ -98,7 +98,8 @@ class WorkerGroup:
         """A new actor for `rank` (of this group's layout, or of `cfg`/`pgs` not yet switched to; `ahead`,
         `name`: see Launcher.start)."""
         # the job's running actors but the one this rank had (a lost rank's: its name is freed once it is dead)
-        live = frozenset(actor_id(w) for r, w in enumerate(self.workers) if w is not None and r != rank)
+        def live():
+            return frozenset(actor_id(w) for r, w in enumerate(self.workers) if w is not None and r != rank)
         return self.launcher.start(cfg or self.cfg, pgs if pgs is not None else self.pgs, rank, ahead=ahead,
                                    name=name, live=live)
 

@@ -30,9 +30,10 @@ def actor_id(actor) -> str:
     return actor._actor_id.hex()
 
 
-def _held_by(name: str, live: Collection[str]) -> bool:
-    """Whether actor `name` is one of the actors `live` (their ids): alive, not a dead one whose name Ray has
-    yet to free."""
+def _held_by(name: str, live: Callable[[], Collection[str]]) -> bool:
+    """Whether actor `name` is one of the actors `live()` gives (their ids): alive, not a dead one whose name
+    Ray has yet to free. (Asked only when a name is taken: the ids are not worked out for every start.)"""
+    live = live()
     if not live:
         return False
     try:
@@ -57,11 +58,12 @@ class Launcher:
         self.copies.ensure(cfg, pgs)
 
     def start(self, cfg, pgs: dict, rank: int, timeout_s: float = 30.0,
-              ahead: int = 0, name: str | None = None, live: Collection[str] = ()) -> tuple[object, tuple[str, int]]:
+              ahead: int = 0, name: str | None = None, live: Callable[[], Collection[str]] = frozenset
+              ) -> tuple[object, tuple[str, int]]:
         """The actor of `rank` of layout `cfg` placed in `pgs` (dp_rank -> replica placement), and the
         bundle it sits in. `ahead` (k > 0): started beside a layout that still runs, for the k-th resize
         that starts every worker ahead; where a running worker holds the rank's name the new one is
-        named ``names.worker_ahead`` instead of waiting for it. `live`: the ids of the job's running actors;
+        named ``names.worker_ahead`` instead of waiting for it. `live`: gives the ids of the job's running actors;
         where one of them holds the rank's name (a process an elastic shrink renumbered: names cannot
         change), the new one takes the first free ``names.worker_ahead`` too. `name`: the actor's name
         instead."""
