@@ -248,9 +248,55 @@ class DiesInItsStep(Worker):
             from raytp.parallel import comm
 
             def exit_instead(*args, **kwargs):
-                os._exit(1)
+                self._leave()
             setattr(comm, type(self).dies_in, exit_instead)
         return super()._step(step, before_update)
+
+    def _leave(self):
+        os._exit(1)
+
+
+class LeavesItsSocketsOpen(DiesInItsStep):
+    """DiesInItsStep, but first it hands its process groups' sockets to the process listening at the Unix socket
+    `marker`.sock (the test's ``fault_plans.SocketHolder``), which holds them open: as a host that froze or left
+    the network, nothing closes them, and peers blocked on it would wait out runtime.collective_timeout_s."""
+
+    def _leave(self):
+        import socket
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(f"{type(self).marker}.sock")
+            socket.send_fds(s, [b"fds"], sorted(self.groups.sockets))
+            s.recv(1)  # the holder has them
+        os._exit(1)
+
+
+class SocketHolder:
+    """The process LeavesItsSocketsOpen hands its sockets to (this test's): they stay open until the block ends."""
+
+    def __init__(self, path: str):
+        import socket
+        import threading
+        self.path, self.fds = path, []
+        self.server = socket.socket(socket.AF_UNIX)
+        self.server.bind(path)
+        self.server.listen(1)
+        self.thread = threading.Thread(target=self._take, daemon=True)
+
+    def _take(self):
+        import socket
+        conn, _ = self.server.accept()
+        with conn:
+            _, self.fds, _, _ = socket.recv_fds(conn, 16, 256)
+            conn.sendall(b"k")
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        for fd in self.fds:
+            os.close(fd)
+        self.server.close()
 
 
 class WithholdsItsGather(Worker):

@@ -1,5 +1,6 @@
 """Fault recovery: kill workers from outside (as reality does) and the job finishes with the very
 weights of an uninterrupted run."""
+import json
 import os
 import signal
 import threading
@@ -22,6 +23,24 @@ def reference(ray_local, recovery_reference):
     """reference(tp, dp): the final state of an uninterrupted run at that layout (conftest's, shared with
     test_node_loss), run when a test first asks for it (a test run alone runs only its own)."""
     return recovery_reference
+
+
+@pytest.mark.slow
+def test_a_rank_gone_with_its_sockets_left_open_is_healed_without_waiting_out_the_collective(reference, tmp_path):
+    """Rank 3 leaves in its step's last collective, but its sockets stay open (a child holds them), as those of a
+    host that froze or left the network do: its peers, blocked on it, are not left to the collective timeout
+    (120 s): their collectives are aborted, and the run ends as the unbroken one."""
+    import faulty
+    marker = str(tmp_path / "left")
+    faulty.LeavesItsSocketsOpen.at, faulty.LeavesItsSocketsOpen.marker = {3: 6}, marker
+    run_dir = tmp_path / "run"
+    with faulty.SocketHolder(f"{marker}.sock") as holder:  # holds them open until the run has ended
+        run(recovery_job(2, 2, step_timeout_s=NEVER_S), run_dir, "open", worker_cls=faulty.LeavesItsSocketsOpen)
+        assert holder.fds, "rank 3 handed over no socket"
+    assert_bitwise_equal(final_state(run_dir), reference(2, 2))
+    assert "their collectives were aborted" in (tmp_path / "open.out").read_text()
+    assert [e["rank"] for e in events(run_dir, "failure")] == [3]
+    assert [m["step"] for m in map(json.loads, open(run_dir / "metrics.jsonl"))] == list(range(STEPS))
 
 
 # A SIGKILL of a random rank at TP=2 x DP=2, healed from the replica bit for bit with every step's record once, is

@@ -13,6 +13,7 @@ import socket
 
 import torch.distributed as dist
 
+from raytp.parallel import group_sockets
 from raytp.parallel.layout import Layout
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
@@ -45,6 +46,18 @@ class ProcessGroups:
     def __init__(self, layout: Layout, rank: int, tp=None, dp=None, pp=None, emb=None, **others):
         self.layout, self.rank = layout, rank
         self.named = {"tp": tp, "dp": dp, "pp": pp, "emb": emb, "cp": None, **others}
+        self.sockets: dict[int, int] = {}  # the sockets opened as they were built (init_process_groups)
+
+    def abort(self) -> int:
+        """Make a collective of these groups blocked on a peer that will never answer (its host frozen or gone)
+        fail now (raytp.parallel.group_sockets); the groups are then left as after any failed collective.
+        Returns the sockets shut (gloo) or groups aborted (NCCL)."""
+        if dist.is_initialized() and dist.get_backend() != "gloo":
+            groups = [g for g in self.named.values() if g is not None] + [dist.group.WORLD]
+            for g in groups:
+                g.abort()
+            return len(groups)
+        return group_sockets.shut(self.sockets)
 
     def group(self, name: str):
         """The group of the sub-mesh `name` this rank is in (None: one rank, or not built)."""
@@ -107,9 +120,13 @@ def init_process_groups(layout: Layout, rank: int, init_method: str, device: str
         # Keep gloo's data connections on loopback too (it otherwise resolves the hostname).
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=layout.world_size,
-                            timeout=timeout)
-    return build_groups(layout, rank, timeout_s)
+    sockets: dict[int, int] = {}
+    with group_sockets.opened_during(sockets):  # gloo connects each pair of a group as it is built
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=layout.world_size,
+                                timeout=timeout)
+        groups = build_groups(layout, rank, timeout_s)
+    groups.sockets = sockets
+    return groups
 
 
 def build_groups(layout: Layout, rank: int, timeout_s: float = 120.0) -> ProcessGroups:

@@ -223,10 +223,9 @@ class WorkerGroup:
         heartbeat found hung already (their pings are not waited for again)."""
         return health.find_lost(self.workers, self.cfg.recovery.ping_timeout_s, suspects, self.placement)
 
-    def wait_out(self, survivors: list[int]) -> tuple[dict[int, int], list[int], dict[int, int]]:
-        """Wait until no survivor is inside a step, then have them leave their process groups:
-        ({rank: completed steps}, [ranks that did not get out within runtime.collective_timeout_s,
-        killed: they count as lost], {rank: completed steps} of those whose state is torn: they take it anew)."""
+    def wait_out(self, survivors: list[int]) -> health.WaitedOut:
+        """Wait until no survivor is inside a step (those not out within runtime.collective_timeout_s are killed:
+        they count as lost), then have them leave their process groups (health.wait_out)."""
         return health.wait_out(self.workers, survivors, self.cfg.recovery.ping_timeout_s,
                                self.cfg.runtime.collective_timeout_s, self.kill)
 

@@ -20,16 +20,23 @@ node (a frozen host) is judged by its silence alone. Anything less sure gives no
 (``runtime.step_timeout_s``) and the recovery's ping (``recovery.ping_timeout_s``) stay the last resort. One
 rank alone has no one to be compared with: only the deadline finds it hung. A rank tracing a profile is excused
 (``Heartbeat.excused``): torch's profiler holds the GIL while it starts, stops and writes its trace (seconds for a
-big trace or on a loaded machine), and a silent rank then was killed as hung, its trace lost.
+big trace or on a loaded machine), and a silent rank then was killed as hung, its trace lost. A ping answered
+by the rank's death raises it: a rank whose sockets outlive it (its host frozen or gone) fails no peer's
+collective, and the call would wait for their timeout (``wait_out`` then aborts the peers' collectives).
 """
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import ray
 from ray.exceptions import RayActorError
 
 from raytp.runtime.errors import StepDeadline
+
+# Seconds survivors may stay inside a failed step before their collectives are aborted (wait_out): far past the
+# milliseconds a lost rank's closed sockets take to get them out, even on a loaded machine.
+ABORT_AFTER_S = 1.0
 
 
 def find_lost(workers: list, ping_timeout_s: float, suspects=(), placement=()) -> dict[int, str]:
@@ -109,22 +116,36 @@ def end_hung(workers: list, hung: list[int], alive: list[int], placement, timeou
     return exited
 
 
+class WaitedOut(NamedTuple):
+    """What wait_out found."""
+    completed: dict[int, int]  # {rank: completed steps} of the survivors whose state is that step's
+    stuck: list[int]           # ranks not out within collective_timeout_s, killed: they count as lost
+    torn: dict[int, int]       # {rank: completed steps} of those a step failed mid-update (zero 1's gather of
+                               # the new weights): they keep their process, and take their state as a lost rank does
+    aborted: list[int]         # ranks whose collectives were aborted to get them out
+
+
 def wait_out(workers: list, survivors: list[int], ping_timeout_s: float, collective_timeout_s: float,
-             kill) -> tuple[dict[int, int], list[int], dict[int, int]]:
-    """Wait until no survivor is inside a step, then have them leave their process groups:
-    ({rank: completed steps} of those whose state is that step's, [ranks that did not get out within
-    collective_timeout_s, killed by `kill(ranks)`: they count as lost], {rank: completed steps} of those whose
-    state is torn: a step failed mid-update there (zero 1's gather of the new weights); they keep their
-    process but take their state as a lost rank does)."""
-    deadline = time.monotonic() + collective_timeout_s
+             kill) -> WaitedOut:
+    """Wait until no survivor is inside a step, then have them leave their process groups (`kill(ranks)`
+    ends those stuck).
+
+    A lost rank's closed sockets get its peers out in milliseconds. Survivors still inside a step ABORT_AFTER_S
+    later wait on a peer whose sockets stay open (its host frozen or gone, its process outliving its node's
+    Ray): their collectives are aborted (``Worker.abort_collectives``), not waited out for collective_timeout_s."""
+    start = time.monotonic()
+    deadline, abort_at = start + collective_timeout_s, start + ABORT_AFTER_S
     completed: dict[int, int] = {}
-    pending, stuck = list(survivors), []
+    pending, stuck, aborted = list(survivors), [], []
     while pending:
         statuses = ray.get([workers[r].status.remote() for r in pending], timeout=ping_timeout_s)
         for r, st in zip(list(pending), statuses):
             if not st["running"]:
                 completed[r] = st["completed"]
                 pending.remove(r)
+        if pending and abort_at is not None and time.monotonic() > abort_at:
+            ray.get([workers[r].abort_collectives.remote() for r in pending], timeout=ping_timeout_s)
+            abort_at, aborted = None, list(pending)
         if pending and time.monotonic() > deadline:
             kill(pending)
             stuck = list(pending)
@@ -136,7 +157,7 @@ def wait_out(workers: list, survivors: list[int], ping_timeout_s: float, collect
     # Read after the leave: it drops a gather of new weights still in flight, which tears the state.
     torn = {r: completed[r] for r, st in zip(completed, ray.get([workers[r].status.remote() for r in completed],
                                                                 timeout=ping_timeout_s)) if st["torn"]}
-    return {r: c for r, c in completed.items() if r not in torn}, stuck, torn
+    return WaitedOut({r: c for r, c in completed.items() if r not in torn}, stuck, torn, aborted)
 
 
 def kept_records(workers: list, completed: dict[int, int], start: int, ping_timeout_s: float
@@ -197,13 +218,16 @@ class Heartbeat:
         index = {ref: rank for rank, ref in enumerate(refs)}
         answered: dict[int, float] = {}
         pending = list(refs)
-        while pending:  # each answer's time, as it comes (a dead rank's error counts as an answer: not hung)
+        while pending:  # each answer's time, as it comes (a dead rank's error too: raised below)
             left = self.hang_s - (time.perf_counter() - t0)
             if left <= 0:
                 break
             ready, pending = ray.wait(pending, num_returns=1, timeout=left, fetch_local=False)
             for ref in ready:
                 answered[index[ref]] = time.perf_counter() - t0
+        # A rank that died raises here (RayActorError): its peers may not notice (its sockets left open: a host
+        # frozen or gone), and the call would wait for their collectives' timeout.
+        ray.get([refs[r] for r in answered])
         hung = self.confirmed(verdict(answered, len(refs), self.hang_s, self.excused), answered)
         if hung:
             raise RanksHung(hung, self.hang_s)

@@ -11,8 +11,11 @@
    raytp makes the failure travel: a rank whose collective fails destroys its
    process groups, which closes its sockets, so the ranks blocked on *it* fail
    next, and so on through every group; the dead process's own sockets start
-   the chain (a hung one's, once killed). Survivors keep their processes,
-   weights and optimizer state.
+   the chain (a hung one's, once killed). A lost rank whose sockets stay open
+   (its host frozen or gone) starts no chain: survivors still inside the step
+   a second later have their collectives aborted (their sockets shut:
+   raytp.parallel.group_sockets). Survivors keep their processes, weights and
+   optimizer state.
 3. Replace. A lost rank takes a ready warm spare on its TP peers' node if the
    job keeps spares (raytp.runtime.recovery.spares), else it is started again in its
    placement-group bundle (Ray re-places a lost node's bundles once capacity
@@ -50,6 +53,7 @@ from raytp.moves.owners import Owners
 from raytp.runtime import policy
 from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
 from raytp.runtime.records import Healing, Resizing
+from raytp.runtime.cluster.health import ABORT_AFTER_S
 from raytp.runtime.cluster.slots import unused_groups
 from raytp.runtime.state import moving
 from raytp.files.checkpoint import CheckpointError
@@ -121,8 +125,11 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0:
     if not lost:  # every worker is alive: not a lost worker but an error of the job itself
         cause = getattr(error, "cause", None) or error  # a RayTaskError carries the worker's exception
         raise JobError(f"a step failed with every worker alive: {type(cause).__name__}: {cause}") from error
-    completed, stuck, torn = group.wait_out([r for r in range(lay.world_size) if r not in lost])
+    completed, stuck, torn, aborted = group.wait_out([r for r in range(lay.world_size) if r not in lost])
     lost.update({r: "stuck" for r in stuck})
+    if aborted:  # their peers' sockets stayed open (raytp.parallel.group_sockets)
+        ctx.say(f"rank(s) {aborted} were still blocked on the lost ones after {ABORT_AFTER_S:g}s (their sockets "
+                f"stay open: a node gone or frozen); their collectives were aborted")
     if torn:  # their state is neither step's (raytp.train.step.finish_step): it comes from the source too
         ctx.say(f"rank(s) {sorted(torn)} failed mid-update; they take their state anew")
     kept = group.kept_records({r: c for r, c in completed.items() if r not in lost}, step)

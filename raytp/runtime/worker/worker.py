@@ -184,6 +184,11 @@ class Worker:
     def ping(self) -> int:
         return self.rank
 
+    def abort_collectives(self) -> int:
+        """Fail, now, a collective of this rank's blocked on a peer that will never answer (a frozen or vanished
+        host's, whose sockets stay open): the step then fails as on any peer's loss (ProcessGroups.abort)."""
+        return self.groups.abort() if self.groups is not None else 0
+
     def end_process(self, pid: int) -> bool:
         return identity.end_process(pid)  # a hung rank beside this one (raytp.runtime.cluster.health)
 
