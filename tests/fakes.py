@@ -18,6 +18,7 @@ from raytp.config.adapters import model_args
 from raytp.moves.planner import SourceKind
 from raytp.runtime.errors import PlacementError
 from raytp.runtime.cluster.group import WorkerGroup
+from raytp.runtime.cluster.health import WaitedOut
 
 class FakePG:
     def __init__(self, cluster, n: int):
@@ -211,7 +212,7 @@ class FakeGroup(WorkerGroup):
     def wait_out(self, survivors):
         for r in survivors:
             self.workers[r].ended_at = None  # they leave their process groups
-        return {r: self.workers[r].completed for r in survivors}, [], {}
+        return WaitedOut({r: self.workers[r].completed for r in survivors}, [], {}, [])
 
     def kept_records(self, completed, start):
         out = {}
