@@ -200,7 +200,9 @@ def gpu_cluster(gpu_nodes: int, system_config: dict | None = None):
     and 2 fake GPUs each, on loopback; connected, and shut down afterwards. Yields (cluster, nodes)."""
     import ray
     from ray.cluster_utils import Cluster
-    head = {"num_cpus": 1, "num_gpus": 0}
+    # No dashboard, no log monitor (~2 and ~3 s of CPU per cluster, the log monitor tailing every worker's log
+    # for the whole module): nothing here asks them; each node's own agents still run.
+    head = {"num_cpus": 1, "num_gpus": 0, "include_dashboard": False, "include_log_monitor": False}
     if system_config:
         head["_system_config"] = system_config
     cluster = Cluster(initialize_head=True, head_node_args=head)
