@@ -41,6 +41,22 @@ class DiesInResizeSetup(Worker):
         return super().setup(layout, init_method, source)
 
 
+class ReplacementDiesInSetup(Worker):
+    """Rank `rank`'s first replacement exits as its setup begins, while the survivors wait for it in the
+    rendezvous (files `marker`-setup-<n>: one per setup of that rank so far)."""
+
+    rank_of, marker = 1, ""
+
+    def setup(self, layout, init_method, source=None):
+        cls = type(self)
+        if self.rank == cls.rank_of:
+            n = sum(os.path.exists(f"{cls.marker}-setup-{i}") for i in range(8))
+            open(f"{cls.marker}-setup-{n}", "w").close()
+            if n == 1:
+                os._exit(1)
+        return super().setup(layout, init_method, source)
+
+
 HOLD_S = 240.0  # a hold this long means that what it waits for never came (not that it came slowly)
 
 

@@ -49,3 +49,50 @@ def test_an_abort_gets_ranks_out_of_a_collective_a_live_peer_never_joins(tmp_pat
         assert r["waited"] < TIMEOUT_S / 2, r  # left long before the collective's timeout (rank 2 still alive)
         assert r["shut"] and r["shut"][0] >= 2, r  # its pairs to the two peers, at least
         assert r["kept"] == b"still"
+
+
+def _join_aborted_then_joined_again(rank, world_size, init_method, marks):
+    """Round 1: ranks 0 and 1 meet at `init_method` for a world of 3 that rank 2 never joins, and abort that join
+    from another thread (as Worker.abort_collectives does); round 2: all three meet at a store rank 0 listens on
+    and train an all-reduce: a process whose join was aborted joins again."""
+    import torch.distributed as dist
+    from raytp.parallel import group_sockets
+    from raytp.parallel.groups import listening_store
+    store2 = f"{marks}.store2"
+    if rank != 2:
+        before, joining = group_sockets.open_sockets(), threading.Lock()
+
+        def abort():  # as Worker.abort_collectives: only while the join is still under way
+            time.sleep(0.5)
+            with joining:
+                group_sockets.shut_opened_since(before) if before is not None else None
+        threading.Thread(target=abort, daemon=True).start()
+        t0 = time.monotonic()
+        with pytest.raises(Exception):
+            init_process_groups(Layout(tp=1, dp=world_size), rank, init_method, "cpu", TIMEOUT_S)
+        with joining:
+            before = None  # over: a later abort shuts nothing
+        waited = time.monotonic() - t0
+        open(f"{marks}.{rank}", "w").close()
+        if rank == 0:
+            s = listening_store("127.0.0.1", TIMEOUT_S)
+            with open(store2 + ".tmp", "w") as f:
+                f.write(f"tcp://127.0.0.1:{s.port}")
+            os.rename(store2 + ".tmp", store2)
+    else:
+        waited = 0.0
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (os.path.exists(store2) and all(os.path.exists(f"{marks}.{r}") for r in (0, 1))):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    groups = init_process_groups(Layout(tp=1, dp=world_size), rank, open(store2).read(), "cpu", TIMEOUT_S)
+    x = torch.ones(4) * (rank + 1)
+    dist.all_reduce(x, group=groups.dp)
+    destroy_process_groups()
+    return {"waited": waited, "sum": float(x[0])}
+
+
+def test_an_aborted_join_leaves_the_process_able_to_join_again(tmp_path):
+    out = run_ranks(3, _join_aborted_then_joined_again, str(tmp_path / "left"))
+    assert [r["sum"] for r in out] == [6.0, 6.0, 6.0]
+    assert all(r["waited"] < TIMEOUT_S / 2 for r in out[:2]), out

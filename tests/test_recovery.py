@@ -43,6 +43,24 @@ def test_a_rank_gone_with_its_sockets_left_open_is_healed_without_waiting_out_th
     assert [m["step"] for m in map(json.loads, open(run_dir / "metrics.jsonl"))] == list(range(STEPS))
 
 
+@pytest.mark.slow
+def test_a_replacement_lost_while_the_ranks_meet_leaves_the_survivors_their_processes(reference, tmp_path):
+    """Rank 1 is SIGKILLed; its replacement exits as its setup begins, while the survivors wait for it in the
+    rendezvous: they are got out (not held runtime.collective_timeout_s, 120 s) and keep their processes and
+    state; a second replacement takes rank 1, and the run ends as the unbroken one, every step's record once."""
+    import faulty
+    faulty.ReplacementDiesInSetup.rank_of, faulty.ReplacementDiesInSetup.marker = 1, str(tmp_path / "m")
+    run_dir = tmp_path / "run"
+    run(recovery_job(2, 2, step_timeout_s=NEVER_S), run_dir, "meet", faults=[(4, signal_rank(1, signal.SIGKILL))],
+        worker_cls=faulty.ReplacementDiesInSetup)
+    assert_bitwise_equal(final_state(run_dir), reference(2, 2))
+    assert [m["step"] for m in map(json.loads, open(run_dir / "metrics.jsonl"))] == list(range(STEPS))
+    pids = [{r["rank"]: r["pid"] for r in e["ranks"]} for e in events(run_dir, "placed")]
+    assert all(pids[-1][r] == pids[0][r] for r in (0, 2, 3)), pids  # the survivors' processes, all along
+    assert len({p[1] for p in pids}) == 2 and (tmp_path / "m-setup-2").exists()  # the second replacement
+    assert "rank(s) [1] start anew, the others keep their state" in (tmp_path / "meet.out").read_text()
+
+
 # A SIGKILL of a random rank at TP=2 x DP=2, healed from the replica bit for bit with every step's record once, is
 # tests/test_random_faults.py's (with kills inside recoveries, hangs, zero 1, PP and EP).
 @pytest.mark.slow

@@ -42,6 +42,12 @@ def opened_during(into: dict):
         into.update({fd: ino for fd, ino in open_sockets().items() if before.get(fd) != ino})
 
 
+def shut_opened_since(before: dict[int, int]) -> int:
+    """Shut the connected stream sockets opened since `before` (open_sockets() then): a join under way
+    (its rendezvous store's connections, the pairs its groups have connected so far) fails at once."""
+    return shut({fd: ino for fd, ino in open_sockets().items() if before.get(fd) != ino})
+
+
 def shut(sockets: dict[int, int]) -> int:
     """Shut down each connected stream socket of `sockets` ({descriptor: inode}) still open as recorded: a
     collective blocked on one fails at once. Returns how many were shut."""

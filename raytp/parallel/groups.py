@@ -12,6 +12,7 @@ import os
 import socket
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from raytp.parallel import group_sockets
 from raytp.parallel.layout import Layout
@@ -122,8 +123,16 @@ def init_process_groups(layout: Layout, rank: int, init_method: str, device: str
     timeout = datetime.timedelta(seconds=timeout_s)
     sockets: dict[int, int] = {}
     with group_sockets.opened_during(sockets):  # gloo connects each pair of a group as it is built
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=layout.world_size,
-                                timeout=timeout)
+        try:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=layout.world_size,
+                                    timeout=timeout)
+        except BaseException:
+            if not dist.is_initialized():
+                # torch names a world's groups by a count this process keeps, which a failed join leaves raised:
+                # its next join would then wait under other names than its peers' (store keys
+                # "default_pg/<count>/..."; torch 2.13). A destroyed world resets it; a failed one is reset here.
+                distributed_c10d._world.group_count = 0
+            raise
         groups = build_groups(layout, rank, timeout_s)
     groups.sockets = sockets
     return groups

@@ -24,6 +24,7 @@ raytp.runtime.cluster.group_state.StateCalls (``state_calls()``).
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -34,6 +35,7 @@ from raytp.runtime.cluster import health, placement as placements, relay
 from raytp.runtime.cluster.streaming import StepStream, direct_ranks
 from raytp.runtime.cluster.group_state import StateCalls
 from raytp.runtime.cluster.launch import Launcher, actor_id
+from raytp.runtime.errors import FAILURES
 from raytp.runtime.estimate import fits_device
 
 
@@ -165,9 +167,26 @@ class WorkerGroup:
                 calls.append(w.reshape.remote(lay, init_method, job, r, src))
             else:
                 calls.append(w.rejoin.remote(lay, init_method, job, r))
-        health.all_or_first_error(calls, timeout)  # a rank lost while they meet: known at once, not at the timeout
+        try:
+            health.all_or_first_error(calls, timeout)  # a rank lost while they meet: known at once, not at the timeout
+        except FAILURES:
+            self._abort_join(calls)
+            raise
         where = ray.get([w.where.remote() for w in self.workers], timeout=timeout)
         return self._with(placement=tuple(where))
+
+    def _abort_join(self, calls: list) -> None:
+        """After a rank was lost while the ranks met: the others, held in the rendezvous or the groups' connections
+        until runtime.collective_timeout_s, are got out (``Worker.abort_collectives``, again until each one's call
+        has ended: a call may reach its join after an abort) and keep their processes and state. One still in it
+        after runtime.collective_timeout_s is found stuck by the next wait_out."""
+        ping_s, deadline = self.cfg.recovery.ping_timeout_s, time.monotonic() + self.cfg.runtime.collective_timeout_s
+        pending = dict(zip(calls, self.workers))
+        while pending and time.monotonic() < deadline:
+            aborts = [w.abort_collectives.remote() for w in pending.values()]
+            ray.wait(aborts, num_returns=len(aborts), timeout=ping_s, fetch_local=False)
+            _, left = ray.wait(list(pending), num_returns=len(pending), timeout=0.2, fetch_local=False)
+            pending = {ref: pending[ref] for ref in left}
 
     def commit_reshape(self, ranks: Iterable[int]) -> None:
         ray.get([self.workers[r].commit_reshape.remote() for r in ranks], timeout=self.cfg.runtime.step_timeout_s)

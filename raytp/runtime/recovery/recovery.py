@@ -32,8 +32,10 @@
    zero 1's gather of the new weights; a survivor that failed there is "torn"
    and takes its state from the source like a lost rank.
 5. Rewire: new groups at a new rendezvous; survivors rejoin, new workers set
-   up. The driver adopts the group this returns; its first completed step
-   logs ``recovered``.
+   up. A rank lost while they meet: the others' join is aborted, they keep
+   their processes and state, and the ranks set up start anew (a new try).
+   The driver adopts the group this returns; its first completed step logs
+   ``recovered``.
 
 A failure during a recovery starts it again (and counts). Nothing here writes
 into the driver: ``recover`` returns a ``Recovered`` (or a ``GaveUp``) and the
@@ -169,12 +171,12 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0:
     try:
         group = attempt.group = group.join(setup=lost)
     except FAILURES:
-        # A rank lost while the others meet in torch.distributed holds them in that rendezvous until
-        # runtime.collective_timeout_s, and a new meeting in their processes beside the stale one does not
-        # come together: every rank starts anew, and the state comes from the snapshots (or the checkpoint).
-        attempt.restarted = set(range(lay.world_size))
-        ctx.say("a rank was lost while the ranks met; every rank starts anew")
-        group.kill(range(lay.world_size))
+        # A rank lost while the others meet in torch.distributed: their join was aborted (WorkerGroup.join), and
+        # the survivors keep their processes and state for the next try; the ranks set up in this one hold no
+        # state yet: they start anew.
+        attempt.restarted = set(lost)
+        ctx.say(f"a rank was lost while the ranks met; rank(s) {sorted(lost)} start anew, the others keep their state")
+        group.kill(lost)
         raise
     everyone = {r: r for r in range(lay.world_size)}
     restored, source = restore(ctx, group, group, everyone, completed, sorted({*lost, *torn}))

@@ -17,6 +17,7 @@ import time
 
 from raytp.config import from_dict
 from raytp.config.adapters import model_args
+from raytp.parallel import group_sockets
 from raytp.parallel.groups import destroy_process_groups, init_process_groups, listening_store
 from raytp.parallel.layout import Layout
 from raytp.moves.owners import Owners
@@ -51,6 +52,7 @@ class Worker:
         self.document_eod = document_eod(self.cfg.data, self.corpus)
         vocabulary_fits(self.corpus, self.cfg.data, self.cfg.model.vocab_size)
         self.store = None  # the rendezvous store this rank listens on while it is to be rank 0 of a join
+        self.joining = None  # while it joins: the sockets it had before (raytp.parallel.group_sockets)
         self.up = time.time()  # when this process was ready for work (reported by `where`)
         # What is here now (modules, torch, dynamo: ~300k objects) lives as long as the process: out of the
         # collector's sight, a full collection (leave_groups, on the way out of a failed step, while its peers
@@ -94,11 +96,13 @@ class Worker:
     def _join(self, layout: Layout, rank: int, init_method: str):
         """Meet the world of `layout` at `init_method` as `rank`; its TP and DP groups."""
         self.steps.calls.reset()
+        self.joining = group_sockets.open_sockets()  # what an abort of this join leaves alone
         try:
             return init_process_groups(layout, rank, init_method, self.cfg.runtime.device,
                                        self.cfg.runtime.collective_timeout_s)
         finally:
             self.store = None  # rank 0's world holds the store's server now (or the join failed)
+            self.joining = None
 
     def assume(self, rank: int, job: dict) -> None:
         """A warm spare takes rank `rank` of the job as it now is (its groups and shard come next)."""
@@ -186,7 +190,11 @@ class Worker:
 
     def abort_collectives(self) -> int:
         """Fail, now, a collective of this rank's blocked on a peer that will never answer (a frozen or vanished
-        host's, whose sockets stay open): the step then fails as on any peer's loss (ProcessGroups.abort)."""
+        host's, whose sockets stay open): the step then fails as on any peer's loss (ProcessGroups.abort); or a
+        join held by a rank that will not come (lost while the ranks meet): it fails, the state stays."""
+        joining = self.joining
+        if joining is not None:
+            return group_sockets.shut_opened_since(joining)
         return self.groups.abort() if self.groups is not None else 0
 
     def end_process(self, pid: int) -> bool:
@@ -197,8 +205,9 @@ class Worker:
 
     def status(self) -> dict:
         """Answered even while a step runs (threaded actor): completed steps, whether a call runs (or one
-        queued behind it is about to), whether the state is torn (a step failed mid-update)."""
-        return {"rank": self.rank, "completed": self.completed, "running": self.steps.calls.busy(), "torn": self.torn}
+        queued behind it is about to, or it joins), whether the state is torn (a step failed mid-update)."""
+        return {"rank": self.rank, "completed": self.completed, "torn": self.torn,
+                "running": self.steps.calls.busy() or self.joining is not None}
 
     def leave_groups(self) -> None:
         """Destroy this rank's process groups and drop every reference to them, so that their
