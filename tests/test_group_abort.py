@@ -96,3 +96,25 @@ def test_an_aborted_join_leaves_the_process_able_to_join_again(tmp_path):
     out = run_ranks(3, _join_aborted_then_joined_again, str(tmp_path / "left"))
     assert [r["sum"] for r in out] == [6.0, 6.0, 6.0]
     assert all(r["waited"] < TIMEOUT_S / 2 for r in out[:2]), out
+
+
+def test_a_join_whose_rendezvous_host_died_ends_when_aborted_and_one_whose_host_lives_connects():
+    """connect_store: a rendezvous host gone (its port refuses: a replacement lost as the ranks meet) is tried
+    until the join is aborted, then fails at once, not after its timeout (torch's own client retries the whole
+    timeout, with no socket to shut); a live host's store connects and then waits the full timeout."""
+    from raytp.parallel.groups import connect_store, free_port, listening_store
+    gone = f"tcp://127.0.0.1:{free_port()}"
+    aborted = []
+    threading.Timer(0.5, lambda: aborted.append(True)).start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="aborted"):
+        connect_store(gone, TIMEOUT_S, lambda: bool(aborted), try_s=0.5)
+    assert 0.5 <= time.monotonic() - t0 < TIMEOUT_S / 4
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError):  # never aborted: its own timeout ends it
+        connect_store(gone, 1.0, lambda: False, try_s=0.5)
+    assert time.monotonic() - t0 >= 1.0
+    host = listening_store("127.0.0.1", TIMEOUT_S)
+    client = connect_store(f"tcp://127.0.0.1:{host.port}", TIMEOUT_S, lambda: False)
+    client.set("k", b"v")
+    assert host.get("k") == b"v" and client.timeout.total_seconds() == TIMEOUT_S

@@ -10,6 +10,9 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
+from typing import Callable
+from urllib.parse import urlsplit
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -37,6 +40,30 @@ def listening_store(host: str, timeout_s: float = 120.0) -> dist.TCPStore:
     here, so no other program can take it between picking it and joining, as with free_port."""
     return dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
                          wait_for_workers=False, multi_tenant=True)
+
+
+def connect_store(init_method: str, timeout_s: float, aborted: Callable[[], bool], try_s: float = 2.0) -> dist.Store:
+    """A client of the store listening at `init_method` (tcp://host:port; listening_store), connected in tries of
+    `try_s` until one connects, `aborted()` says the join is off, or `timeout_s` has passed.
+
+    torch's own client retries a lost server for its whole timeout, with no socket an abort could shut: a rank
+    meeting a host that died as the ranks met (a replacement lost as it starts) waited twice
+    runtime.collective_timeout_s there (docs/findings.md). A try that fails on a live but loaded host is simply
+    tried again, so load slows a join and never fails it. Once connected, the store waits `timeout_s`."""
+    where = urlsplit(init_method)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store = dist.TCPStore(where.hostname, where.port, None, False,
+                                  timeout=datetime.timedelta(seconds=try_s), wait_for_workers=False)
+        except RuntimeError:  # DistNetworkError / DistStoreError: refused, reset, or no answer within try_s
+            if aborted():
+                raise RuntimeError(f"the join at {init_method} was aborted: a rank was lost while the ranks met")
+            if time.monotonic() > deadline:
+                raise
+            continue
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return store
 
 
 class ProcessGroups:
@@ -114,8 +141,9 @@ def group_kinds(layout: Layout) -> list[tuple[str, list[list[int]]]]:
 
 
 def init_process_groups(layout: Layout, rank: int, init_method: str, device: str = "cpu",
-                        timeout_s: float = 120.0) -> ProcessGroups:
-    """Join the world (rendezvous at `init_method`, e.g. tcp://host:port) and build its groups by name."""
+                        timeout_s: float = 120.0, store: dist.Store | None = None) -> ProcessGroups:
+    """Join the world (rendezvous at `init_method`, e.g. tcp://host:port, or in `store`, this rank's client of
+    that store or the store itself) and build its groups by name."""
     backend = BACKENDS[device]
     if backend == "gloo" and "127.0.0.1" in init_method:
         # Keep gloo's data connections on loopback too (it otherwise resolves the hostname).
@@ -124,8 +152,8 @@ def init_process_groups(layout: Layout, rank: int, init_method: str, device: str
     sockets: dict[int, int] = {}
     with group_sockets.opened_during(sockets):  # gloo connects each pair of a group as it is built
         try:
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=layout.world_size,
-                                    timeout=timeout)
+            meet = {"store": store} if store is not None else {"init_method": init_method}
+            dist.init_process_group(backend, rank=rank, world_size=layout.world_size, timeout=timeout, **meet)
         except BaseException:
             if not dist.is_initialized():
                 # torch names a world's groups by a count this process keeps, which a failed join leaves raised:

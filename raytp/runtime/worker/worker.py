@@ -18,7 +18,7 @@ import time
 from raytp.config import from_dict
 from raytp.config.adapters import model_args
 from raytp.parallel import group_sockets
-from raytp.parallel.groups import destroy_process_groups, init_process_groups, listening_store
+from raytp.parallel.groups import connect_store, destroy_process_groups, init_process_groups, listening_store
 from raytp.parallel.layout import Layout
 from raytp.moves.owners import Owners
 from raytp.models.shard import rebind_groups
@@ -53,6 +53,7 @@ class Worker:
         vocabulary_fits(self.corpus, self.cfg.data, self.cfg.model.vocab_size)
         self.store = None  # the rendezvous store this rank listens on while it is to be rank 0 of a join
         self.joining = None  # while it joins: the sockets it had before (raytp.parallel.group_sockets)
+        self.join_aborted = False
         self.up = time.time()  # when this process was ready for work (reported by `where`)
         # What is here now (modules, torch, dynamo: ~300k objects) lives as long as the process: out of the
         # collector's sight, a full collection (leave_groups, on the way out of a failed step, while its peers
@@ -96,10 +97,11 @@ class Worker:
     def _join(self, layout: Layout, rank: int, init_method: str):
         """Meet the world of `layout` at `init_method` as `rank`; its TP and DP groups."""
         self.steps.calls.reset()
-        self.joining = group_sockets.open_sockets()  # what an abort of this join leaves alone
+        self.joining, self.join_aborted = group_sockets.open_sockets(), False  # what an abort leaves alone
+        timeout_s = self.cfg.runtime.collective_timeout_s
         try:
-            return init_process_groups(layout, rank, init_method, self.cfg.runtime.device,
-                                       self.cfg.runtime.collective_timeout_s)
+            store = self.store if rank == 0 else connect_store(init_method, timeout_s, lambda: self.join_aborted)
+            return init_process_groups(layout, rank, init_method, self.cfg.runtime.device, timeout_s, store)
         finally:
             self.store = None  # rank 0's world holds the store's server now (or the join failed)
             self.joining = None
@@ -194,6 +196,7 @@ class Worker:
         join held by a rank that will not come (lost while the ranks meet): it fails, the state stays."""
         joining = self.joining
         if joining is not None:
+            self.join_aborted = True  # a connection to a lost rendezvous host is tried no more
             return group_sockets.shut_opened_since(joining)
         return self.groups.abort() if self.groups is not None else 0
 
