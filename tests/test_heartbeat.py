@@ -174,3 +174,26 @@ def test_an_evaluation_waiting_on_a_stopped_rank_is_cut_short(ray_local):
         os.kill(pids[1], signal.SIGCONT)
     for w in workers:
         ray.kill(w)
+
+
+def test_ranks_meeting_with_a_stopped_one_are_cut_short_after_the_ping_timeout(ray_local):
+    """health.PingWatch (the driver's wait while the ranks meet in a recovery): a rank stopped then raises RanksHung
+    once its ping has gone unanswered recovery.ping_timeout_s, not after the join's timeout; busy ranks answer."""
+    import ray
+    from raytp.runtime.cluster.health import PingWatch, all_or_first_error
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    actor = ray.remote(Sleeper).options(max_concurrency=4, num_cpus=0)
+    workers = [actor.remote() for _ in range(3)]
+    pids = ray.get([w.ping.remote() for w in workers])
+    os.kill(pids[2], signal.SIGSTOP)
+    try:
+        calls = [w.busy.remote(120.0) for w in workers]
+        t0 = time.monotonic()
+        with pytest.raises(RanksHung, match="recovery.ping_timeout_s=2s") as e:
+            all_or_first_error(calls, 300.0, PingWatch(workers, 2.0).check)
+        assert e.value.ranks == [2] and 2.0 <= time.monotonic() - t0 < 60.0
+        assert not ray.wait(calls[:2], num_returns=2, timeout=0)[0], "it waited the others' calls out"
+    finally:
+        os.kill(pids[2], signal.SIGCONT)
+    for w in workers:
+        ray.kill(w)

@@ -42,9 +42,11 @@ def listening_store(host: str, timeout_s: float = 120.0) -> dist.TCPStore:
                          wait_for_workers=False, multi_tenant=True)
 
 
-def connect_store(init_method: str, timeout_s: float, aborted: Callable[[], bool], try_s: float = 2.0) -> dist.Store:
+def connect_store(init_method: str, timeout_s: float, aborted: Callable[[], bool], host: bool = False,
+                  try_s: float = 2.0) -> dist.Store:
     """A client of the store listening at `init_method` (tcp://host:port; listening_store), connected in tries of
-    `try_s` until one connects, `aborted()` says the join is off, or `timeout_s` has passed.
+    `try_s` until one connects, `aborted()` says the join is off, or `timeout_s` has passed; `host`: the process
+    whose listening_store that is (the client then shares its server, and keeps it as long as it is held).
 
     torch's own client retries a lost server for its whole timeout, with no socket an abort could shut: a rank
     meeting a host that died as the ranks met (a replacement lost as it starts) waited twice
@@ -54,8 +56,8 @@ def connect_store(init_method: str, timeout_s: float, aborted: Callable[[], bool
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            store = dist.TCPStore(where.hostname, where.port, None, False,
-                                  timeout=datetime.timedelta(seconds=try_s), wait_for_workers=False)
+            store = dist.TCPStore(where.hostname, where.port, None, host, timeout=datetime.timedelta(seconds=try_s),
+                                  wait_for_workers=False, multi_tenant=host)
         except RuntimeError:  # DistNetworkError / DistStoreError: refused, reset, or no answer within try_s
             if aborted():
                 raise RuntimeError(f"the join at {init_method} was aborted: a rank was lost while the ranks met")

@@ -156,7 +156,8 @@ class WorkerGroup:
         timeout = cfg.runtime.placement_timeout_s + cfg.runtime.collective_timeout_s
         if isinstance(state, dict):
             state = ray.put(state)  # a one-device state: one copy in the object store, sliced by every worker
-        init_method = ray.get(self.workers[0].rendezvous_address.remote(), timeout=timeout)
+        watch = health.PingWatch(self.workers, cfg.recovery.ping_timeout_s)  # a rank stopped while they meet
+        init_method = health.all_or_first_error([self.workers[0].rendezvous_address.remote()], timeout, watch.check)[0]
         job = cfg.to_dict()
         calls = []
         for r, w in enumerate(self.workers):
@@ -168,20 +169,20 @@ class WorkerGroup:
             else:
                 calls.append(w.rejoin.remote(lay, init_method, job, r))
         try:
-            health.all_or_first_error(calls, timeout)  # a rank lost while they meet: known at once, not at the timeout
-        except FAILURES:
-            self._abort_join(calls)
+            health.all_or_first_error(calls, timeout, watch.check)  # a rank lost: known at once, not at the timeout
+        except FAILURES as e:
+            self._abort_join(calls, skip=getattr(e, "ranks", ()))  # a hung rank's call never ends: it is killed
             raise
-        where = ray.get([w.where.remote() for w in self.workers], timeout=timeout)
+        where = health.all_or_first_error([w.where.remote() for w in self.workers], timeout, watch.check)
         return self._with(placement=tuple(where))
 
-    def _abort_join(self, calls: list) -> None:
+    def _abort_join(self, calls: list, skip: Iterable[int] = ()) -> None:
         """After a rank was lost while the ranks met: the others, held in the rendezvous or the groups' connections
         until runtime.collective_timeout_s, are got out (``Worker.abort_collectives``, again until each one's call
         has ended: a call may reach its join after an abort) and keep their processes and state. One still in it
         after runtime.collective_timeout_s is found stuck by the next wait_out."""
         ping_s, deadline = self.cfg.recovery.ping_timeout_s, time.monotonic() + self.cfg.runtime.collective_timeout_s
-        pending = dict(zip(calls, self.workers))
+        pending = {c: w for r, (c, w) in enumerate(zip(calls, self.workers)) if r not in set(skip)}
         while pending and time.monotonic() < deadline:
             aborts = [w.abort_collectives.remote() for w in pending.values()]
             ray.wait(aborts, num_returns=len(aborts), timeout=ping_s, fetch_local=False)

@@ -181,12 +181,43 @@ def kept_records(workers: list, completed: dict[int, int], start: int, ping_time
 
 
 class RanksHung(StepDeadline):
-    """Ranks left a ping unanswered for recovery.hang_s while the others answered (Heartbeat)."""
+    """Ranks left a ping unanswered for recovery.hang_s while the others answered (Heartbeat), or for
+    recovery.ping_timeout_s while the ranks met (PingWatch)."""
 
-    def __init__(self, ranks: list[int], waited: float):
-        super().__init__(f"rank(s) {ranks} answered no ping within recovery.hang_s={waited:g}s while every "
-                         f"other rank did: hung")
+    def __init__(self, ranks: list[int], waited: float, limit: str = "recovery.hang_s", others: bool = True):
+        super().__init__(f"rank(s) {ranks} answered no ping within {limit}={waited:g}s"
+                         f"{' while every other rank did' if others else ''}: hung")
         self.ranks = list(ranks)
+
+
+class PingWatch:
+    """Pings for calls that are not steps (the ranks meeting in a recovery, their ``where``): a round a second, and a
+    rank that leaves one unanswered for recovery.ping_timeout_s is hung (``check`` raises RanksHung), as the
+    recovery's own ping finds it: a rank stopped as the ranks meet (SIGSTOP, a frozen host) held the join for
+    runtime.placement_timeout_s + collective_timeout_s, and every try after it as long (docs/findings.md). A ping
+    answered by a death raises it. A threaded worker answers a ping in its join within milliseconds."""
+
+    EVERY_S = 1.0
+
+    def __init__(self, workers: list, ping_timeout_s: float):
+        self.workers, self.ping_timeout_s = workers, ping_timeout_s
+        self.refs: list = []
+        self.sent = -float("inf")
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if self.refs:
+            ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0, fetch_local=False)
+            ray.get(ready)  # a rank that died raises
+            if len(ready) < len(self.refs):
+                if now - self.sent > self.ping_timeout_s:
+                    answered = set(ready)
+                    silent = [r for r, ref in enumerate(self.refs) if ref not in answered]
+                    raise RanksHung(silent, self.ping_timeout_s, "recovery.ping_timeout_s", others=False)
+                return
+            self.refs = []
+        if now - self.sent >= self.EVERY_S:
+            self.refs, self.sent = [w.ping.remote() for w in self.workers], now
 
 
 def verdict(answered: dict[int, float], ranks: int, hang_s: float, excused=frozenset()) -> list[int]:
