@@ -171,7 +171,7 @@ class FakeGroup(WorkerGroup):
     placer: FakeCluster  # set by FakeCluster.group_class
 
     # -- joining
-    def join(self, setup=(), reshape=(), state=None, states=None):
+    def join(self, setup=(), reshape=(), state=None, states=None, started=()):
         from raytp.runtime.worker.planned_source import PlannedSource
         setup, reshape = set(setup), set(reshape)
         for r, w in enumerate(self.workers):

@@ -177,8 +177,10 @@ def test_an_evaluation_waiting_on_a_stopped_rank_is_cut_short(ray_local):
 
 
 def test_ranks_meeting_with_a_stopped_one_are_cut_short_after_the_ping_timeout(ray_local):
-    """health.PingWatch (the driver's wait while the ranks meet in a recovery): a rank stopped then raises RanksHung
-    once its ping has gone unanswered recovery.ping_timeout_s, not after the join's timeout; busy ranks answer."""
+    """health.PingWatch (the driver's wait while the ranks meet in a recovery): a rank up (it answered a ping) and
+    stopped then raises RanksHung once its ping has gone unanswered recovery.ping_timeout_s, not after the join's
+    timeout; busy ranks answer. A rank not known up (still starting: its ping waits behind its start) is not
+    judged before it answers one: the same wait then ends only at its own timeout."""
     import ray
     from raytp.runtime.cluster.health import PingWatch, all_or_first_error
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -188,9 +190,11 @@ def test_ranks_meeting_with_a_stopped_one_are_cut_short_after_the_ping_timeout(r
     os.kill(pids[2], signal.SIGSTOP)
     try:
         calls = [w.busy.remote(120.0) for w in workers]
+        with pytest.raises(ray.exceptions.GetTimeoutError):  # rank 2 never answered: starting, not judged
+            all_or_first_error(calls, 6.0, PingWatch(workers, 2.0).check)
         t0 = time.monotonic()
         with pytest.raises(RanksHung, match="recovery.ping_timeout_s=2s") as e:
-            all_or_first_error(calls, 300.0, PingWatch(workers, 2.0).check)
+            all_or_first_error(calls, 300.0, PingWatch(workers, 2.0, up=[0, 1, 2]).check)
         assert e.value.ranks == [2] and 2.0 <= time.monotonic() - t0 < 60.0
         assert not ray.wait(calls[:2], num_returns=2, timeout=0)[0], "it waited the others' calls out"
     finally:

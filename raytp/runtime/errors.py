@@ -13,6 +13,15 @@ class StepDeadline(RuntimeError):
     """No worker finished a step within runtime.step_timeout_s: someone may hang."""
 
 
+class JoinStuck(StepDeadline):
+    """Ranks still inside a join the driver aborted (a rank lost while they met), killed: gloo retries a
+    connection to a lost peer until runtime.collective_timeout_s with nothing an abort could shut."""
+
+    def __init__(self, ranks: list[int]):
+        super().__init__(f"rank(s) {ranks} were still inside the aborted join: stuck, ended")
+        self.ranks = self.stuck = list(ranks)
+
+
 class WorkerAborted(RuntimeError):
     """A rank left a step because a collective failed (raised inside the worker)."""
 

@@ -35,7 +35,7 @@ from raytp.runtime.cluster import health, placement as placements, relay
 from raytp.runtime.cluster.streaming import StepStream, direct_ranks
 from raytp.runtime.cluster.group_state import StateCalls
 from raytp.runtime.cluster.launch import Launcher, actor_id
-from raytp.runtime.errors import FAILURES
+from raytp.runtime.errors import FAILURES, JoinStuck
 from raytp.runtime.estimate import fits_device
 
 
@@ -145,18 +145,20 @@ class WorkerGroup:
 
     # -- joining ---------------------------------------------------------------------------------
     def join(self, setup: Iterable[int] = (), reshape: Iterable[int] = (), state=None,
-             states: Mapping[int, object] | None = None) -> "WorkerGroup":
+             states: Mapping[int, object] | None = None, started: Iterable[int] = ()) -> "WorkerGroup":
         """Meet in torch.distributed at rank 0's node and build the TP and DP groups; returns this group
         with where each rank runs. Ranks in `setup` build their shard (from their slices of `state` if
         given: a raytp.files.state_sources source, or a one-device state or its ref; else seeded), ranks in
         `reshape` rebuild theirs from their slices of `state`, and every other rank rejoins with the
-        shard it holds. `states`: a source per rank instead of one for all."""
+        shard it holds. `states`: a source per rank instead of one for all. `started`: ranks of `setup` known to be
+        up (they answered a ping): the others are watched for a hang only once they answer one."""
         setup, reshape = set(setup), set(reshape)
         lay, cfg = self.layout, self.cfg
         timeout = cfg.runtime.placement_timeout_s + cfg.runtime.collective_timeout_s
         if isinstance(state, dict):
             state = ray.put(state)  # a one-device state: one copy in the object store, sliced by every worker
-        watch = health.PingWatch(self.workers, cfg.recovery.ping_timeout_s)  # a rank stopped while they meet
+        up = [r for r in range(len(self.workers)) if r not in setup or r in set(started)]
+        watch = health.PingWatch(self.workers, cfg.recovery.ping_timeout_s, up)  # a rank stopped while they meet
         init_method = health.all_or_first_error([self.workers[0].rendezvous_address.remote()], timeout, watch.check)[0]
         job = cfg.to_dict()
         calls = []
@@ -171,23 +173,32 @@ class WorkerGroup:
         try:
             health.all_or_first_error(calls, timeout, watch.check)  # a rank lost: known at once, not at the timeout
         except FAILURES as e:
-            self._abort_join(calls, skip=getattr(e, "ranks", ()))  # a hung rank's call never ends: it is killed
+            stuck = self._abort_join(calls, skip=getattr(e, "ranks", ()))  # a hung rank's call never ends: killed
+            if stuck:
+                self.kill(stuck)
+                raise JoinStuck(stuck) from e
             raise
         where = health.all_or_first_error([w.where.remote() for w in self.workers], timeout, watch.check)
         return self._with(placement=tuple(where))
 
-    def _abort_join(self, calls: list, skip: Iterable[int] = ()) -> None:
+    def _abort_join(self, calls: list, skip: Iterable[int] = ()) -> list[int]:
         """After a rank was lost while the ranks met: the others, held in the rendezvous or the groups' connections
         until runtime.collective_timeout_s, are got out (``Worker.abort_collectives``, again until each one's call
-        has ended: a call may reach its join after an abort) and keep their processes and state. One still in it
-        after runtime.collective_timeout_s is found stuck by the next wait_out."""
-        ping_s, deadline = self.cfg.recovery.ping_timeout_s, time.monotonic() + self.cfg.runtime.collective_timeout_s
-        pending = {c: w for r, (c, w) in enumerate(zip(calls, self.workers)) if r not in set(skip)}
+        has ended: a call may reach its join after an abort) and keep their processes and state. Returns the ranks
+        still inside after twice recovery.ping_timeout_s (at most the collective timeout): an abort gets a call out
+        in milliseconds, but not one in gloo's connection to a peer lost as they met (retried until the timeout,
+        a new socket each try), nor one that reached its join after the last abort. The caller kills them: a join
+        left running would meet beside the next try's in the same process."""
+        ping_s = self.cfg.recovery.ping_timeout_s
+        deadline = time.monotonic() + min(2 * ping_s, self.cfg.runtime.collective_timeout_s)
+        skip = set(skip)
+        pending = {c: (r, w) for r, (c, w) in enumerate(zip(calls, self.workers)) if r not in skip}
         while pending and time.monotonic() < deadline:
-            aborts = [w.abort_collectives.remote() for w in pending.values()]
+            aborts = [w.abort_collectives.remote() for _, w in pending.values()]
             ray.wait(aborts, num_returns=len(aborts), timeout=ping_s, fetch_local=False)
             _, left = ray.wait(list(pending), num_returns=len(pending), timeout=0.2, fetch_local=False)
             pending = {ref: pending[ref] for ref in left}
+        return sorted(r for r, _ in pending.values())
 
     def commit_reshape(self, ranks: Iterable[int]) -> None:
         ray.get([self.workers[r].commit_reshape.remote() for r in ranks], timeout=self.cfg.runtime.step_timeout_s)

@@ -27,7 +27,7 @@ collective, and the call would wait for their timeout (``wait_out`` then aborts 
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 import ray
 from ray.exceptions import RayActorError
@@ -192,15 +192,17 @@ class RanksHung(StepDeadline):
 
 class PingWatch:
     """Pings for calls that are not steps (the ranks meeting in a recovery, their ``where``): a round a second, and a
-    rank that leaves one unanswered for recovery.ping_timeout_s is hung (``check`` raises RanksHung), as the
-    recovery's own ping finds it: a rank stopped as the ranks meet (SIGSTOP, a frozen host) held the join for
-    runtime.placement_timeout_s + collective_timeout_s, and every try after it as long (docs/findings.md). A ping
-    answered by a death raises it. A threaded worker answers a ping in its join within milliseconds."""
+    rank up (in `up`, or once it answered one) that leaves one unanswered for recovery.ping_timeout_s is hung
+    (``check`` raises RanksHung), as the recovery's own ping finds it: a rank stopped as the ranks meet (SIGSTOP, a
+    frozen host) held the join for runtime.placement_timeout_s + collective_timeout_s, and every try after it as
+    long (docs/findings.md). A rank still starting (a new rank of a resize: its ping waits behind its start) is not
+    judged before its first answer. A ping answered by a death raises it. A threaded worker answers a ping in its
+    join within milliseconds."""
 
     EVERY_S = 1.0
 
-    def __init__(self, workers: list, ping_timeout_s: float):
-        self.workers, self.ping_timeout_s = workers, ping_timeout_s
+    def __init__(self, workers: list, ping_timeout_s: float, up: Iterable[int] = ()):
+        self.workers, self.ping_timeout_s, self.up = workers, ping_timeout_s, set(up)
         self.refs: list = []
         self.sent = -float("inf")
 
@@ -209,12 +211,14 @@ class PingWatch:
         if self.refs:
             ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0, fetch_local=False)
             ray.get(ready)  # a rank that died raises
+            answered = set(ready)
+            self.up.update(r for r, ref in enumerate(self.refs) if ref in answered)
             if len(ready) < len(self.refs):
-                if now - self.sent > self.ping_timeout_s:
-                    answered = set(ready)
-                    silent = [r for r, ref in enumerate(self.refs) if ref not in answered]
+                silent = [r for r, ref in enumerate(self.refs) if ref not in answered and r in self.up]
+                if silent and now - self.sent > self.ping_timeout_s:
                     raise RanksHung(silent, self.ping_timeout_s, "recovery.ping_timeout_s", others=False)
-                return
+                if now - self.sent <= self.ping_timeout_s or silent:
+                    return
             self.refs = []
         if now - self.sent >= self.EVERY_S:
             self.refs, self.sent = [w.ping.remote() for w in self.workers], now

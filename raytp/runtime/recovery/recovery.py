@@ -101,6 +101,7 @@ class _Attempt:
     def __init__(self, group, failures: int):
         self.group, self.failures, self.counted = group, failures, 0
         self.restarted: set[int] = set()  # ranks this recovery killed itself after a failed join (not losses)
+        self.stuck: set[int] = set()  # ranks killed still inside an aborted join (errors.JoinStuck): losses
 
 
 def recover(ctx: RecoveryContext, group, error: BaseException, step: int, failures: int) -> Recovered | GaveUp:
@@ -124,6 +125,7 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0:
     cfg, lay = group.cfg, group.layout
     lost = group.find_lost(getattr(error, "ranks", ()))  # a heartbeat's RanksHung names them
     lost.update({r: "restarted" for r in attempt.restarted})  # killed by the last try: gone, answer or not
+    lost.update({r: "stuck" for r in attempt.stuck})
     if not lost:  # every worker is alive: not a lost worker but an error of the job itself
         cause = getattr(error, "cause", None) or error  # a RayTaskError carries the worker's exception
         raise JobError(f"a step failed with every worker alive: {type(cause).__name__}: {cause}") from error
@@ -141,7 +143,7 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0:
                       step=step, error=f"{type(error).__name__}: {str(error)[:300]}")
         ctx.say(f"rank {rank} {cause} (pid {where.get('pid')}) at step {step}; recovering")
     losses = [r for r, cause in lost.items() if cause != "restarted"]
-    attempt.restarted = set()
+    attempt.restarted, attempt.stuck = set(), set()
     decision = policy.on_failure(lost, attempt.failures + len(losses) - len(lost), cfg.recovery.max_failures)
     attempt.failures += len(losses)
     attempt.counted += len(losses)
@@ -169,11 +171,12 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0:
             give_up(ctx, group, why)
         return _shrink(ctx, attempt, shrink, lost, completed, t0, _unread(kept, step))
     try:
-        group = attempt.group = group.join(setup=lost)
-    except FAILURES:
+        group = attempt.group = group.join(setup=lost, started=lost)  # up: group.ready answered
+    except FAILURES as e:
         # A rank lost while the others meet in torch.distributed: their join was aborted (WorkerGroup.join), and
-        # the survivors keep their processes and state for the next try; the ranks set up in this one hold no
-        # state yet: they start anew.
+        # the survivors keep their processes and state for the next try (but those stuck in it, killed); the
+        # ranks set up in this one hold no state yet: they start anew.
+        attempt.stuck = set(getattr(e, "stuck", ())) - set(lost)
         attempt.restarted = set(lost)
         ctx.say(f"a rank was lost while the ranks met; rank(s) {sorted(lost)} start anew, the others keep their state")
         group.kill(lost)
