@@ -52,6 +52,15 @@ class Sleeper:
             time.sleep(0.001)
 
 
+def sleepers(concurrency=4):
+    """Three Sleeper actors (threaded) and their pids."""
+    import ray
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on the workers' path
+    actor = ray.remote(Sleeper).options(max_concurrency=concurrency, num_cpus=0)
+    workers = [actor.remote() for _ in range(3)]
+    return workers, ray.get([w.ping.remote() for w in workers])
+
+
 def verdict_within(beat, seconds):
     """The ranks of the first round's verdict within `seconds` (None if none came)."""
     deadline = time.monotonic() + seconds
@@ -66,10 +75,7 @@ def verdict_within(beat, seconds):
 
 def test_a_stopped_process_is_found_and_a_busy_one_is_not(ray_local):
     import ray
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on the workers' path
-    actor = ray.remote(Sleeper).options(max_concurrency=4, num_cpus=0)
-    workers = [actor.remote() for _ in range(3)]
-    pids = ray.get([w.ping.remote() for w in workers])
+    workers, pids = sleepers()
     busy = workers[1].busy.remote(3.0)
     beat = Heartbeat(workers, 1.0)
     beat.check()  # busy is not hung
@@ -101,10 +107,7 @@ def test_a_silent_rank_that_uses_cpu_is_busy_not_hung(ray_local, tmp_path):
     once killed as hung) draws no verdict when a rank beside it can look at it; judged by its silence alone (no
     placement), the same rank is found hung: the look is what tells them apart."""
     import ray
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    actor = ray.remote(Sleeper).options(max_concurrency=16, num_cpus=0)
-    workers = [actor.remote() for _ in range(3)]
-    pids = ray.get([w.ping.remote() for w in workers])
+    workers, pids = sleepers(16)
     node = ray.get_runtime_context().get_node_id()
     placement = [{"node_id": node, "pid": pid} for pid in pids]
     held = tmp_path / "held"
@@ -159,10 +162,7 @@ def test_an_evaluation_waiting_on_a_stopped_rank_is_cut_short(ray_local):
     others' calls still run, long before their end or the timeout."""
     import ray
     from raytp.runtime.cluster.health import watched_get
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    actor = ray.remote(Sleeper).options(max_concurrency=4, num_cpus=0)
-    workers = [actor.remote() for _ in range(3)]
-    pids = ray.get([w.ping.remote() for w in workers])
+    workers, pids = sleepers()
     os.kill(pids[1], signal.SIGSTOP)
     try:
         calls = [w.busy.remote(120.0) for w in workers]
@@ -183,10 +183,7 @@ def test_ranks_meeting_with_a_stopped_one_are_cut_short_after_the_ping_timeout(r
     judged before it answers one: the same wait then ends only at its own timeout."""
     import ray
     from raytp.runtime.cluster.health import PingWatch, all_or_first_error
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    actor = ray.remote(Sleeper).options(max_concurrency=4, num_cpus=0)
-    workers = [actor.remote() for _ in range(3)]
-    pids = ray.get([w.ping.remote() for w in workers])
+    workers, pids = sleepers()
     os.kill(pids[2], signal.SIGSTOP)
     try:
         calls = [w.busy.remote(120.0) for w in workers]
