@@ -53,6 +53,8 @@ def connect_store(init_method: str, timeout_s: float, aborted: Callable[[], bool
     runtime.collective_timeout_s there (docs/findings.md). A try that fails on a live but loaded host is simply
     tried again, so load slows a join and never fails it. Once connected, the store waits `timeout_s`."""
     where = urlsplit(init_method)
+    if where.scheme != "tcp" or not where.hostname or not where.port:
+        raise ValueError(f"a store is met at tcp://host:port, not at {init_method!r}")
     deadline = time.monotonic() + timeout_s
     while True:
         try:
