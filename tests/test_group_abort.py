@@ -52,26 +52,41 @@ def test_an_abort_gets_ranks_out_of_a_collective_a_live_peer_never_joins(tmp_pat
 
 
 def _join_aborted_then_joined_again(rank, world_size, init_method, marks):
-    """Round 1: ranks 0 and 1 meet at `init_method` for a world of 3 that rank 2 never joins, and abort that join
-    from another thread (as Worker.abort_collectives does); round 2: all three meet at a store rank 0 listens on
+    """Round 1: ranks 0 and 1 meet at a store rank 0 listens on, as workers do (each through a client of its own),
+    for a world of 3 that rank 2 never joins, and abort that join from another thread, again until it ended (as
+    the driver's abort of a join does); round 2: all three meet at a store rank 0 listens on
     and train an all-reduce: a process whose join was aborted joins again."""
     import torch.distributed as dist
     from raytp.parallel import group_sockets
-    from raytp.parallel.groups import listening_store
-    store2 = f"{marks}.store2"
+    from raytp.parallel.groups import connect_store, listening_store
+    store1, store2 = f"{marks}.store1", f"{marks}.store2"
     if rank != 2:
-        before, joining = group_sockets.open_sockets(), threading.Lock()
+        if rank == 0:  # the store of round 1, listening before anyone meets (Worker.rendezvous_address)
+            s1 = listening_store("127.0.0.1", TIMEOUT_S)
+            with open(store1 + ".tmp", "w") as f:
+                f.write(f"tcp://127.0.0.1:{s1.port}")
+            os.rename(store1 + ".tmp", store1)
+        while not os.path.exists(store1):
+            time.sleep(0.05)
+        before, joining, aborted, done = group_sockets.open_sockets(), threading.Lock(), [], threading.Event()
 
-        def abort():  # as Worker.abort_collectives: only while the join is still under way
+        def abort():  # as WorkerGroup._abort_join -> Worker.abort_collectives: again until the join has ended
             time.sleep(0.5)
-            with joining:
-                group_sockets.shut_opened_since(before) if before is not None else None
+            while not done.is_set():
+                with joining:
+                    if before is not None:
+                        aborted.append(True)
+                        group_sockets.shut_opened_since(before)
+                time.sleep(0.2)
         threading.Thread(target=abort, daemon=True).start()
         t0 = time.monotonic()
         with pytest.raises(Exception):
-            init_process_groups(Layout(tp=1, dp=world_size), rank, init_method, "cpu", TIMEOUT_S)
+            at = open(store1).read()
+            client = connect_store(at, TIMEOUT_S, lambda: bool(aborted), host=rank == 0)
+            init_process_groups(Layout(tp=1, dp=world_size), rank, at, "cpu", TIMEOUT_S, store=client)
         with joining:
             before = None  # over: a later abort shuts nothing
+        done.set()
         waited = time.monotonic() - t0
         open(f"{marks}.{rank}", "w").close()
         if rank == 0:
