@@ -19,7 +19,7 @@ class JoinStuck(StepDeadline):
 
     def __init__(self, ranks: list[int]):
         super().__init__(f"rank(s) {ranks} were still inside the aborted join: stuck, ended")
-        self.ranks = self.stuck = list(ranks)
+        self.ranks = list(ranks)
 
 
 class WorkerAborted(RuntimeError):

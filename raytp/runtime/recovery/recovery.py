@@ -53,7 +53,7 @@ from ray.exceptions import ObjectLostError, OwnerDiedError, RayTaskError
 from raytp.moves.planner import SourceKind, Unplannable
 from raytp.moves.owners import Owners
 from raytp.runtime import policy
-from raytp.runtime.errors import FAILURES, JobError, RecoveryFailed
+from raytp.runtime.errors import FAILURES, JobError, JoinStuck, RecoveryFailed
 from raytp.runtime.records import Healing, Resizing
 from raytp.runtime.cluster.health import ABORT_AFTER_S
 from raytp.runtime.cluster.slots import unused_groups
@@ -176,7 +176,7 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0:
         # A rank lost while the others meet in torch.distributed: their join was aborted (WorkerGroup.join), and
         # the survivors keep their processes and state for the next try (but those stuck in it, killed); the
         # ranks set up in this one hold no state yet: they start anew.
-        attempt.stuck = set(getattr(e, "stuck", ())) - set(lost)
+        attempt.stuck = set(e.ranks) - set(lost) if isinstance(e, JoinStuck) else set()
         attempt.restarted = set(lost)
         ctx.say(f"a rank was lost while the ranks met; rank(s) {sorted(lost)} start anew, the others keep their state")
         group.kill(lost)

@@ -100,9 +100,10 @@ class Worker:
         self.joining, self.join_aborted = group_sockets.open_sockets(), False  # what an abort leaves alone
         timeout_s = self.cfg.runtime.collective_timeout_s
         try:
-            # rank 0 meets at its own server, through a client of its own that an abort can shut (tcp://; other
-            store = connect_store(init_method, timeout_s, lambda: self.join_aborted, host=rank == 0) \
-                if init_method.startswith("tcp://") else None  # ways of meeting are torch's own)
+            # At tcp:// each rank (rank 0 too, at its own server) meets through a client an abort can end;
+            # other ways of meeting (file://, outside Ray) are torch's own.
+            tcp = init_method.startswith("tcp://")
+            store = connect_store(init_method, timeout_s, lambda: self.join_aborted, rank == 0) if tcp else None
             return init_process_groups(layout, rank, init_method, self.cfg.runtime.device, timeout_s, store)
         finally:
             self.store = None  # rank 0's world holds the store's server now (or the join failed)
