@@ -131,20 +131,26 @@ def _one_device(rank, world, init_method, job_dict):
     w = Worker(job_dict, rank)
     cfg = w.cfg
     w.setup(cfg.layout, init_method)
-    per_call, losses = cfg.train.steps_per_call, []
+    per_call, records = cfg.train.steps_per_call, []
     for start in range(0, cfg.train.steps, per_call):
         count = min(per_call, cfg.train.steps - start)
-        losses += [r["loss"] for r in w.run_steps(start, count, 0, seq=start // per_call) if "loss" in r]
-    return losses
+        records += [r for r in w.run_steps(start, count, 0, seq=start // per_call) if "loss" in r]
+    return records
 
 
-def one_device_losses(cfg) -> list[float]:
-    """Every step's loss of job `cfg` (at tp = dp = 1) trained on one device by a Worker in a process forked from
-    this one (raytp.parallel.spawn): no Ray, no worker start (~3 s of CPU each), the same steps a one-rank run's
-    worker takes. The reference of the tests that check a layout's run against one device within a bound."""
+def one_device_records(cfg) -> list[dict]:
+    """Every step's record (its loss, tokens, ...) of job `cfg` (at tp = dp = 1) trained on one device by a Worker
+    in a process forked from this one (raytp.parallel.spawn): no Ray, no worker start (~3 s of CPU each), the
+    steps a one-rank run's worker takes (its losses are that run's bit for bit). The reference of the tests that
+    check a layout's run against one device within a bound."""
     from raytp.parallel.spawn import run_ranks
     assert cfg.layout.world_size == 1, "a one-device reference is a job at tp = dp = 1"
     return run_ranks(1, _one_device, cfg.to_dict())[0]
+
+
+def one_device_losses(cfg) -> list[float]:
+    """one_device_records' losses."""
+    return [r["loss"] for r in one_device_records(cfg)]
 
 
 def run(cfg, run_dir, name, faults=(), worker_cls=Worker):
