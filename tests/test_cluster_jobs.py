@@ -120,6 +120,9 @@ def test_long_run_exports_metrics_scales_and_stops_cleanly(head, prometheus, tmp
               "--set", "runtime.peak_tflops=1")  # a CPU has no peak in raytp's table: MFU is reported with one
     assert p.returncode == 0, p.stderr[-3000:]
 
+    # Its first step in the run dir first (a file read, where each `raytp status` is a process of ~2 s of CPU).
+    wait_for("the run's first step", lambda: (run_dir / "metrics.jsonl").exists()
+             and (run_dir / "metrics.jsonl").read_text().strip(), every=0.2)
     running = wait_for("the run to train", lambda: (s := raytp("status", "long", "--address", head.gcs))
                        and re.search(r"long: running  step [1-9]", s.stdout) and s, every=2)
     assert "Ray job raytp-long: RUNNING" in running.stdout and "TP=2 x DP=1" in running.stdout

@@ -5,10 +5,13 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from ray_head import NEVER_S, ROOT, SMALL, _env, end_runs, leftovers, raytp, wait_for
+
+from raytp.runtime.coordinator.actor import FOLLOWING_S
 
 # DP=2 (two workers; a TP group of the default job's two would double the process starts and prove nothing more
 # of a run outliving its client: the checkpoints compared are whole either way).
@@ -77,6 +80,7 @@ def test_a_run_outlives_its_killed_client_and_attach_follows_it(head, tmp_path):
         cut.kill()  # SIGKILL: the client is gone, as a closed laptop's
         cut.wait()
     at = steps_logged(tmp_path / "cut")
+    time.sleep(FOLLOWING_S)  # a client seen this recently still follows (each `raytp status` is ~2 s of CPU)
     status = wait_for("the run to say it has no client", lambda: (s := raytp("status", "cut", "--address", head.gcs))
                       and "client: none since" in s.stdout and s, every=2)
     assert "cut: running" in status.stdout, status.stdout
