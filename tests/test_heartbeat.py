@@ -42,9 +42,9 @@ class Sleeper:
     def slow_pings(self, while_exists):
         self.held = str(while_exists)
 
-    def look_at(self, pid, over_s):
+    def look_at(self, pid, over_s, up=None):
         from raytp.runtime.worker.identity import look_at
-        return look_at(pid, over_s)
+        return look_at(pid, over_s, up)
 
     def busy(self, s):
         t0 = time.perf_counter()
@@ -100,6 +100,29 @@ def test_a_hung_rank_is_ended_only_if_it_is_a_ray_worker():
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait()
     assert end_process(done.pid) is None
+
+
+def test_a_pid_another_process_has_now_is_neither_ended_nor_looked_at():
+    """A rank's recorded pid outlives its process, and the OS hands pids out again: a process that started after
+    the rank said it was up (`up`) is another's (another run's Ray worker, say) and is left alone, "gone" to a
+    look; the rank's own process (started before its `up`) is looked at and ended."""
+    import subprocess
+    from helpers import wait_for
+    from raytp.runtime.worker.identity import START_SLACK_S, end_process, look_at, started_at
+    t0 = time.time()
+    # A process whose command line says ``ray::`` (a Ray worker's, as far as end_process can tell).
+    other = subprocess.Popen(["ray::Worker", "-c", "import time; time.sleep(60)"], executable=sys.executable)
+    try:
+        wait_for(lambda: started_at(other.pid) is not None, "the process did not start")
+        assert abs(started_at(other.pid) - t0) < START_SLACK_S + 1  # /proc's start against the wall clock
+        earlier = t0 - 10 * START_SLACK_S  # a rank that was up before this process started: not this process
+        assert look_at(other.pid, 0.1, up=earlier) == "gone"
+        assert end_process(other.pid, up=earlier) is None and other.poll() is None
+        assert look_at(other.pid, 0.1, up=time.time()) in ("busy", "idle")  # its own `up`: looked at
+        assert end_process(other.pid, up=time.time()) is True
+        assert other.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        other.kill()
 
 
 def test_a_silent_rank_that_uses_cpu_is_busy_not_hung(ray_local, tmp_path):

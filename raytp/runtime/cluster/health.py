@@ -84,8 +84,9 @@ def all_or_first_error(refs: list, timeout_s: float, between=None, slice_s: floa
 
 
 def calls_beside(workers: list, placement, targets, alive, call) -> dict:
-    """{ref: target rank} of `call(worker, pid)` made, for each of the `targets` ranks, on an `alive` rank on its
-    node (by `placement`: each rank's {"node_id", "pid"}) about its process; a target with no such rank gets none."""
+    """{ref: target rank} of `call(worker, pid, up)` made, for each of the `targets` ranks, on an `alive` rank on
+    its node (by `placement`: each rank's {"node_id", "pid", "up"}) about its process; a target with no such rank
+    gets none."""
     where = {r: placement[r] for r in range(min(len(placement), len(workers)))}
     beside = {}
     for r in alive:
@@ -94,7 +95,7 @@ def calls_beside(workers: list, placement, targets, alive, call) -> dict:
     for r in targets:
         peer, pid = beside.get(where.get(r, {}).get("node_id")), where.get(r, {}).get("pid")
         if peer is not None and pid:
-            calls[call(workers[peer], pid)] = r
+            calls[call(workers[peer], pid, where[r].get("up"))] = r
     return calls
 
 
@@ -102,7 +103,7 @@ def end_hung(workers: list, hung: list[int], alive: list[int], placement, timeou
     """Kill the `hung` ranks: at once by a live rank on the same node (``Worker.end_process``: SIGKILL; Ray's kill
     of a stopped process waits ~5 s first, while every survivor waits on its sockets), then through Ray. The
     ranks whose process had exited already (a death Ray had not yet told the pings of: not a hang)."""
-    calls = calls_beside(workers, placement, hung, alive, lambda w, pid: w.end_process.remote(pid))
+    calls = calls_beside(workers, placement, hung, alive, lambda w, pid, up: w.end_process.remote(pid, up))
     done = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)[0] if calls else []
     exited = set()
     for ref in done:
@@ -271,7 +272,7 @@ class Heartbeat:
         """Of the `silent` ranks, those a rank beside each on its node that `answered` sees stopped, idle or gone
         (the module's doc; a busy one is slow, not hung), and those with no such rank (silence alone)."""
         looks = calls_beside(self.workers, self.placement, silent, answered,
-                             lambda w, pid: w.look_at.remote(pid, self.hang_s / 4))
+                             lambda w, pid, up: w.look_at.remote(pid, self.hang_s / 4, up))
         done = ray.wait(list(looks), num_returns=len(looks), timeout=self.hang_s)[0] if looks else []
         seen = set()
         for ref in done:

@@ -13,13 +13,16 @@ import sys
 import time
 
 
-def end_process(pid: int) -> bool | None:
+def end_process(pid: int, up: float | None = None) -> bool | None:
     """SIGKILL process `pid` of this node if it is a Ray worker (its command line says ``ray::``): a rank found
     hung, ended by a live rank beside it (Ray's own kill of a stopped process waits ~5 s for it to exit by
-    itself first). True: sent; None: no such process (it had exited: it died, it did not hang); False: not a
-    Ray worker's, or this system has no /proc."""
+    itself first). True: sent; None: no such process (it had exited: it died, it did not hang), or that pid is
+    another process's now (``reused``: `up`, when the rank's process said it was up); False: not a Ray worker's,
+    or this system has no /proc."""
     if not os.path.isdir("/proc/self"):
         return False
+    if reused(pid, up):
+        return None
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             command = f.read()
@@ -34,6 +37,32 @@ def end_process(pid: int) -> bool | None:
         return None
     except OSError:
         return False
+
+
+# Slack of a process's start time read from /proc (the boot time there is whole seconds) against a wall clock.
+START_SLACK_S = 1.0
+
+
+def started_at(pid: int) -> float | None:
+    """When process `pid` started, by the wall clock (/proc: its start in clock ticks after boot, and the boot
+    time); None if there is no such process (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+
+
+def reused(pid: int, up: float | None) -> bool:
+    """Whether pid `pid` belongs now to another process than the one that said it was up at `up` (wall clock):
+    one that started after it. A rank's recorded pid outlives its process (a replacement not yet in the records,
+    a rank gone since), and the OS hands pids out again: a kill or a look at the pid alone could reach another
+    run's worker. False when `up` is not known or the process is gone."""
+    start = started_at(pid) if up is not None else None
+    return start is not None and start > up + START_SLACK_S
 
 
 def cpu_and_states(pid: int) -> tuple[int, str] | None:
@@ -69,10 +98,11 @@ def activity(first: tuple[int, str] | None, second: tuple[int, str] | None) -> s
     return "idle"
 
 
-def look_at(pid: int, over_s: float) -> str:
+def look_at(pid: int, over_s: float, up: float | None = None) -> str:
     """``activity`` of process `pid` of this node, looked at twice `over_s` apart (once if it is stopped or
-    gone): for the heartbeat (raytp.runtime.cluster.health), by a rank beside a silent one."""
-    first = cpu_and_states(pid)
+    gone): for the heartbeat (raytp.runtime.cluster.health), by a rank beside a silent one. "gone" if the pid is
+    another process's now (``reused``)."""
+    first = cpu_and_states(pid) if not reused(pid, up) else None
     if first is None or first[1][0] in "Tt":
         return activity(first, first)
     time.sleep(over_s)

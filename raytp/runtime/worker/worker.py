@@ -203,11 +203,11 @@ class Worker:
             return group_sockets.shut_opened_since(joining)
         return self.groups.abort() if self.groups is not None else 0
 
-    def end_process(self, pid: int) -> bool:
-        return identity.end_process(pid)  # a hung rank beside this one (raytp.runtime.cluster.health)
+    def end_process(self, pid: int, up: float | None = None) -> bool:
+        return identity.end_process(pid, up)  # a hung rank beside this one (raytp.runtime.cluster.health)
 
-    def look_at(self, pid: int, over_s: float) -> str:
-        return identity.look_at(pid, over_s)  # a silent rank beside this one: stopped, or busy?
+    def look_at(self, pid: int, over_s: float, up: float | None = None) -> str:
+        return identity.look_at(pid, over_s, up)  # a silent rank beside this one: stopped, or busy?
 
     def status(self) -> dict:
         """Answered even while a step runs (threaded actor): completed steps, whether a call runs (or one
