@@ -26,7 +26,7 @@ def trained(tp, dp, run_dir):
 
 
 @pytest.fixture(scope="module")
-def one_device(ray_local):
+def one_device(ray_local):  # (ray_local: for the Ray runs of the tests that ask for this reference)
     ref = np.array(one_device_losses(job(1, 1)))  # a Worker outside Ray: the same steps as a one-rank run's
     assert len(ref) == 12 and ref[-1] < ref[0]
     return ref
