@@ -4,6 +4,10 @@ import os
 
 # Read by Ray at import: makes every node the tests start use 127.0.0.1 (name notwithstanding).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+from ray_head import TEST_RAY_ENV  # noqa: E402  (the Ray processes the tests start: no metrics)
+
+for _k, _v in TEST_RAY_ENV.items():
+    os.environ.setdefault(_k, _v)
 
 import pytest  # noqa: E402
 

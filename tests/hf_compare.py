@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from helpers import hf_shard_at_tp
+from offline import hf_shard_at_tp
 from raytp.models.registry import full_size_of, split_of
 from raytp.parallel import comm
 from raytp.parallel.sharding import unshard_tensors

@@ -37,8 +37,16 @@ def _answers(port: int) -> bool:
         return False
 
 
+# The environment of the Ray processes the tests start in their own processes (conftest sets it; their nodes
+# inherit it): no metrics from Ray's own components, and the node reporter's stats once a minute, not every 5 s.
+# A node's dashboard agent replays each histogram observation the GCS and raylets export, one by one: with a few
+# hundred workers started in a session it held ~60% of a core (py-spy: ReporterAgent._export_histogram_data).
+# A real head started here, for the dashboard and Prometheus, keeps both: _env drops these.
+TEST_RAY_ENV = {"RAY_enable_metrics_collection": "0", "REPORTER_UPDATE_INTERVAL_MS": "60000"}
+
+
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", *TEST_RAY_ENV)}
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **extra)
     return env
 

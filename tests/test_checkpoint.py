@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import close, drive, full_state, job, losses, save_shards, small_state
+from helpers import close, drive, full_state, job, losses
+from offline import save_shards, small_state
 from raytp.models.args import ModelArgs
 from raytp.runtime.origin import from_checkpoint
 from raytp.files import checkpoint, safetensors_io
@@ -114,7 +115,7 @@ def test_keep_bounds_the_number_of_checkpoints(tmp_path):
 CRASHING_SAVE = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {tests!r})
-    from helpers import save_shards, small_state
+    from offline import save_shards, small_state
     from raytp.files import safetensors_io
     cfg, _, shards = small_state(tp=2)
     save_shards({root!r}, 10, shards, cfg)

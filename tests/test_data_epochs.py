@@ -107,7 +107,7 @@ def test_empty_or_too_small_data_is_refused_before_the_start(tmp_path):
 
 
 def test_sources_of_different_tokenizers_are_not_blended(tmp_path):
-    from helpers import write_prepared
+    from offline import write_prepared
     a = write_prepared(tmp_path / "a", 0, 0, 100)
     b = write_prepared(tmp_path / "b", 1, 0, 100, eod=254)
     with pytest.raises(ValueError, match=r"data: the sources were prepared with different end-of-document ids: "

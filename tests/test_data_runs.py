@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
-from helpers import (RECOVERY_STEPS, assert_bitwise_equal, events, final_state, recovery_job, run, signal_rank,
-                     write_prepared)
+from helpers import RECOVERY_STEPS, assert_bitwise_equal, events, final_state, recovery_job, run, signal_rank
+from offline import write_prepared
 from raytp.api.job import check_data
 from raytp.config import validate
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from raytp.models.args import ModelArgs
 from raytp.models.files import load_model
 from raytp.models.registry import build_model
 from raytp.runtime.state.checkpoints import Checkpoints
-from helpers import Events, ShardsGroup
+from offline import Events, ShardsGroup
 
 transformers = pytest.importorskip("transformers")
 VOCAB, T, EOT = 320, 32, "<|endoftext|>"

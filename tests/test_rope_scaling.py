@@ -17,7 +17,7 @@ from raytp.models.registry import build_model
 from raytp.parallel import comm
 from raytp.parallel.spawn import run_ranks
 from raytp.runtime.origin import starting_state
-from helpers import hf_shard_at_tp
+from offline import hf_shard_at_tp
 
 transformers = pytest.importorskip("transformers")
 V, T, ORIGINAL = 256, 64, 32  # positions ORIGINAL..T-1 lie past the context the model was trained at
@@ -99,7 +99,8 @@ def test_init_from_sets_rope_scaling_over_the_job_key(llama3_dir, tmp_path):
 def test_hf_export_round_trips_rope_scaling(llama3_dir, tmp_path):
     """A checkpoint of the model (as the runtime writes it) exported with `raytp export --format hf`:
     transformers reads the same rope config and gives the same logits; raytp reads the same shape."""
-    from helpers import Events, ShardsGroup, raytp_cli
+    from helpers import raytp_cli
+    from offline import Events, ShardsGroup
     from raytp.files import checkpoint
     from raytp.files.storage import Storage
     from raytp.runtime.state.checkpoints import Checkpoints

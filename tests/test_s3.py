@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import NEVER_S, close, drive, full_state, job, losses, run, save_shards, small_state
+from helpers import NEVER_S, close, drive, full_state, job, losses, run
+from offline import save_shards, small_state
 from raytp.runtime.origin import from_checkpoint
 from raytp.files import checkpoint
 from raytp.files.storage import Storage
@@ -108,7 +109,7 @@ def test_workers_write_their_own_objects_and_a_resume_reads_its_slices(s3, tmp_p
 
 
 def test_broken_objects_are_refused_by_name_and_a_missing_bucket_before_anything_starts(s3_server, tmp_path):
-    """A TP=2 checkpoint written to the bucket as the workers write theirs (helpers.save_shards, without Ray:
+    """A TP=2 checkpoint written to the bucket as the workers write theirs (offline.save_shards, without Ray:
     that the workers write their own objects is test_workers_write_their_own_objects'), then broken."""
     url = f"s3://{BUCKET}/run-c/checkpoints"
     cfg, _, shards = small_state(tp=2)
@@ -162,7 +163,7 @@ def test_a_prepared_dataset_at_a_url_is_fetched_once_per_node(s3, tmp_path, monk
     """data.source = s3://...: the driver's check reads only the manifest; a worker's open copies the shards
     into the node's cache once (the next open maps the same files), and again only when the dataset at the URL
     was prepared anew."""
-    from helpers import write_prepared
+    from offline import write_prepared
     from raytp.data.token_sources import open_source
     local = Path(write_prepared(tmp_path / "ds", 0, 0, 200))
     url = f"s3://{BUCKET}/datasets/ds"
@@ -207,7 +208,7 @@ def test_a_run_copies_its_dataset_at_a_url_to_its_nodes_before_workers_start(s3,
     fails stops the start with its message, before any worker starts."""
     import io
     import ray
-    from helpers import write_prepared
+    from offline import write_prepared
     from raytp.config import from_dict
     from raytp.runtime.driver.driver import Driver
     local = Path(write_prepared(tmp_path / "ds", 0, 0, 200))

@@ -16,7 +16,7 @@ from raytp.files.checkpoint import CheckpointError
 from raytp.files.checkpoint_format import FORMAT_V1
 from raytp.files.storage import Storage
 from raytp.models.args import ModelArgs
-from helpers import write_prepared
+from offline import write_prepared
 from untrusted_files import (Sentinel, checkpointed_run, cli, edit_manifest, files_opened, one_error, opened_under,
                              rewrite_header, small_job, tree)
 

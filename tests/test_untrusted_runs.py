@@ -11,7 +11,7 @@ from raytp.files import checkpoint
 from raytp.files.storage import Storage
 from raytp.models.files import load_model
 from raytp.runtime.state.checkpoints import Checkpoints
-from helpers import Events, save_shards, small_state
+from offline import Events, save_shards, small_state
 from untrusted_files import (Sentinel, checkpointed_run, cli, files_opened, one_error, opened_under, small_job,
                              tree)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from helpers import save_shards, small_state
+from offline import save_shards, small_state
 
 _opened: list | None = None
 
