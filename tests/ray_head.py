@@ -39,8 +39,8 @@ def _answers(port: int) -> bool:
 
 # The environment of the Ray processes the tests start in their own processes (conftest sets it; their nodes
 # inherit it): no metrics from Ray's own components, and the node reporter's stats once a minute, not every 5 s.
-# A node's dashboard agent replays each histogram observation the GCS and raylets export, one by one: with a few
-# hundred workers started in a session it held ~60% of a core (py-spy: ReporterAgent._export_histogram_data).
+# A node's dashboard agent replays each histogram observation the GCS and raylets export, one by one: a
+# test_node_loss head's held ~60% of a core for minutes (py-spy: ReporterAgent._export_histogram_data).
 # A real head started here, for the dashboard and Prometheus, keeps both: _env drops these.
 TEST_RAY_ENV = {"RAY_enable_metrics_collection": "0", "REPORTER_UPDATE_INTERVAL_MS": "60000"}
 
