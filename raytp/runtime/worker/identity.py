@@ -43,12 +43,18 @@ def end_process(pid: int, up: float | None = None) -> bool | None:
 START_SLACK_S = 1.0
 
 
+def _stat_fields(path: str) -> list[str]:
+    """The fields of a /proc stat file after the command name (which may hold spaces and parentheses): the
+    state is [0]; raises OSError if it is gone."""
+    with open(path) as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def started_at(pid: int) -> float | None:
     """When process `pid` started, by the wall clock (/proc: its start in clock ticks after boot, and the boot
     time); None if there is no such process (or no /proc)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        ticks = int(_stat_fields(f"/proc/{pid}/stat")[19])  # field 22, starttime
         with open("/proc/stat") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
         return boot + ticks / os.sysconf("SC_CLK_TCK")
@@ -69,14 +75,12 @@ def cpu_and_states(pid: int) -> tuple[int, str] | None:
     """(CPU clock ticks process `pid` has used, each of its threads' state letter, main thread first) from
     /proc; None if there is no such process (or no /proc)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
+        fields = _stat_fields(f"/proc/{pid}/stat")
         states = [fields[0]]
         for tid in os.listdir(f"/proc/{pid}/task"):
             if tid != str(pid):
                 try:
-                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                    states.append(_stat_fields(f"/proc/{pid}/task/{tid}/stat")[0])
                 except OSError:  # the thread ended meanwhile
                     pass
         return int(fields[11]) + int(fields[12]), "".join(states)
