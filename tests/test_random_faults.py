@@ -79,14 +79,16 @@ def test_random_kills_and_a_hang_at_pp2_dp2_change_nothing(ray_local, shared_run
 def test_random_kills_and_a_hang_of_an_ep_job_change_nothing(ray_local, shared_run, tmp_path):
     """TP=1 x DP=4 x EP=2: ranks 0 and 2 hold experts 0-1, ranks 1 and 3 experts 2-3 (expert-DP 2); a killed
     rank is healed from the rank holding its dense weights and its experts (its expert-DP twin), or, where
-    both twins are gone, from the snapshots. (Snapshots alone heal experts at DP=2 x EP=2 under zero 1:
+    both twins are gone or the survivors stopped at different steps, from the snapshots. Which of the two a
+    random plan meets depends on where its faults land in time (on a loaded machine three kills once fell in
+    one recovery, taking both twins of experts 2-3): this test asks only for exactness; healing from the twin
+    is pinned by test_node_loss_experts. (Snapshots alone heal experts at DP=2 x EP=2 under zero 1:
     test_moe_ep_runtime.)"""
     # (test_node_loss_experts' and test_moe_ep_runtime's reference too)
     ref = shared_run("ref-ep2-dp4", parallel(recovery_job(1, 4, model=SMALL_MOE), ep=2))
     faults = plan(f"ep{SEED}", 4, RECOVERY_STEPS, kills=3, stops=1)
     sent = run_with(parallel(faulty_job(1, 4, model=SMALL_MOE), ep=2), tmp_path / "run", "rfep", faults)
     assert_exact(tmp_path / "run", ref, RECOVERY_STEPS, sent)
-    assert "replica" in {r["source"] for r in events(tmp_path / "run", "recovered")}
 
 
 @pytest.mark.slow
