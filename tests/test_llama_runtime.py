@@ -11,6 +11,7 @@ import ray
 import torch
 
 from helpers import FIXED, assert_bitwise_equal, events, final_state, job, losses, run, signal_rank
+from reference_runs import unbroken_run
 from raytp.runtime.driver.driver import Driver
 from raytp.files import checkpoint
 
@@ -35,7 +36,7 @@ def ray_eight(no_shared_ray):
 @pytest.fixture(scope="module")
 def reference(ray_eight, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("llama-ref")
-    run(llama_job(4, 1), run_dir, "llamaref")
+    unbroken_run(llama_job(4, 1), run_dir, "llamaref")  # forked ranks, no Ray (tests/reference_runs.py)
     return run_dir
 
 

@@ -10,6 +10,7 @@ from elastic_runs import shrink_and_grow_back
 from faulty import HOLD_S, WaitsForMoved, WaitsForReplicas, WaitsForRoom, WaitsForSnapshotCopy
 from helpers import (NEVER_S, assert_bitwise_equal, events, final_state, gpu_cluster, gpu_nodes, job, losses,
                      one_device_losses, parallel, ray_actors, recovery_job, run, wait_for)
+from reference_runs import unbroken_run
 from raytp.runtime.cluster import autoscaler
 
 pytestmark = pytest.mark.slow  # a simulated cluster of up to 4 nodes, and two jobs per test
@@ -230,7 +231,7 @@ def test_lost_node_of_a_dp1_job_restores_from_the_snapshot_copy_on_another_node(
     keeper pulled to the driver's node (the head, no GPUs) brings the job back, bitwise."""
     gpu_nodes(cluster, 2)  # one used, one to move to
     ref_dir = tmp_path / "ref"
-    run(copy_job(), ref_dir, "cref")
+    unbroken_run(copy_job(), ref_dir, "cref")  # forked ranks, no Ray (tests/reference_runs.py)
     head = ray.get_runtime_context().get_node_id()
 
     def remove_workers_node(run_name):
@@ -257,7 +258,7 @@ def zero_reference(cluster, tmp_path_factory):
     """The uninterrupted TP=1 x DP=2 copy_job at zero 0 (run once for the zero-1 tests of this module)."""
     gpu_nodes(cluster, 2)
     ref_dir = tmp_path_factory.mktemp("zref")
-    run(copy_job(1, 2), ref_dir, "zref")
+    unbroken_run(copy_job(1, 2), ref_dir, "zref")  # forked ranks, no Ray
     return ref_dir
 
 

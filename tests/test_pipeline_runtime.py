@@ -12,6 +12,7 @@ import pytest
 pytestmark = pytest.mark.slow  # Ray runs of 2 to 4 workers each
 
 from helpers import FIXED, assert_bitwise_equal, close, drive, events, final_state, job, losses, run, signal_rank
+from reference_runs import unbroken_run
 from raytp.files import checkpoint
 from raytp.runtime.driver.driver import Driver
 from raytp.runtime.origin import from_checkpoint
@@ -107,7 +108,7 @@ def test_a_one_device_checkpoint_resumes_at_two_stages(one_stage, tmp_path):
 def test_sigkill_of_a_middle_stage_without_a_replica_restores_from_the_snapshot(ray_local, tmp_path):
     """PP=3, one replica: the middle stage's rank has no DP replica; its snapshot part restores it."""
     ref = tmp_path / "ref"
-    run(pp_job(3), ref, "pp3ref")
+    unbroken_run(pp_job(3), ref, "pp3ref")  # forked ranks, no Ray (tests/reference_runs.py)
     run(pp_job(3), tmp_path / "run", "pp3kill", faults=[(4, signal_rank(1, signal.SIGKILL))])
     (fail,), (rec,) = events(tmp_path / "run", "failure"), events(tmp_path / "run", "recovered")
     assert fail["rank"] == 1 and rec["source"] == "snapshot"

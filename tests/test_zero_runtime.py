@@ -8,7 +8,8 @@ import io
 import pytest
 
 from faulty import DiesInTakeMoves
-from helpers import assert_bitwise_equal, events, final_state, job, losses, run
+from helpers import assert_bitwise_equal, events, final_state, job, losses
+from reference_runs import unbroken_run
 from raytp.runtime.driver.driver import Driver
 
 pytestmark = pytest.mark.slow  # two jobs of four workers
@@ -64,7 +65,7 @@ def test_a_dp_resize_under_zero1_that_fails_midway_rolls_back_to_the_old_rows(ra
     """DP 2 -> 4 under zero 1: the kept ranks have cut their AdamW rows anew when an added rank dies taking its
     blocks; they take back the old rows and the job goes on at DP=2, ending bit for bit as a run never resized."""
     cfg = zero1(job(1, 2, steps=6, checkpoint={"every": 6, "keep": 1}))
-    run(cfg, tmp_path / "plain", "plain")
+    unbroken_run(cfg, tmp_path / "plain", "plain")  # forked ranks, no Ray (tests/reference_runs.py)
     DiesInTakeMoves.marker = str(tmp_path / "died-once")
     d = Driver(cfg, tmp_path / "failed", "dpfail", out=io.StringIO())
     d.worker_cls = DiesInTakeMoves
