@@ -78,16 +78,14 @@ PLACEMENT_KEYS = ("gpus_per_worker", "cpus_per_worker")
 def shared_run(tmp_path_factory):
     """shared_run(key, cfg) -> the run dir of an unbroken run of job `cfg`, run once per suite run: the first
     test process that asks runs it while the other waits on a file lock, and both read the same directory (the
-    test processes share the parent of their temp dirs). A job that checkpoints once, at its end, runs in forked
-    ranks without Ray (reference_runs: bit for bit a Ray run's, ~3 s of CPU less a rank); any other in the Ray
-    this process is connected to. `key` names it; the config's hash, placement keys left out, makes sure one key
-    never means two jobs."""
+    test processes share the parent of their temp dirs). It runs in forked ranks without Ray (reference_runs: bit
+    for bit a Ray run's, with no worker start). `key` names it; the config's hash, placement keys left out, makes
+    sure one key never means two jobs."""
     import hashlib
     import json
     import shutil
 
     from filelock import FileLock
-    from helpers import run
     from reference_runs import unbroken_run
 
     base = tmp_path_factory.getbasetemp()
@@ -103,10 +101,7 @@ def shared_run(tmp_path_factory):
             if not (where / "done").exists():
                 shutil.rmtree(where, ignore_errors=True)  # a run that failed midway in the other process
                 where.mkdir()
-                if cfg.checkpoint.every == cfg.train.steps:
-                    unbroken_run(cfg, where / "run", key.replace("-", ""))
-                else:
-                    run(cfg, where / "run", key.replace("-", ""))
+                unbroken_run(cfg, where / "run", key.replace("-", ""))
                 (where / "done").write_text("")
         return where / "run"
     return get

@@ -12,6 +12,7 @@ import torch
 
 from helpers import (EP_STEPS, RECOVERY_STEPS, assert_bitwise_equal, ep_job, events, final_state, losses, parallel,
                      recovery_job, run, signal_rank, steps_logged)
+from reference_runs import unbroken_run
 
 
 def _healed(run_dir, steps=RECOVERY_STEPS) -> None:
@@ -28,10 +29,13 @@ def test_a_cp2_run_trains_like_cp1_and_a_killed_cp_rank_heals_bit_for_bit(ray_lo
     kill = ((RECOVERY_STEPS // 2, signal_rank(1, signal.SIGKILL)),)
     kill_stage = ((RECOVERY_STEPS // 2 - 3, signal_rank(2, signal.SIGKILL)),)  # stage 1's first CP rank
     dirs = {"cp1": shared_run("ref-tp1-dp1", one)}
-    for name, cfg, faults in (("cp2", two, ()), ("cp2kill", two, kill), ("pp2cp2z", staged, ()),
+    for name, cfg, faults in (("cp2", two, None), ("cp2kill", two, kill), ("pp2cp2z", staged, None),
                               ("pp2cp2zkill", staged, kill_stage)):
         dirs[name] = tmp_path / name
-        run(cfg, dirs[name], name, faults)
+        if faults is None:  # the unbroken runs: in forked ranks, bit for bit a Ray run's (tests/reference_runs.py)
+            unbroken_run(cfg, dirs[name], name)
+        else:
+            run(cfg, dirs[name], name, faults)
     got = {n: np.array(losses(d)) for n, d in dirs.items()}
     a = got["cp1"]
     for n in ("cp2", "pp2cp2z"):
@@ -96,9 +100,10 @@ def test_an_moe_job_at_cp2_x_ep2_trains_like_one_rank_and_heals_bit_for_bit(ray_
     one = ep_job(1, 1, 1)
     dirs = {"moe1": shared_run("moe-ep1", one)}
     split = parallel(one, cp=2, ep=2, zero=1)
-    for name, faults in (("moecp2", ()), ("moecp2kill", ((EP_STEPS // 2, signal_rank(0, signal.SIGKILL)),))):
-        dirs[name] = tmp_path / name
-        run(split, dirs[name], name, faults)
+    dirs["moecp2"] = tmp_path / "moecp2"
+    unbroken_run(split, dirs["moecp2"], "moecp2")  # in forked ranks (tests/reference_runs.py)
+    dirs["moecp2kill"] = tmp_path / "moecp2kill"
+    run(split, dirs["moecp2kill"], "moecp2kill", ((EP_STEPS // 2, signal_rank(0, signal.SIGKILL)),))
     a, b, c = (np.array(losses(dirs[n])) for n in ("moe1", "moecp2", "moecp2kill"))
     assert len(b) == EP_STEPS and np.abs(b - a).max() / np.abs(a).max() < 1e-5
     _healed(dirs["moecp2kill"], EP_STEPS)

@@ -17,6 +17,7 @@ import pytest
 
 from helpers import (EP_STEPS, FIXED, RECOVERY_STEPS, SMALL_MOE, assert_bitwise_equal, ep_job, events, final_state,
                      losses, parallel, recovery_job, resume_run, run, signal_rank)
+from reference_runs import unbroken_run
 from raytp.files import checkpoint
 from raytp.runtime.driver.driver import Driver
 
@@ -25,7 +26,7 @@ STEPS = EP_STEPS
 @pytest.fixture(scope="module")
 def reference(ray_local, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ep-ref")
-    run(ep_job(1, 2, 2), run_dir, "epref")
+    unbroken_run(ep_job(1, 2, 2), run_dir, "epref")  # forked ranks, no Ray (tests/reference_runs.py)
     return run_dir
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from helpers import EP_STEPS as STEPS
 from helpers import assert_bitwise_equal, ep_job, events, final_state, losses, resume_run, run, signal_rank
+from reference_runs import unbroken_run
 from raytp.files import checkpoint
 
 
@@ -21,7 +22,9 @@ def test_zero1_cuts_expert_state_over_expert_dp_and_its_checkpoints_move(ray_loc
     bit for bit; the step-4 checkpoint resumes at TP=2 x DP=2 x
     EP=2 with whole experts on each TP rank (etp 1, zero 1: the state cut over a group of two other ranks, each
     block naming its TP file), whose step-6 checkpoint resumes on one device, each tracking the unbroken run."""
-    run(ep_job(1, 4, 2, zero=1), tmp_path / "dp4", "ep4cut")  # (trains like one device: tests/test_moe_ep.py)
+    # The unbroken run, in forked ranks (tests/reference_runs.py: bit for bit a Ray run's; it trains like one
+    # device: tests/test_moe_ep.py); its checkpoints are the workers' own files, committed as the driver does.
+    unbroken_run(ep_job(1, 4, 2, zero=1), tmp_path / "dp4", "ep4cut")
     theirs = np.array(losses(tmp_path / "dp4"))
     assert len(theirs) == STEPS
     # rank 2, SIGKILLed after step 3, holds rows no other rank does: back from its snapshot, bit for bit
