@@ -286,6 +286,14 @@ class LeavesItsSocketsOpen(DiesInItsStep):
         os._exit(1)
 
 
+class AbortsNothing(LeavesItsSocketsOpen):
+    """LeavesItsSocketsOpen, and no rank's abort gets it out of a collective (as once in CI, where a survivor stayed
+    ~120 s in its step past the abort): its peers wait out runtime.collective_timeout_s."""
+
+    def abort_collectives(self) -> int:
+        return 0
+
+
 class SocketHolder:
     """The process LeavesItsSocketsOpen hands its sockets to (this test's): they stay open until the block ends."""
 

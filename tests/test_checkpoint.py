@@ -13,6 +13,7 @@ import torch
 
 from helpers import close, drive, full_state, job, losses
 from offline import save_shards, small_state
+from reference_runs import unbroken_run
 from raytp.models.args import ModelArgs
 from raytp.runtime.origin import from_checkpoint
 from raytp.files import checkpoint, safetensors_io
@@ -28,11 +29,10 @@ def assert_states_equal(a, b):
             assert torch.equal(a["optim"][n][k], b["optim"][n][k]), (n, k)
 
 
-@pytest.mark.slow  # two Ray jobs; the format and its reads are tested below without Ray
+@pytest.mark.slow  # a Ray job; the format and its reads are tested below without Ray
 def test_resume_at_same_layout_is_bitwise_exact(ray_local, tmp_path):
     cfg = job(2, 2, steps=20, checkpoint={"every": 10, "keep": 3})
-    d, _, _ = drive(cfg, tmp_path / "straight", "straight")
-    close(d)
+    unbroken_run(cfg, tmp_path / "straight", "straight")  # forked ranks, bit for bit a Ray run's (reference_runs)
     ckpts = checkpoint.list_checkpoints(Storage(tmp_path / "straight" / "checkpoints"))
     assert ckpts == ["step-00000010", "step-00000020"]
     d, _, _ = drive(cfg, tmp_path / "resumed", "resumed",

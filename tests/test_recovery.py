@@ -44,6 +44,31 @@ def test_a_rank_gone_with_its_sockets_left_open_is_healed_without_waiting_out_th
 
 
 @pytest.mark.slow
+def test_a_rank_no_abort_gets_out_is_recorded_where_it_was_and_the_run_heals(reference, tmp_path):
+    """TP=1 x DP=2: rank 1 leaves in its step's last collective with its sockets held open, and no abort gets rank
+    0 out: rank 0 waits out runtime.collective_timeout_s (15 s here), and the recovery records where its threads
+    were health.STACKS_AFTER_S after the abort (`still_blocked`): its step thread in that collective. The run
+    still ends as the unbroken one."""
+    import faulty
+    from raytp.runtime.cluster.health import ABORT_AFTER_S, STACKS_AFTER_S
+    marker = str(tmp_path / "left")
+    faulty.AbortsNothing.at, faulty.AbortsNothing.marker = {1: 6}, marker
+    run_dir = tmp_path / "run"
+    with faulty.SocketHolder(f"{marker}.sock") as holder:
+        run(recovery_job(1, 2, step_timeout_s=NEVER_S, collective_timeout_s=15.0), run_dir, "noabort",
+            worker_cls=faulty.AbortsNothing)
+        assert holder.fds, "rank 1 handed over no socket"
+    assert_bitwise_equal(final_state(run_dir), reference(1, 2))
+    (ev,) = events(run_dir, "still_blocked")
+    assert ev["ranks"] == [0] and ev["after_s"] == ABORT_AFTER_S + STACKS_AFTER_S, ev
+    step_thread = ev["stacks"]["0"]["raytp-rank0-steps"]
+    assert "all_gather" in step_thread and "_step" in step_thread, step_thread
+    assert "the `still_blocked` event" in (tmp_path / "noabort.out").read_text()
+    (rec,) = events(run_dir, "recovered")
+    assert rec["source"] == "replica" and rec["lost_steps"] == 0, rec
+
+
+@pytest.mark.slow
 def test_a_replacement_lost_while_the_ranks_meet_leaves_the_survivors_their_processes(reference, tmp_path):
     """Rank 1 is SIGKILLed; its replacement exits as its setup begins, while the survivors wait for it in the
     rendezvous: they are got out (not held runtime.collective_timeout_s, 120 s) and keep their processes and

@@ -37,6 +37,9 @@ from raytp.runtime.errors import StepDeadline
 # Seconds survivors may stay inside a failed step before their collectives are aborted (wait_out): far past the
 # milliseconds a lost rank's closed sockets take to get them out, even on a loaded machine.
 ABORT_AFTER_S = 1.0
+# Seconds past the abort after which a survivor still inside its step is asked where its threads are (wait_out):
+# an abort gets a rank out in milliseconds, and one that did not is a fault of its own to find.
+STACKS_AFTER_S = 5.0
 
 
 def find_lost(workers: list, ping_timeout_s: float, suspects=(), placement=()) -> dict[int, str]:
@@ -124,6 +127,7 @@ class WaitedOut(NamedTuple):
     torn: dict[int, int]       # {rank: completed steps} of those a step failed mid-update (zero 1's gather of
                                # the new weights): they keep their process, and take their state as a lost rank does
     aborted: list[int]         # ranks whose collectives were aborted to get them out
+    stacks: dict = {}          # {rank: {thread: stack}} of those still inside their step STACKS_AFTER_S after it
 
 
 def wait_out(workers: list, survivors: list[int], ping_timeout_s: float, collective_timeout_s: float,
@@ -137,7 +141,7 @@ def wait_out(workers: list, survivors: list[int], ping_timeout_s: float, collect
     start = time.monotonic()
     deadline, abort_at = start + collective_timeout_s, start + ABORT_AFTER_S
     completed: dict[int, int] = {}
-    pending, stuck, aborted = list(survivors), [], []
+    pending, stuck, aborted, stacks, stacks_at = list(survivors), [], [], {}, None
     while pending:
         statuses = ray.get([workers[r].status.remote() for r in pending], timeout=ping_timeout_s)
         for r, st in zip(list(pending), statuses):
@@ -146,7 +150,11 @@ def wait_out(workers: list, survivors: list[int], ping_timeout_s: float, collect
                 pending.remove(r)
         if pending and abort_at is not None and time.monotonic() > abort_at:
             ray.get([workers[r].abort_collectives.remote() for r in pending], timeout=ping_timeout_s)
-            abort_at, aborted = None, list(pending)
+            abort_at, aborted, stacks_at = None, list(pending), time.monotonic() + STACKS_AFTER_S
+        if pending and stacks_at is not None and time.monotonic() > stacks_at:
+            stacks = dict(zip(pending, ray.get([workers[r].thread_stacks.remote() for r in pending],
+                                               timeout=ping_timeout_s)))
+            stacks_at = None
         if pending and time.monotonic() > deadline:
             kill(pending)
             stuck = list(pending)
@@ -158,7 +166,7 @@ def wait_out(workers: list, survivors: list[int], ping_timeout_s: float, collect
     # Read after the leave: it drops a gather of new weights still in flight, which tears the state.
     torn = {r: completed[r] for r, st in zip(completed, ray.get([workers[r].status.remote() for r in completed],
                                                                 timeout=ping_timeout_s)) if st["torn"]}
-    return WaitedOut({r: c for r, c in completed.items() if r not in torn}, stuck, torn, aborted)
+    return WaitedOut({r: c for r, c in completed.items() if r not in torn}, stuck, torn, aborted, stacks)
 
 
 def kept_records(workers: list, completed: dict[int, int], start: int, ping_timeout_s: float

@@ -55,7 +55,7 @@ from raytp.moves.owners import Owners
 from raytp.runtime import policy
 from raytp.runtime.errors import FAILURES, JobError, JoinStuck, RecoveryFailed
 from raytp.runtime.records import Healing, Resizing
-from raytp.runtime.cluster.health import ABORT_AFTER_S
+from raytp.runtime.cluster.health import ABORT_AFTER_S, STACKS_AFTER_S
 from raytp.runtime.cluster.slots import unused_groups
 from raytp.runtime.state import moving
 from raytp.files.checkpoint import CheckpointError
@@ -129,11 +129,16 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0:
     if not lost:  # every worker is alive: not a lost worker but an error of the job itself
         cause = getattr(error, "cause", None) or error  # a RayTaskError carries the worker's exception
         raise JobError(f"a step failed with every worker alive: {type(cause).__name__}: {cause}") from error
-    completed, stuck, torn, aborted = group.wait_out([r for r in range(lay.world_size) if r not in lost])
+    completed, stuck, torn, aborted, stacks = group.wait_out([r for r in range(lay.world_size) if r not in lost])
     lost.update({r: "stuck" for r in stuck})
     if aborted:  # their peers' sockets stayed open (raytp.parallel.group_sockets)
         ctx.say(f"rank(s) {aborted} were still blocked on the lost ones after {ABORT_AFTER_S:g}s (their sockets "
                 f"stay open: a node gone or frozen); their collectives were aborted")
+    if stacks:  # the abort did not get them out: where they were, for the record (events.jsonl `still_blocked`)
+        ctx.log.event("still_blocked", ranks=sorted(stacks), after_s=ABORT_AFTER_S + STACKS_AFTER_S,
+                      stacks={str(r): s for r, s in stacks.items()})
+        ctx.say(f"rank(s) {sorted(stacks)} were still inside their step {STACKS_AFTER_S:g}s after the abort; "
+                f"where their threads were: the `still_blocked` event")
     if torn:  # their state is neither step's (raytp.train.step.finish_step): it comes from the source too
         ctx.say(f"rank(s) {sorted(torn)} failed mid-update; they take their state anew")
     kept = group.kept_records({r: c for r, c in completed.items() if r not in lost}, step)

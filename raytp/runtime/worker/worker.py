@@ -203,6 +203,9 @@ class Worker:
             return group_sockets.shut_opened_since(joining)
         return self.groups.abort() if self.groups is not None else 0
 
+    def thread_stacks(self) -> dict[str, str]:
+        return process.thread_stacks()  # asked of a rank still inside a failed step after its abort (health.wait_out)
+
     def end_process(self, pid: int, up: float | None = None) -> bool:
         return identity.end_process(pid, up)  # a hung rank beside this one (raytp.runtime.cluster.health)
 
