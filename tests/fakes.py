@@ -212,7 +212,7 @@ class FakeGroup(WorkerGroup):
     def wait_out(self, survivors):
         for r in survivors:
             self.workers[r].ended_at = None  # they leave their process groups
-        return WaitedOut({r: self.workers[r].completed for r in survivors}, [], {}, [])
+        return WaitedOut({r: self.workers[r].completed for r in survivors}, [], {}, {})
 
     def kept_records(self, completed, start):
         out = {}

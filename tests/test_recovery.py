@@ -2,6 +2,7 @@
 weights of an uninterrupted run."""
 import json
 import os
+import re
 import signal
 import threading
 from pathlib import Path
@@ -38,7 +39,8 @@ def test_a_rank_gone_with_its_sockets_left_open_is_healed_without_waiting_out_th
         run(recovery_job(2, 2, step_timeout_s=NEVER_S), run_dir, "open", worker_cls=faulty.LeavesItsSocketsOpen)
         assert holder.fds, "rank 3 handed over no socket"
     assert_bitwise_equal(final_state(run_dir), reference(2, 2))
-    assert "their collectives were aborted" in (tmp_path / "open.out").read_text()
+    out = (tmp_path / "open.out").read_text()
+    assert "their collectives were aborted" in out and re.search(r"sockets shut: rank \d+: [1-9]", out), out[-2000:]
     assert [e["rank"] for e in events(run_dir, "failure")] == [3]
     assert [m["step"] for m in map(json.loads, open(run_dir / "metrics.jsonl"))] == list(range(STEPS))
 
@@ -63,7 +65,8 @@ def test_a_rank_no_abort_gets_out_is_recorded_where_it_was_and_the_run_heals(ref
     assert ev["ranks"] == [0] and ev["after_s"] == ABORT_AFTER_S + STACKS_AFTER_S, ev
     step_thread = ev["stacks"]["0"]["raytp-rank0-steps"]
     assert "all_gather" in step_thread and "_step" in step_thread, step_thread
-    assert "the `still_blocked` event" in (tmp_path / "noabort.out").read_text()
+    out = (tmp_path / "noabort.out").read_text()
+    assert "the `still_blocked` event" in out and "(sockets shut: rank 0: 0)" in out, out[-2000:]
     (rec,) = events(run_dir, "recovered")
     assert rec["source"] == "replica" and rec["lost_steps"] == 0, rec
 

@@ -126,7 +126,7 @@ class WaitedOut(NamedTuple):
     stuck: list[int]           # ranks not out within collective_timeout_s, killed: they count as lost
     torn: dict[int, int]       # {rank: completed steps} of those a step failed mid-update (zero 1's gather of
                                # the new weights): they keep their process, and take their state as a lost rank does
-    aborted: list[int]         # ranks whose collectives were aborted to get them out
+    aborted: dict              # {rank: sockets its abort shut} of those whose collectives were aborted to get them out
     stacks: dict = {}          # {rank: {thread: stack}} of those still inside their step STACKS_AFTER_S after it
 
 
@@ -141,7 +141,7 @@ def wait_out(workers: list, survivors: list[int], ping_timeout_s: float, collect
     start = time.monotonic()
     deadline, abort_at = start + collective_timeout_s, start + ABORT_AFTER_S
     completed: dict[int, int] = {}
-    pending, stuck, aborted, stacks, stacks_at = list(survivors), [], [], {}, None
+    pending, stuck, aborted, stacks, stacks_at = list(survivors), [], {}, {}, None
     while pending:
         statuses = ray.get([workers[r].status.remote() for r in pending], timeout=ping_timeout_s)
         for r, st in zip(list(pending), statuses):
@@ -149,8 +149,8 @@ def wait_out(workers: list, survivors: list[int], ping_timeout_s: float, collect
                 completed[r] = st["completed"]
                 pending.remove(r)
         if pending and abort_at is not None and time.monotonic() > abort_at:
-            ray.get([workers[r].abort_collectives.remote() for r in pending], timeout=ping_timeout_s)
-            abort_at, aborted, stacks_at = None, list(pending), time.monotonic() + STACKS_AFTER_S
+            shut = ray.get([workers[r].abort_collectives.remote() for r in pending], timeout=ping_timeout_s)
+            abort_at, aborted, stacks_at = None, dict(zip(pending, shut)), time.monotonic() + STACKS_AFTER_S
         if pending and stacks_at is not None and time.monotonic() > stacks_at:
             stacks = dict(zip(pending, ray.get([workers[r].thread_stacks.remote() for r in pending],
                                                timeout=ping_timeout_s)))

@@ -132,8 +132,9 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0:
     completed, stuck, torn, aborted, stacks = group.wait_out([r for r in range(lay.world_size) if r not in lost])
     lost.update({r: "stuck" for r in stuck})
     if aborted:  # their peers' sockets stayed open (raytp.parallel.group_sockets)
-        ctx.say(f"rank(s) {aborted} were still blocked on the lost ones after {ABORT_AFTER_S:g}s (their sockets "
-                f"stay open: a node gone or frozen); their collectives were aborted")
+        ctx.say(f"rank(s) {sorted(aborted)} were still blocked on the lost ones after {ABORT_AFTER_S:g}s (their "
+                f"sockets stay open: a node gone or frozen); their collectives were aborted (sockets shut: "
+                f"{', '.join(f'rank {r}: {n}' for r, n in sorted(aborted.items()))})")
     if stacks:  # the abort did not get them out: where they were, for the record (events.jsonl `still_blocked`)
         ctx.log.event("still_blocked", ranks=sorted(stacks), after_s=ABORT_AFTER_S + STACKS_AFTER_S,
                       stacks={str(r): s for r, s in stacks.items()})
