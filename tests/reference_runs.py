@@ -2,16 +2,18 @@
 (raytp.parallel.spawn), joined over gloo as a Ray run's are, taking the driver's calls in the driver's order (its
 streamed calls cut at each evaluation and checkpoint, the validation loss after the steps it is due after, each
 checkpoint due written by the ranks that own the state and committed as the driver commits it). Its run dir holds
-what the tests read of a reference run: metrics.jsonl (each step's loss, lr, grad_norm, tokens and, where
-evaluated, val_loss) and the checkpoints; bit for bit a Ray run's (test_runtime). No worker start (~1.6 s of CPU
+what the tests read of a reference run: metrics.jsonl (the driver's line of each step, `reporting.step_record`, and
+where evaluated its val_loss) and the checkpoints; bit for bit a Ray run's but for the times (test_runtime). No worker start (~1.6 s of CPU
 each), no Ray run around it."""
 import json
 import os
 
+from offline import Events
 from raytp.files.storage import Storage
 from raytp.moves.owners import Owners
 from raytp.parallel.spawn import run_ranks
 from raytp.runtime import policy
+from raytp.runtime.driver import reporting
 from raytp.runtime.state.checkpoints import Checkpoints
 from raytp.runtime.worker.worker import Worker
 
@@ -65,28 +67,20 @@ class _Staged:
 
 def unbroken_run(cfg, run_dir, run_id: str) -> None:
     """Train job `cfg` in forked ranks; write its run dir (metrics.jsonl, checkpoints/)."""
-    t, lay = cfg.train, cfg.layout
+    lay = cfg.layout
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     ranks = run_ranks(lay.world_size, _rank, cfg.to_dict(), str(root), timeout_s=600)
-    ckpts = Checkpoints(str(root), cfg.checkpoint.keep, _NoLog(), run_id)
+    ckpts = Checkpoints(str(root), cfg.checkpoint.keep, Events(), run_id)
     for step in sorted({s for _, _, saved in ranks for s in saved}):
         group = _Staged(cfg, root, step, [saved[step] for _, _, saved in ranks if step in saved])
         ckpts.begin(group, step)
         ckpts.finish(group)
     records = next(recs for recs, _, _ in ranks if recs)  # the first reporting rank's, as the driver's
     vals = ranks[0][1]  # rank 0's answer, as the driver's
-    tokens_per_step = t.batch_size * cfg.model.block_size
     with open(run_dir / "metrics.jsonl", "w") as f:
-        for r in records:
-            line = {"step": r["step"], "loss": r["loss"], "lr": r["lr"], "grad_norm": r["grad_norm"],
-                    "tokens": tokens_per_step * (r["step"] + 1), "tp": lay.tp, "pp": lay.pp, "dp": lay.dp}
+        for r in records:  # the driver's line of each (its times this rank's alone)
+            line = reporting.step_record(r, [r], cfg, lay)
             if r["step"] + 1 in vals:
                 line["val_loss"] = vals[r["step"] + 1]
             f.write(json.dumps(line) + "\n")
-
-
-class _NoLog:
-    @staticmethod
-    def event(kind, **fields):
-        pass
