@@ -6,19 +6,22 @@ import ray
 
 from helpers import events, ray_actors, run, steps_logged, wait_for
 from raytp.runtime.driver.control_actor import find_control
+from raytp.runtime.worker.worker import Worker
 
 
-def shrink_and_grow_back(cluster, nodes, cfg, run_dir, name, victim: int, after_grow: int = 3):
+def shrink_and_grow_back(cluster, nodes, cfg, run_dir, name, victim: int, after_grow: int = 3, worker_cls=Worker,
+                         as_it_goes=lambda: None):
     """Run elastic job `cfg` (parallel.min_dp set, `train.steps` only keeping it alive) on GPU `nodes` of
     `cluster`: after step 6 the node of rank `victim` goes, with no room for its ranks (the job shrinks); once
     it has, a 2-GPU node joins (it grows back); `after_grow` steps later it is stopped as `raytp stop` stops it.
     Checks what every such run shows (one shrink for lost capacity, then one grow-back, a line for each step
     up to the stop, which came before the last step, the loss falling) and returns (the two `resized` events,
-    the metrics lines)."""
+    the metrics lines). `as_it_goes()` is called right before the node goes; the workers are `worker_cls`."""
     alive, dp = {n.node_id: n for n in nodes}, cfg.parallel.dp
 
     def remove_the_victims_node(run_name):
         actor = f"raytp.{run_name}.rank{victim}"
+        as_it_goes()
         cluster.remove_node(alive[ray_actors(actor)[actor]["node_id"]])
 
     def add_a_node_once_shrunk(run_name):
@@ -32,7 +35,7 @@ def shrink_and_grow_back(cluster, nodes, cfg, run_dir, name, victim: int, after_
         ray.get(find_control(run_name).request.remote("stop"))  # what `raytp stop` files
 
     run(cfg, run_dir, name, faults=[(6, remove_the_victims_node), (7, add_a_node_once_shrunk),
-                                    (8, stop_a_few_steps_after_the_grow_back)])
+                                    (8, stop_a_few_steps_after_the_grow_back)], worker_cls=worker_cls)
     resized = events(run_dir, "resized")
     assert len(resized) == 2 and resized[0]["old"]["dp"] == dp == resized[1]["new"]["dp"], resized
     assert resized[0]["reason"].startswith("lost capacity") and resized[1]["reason"] == "capacity returned"

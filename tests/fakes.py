@@ -18,7 +18,7 @@ from raytp.config.adapters import model_args
 from raytp.moves.planner import SourceKind
 from raytp.runtime.errors import PlacementError
 from raytp.runtime.cluster.group import WorkerGroup
-from raytp.runtime.cluster.health import WaitedOut
+from raytp.runtime.cluster.leaving import WaitedOut
 
 class FakePG:
     def __init__(self, cluster, n: int):
@@ -59,6 +59,7 @@ class FakeCluster:
         self.calls: list[tuple] = []          # (start, count, submitted behind another call) of each call run
         self.released = []
         self.asked: list[list] = []  # what the autoscaler was asked for, in order ([]: withdrawn)
+        self.blocked: set[int] = set()  # survivors the next recovery finds blocked for good in the failed step
 
     # -- what tests do to it
     def kill_at(self, step: int, *ranks: int, slots: int = 0) -> None:
@@ -188,6 +189,9 @@ class FakeGroup(WorkerGroup):
         where = tuple({"rank": r, "node_id": "node", "pid": w._actor_id.n} for r, w in enumerate(self.workers))
         return self._with(placement=where)
 
+    def assume(self, ranks):
+        pass  # a fake process runs any job
+
     def leave(self):
         for w in self.workers:
             w.ended_at = None
@@ -210,9 +214,13 @@ class FakeGroup(WorkerGroup):
         return {r: "died" for r, w in enumerate(self.workers) if not w.alive}
 
     def wait_out(self, survivors):
+        stuck = sorted(set(survivors) & self.placer.blocked)  # ended as blocked for good (leaving.wait_out)
+        self.placer.blocked.clear()
+        self.kill(stuck)
         for r in survivors:
             self.workers[r].ended_at = None  # they leave their process groups
-        return WaitedOut({r: self.workers[r].completed for r in survivors}, [], {}, {})
+        return WaitedOut({r: self.workers[r].completed for r in survivors if r not in stuck}, stuck, {}, {},
+                         ended=tuple(stuck))
 
     def kept_records(self, completed, start):
         out = {}
@@ -235,8 +243,8 @@ class FakeGroup(WorkerGroup):
         if not all(a.alive for a in actors):
             raise RayActorError()
 
-    def ready(self, ranks, timeout_s):
-        return all(self.workers[r].up for r in ranks)
+    def up(self, ranks, timeout_s):
+        return {r for r in ranks if self.workers[r].up}
 
     # -- state (the fake group is its own StateCalls)
     def state_calls(self):

@@ -272,6 +272,20 @@ class DiesInItsStep(Worker):
         os._exit(1)
 
 
+class BlockedForGood(Worker):
+    """Rank `rank_of` stays inside the step it begins after the file `marker` appears, idle (a sleep standing for a
+    collective that never returns, as a gloo all-reduce begun after its peers' pairs failed once did in CI), until
+    the recovery ends it; once (it deletes the file)."""
+
+    rank_of, marker = 0, ""
+
+    def _step(self, step, before_update=None):
+        if self.rank == type(self).rank_of and os.path.exists(type(self).marker):
+            os.remove(type(self).marker)
+            time.sleep(3600)
+        return super()._step(step, before_update)
+
+
 class LeavesItsSocketsOpen(DiesInItsStep):
     """DiesInItsStep, but first it hands its process groups' sockets to the process listening at the Unix socket
     `marker`.sock (the test's ``fault_plans.SocketHolder``), which holds them open: as a host that froze or left

@@ -86,6 +86,24 @@ def test_no_capacity_shrinks_an_elastic_job_and_it_grows_back(tmp_path):
     assert [len(a) for a in cluster.asked] == [4, 0]  # the autoscaler asked for TP=2 x DP=2, then not
 
 
+def test_a_shrink_keeps_the_replica_of_a_survivor_ended_as_blocked_for_good(tmp_path):
+    """Replica 1's node goes and rank 0 stays blocked in the failed step (ended as blocked for good): its
+    replacement comes up in its own bundle, so replica 0 is kept, rank 0 taking its state anew (from the snapshot:
+    no live rank holds its TP shard); every step's record once, the end as the unbroken run's."""
+    cluster = FakeCluster(slots=4)
+    cluster.kill_at(5, 2, 3, slots=2)
+    cluster.blocked = {0}
+    fake_driver(cluster, fake_job(2, 2, min_dp=1), tmp_path).run_to_end()
+    assert x_saved(tmp_path) == expected_x(STEPS)
+    (resized,) = events(tmp_path, "resized")
+    assert (resized["old"]["dp"], resized["new"]["dp"]) == (2, 1)
+    assert sorted((e["rank"], e["cause"]) for e in events(tmp_path, "failure")) == [(0, "stuck"), (2, "died"),
+                                                                                   (3, "died")]
+    (rec,) = events(tmp_path, "recovered")
+    assert rec["source"].startswith("shrink to DP=1"), rec
+    assert metric_steps(tmp_path) == list(range(STEPS))
+
+
 def test_no_capacity_and_not_elastic_fails_with_a_checkpoint_of_the_newest_snapshot(tmp_path):
     cluster = FakeCluster(slots=2)
     cluster.kill_at(5, 1, slots=2)

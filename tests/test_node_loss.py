@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import ray
 from elastic_runs import shrink_and_grow_back
-from faulty import HOLD_S, WaitsForMoved, WaitsForReplicas, WaitsForRoom, WaitsForSnapshotCopy
+from faulty import HOLD_S, BlockedForGood, WaitsForMoved, WaitsForReplicas, WaitsForRoom, WaitsForSnapshotCopy
 from helpers import (NEVER_S, assert_bitwise_equal, events, final_state, gpu_cluster, gpu_nodes, job, losses,
                      one_device_losses, parallel, ray_actors, recovery_job, run, wait_for)
 from reference_runs import unbroken_run
@@ -94,11 +94,20 @@ def test_a_replica_beside_its_twin_moves_to_a_node_that_joins(cluster, recovery_
 def test_elastic_job_shrinks_without_capacity_and_grows_back(cluster, tmp_path):
     """Two GPU nodes, both used by TP=1 x CP=2 x DP=2 (each replica a CP pair on one node): lose one with no
     spare -> DP 2 -> 1; add a node -> DP 2; a few steps at DP 2 later the job is stopped as `raytp stop` stops
-    it (`steps` only keeps it alive until then). (Dense shrinks at cp 1: the drained and zero 1 cases below.)"""
+    it (`steps` only keeps it alive until then). As the node goes, rank 0 (on the other) stays in its step, idle,
+    past the abort: ended as blocked for good, it is replaced in its own bundle and its replica kept. (Dense
+    shrinks at cp 1: the drained and zero 1 cases below.)"""
+    marker = tmp_path / "block"
+    BlockedForGood.rank_of, BlockedForGood.marker = 0, str(marker)
     cfg = parallel(job(1, 2, steps=400, gpus_per_worker=1.0, recovery={"replace_timeout_s": 3.0}), cp=2, min_dp=1)
-    resized, metrics = shrink_and_grow_back(cluster, gpu_nodes(cluster, 2), cfg, tmp_path / "run", "elastic", 2)
+    resized, metrics = shrink_and_grow_back(cluster, gpu_nodes(cluster, 2), cfg, tmp_path / "run", "elastic", 2,
+                                            worker_cls=BlockedForGood, as_it_goes=marker.touch)
     assert [(e["old"]["dp"], e["new"]["dp"]) for e in resized] == [(2, 1), (1, 2)]
     assert {m["dp"] for m in metrics} == {1, 2}
+    (blocked,) = events(tmp_path / "run", "still_blocked")
+    assert blocked["ended"] == [0], blocked
+    causes = sorted((e["rank"], e["cause"]) for e in events(tmp_path / "run", "failure"))
+    assert causes == [(0, "stuck"), (2, "died"), (3, "died")], causes
     assert sorted(ray_actors("raytp.elastic.rank")) == []  # released at the end
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 from ray.util.placement_group import placement_group_table
 
-from helpers import gpu_cluster, job, ray_actors
+from helpers import SMALL_MOE, gpu_cluster, job, parallel, ray_actors
 from raytp.runtime.driver.driver import Driver
 from raytp.runtime.cluster.placement import PlacementError
 
@@ -74,3 +74,31 @@ def test_prepare_spreads_over_the_nodes_and_writes_what_one_process_writes(two_g
                   shard_tokens=500)
     for f in sorted((tmp_path / "local").glob("shard-*")):
         assert f.read_bytes() == (tmp_path / "cluster" / f.name).read_bytes(), f.name
+
+
+def test_twins_misplaced_on_two_full_nodes_are_spread_again(two_gpu_nodes):
+    """DP=4 x EP=2 on two 2-GPU nodes, as Ray once placed it: replicas 0 and 2 (experts 0-1) on one node, 1 and 3
+    (experts 2-3) on the other, either node's loss taking an expert's every copy. Neither node has room for a
+    group to move into until another leaves: the misplaced two are let go and asked for again together, and
+    each node ends with one copy of each expert."""
+    from ray.util.placement_group import remove_placement_group
+
+    from raytp.runtime.cluster.placement import _group, respread
+    from raytp.runtime.spread import copy_key
+    _, nodes = two_gpu_nodes
+    a, b = (n.node_id for n in nodes)
+    cfg = parallel(job(1, 4, gpus_per_worker=1.0, model=SMALL_MOE), ep=2)
+    landed, aims = {0: a, 2: a, 1: b, 3: b}, {0: a, 1: a, 2: b, 3: b}
+    pgs = {d: _group(cfg, "twins", 1, d, 0, landed[d]) for d in range(4)}
+    try:
+        for pg in pgs.values():
+            pg.wait(60)
+        where = {d: next(iter(placement_group_table(pg)["bundles_to_node_id"].values())) for d, pg in pgs.items()}
+        assert where == landed, "the test's misplacement did not take"
+        pgs = respread(cfg, "twins", 1, pgs, {pg.id.hex(): aims[d] for d, pg in pgs.items()})
+        where = {d: next(iter(placement_group_table(pg)["bundles_to_node_id"].values())) for d, pg in pgs.items()}
+        by_node = {n: sorted(copy_key(cfg.layout, d, 0) for d in where if where[d] == n) for n in (a, b)}
+        assert by_node[a] == by_node[b] and len(set(by_node[a])) == 2, (where, by_node)
+    finally:
+        for pg in pgs.values():
+            remove_placement_group(pg)

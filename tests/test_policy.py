@@ -49,6 +49,16 @@ def test_shrink_keeps_whole_replicas_that_divide_the_batch():
     assert policy.shrink_decision(lay, [2], {**completed, 4: 6}, min_dp=1, batch_size=8) is None  # disagree
 
 
+def test_a_shrink_keeps_a_replica_whose_lost_ranks_were_replaced_in_their_own_bundles():
+    """A rank ended as blocked for good on a live node is replaced in its bundle though the lost node's ranks are
+    not: its replica is kept, its new process taking its state anew; not one whose ranks are all new."""
+    lay = Layout(2, dp=2)  # replicas (0, 1) and (2, 3): node B's replica lost, rank 0 ended and replaced
+    s = policy.shrink_decision(lay, [2, 3], {1: 7}, min_dp=1, batch_size=8, replaced={0})
+    assert s == policy.Shrink(new_dp=1, keep=(0,), step=7)
+    assert policy.shrink_decision(lay, [2, 3], {1: 7}, min_dp=1, batch_size=8) is None  # rank 0 not up
+    assert policy.shrink_decision(lay, [2, 3], {}, min_dp=1, batch_size=8, replaced={0, 1}) is None  # no state
+
+
 def test_spares_go_to_the_lost_ranks_peers_node_and_a_lost_group_stays_on_one_node():
     nodes = ["A", "A", "B", "B"]
     ready = [("s0", "C"), ("s1", "B"), ("s2", "A")]

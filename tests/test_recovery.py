@@ -46,29 +46,34 @@ def test_a_rank_gone_with_its_sockets_left_open_is_healed_without_waiting_out_th
 
 
 @pytest.mark.slow
-def test_a_rank_no_abort_gets_out_is_recorded_where_it_was_and_the_run_heals(reference, tmp_path):
+def test_a_rank_no_abort_gets_out_is_recorded_where_it_was_ended_and_replaced(reference, tmp_path):
     """TP=1 x DP=2: rank 1 leaves in its step's last collective with its sockets held open, and no abort gets rank
-    0 out: rank 0 waits out runtime.collective_timeout_s (15 s here), and the recovery records where its threads
-    were health.STACKS_AFTER_S after the abort (`still_blocked`): its step thread in that collective. The run
-    still ends as the unbroken one."""
+    0 out. STACKS_AFTER_S after the abort the recovery records where rank 0's threads were (`still_blocked`: its
+    step thread in that collective) and that its process was idle since: blocked for good, it is ended and
+    replaced as a lost rank, not waited out for runtime.collective_timeout_s (120 s, the default). With no live
+    holder left, the state comes from the snapshot; the run ends as the unbroken one."""
     import faulty
-    from raytp.runtime.cluster.health import ABORT_AFTER_S, STACKS_AFTER_S
+    from raytp.runtime.cluster.leaving import ABORT_AFTER_S, IDLE_CPU_SHARE, STACKS_AFTER_S
     marker = str(tmp_path / "left")
     faulty.AbortsNothing.at, faulty.AbortsNothing.marker = {1: 6}, marker
     run_dir = tmp_path / "run"
     with faulty.SocketHolder(f"{marker}.sock") as holder:
-        run(recovery_job(1, 2, step_timeout_s=NEVER_S, collective_timeout_s=15.0), run_dir, "noabort",
+        run(recovery_job(1, 2, step_timeout_s=NEVER_S, collective_timeout_s=120.0), run_dir, "noabort",
             worker_cls=faulty.AbortsNothing)
         assert holder.fds, "rank 1 handed over no socket"
     assert_bitwise_equal(final_state(run_dir), reference(1, 2))
+    assert [m["step"] for m in map(json.loads, open(run_dir / "metrics.jsonl"))] == list(range(STEPS))
     (ev,) = events(run_dir, "still_blocked")
     assert ev["ranks"] == [0] and ev["after_s"] == ABORT_AFTER_S + STACKS_AFTER_S, ev
+    assert ev["ended"] == [0] and ev["cpu_share"]["0"] < IDLE_CPU_SHARE, ev
     step_thread = ev["stacks"]["0"]["raytp-rank0-steps"]
     assert "all_gather" in step_thread and "_step" in step_thread, step_thread
+    assert sorted((e["rank"], e["cause"]) for e in events(run_dir, "failure")) == [(0, "stuck"), (1, "died")]
     out = (tmp_path / "noabort.out").read_text()
-    assert "the `still_blocked` event" in out and "(sockets shut: rank 0: 0)" in out, out[-2000:]
+    assert "[0] ended and replaced as lost ranks (blocked for good)" in out and "(sockets shut: rank 0: 0)" in out, \
+        out[-2000:]
     (rec,) = events(run_dir, "recovered")
-    assert rec["source"] == "replica" and rec["lost_steps"] == 0, rec
+    assert rec["source"] == "snapshot" and rec["seconds"] < 60, rec  # not the 120 s collective timeout
 
 
 @pytest.mark.slow

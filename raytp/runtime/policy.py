@@ -76,16 +76,17 @@ class Shrink:
 
 
 def shrink_decision(layout: Layout, lost: Sequence[int], completed: Mapping[int, int], min_dp: int | None,
-                    batch_size: int) -> Shrink | None:
-    """Elastic shrink when lost ranks cannot be replaced: keep whole replicas (keep_replicas); None if the job
-    is not elastic (min_dp None), too few replicas are whole, or they disagree on the step."""
+                    batch_size: int, replaced: Collection[int] = ()) -> Shrink | None:
+    """Elastic shrink when lost ranks cannot be replaced: keep whole replicas (keep_replicas): each rank's state
+    whole (`completed`: {rank: its step}) or its process new (`replaced`: up, to take its state anew); None if the
+    job is not elastic (min_dp None), too few replicas are whole, or they disagree on the step (or hold none)."""
     if min_dp is None:
         return None
     broken = {layout.coords(r).dp for r in lost}
     whole = [q for q in range(layout.dp) if q not in broken]
-    if any(r not in completed for q in whole for r in layout.replica(q)):
+    if any(r not in completed and r not in replaced for q in whole for r in layout.replica(q)):
         return None
-    steps = {completed[r] for q in whole for r in layout.replica(q)}
+    steps = {completed[r] for q in whole for r in layout.replica(q) if r in completed}
     keep = keep_replicas(layout, whole, min_dp, batch_size)
     if keep is None or len(steps) != 1:
         return None

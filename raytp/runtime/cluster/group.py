@@ -31,7 +31,7 @@ from typing import Iterable, Mapping
 import ray
 
 from raytp.parallel.layout import Layout
-from raytp.runtime.cluster import health, placement as placements, relay
+from raytp.runtime.cluster import health, leaving, placement as placements, relay
 from raytp.runtime.cluster.streaming import StepStream, direct_ranks
 from raytp.runtime.cluster.group_state import StateCalls
 from raytp.runtime.cluster.launch import Launcher, actor_id
@@ -135,6 +135,12 @@ class WorkerGroup:
         keys = {**self.bundles, **(bundles or {})}
         return dataclasses.replace(self, cfg=cfg, pgs=dict(pgs), workers=tuple(workers),
                                    bundles=self._keep(keys, workers), placement=())
+
+    def assume(self, ranks: Iterable[int]) -> None:
+        """The new processes of `ranks`, started for the job as it was (a shrink renumbered it), take their rank of
+        this group's job."""
+        ray.get([self.workers[r].assume.remote(r, self.cfg.to_dict()) for r in ranks],
+                timeout=self.cfg.recovery.ping_timeout_s)
 
     def _with(self, **changes) -> "WorkerGroup":
         return dataclasses.replace(self, **changes)
@@ -254,10 +260,11 @@ class WorkerGroup:
         heartbeat found hung already (their pings are not waited for again)."""
         return health.find_lost(self.workers, self.cfg.recovery.ping_timeout_s, suspects, self.placement)
 
-    def wait_out(self, survivors: list[int]) -> health.WaitedOut:
-        """Wait until no survivor is inside a step (those not out within runtime.collective_timeout_s are killed:
-        they count as lost), then have them leave their process groups (health.wait_out)."""
-        return health.wait_out(self.workers, survivors, self.cfg.recovery.ping_timeout_s,
+    def wait_out(self, survivors: list[int]) -> leaving.WaitedOut:
+        """Wait until no survivor is inside a step (those blocked for good, or not out within
+        runtime.collective_timeout_s, are killed: they count as lost), then have them leave their process groups
+        (leaving.wait_out)."""
+        return leaving.wait_out(self.workers, survivors, self.cfg.recovery.ping_timeout_s,
                                self.cfg.runtime.collective_timeout_s, self.kill)
 
     def kept_records(self, completed: dict[int, int], start: int) -> dict[int, tuple[int, dict]]:
@@ -281,11 +288,15 @@ class WorkerGroup:
 
     def ready(self, ranks: Iterable[int], timeout_s: float) -> bool:
         """Whether the actors of `ranks` are up (placed, __init__ done) within `timeout_s`."""
-        try:
-            ray.get([self.workers[r].ping.remote() for r in ranks], timeout=timeout_s)
-            return True
-        except ray.exceptions.GetTimeoutError:
-            return False
+        ranks = set(ranks)
+        return self.up(ranks, timeout_s) == ranks
+
+    def up(self, ranks: Iterable[int], timeout_s: float) -> set[int]:
+        """Those of `ranks` whose actors are up within `timeout_s` (one that died raises)."""
+        refs = {self.workers[r].ping.remote(): r for r in ranks}
+        done = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)[0] if refs else []
+        ray.get(done)
+        return {refs[d] for d in done}
 
     # -- ending ----------------------------------------------------------------------------------
     def kill(self, ranks: Iterable[int]) -> None:

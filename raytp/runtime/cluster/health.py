@@ -22,25 +22,18 @@ rank alone has no one to be compared with: only the deadline finds it hung. A ra
 (``Heartbeat.excused``): torch's profiler holds the GIL while it starts, stops and writes its trace (seconds for a
 big trace or on a loaded machine), and a silent rank then was killed as hung, its trace lost. A ping answered
 by the rank's death raises it: a rank whose sockets outlive it (its host frozen or gone) fails no peer's
-collective, and the call would wait for their timeout (``wait_out`` then aborts the peers' collectives).
+collective, and the call would wait for their timeout (raytp.runtime.cluster.leaving.wait_out then aborts the
+peers' collectives).
 """
 from __future__ import annotations
 
 import time
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 import ray
 from ray.exceptions import RayActorError
 
 from raytp.runtime.errors import StepDeadline
-
-# Seconds survivors may stay inside a failed step before their collectives are aborted (wait_out): far past the
-# milliseconds a lost rank's closed sockets take to get them out, even on a loaded machine.
-ABORT_AFTER_S = 1.0
-# Seconds past the abort after which a survivor still inside its step is asked where its threads are (wait_out):
-# an abort gets a rank out in milliseconds, and one that did not is a fault of its own to find.
-STACKS_AFTER_S = 5.0
-
 
 def find_lost(workers: list, ping_timeout_s: float, suspects=(), placement=()) -> dict[int, str]:
     """{rank: "died" | "hung"} of the workers that no longer serve; hung ones are killed (``end_hung``, with
@@ -118,55 +111,6 @@ def end_hung(workers: list, hung: list[int], alive: list[int], placement, timeou
     for r in hung:
         ray.kill(workers[r], no_restart=True)
     return exited
-
-
-class WaitedOut(NamedTuple):
-    """What wait_out found."""
-    completed: dict[int, int]  # {rank: completed steps} of the survivors whose state is that step's
-    stuck: list[int]           # ranks not out within collective_timeout_s, killed: they count as lost
-    torn: dict[int, int]       # {rank: completed steps} of those a step failed mid-update (zero 1's gather of
-                               # the new weights): they keep their process, and take their state as a lost rank does
-    aborted: dict              # {rank: sockets its abort shut} of those whose collectives were aborted to get them out
-    stacks: dict = {}          # {rank: {thread: stack}} of those still inside their step STACKS_AFTER_S after it
-
-
-def wait_out(workers: list, survivors: list[int], ping_timeout_s: float, collective_timeout_s: float,
-             kill) -> WaitedOut:
-    """Wait until no survivor is inside a step, then have them leave their process groups (`kill(ranks)`
-    ends those stuck).
-
-    A lost rank's closed sockets get its peers out in milliseconds. Survivors still inside a step ABORT_AFTER_S
-    later wait on a peer whose sockets stay open (its host frozen or gone, its process outliving its node's
-    Ray): their collectives are aborted (``Worker.abort_collectives``), not waited out for collective_timeout_s."""
-    start = time.monotonic()
-    deadline, abort_at = start + collective_timeout_s, start + ABORT_AFTER_S
-    completed: dict[int, int] = {}
-    pending, stuck, aborted, stacks, stacks_at = list(survivors), [], {}, {}, None
-    while pending:
-        statuses = ray.get([workers[r].status.remote() for r in pending], timeout=ping_timeout_s)
-        for r, st in zip(list(pending), statuses):
-            if not st["running"]:
-                completed[r] = st["completed"]
-                pending.remove(r)
-        if pending and abort_at is not None and time.monotonic() > abort_at:
-            shut = ray.get([workers[r].abort_collectives.remote() for r in pending], timeout=ping_timeout_s)
-            abort_at, aborted, stacks_at = None, dict(zip(pending, shut)), time.monotonic() + STACKS_AFTER_S
-        if pending and stacks_at is not None and time.monotonic() > stacks_at:
-            stacks = dict(zip(pending, ray.get([workers[r].thread_stacks.remote() for r in pending],
-                                               timeout=ping_timeout_s)))
-            stacks_at = None
-        if pending and time.monotonic() > deadline:
-            kill(pending)
-            stuck = list(pending)
-            break
-        if pending:
-            time.sleep(0.02)
-    # Waited for: a worker is threaded, so a leave still queued could run after the rejoin that follows.
-    ray.get([workers[r].leave_groups.remote() for r in completed], timeout=collective_timeout_s)
-    # Read after the leave: it drops a gather of new weights still in flight, which tears the state.
-    torn = {r: completed[r] for r, st in zip(completed, ray.get([workers[r].status.remote() for r in completed],
-                                                                timeout=ping_timeout_s)) if st["torn"]}
-    return WaitedOut({r: c for r, c in completed.items() if r not in torn}, stuck, torn, aborted, stacks)
 
 
 def kept_records(workers: list, completed: dict[int, int], start: int, ping_timeout_s: float

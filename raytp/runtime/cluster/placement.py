@@ -102,7 +102,11 @@ RESPREAD_TRIES, RESPREAD_WAIT_S = 4, 1.0  # a target with room takes a group in 
 def respread(cfg: JobConfig, run: str, tp: int, pgs: dict, aimed: dict) -> dict:
     """`pgs` (placed) with each group that sits off its target beside a copy of its own stage
     (raytp.runtime.spread.off_their_twins) placed again at its target where that node has room now: a new group is asked
-    for there, kept if it lands there (the old one goes), dropped otherwise. A few tries, a moment apart."""
+    for there, kept if it lands there (the old one goes), dropped otherwise. A few tries, a moment apart; from the
+    second on, the misplaced groups are let go first and asked for again together: two full nodes each holding both
+    copies of one stage (seen: an EP=2 job's twins 1 and 3 on one node, 0 and 2 on the other) have no room for a
+    group until another leaves (placed before anything runs in them; one not placed again within
+    runtime.placement_timeout_s fails the placement as a shortfall does)."""
     pgs = dict(pgs)
     for attempt in range(RESPREAD_TRIES):
         table = ray.util.placement_group_table()
@@ -115,17 +119,24 @@ def respread(cfg: JobConfig, run: str, tp: int, pgs: dict, aimed: dict) -> dict:
             break
         if attempt:
             time.sleep(1.0)  # a node releasing another run's groups frees them in a moment
-        for i in off:
+            release([where[i][2] for i in off])
+        news = {i: _group(cfg, run, tp, where[i][0], where[i][1], landed[i][2]) for i in off}
+        refs = {i: g.ready() for i, g in news.items()}
+        wait_s = cfg.runtime.placement_timeout_s if attempt else RESPREAD_WAIT_S
+        ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=wait_s)[0])
+        if attempt and len(ready) < len(refs):
+            release([*pgs.values(), *news.values()])  # the old ones of `off` are gone already: skipped
+            raise PlacementError(f"could not place the workers again within {wait_s:g}s, spreading copies over nodes")
+        table = ray.util.placement_group_table()
+        for i, new in news.items():
             d, s, old = where[i]
-            target = landed[i][2]
-            new = _group(cfg, run, tp, d, s, target)
-            got = ray.wait([new.ready()], timeout=RESPREAD_WAIT_S)[0]
-            node = ray.util.placement_group_table().get(new.id.hex(), {}).get("bundles_to_node_id", {})
-            if got and target in node.values():
-                aimed[new.id.hex()] = target
+            node = table.get(new.id.hex(), {}).get("bundles_to_node_id", {})
+            if refs[i] in ready and (attempt or landed[i][2] in node.values()):
+                aimed[new.id.hex()] = landed[i][2]
                 pgs[d] = new if not isinstance(pgs[d], Slots) else Slots(tuple(
                     (new if g is old else g, start, n) for g, start, n in pgs[d].parts))
-                release([old])
+                if not attempt:
+                    release([old])
             else:
                 release([new])
     return pgs

@@ -55,10 +55,14 @@ from raytp.moves.owners import Owners
 from raytp.runtime import policy
 from raytp.runtime.errors import FAILURES, JobError, JoinStuck, RecoveryFailed
 from raytp.runtime.records import Healing, Resizing
-from raytp.runtime.cluster.health import ABORT_AFTER_S, STACKS_AFTER_S
+from raytp.runtime.cluster.leaving import ABORT_AFTER_S, STACKS_AFTER_S
 from raytp.runtime.cluster.slots import unused_groups
 from raytp.runtime.state import moving
 from raytp.files.checkpoint import CheckpointError
+
+# Seconds a lost rank's replacement in its own bundle on a live node (placed at once: only its process starts) is
+# waited for when other lost ranks cannot be placed (a shrink may keep its replica), at least.
+REPLACED_UP_S = 60.0
 
 if TYPE_CHECKING:  # the run's parts a recovery reads and asks (none imports this module)
     from raytp.runtime.recovery.spares import Spares
@@ -129,17 +133,21 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0:
     if not lost:  # every worker is alive: not a lost worker but an error of the job itself
         cause = getattr(error, "cause", None) or error  # a RayTaskError carries the worker's exception
         raise JobError(f"a step failed with every worker alive: {type(cause).__name__}: {cause}") from error
-    completed, stuck, torn, aborted, stacks = group.wait_out([r for r in range(lay.world_size) if r not in lost])
-    lost.update({r: "stuck" for r in stuck})
+    out = group.wait_out([r for r in range(lay.world_size) if r not in lost])
+    completed, torn, aborted = out.completed, out.torn, out.aborted
+    lost.update({r: "stuck" for r in out.stuck})
     if aborted:  # their peers' sockets stayed open (raytp.parallel.group_sockets)
         ctx.say(f"rank(s) {sorted(aborted)} were still blocked on the lost ones after {ABORT_AFTER_S:g}s (their "
                 f"sockets stay open: a node gone or frozen); their collectives were aborted (sockets shut: "
                 f"{', '.join(f'rank {r}: {n}' for r, n in sorted(aborted.items()))})")
-    if stacks:  # the abort did not get them out: where they were, for the record (events.jsonl `still_blocked`)
-        ctx.log.event("still_blocked", ranks=sorted(stacks), after_s=ABORT_AFTER_S + STACKS_AFTER_S,
-                      stacks={str(r): s for r, s in stacks.items()})
-        ctx.say(f"rank(s) {sorted(stacks)} were still inside their step {STACKS_AFTER_S:g}s after the abort; "
-                f"where their threads were: the `still_blocked` event")
+    if out.stacks:  # the abort did not get them out: where they were, for the record (events.jsonl `still_blocked`)
+        ctx.log.event("still_blocked", ranks=sorted(out.stacks), after_s=ABORT_AFTER_S + STACKS_AFTER_S,
+                      stacks={str(r): st for r, st in out.stacks.items()}, ended=list(out.ended),
+                      cpu_share={str(r): round(c, 4) for r, c in out.cpu.items()})
+        ended = (f"; idle since, {sorted(out.ended)} ended and replaced as lost ranks (blocked for good)"
+                 if out.ended else "")
+        ctx.say(f"rank(s) {sorted(out.stacks)} were still inside their step {STACKS_AFTER_S:g}s after the abort"
+                f"{ended}; where their threads were: the `still_blocked` event")
     if torn:  # their state is neither step's (raytp.train.step.finish_step): it comes from the source too
         ctx.say(f"rank(s) {sorted(torn)} failed mid-update; they take their state anew")
     kept = group.kept_records({r: c for r, c in completed.items() if r not in lost}, step)
@@ -170,12 +178,18 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0:
     if not group.ready(lost, cfg.recovery.replace_timeout_s):
         why = (f"no capacity to replace rank(s) {sorted(lost)} within "
                f"recovery.replace_timeout_s={cfg.recovery.replace_timeout_s:g}s")
-        # Under zero 1 a torn rank's replica may be kept: it takes its state anew, with the lost ranks' rows.
+        # Under zero 1 a torn rank's replica may be kept: it takes its state anew, with the lost ranks' rows. So may
+        # a replica whose lost ranks' own nodes live (one ended as blocked for good): their replacements come up in
+        # their bundles, and take their state anew.
         whole = {**completed, **torn} if lay.sharded_optimizer else completed
-        shrink = policy.shrink_decision(lay, list(lost), whole, cfg.parallel.min_dp, cfg.train.batch_size)
+        live = set(group.placer.alive_nodes())
+        up = group.up([r for r in lost if group.placement[r].get("node_id") in live] if group.placement else [],
+                      max(cfg.recovery.replace_timeout_s, REPLACED_UP_S))
+        shrink = policy.shrink_decision(lay, [r for r in lost if r not in up], whole, cfg.parallel.min_dp,
+                                        cfg.train.batch_size, replaced=up)
         if shrink is None:
             give_up(ctx, group, why)
-        return _shrink(ctx, attempt, shrink, lost, completed, t0, _unread(kept, step))
+        return _shrink(ctx, attempt, shrink, lost, completed, t0, _unread(kept, step), up)
     try:
         group = attempt.group = group.join(setup=lost, started=lost)  # up: group.ready answered
     except FAILURES as e:
@@ -250,12 +264,13 @@ def _copies(ctx: RecoveryContext, layout) -> list[tuple[str, int, Callable[[], d
 
 
 def _shrink(ctx: RecoveryContext, attempt: _Attempt, shrink: policy.Shrink, lost: dict, whole: dict, t0: float,
-            unread: tuple) -> Recovered:
+            unread: tuple, replaced: set[int]) -> Recovered:
     """Go on with the whole replicas, renumbered in order; the others' workers and groups go. Under zero 1 the
     AdamW rows are cut again for the new DP degree: the kept ranks keep theirs, and the lost ranks' come from
     the snapshot of their step (or its copy), else everyone rolls back to the newest (restore); the job
     replays from there. `whole`: {rank: completed} of the ranks whose state is whole; `unread`: the
-    survivors' records the driver has not read (those of steps before the one it goes on from are kept)."""
+    survivors' records the driver has not read (those of steps before the one it goes on from are kept);
+    `replaced`: lost ranks whose replacements are up (in a kept replica they take their state anew)."""
     group = attempt.group
     lay = group.layout
     group.kill(r for q in range(lay.dp) if q not in shrink.keep for r in lay.replica(q))
@@ -266,7 +281,10 @@ def _shrink(ctx: RecoveryContext, attempt: _Attempt, shrink: policy.Shrink, lost
     process_of = {j: o for i, q in enumerate(shrink.keep) for j, o in zip(new.replica(i), lay.replica(q))}
     workers = [group.workers[process_of[j]] for j in range(new.world_size)]
     pgs = {i: group.pgs[q] for i, q in enumerate(shrink.keep)}
-    nxt = attempt.group = group.successor(new_cfg, pgs, workers).join()
+    fresh = [j for j, o in process_of.items() if o in replaced]  # replacements up in a kept replica: no shard yet
+    nxt = group.successor(new_cfg, pgs, workers)
+    nxt.assume(fresh)
+    nxt = attempt.group = nxt.join(setup=fresh, started=fresh)
     alive = {o: whole[o] for o in process_of.values() if o in whole}
     step, source = restore(ctx, group, nxt, process_of, alive, [j for j, o in process_of.items() if o not in alive])
     source = "" if source == "replica" else f" from the {source}" if "snapshot" in source else f" from {source}"

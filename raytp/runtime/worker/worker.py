@@ -204,7 +204,7 @@ class Worker:
         return self.groups.abort() if self.groups is not None else 0
 
     def thread_stacks(self) -> dict[str, str]:
-        return process.thread_stacks()  # asked of a rank still inside a failed step after its abort (health.wait_out)
+        return process.thread_stacks()  # asked of a rank still inside a failed step after its abort (leaving.wait_out)
 
     def end_process(self, pid: int, up: float | None = None) -> bool:
         return identity.end_process(pid, up)  # a hung rank beside this one (raytp.runtime.cluster.health)
@@ -214,9 +214,10 @@ class Worker:
 
     def status(self) -> dict:
         """Answered even while a step runs (threaded actor): completed steps, whether a call runs (or one
-        queued behind it is about to, or it joins), whether the state is torn (a step failed mid-update)."""
+        queued behind it is about to, or it joins), whether the state is torn (a step failed mid-update), and the
+        CPU seconds its process has used (raytp.runtime.cluster.leaving: blocked, or computing?)."""
         return {"rank": self.rank, "completed": self.completed, "torn": self.torn,
-                "running": self.steps.calls.busy() or self.joining is not None}
+                "running": self.steps.calls.busy() or self.joining is not None, "cpu_s": time.process_time()}
 
     def leave_groups(self) -> None:
         """Destroy this rank's process groups and drop every reference to them, so that their
