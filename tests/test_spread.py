@@ -60,6 +60,7 @@ def test_node_losses_says_which_nodes_a_layout_survives():
     assert spread.survival_line({"a": True}, {}) == "survives the loss of any 1 node without a checkpoint"
     line = spread.survival_line({"a": True}, {"a": "10.0.0.1"}, by_replica={"a": False})
     assert line.startswith("survives the loss of any 1 node without a checkpoint (of node 10.0.0.1 from the snapshots'")
+    assert "once it holds one" in line  # not before: a node lost while its keeper starts takes its shards
 
 
 def test_a_copy_beside_its_twin_moves_to_a_node_with_room():

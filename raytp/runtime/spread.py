@@ -86,7 +86,8 @@ def survival_line(losses: Mapping[str, bool], names: Mapping[str, str],
         copied = [names.get(n, n) for n, ok in (by_replica or {}).items() if not ok]
         if copied:
             return (f"survives the loss of any 1 node without a checkpoint (of node {', '.join(copied)} from "
-                    f"the snapshots' copy on another node: the steps since it are run again)")
+                    f"the snapshots' copy on another node, once it holds one (its `snapshot_copy` event with "
+                    f"`first_step`): the steps since it are run again)")
         return "survives the loss of any 1 node without a checkpoint"
     bad = [names.get(n, n) for n, ok in losses.items() if not ok]
     return f"a loss of node {', '.join(bad)} needs the checkpoint (no copy of its shards on another node)"
