@@ -11,7 +11,9 @@ of a core), it waits on something that will never come, and is ended and replace
 for collective_timeout_s (120 s by default). Seen in CI: a rank whose step began a gloo all-reduce after its peers'
 pairs had failed sat in it, idle, until gloo's timeout, past any abort (docs/findings.md). A survivor still
 computing (a long step of a big model reaching its next collective) uses a core and is waited for, up to
-collective_timeout_s, as before.
+collective_timeout_s, as before. On a GPU the host of a rank inside one long kernel waits idle too: such a rank,
+still in its step 6 s after its collectives were aborted, is replaced (its state from a live holder or the
+snapshot: nothing lost but the time of a process start).
 """
 from __future__ import annotations
 
