@@ -104,6 +104,7 @@ def test_elastic_job_shrinks_without_capacity_and_grows_back(cluster, tmp_path):
                                             worker_cls=BlockedForGood, as_it_goes=marker.touch)
     assert [(e["old"]["dp"], e["new"]["dp"]) for e in resized] == [(2, 1), (1, 2)]
     assert {m["dp"] for m in metrics} == {1, 2}
+    assert resized[0]["bytes"] > 0, resized[0]  # rank 0's state, from its CP twin to its replacement
     (blocked,) = events(tmp_path / "run", "still_blocked")
     assert blocked["ended"] == [0], blocked
     causes = sorted((e["rank"], e["cause"]) for e in events(tmp_path / "run", "failure"))

@@ -202,7 +202,7 @@ def _recover_once(ctx: RecoveryContext, attempt: _Attempt, error, step: int, t0:
         group.kill(lost)
         raise
     everyone = {r: r for r in range(lay.world_size)}
-    restored, source = restore(ctx, group, group, everyone, completed, sorted({*lost, *torn}))
+    restored, source, _ = restore(ctx, group, group, everyone, completed, sorted({*lost, *torn}))
     if source == "snapshot" and not snap_nodes <= set(group.placer.alive_nodes()):
         source = "snapshot copy"  # a part's own node is gone: Ray served the copy kept on another node
     ahead = max(completed.values(), default=restored)
@@ -218,8 +218,9 @@ def _unread(kept: dict, step: int, stop: int | None = None) -> tuple:
 
 
 def restore(ctx: RecoveryContext, old, group, process_of: dict[int, int], completed: dict[int, int],
-            todo: list[int]) -> tuple[int, str]:
-    """Give ranks their state by the state mover's plan (raytp.runtime.state.moving): (step, source). `old`: the
+            todo: list[int]) -> tuple[int, str, int]:
+    """Give ranks their state by the state mover's plan (raytp.runtime.state.moving): (step, source, bytes moved
+    between workers and from the snapshots). `old`: the
     group whose processes served (`completed`: {its rank: completed steps} of those whose state is whole);
     `group`: the group joined now (the same one after a replacement, a shrunk one after a shrink);
     `process_of`: {rank of `group`: rank of `old` whose process it is}; `todo`: ranks of `group` whose state
@@ -236,18 +237,19 @@ def restore(ctx: RecoveryContext, old, group, process_of: dict[int, int], comple
         except Unplannable:
             continue
         try:
-            planned, _ = moving.sources(old.state_calls(), moves, parts and moving.snapshot_parts(old.layout, parts()))
+            planned, moved = moving.sources(old.state_calls(), moves, parts and moving.snapshot_parts(old.layout, parts()))
             moving.take(calls, planned, way.step, also=way.targets)
         except (ObjectLostError, OwnerDiedError, RayTaskError) as e:
             ctx.say(f"{way.source} of step {way.step} unavailable ({type(e).__name__}); trying the next source")
             continue  # a rank that took some of it takes all of it from the next source
-        return way.step, way.source if any(m.source.kind is SourceKind.SNAPSHOT for m in moves) else "replica"
+        snap = any(m.source.kind is SourceKind.SNAPSHOT for m in moves)
+        return way.step, way.source if snap else "replica", moved
     try:
         step, path = ctx.checkpoints.restore(group, warn=ctx.say)
     except CheckpointError as e:
         raise RecoveryFailed(f"no DP replica, snapshot or checkpoint holds the lost state of rank(s) {sorted(todo)}: "
                              f"{e}")
-    return step, f"checkpoint {path}"
+    return step, f"checkpoint {path}", 0  # read from storage: nothing moved between workers
 
 
 def _copies(ctx: RecoveryContext, layout) -> list[tuple[str, int, Callable[[], dict]]]:
@@ -286,9 +288,10 @@ def _shrink(ctx: RecoveryContext, attempt: _Attempt, shrink: policy.Shrink, lost
     nxt.assume(fresh)
     nxt = attempt.group = nxt.join(setup=fresh, started=fresh)
     alive = {o: whole[o] for o in process_of.values() if o in whole}
-    step, source = restore(ctx, group, nxt, process_of, alive, [j for j, o in process_of.items() if o not in alive])
+    todo = [j for j, o in process_of.items() if o not in alive]
+    step, source, moved = restore(ctx, group, nxt, process_of, alive, todo)
     source = "" if source == "replica" else f" from the {source}" if "snapshot" in source else f" from {source}"
-    resizing = Resizing(t0, t0, lay, new, 0, f"lost capacity; kept replicas {list(shrink.keep)} of {lay.dp}")
+    resizing = Resizing(t0, t0, lay, new, moved, f"lost capacity; kept replicas {list(shrink.keep)} of {lay.dp}")
     healing = Healing(t0, max(shrink.step - step, 0), f"shrink to DP={shrink.new_dp}" + source, tuple(sorted(lost)))
     return Recovered(nxt, step, healing, attempt.counted, tuple(x for x in unread if x[1]["step"] < step),
                      resizing=resizing)
