@@ -31,7 +31,8 @@ from typing import Iterable, Mapping
 import ray
 
 from raytp.parallel.layout import Layout
-from raytp.runtime.cluster import health, leaving, placement as placements, relay
+from raytp.runtime.cluster import health, placement as placements, relay
+from raytp.runtime.recovery import leaving
 from raytp.runtime.cluster.streaming import StepStream, direct_ranks
 from raytp.runtime.cluster.group_state import StateCalls
 from raytp.runtime.cluster.launch import Launcher, actor_id
