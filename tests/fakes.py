@@ -18,7 +18,7 @@ from raytp.config.adapters import model_args
 from raytp.moves.planner import SourceKind
 from raytp.runtime.errors import PlacementError
 from raytp.runtime.cluster.group import WorkerGroup
-from raytp.runtime.recovery.leaving import WaitedOut
+from raytp.runtime.leaving import WaitedOut
 
 class FakePG:
     def __init__(self, cluster, n: int):

@@ -1,8 +1,8 @@
-"""Which survivors still inside a failed step after the abort are blocked for good (raytp.runtime.recovery.leaving):
+"""Which survivors still inside a failed step after the abort are blocked for good (raytp.runtime.leaving):
 judged by the CPU their process used since, without Ray."""
 import pytest
 
-from raytp.runtime.recovery.leaving import IDLE_CPU_SHARE, STACKS_AFTER_S, blocked_for_good, cpu_shares
+from raytp.runtime.leaving import IDLE_CPU_SHARE, STACKS_AFTER_S, blocked_for_good, cpu_shares
 
 
 def test_an_idle_process_is_blocked_for_good_and_a_computing_one_is_waited_for():

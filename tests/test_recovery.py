@@ -53,7 +53,7 @@ def test_a_rank_no_abort_gets_out_is_recorded_where_it_was_ended_and_replaced(re
     replaced as a lost rank, not waited out for runtime.collective_timeout_s (120 s, the default). With no live
     holder left, the state comes from the snapshot; the run ends as the unbroken one."""
     import faulty
-    from raytp.runtime.recovery.leaving import ABORT_AFTER_S, IDLE_CPU_SHARE, STACKS_AFTER_S
+    from raytp.runtime.leaving import ABORT_AFTER_S, IDLE_CPU_SHARE, STACKS_AFTER_S
     marker = str(tmp_path / "left")
     faulty.AbortsNothing.at, faulty.AbortsNothing.marker = {1: 6}, marker
     run_dir = tmp_path / "run"

@@ -32,7 +32,7 @@ import ray
 
 from raytp.parallel.layout import Layout
 from raytp.runtime.cluster import health, placement as placements, relay
-from raytp.runtime.recovery import leaving
+from raytp.runtime import leaving
 from raytp.runtime.cluster.streaming import StepStream, direct_ranks
 from raytp.runtime.cluster.group_state import StateCalls
 from raytp.runtime.cluster.launch import Launcher, actor_id

@@ -22,7 +22,7 @@ rank alone has no one to be compared with: only the deadline finds it hung. A ra
 (``Heartbeat.excused``): torch's profiler holds the GIL while it starts, stops and writes its trace (seconds for a
 big trace or on a loaded machine), and a silent rank then was killed as hung, its trace lost. A ping answered
 by the rank's death raises it: a rank whose sockets outlive it (its host frozen or gone) fails no peer's
-collective, and the call would wait for their timeout (raytp.runtime.recovery.leaving.wait_out then aborts the
+collective, and the call would wait for their timeout (raytp.runtime.leaving.wait_out then aborts the
 peers' collectives).
 """
 from __future__ import annotations

@@ -1,2 +1,1 @@
-"""The recovery room: healing lost workers (detect, replace, restore, rewire: recovery.py), getting survivors out of a
-failed step (leaving.py) and warm spares (spares.py)."""
+"""The recovery room: healing lost workers (detect, replace, restore, rewire: recovery.py) and warm spares (spares.py)."""

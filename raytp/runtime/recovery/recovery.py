@@ -55,7 +55,7 @@ from raytp.moves.owners import Owners
 from raytp.runtime import policy
 from raytp.runtime.errors import FAILURES, JobError, JoinStuck, RecoveryFailed
 from raytp.runtime.records import Healing, Resizing
-from raytp.runtime.recovery.leaving import ABORT_AFTER_S, STACKS_AFTER_S
+from raytp.runtime.leaving import ABORT_AFTER_S, STACKS_AFTER_S
 from raytp.runtime.cluster.slots import unused_groups
 from raytp.runtime.state import moving
 from raytp.files.checkpoint import CheckpointError

@@ -215,7 +215,7 @@ class Worker:
     def status(self) -> dict:
         """Answered even while a step runs (threaded actor): completed steps, whether a call runs (or one
         queued behind it is about to, or it joins), whether the state is torn (a step failed mid-update), and the
-        CPU seconds its process has used (raytp.runtime.recovery.leaving: blocked, or computing?)."""
+        CPU seconds its process has used (raytp.runtime.leaving: blocked, or computing?)."""
         return {"rank": self.rank, "completed": self.completed, "torn": self.torn,
                 "running": self.steps.calls.busy() or self.joining is not None, "cpu_s": time.process_time()}
 
